@@ -1,0 +1,240 @@
+"""Hugging Face checkpoint I/O: logits parity with transformers, shards, round trips, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from tests.hf_fixtures import VOCAB_SIZE, make_llama_checkpoint, make_qwen2_checkpoint  # noqa: E402
+from tlt_jax.models import hf  # noqa: E402
+from tlt_jax.models.config import ModelConfig, RopeScaling  # noqa: E402
+from tlt_jax.models.transformer import Transformer, init_model  # noqa: E402
+
+TOLERANCE = 1e-4
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def token_batch(batch: int = 2, length: int = 12, vocab: int = VOCAB_SIZE, seed: int = 0):
+  """Random token ids ``[batch, length]`` as numpy int32."""
+  return np.random.RandomState(seed).randint(0, vocab, (batch, length)).astype(np.int32)
+
+
+def torch_logits(model, ids: np.ndarray) -> np.ndarray:
+  """transformers' logits for ``ids`` as float32 numpy."""
+  with torch.no_grad():
+    return model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+@nnx.jit
+def _jitted_logits(model: Transformer, ids):
+  return model(ids)
+
+
+def our_logits(model: Transformer, ids: np.ndarray) -> np.ndarray:
+  """Our logits for ``ids`` as numpy (jitted: one compile is far cheaper than eager op-by-op)."""
+  return np.asarray(_jitted_logits(model, jnp.asarray(ids)))
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> float:
+  return float(np.max(np.abs(a - b)))
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+  """A tiny Qwen2 checkpoint directory and its torch model."""
+  path = tmp_path_factory.mktemp("qwen2")
+  return path, make_qwen2_checkpoint(path, seed=0)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+  """A tiny untied Llama checkpoint directory and its torch model."""
+  path = tmp_path_factory.mktemp("llama")
+  return path, make_llama_checkpoint(path, seed=1)
+
+
+def copy_checkpoint(source, tmp_path):
+  """A writable copy of a checkpoint directory."""
+  target = tmp_path / "copy"
+  shutil.copytree(source, target)
+  return target
+
+
+def test_qwen2_logits_match_transformers(qwen2_dir):
+  path, torch_model = qwen2_dir
+  model, config = hf.from_pretrained(path)
+  assert config.architecture == "qwen2"
+  assert config.tie_word_embeddings and config.attention_bias
+  assert (config.num_heads, config.num_kv_heads) == (4, 2)
+  assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+  ids = token_batch(batch=3, length=12)
+  reference = torch_logits(torch_model, ids)
+  assert max_diff(our_logits(model, ids), reference) < TOLERANCE
+  assert np.abs(reference).max() > 0.5  # the random weights give non-trivial logits
+
+
+def test_llama_logits_match_transformers(llama_dir):
+  path, torch_model = llama_dir
+  model, config = hf.from_pretrained(path)
+  assert config.architecture == "llama"
+  assert not config.tie_word_embeddings and not config.attention_bias
+  assert config.head_dim == 32 and config.eos_token_ids == (2, 3)
+  ids = token_batch(batch=2, length=10, seed=1)
+  assert max_diff(our_logits(model, ids), torch_logits(torch_model, ids)) < TOLERANCE
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+  torch_model = make_llama_checkpoint(tmp_path, seed=2, rope_scaling=LLAMA3_SCALING)
+  model, config = hf.from_pretrained(tmp_path)
+  assert config.rope_scaling == RopeScaling(
+      rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+      original_max_position_embeddings=16)
+  ids = token_batch(batch=2, length=40, seed=2)
+  reference = torch_logits(torch_model, ids)
+  assert max_diff(our_logits(model, ids), reference) < TOLERANCE
+  # The scaling matters at these lengths: the unscaled model is visibly different.
+  unscaled = init_model(config.replace(rope_scaling=None))
+  nnx.update(unscaled, nnx.state(model))
+  assert max_diff(our_logits(unscaled, ids), reference) > 1e-2
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path, qwen2_dir):
+  path, torch_model = qwen2_dir
+  torch_model.save_pretrained(str(tmp_path), max_shard_size="40KB")
+  assert (tmp_path / hf.WEIGHTS_INDEX_FILE).is_file()
+  assert not (tmp_path / hf.WEIGHTS_FILE).exists()
+  assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+  sharded, sharded_config = hf.from_pretrained(tmp_path)
+  single, single_config = hf.from_pretrained(path)
+  assert sharded_config == single_config
+  ids = token_batch()
+  np.testing.assert_array_equal(our_logits(sharded, ids), our_logits(single, ids))
+
+
+@pytest.mark.parametrize("config", [
+    ModelConfig.tiny(bos_token_id=1, eos_token_id=(2, 3)),
+    ModelConfig.tiny(architecture="llama", attention_bias=False, tie_word_embeddings=False,
+                     head_dim=16, rope_theta=5e5,
+                     rope_scaling=RopeScaling(original_max_position_embeddings=16)),
+    ModelConfig.tiny(architecture="llama", attention_bias=True,
+                     rope_scaling=RopeScaling(rope_type="linear", factor=4.0)),
+], ids=["qwen2_tied", "llama_llama3_untied", "llama_bias_linear"])
+def test_save_pretrained_round_trip(tmp_path, config):
+  model = init_model(config, seed=3)
+  hf.save_pretrained(model, config, tmp_path)
+  torch_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+  assert type(torch_model).__name__ == hf.ARCHITECTURES[config.architecture]
+  ids = token_batch(length=40, vocab=config.vocab_size, seed=3)
+  assert max_diff(our_logits(model, ids), torch_logits(torch_model, ids)) < TOLERANCE
+  reloaded, reloaded_config = hf.from_pretrained(tmp_path)
+  assert reloaded_config == config
+  np.testing.assert_array_equal(our_logits(reloaded, ids), our_logits(model, ids))
+
+
+def test_bf16_checkpoint_and_dtype_override(tmp_path):
+  config = ModelConfig.tiny(dtype="bfloat16")
+  model = init_model(config, seed=4)
+  hf.save_pretrained(model, config, tmp_path)
+  assert load_file(str(tmp_path / hf.WEIGHTS_FILE))["model.norm.weight"].dtype.name == "bfloat16"
+  as_bf16, bf16_config = hf.from_pretrained(tmp_path)
+  assert bf16_config.dtype == "bfloat16"
+  assert as_bf16.embed_tokens.embedding[...].dtype == jnp.bfloat16
+  as_fp32, fp32_config = hf.from_pretrained(tmp_path, dtype="float32")
+  assert fp32_config.dtype == "float32"
+  np.testing.assert_array_equal(np.asarray(as_fp32.embed_tokens.embedding[...]),
+                                np.asarray(model.embed_tokens.embedding[...], np.float32))
+
+
+def test_config_from_hf_reads_legacy_rope_fields():
+  legacy = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "rope_theta": 123.0, "torch_dtype": "bfloat16",
+            "rope_scaling": {"type": "linear", "factor": 2.0}}
+  config = hf.config_from_hf(legacy)
+  assert config.rope_theta == 123.0 and config.num_kv_heads == 2
+  assert config.rope_scaling == RopeScaling(rope_type="linear", factor=2.0)
+  assert config.dtype == "bfloat16"
+  assert hf.config_from_hf(legacy, dtype="float32").dtype == "float32"
+  assert hf.config_from_hf(hf.config_to_hf(config)) == config
+
+
+def test_unknown_architecture_is_rejected():
+  with pytest.raises(ValueError, match=r"MistralForCausalLM.*Qwen2ForCausalLM.*LlamaForCausalLM"):
+    hf.config_from_hf({"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
+
+
+def test_unsupported_rope_type_is_rejected():
+  with pytest.raises(ValueError, match="yarn"):
+    hf.config_from_hf({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+                       "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_missing_config_json(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    hf.from_pretrained(tmp_path)
+
+
+def test_missing_tensor_is_named(tmp_path, llama_dir):
+  path = copy_checkpoint(llama_dir[0], tmp_path)
+  tensors = load_file(str(path / hf.WEIGHTS_FILE))
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  save_file(tensors, str(path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+    hf.from_pretrained(path)
+
+
+def test_shape_mismatch_names_tensor_and_shapes(tmp_path, llama_dir):
+  path = copy_checkpoint(llama_dir[0], tmp_path)
+  tensors = load_file(str(path / hf.WEIGHTS_FILE))
+  tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((32, 64), np.float32)
+  save_file(tensors, str(path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*"
+                                       r"shape \(32, 64\), expected \(64, 64\)"):
+    hf.from_pretrained(path)
+
+
+def test_missing_shard_file_is_named(tmp_path, qwen2_dir):
+  qwen2_dir[1].save_pretrained(str(tmp_path), max_shard_size="40KB")
+  index = json.loads((tmp_path / hf.WEIGHTS_INDEX_FILE).read_text())
+  shard = index["weight_map"]["model.norm.weight"]
+  (tmp_path / shard).unlink()
+  with pytest.raises(FileNotFoundError, match=shard):
+    hf.from_pretrained(tmp_path)
+
+
+def test_extra_tensors(tmp_path, qwen2_dir):
+  path = copy_checkpoint(qwen2_dir[0], tmp_path)
+  tensors = load_file(str(path / hf.WEIGHTS_FILE))
+  tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones((8,), np.float32)
+  tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # harmless when tied
+  save_file(tensors, str(path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
+  hf.from_pretrained(path)
+  tensors["model.layers.7.mlp.up_proj.weight"] = np.ones((2, 2), np.float32)
+  save_file(tensors, str(path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.7\.mlp\.up_proj"):
+    hf.from_pretrained(path)
+  hf.from_pretrained(path, strict=False)
+
+
+def test_every_param_comes_from_the_checkpoint(qwen2_dir):
+  path, torch_model = qwen2_dir
+  model, config = hf.from_pretrained(path)
+  torch_params = {name: p.detach().numpy() for name, p in torch_model.named_parameters()}
+  ours = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  names = hf.hf_tensor_names(config)
+  assert set(ours) == set(names)
+  for param_path, (hf_name, transposed) in names.items():
+    value = np.asarray(ours[param_path][...])
+    np.testing.assert_array_equal(value.T if transposed else value, torch_params[hf_name])

@@ -1,0 +1,159 @@
+"""Behaviour of the vanilla rollout engine: buckets, compaction, sampling, compiles, errors."""
+
+import jax
+import numpy as np
+import pytest
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+from tests.helpers import sharp_random_model
+
+STOPS = (3, 4, 5, 6)  # frequent enough that rows of a random model stop at very different times
+
+
+@pytest.fixture(scope="module")
+def model():
+  return sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=1)
+
+
+def make_engine(model, **kw):
+  cfg = dict(max_batch=4, max_prompt_len=16, max_new_tokens=48, prefill_buckets=(8, 16))
+  cfg.update(kw)
+  return RolloutEngine(model, config=EngineConfig(**cfg))
+
+
+def prompts_of(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(7, 32, n).tolist() for n in lengths]
+
+
+def full_logprobs(model, prompt, completion):
+  """Log-probs of ``completion`` given ``prompt`` from one uncached forward pass."""
+  ids = np.array([prompt + completion])
+  logits = np.asarray(model(ids))[0, len(prompt) - 1:-1]
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  return logp[np.arange(len(completion)), completion]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bucketed_decode_equals_static_batch(model, temperature):
+  prompts = prompts_of([3, 9, 14, 5, 7, 2, 11])
+  params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=7, stop_token_ids=STOPS)
+  bucketed = make_engine(model).generate(prompts, params)
+  static = make_engine(model, compaction=False).generate(prompts, params)
+  assert bucketed.tokens == static.tokens
+  for a, b in zip(bucketed.logprobs, static.logprobs):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  lengths = sorted(len(t) for t in bucketed.tokens)
+  assert lengths[0] < lengths[-1], "rows must finish at different times for this test to bite"
+  # Compaction really happened: some segment ran in a bucket smaller than the first one.
+  assert min(b for b, _ in bucketed.stats["segments"]) < max(b for b, _ in bucketed.stats["segments"])
+  assert bucketed.stats["row_steps"] < static.stats["row_steps"]
+
+
+def test_greedy_tokens_and_logprobs_match_uncached_forward(model):
+  prompts = prompts_of([2, 13, 6])
+  result = make_engine(model).generate(
+      prompts, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=()))
+  for prompt, toks, lps in zip(prompts, result.tokens, result.logprobs):
+    assert len(toks) == 12
+    ids = np.array([prompt + toks])
+    logits = np.asarray(model(ids))[0]
+    # each greedy token is the argmax of the full-context logits at the previous position
+    np.testing.assert_array_equal(np.argmax(logits[len(prompt) - 1:-1], -1), toks)
+    np.testing.assert_allclose(lps, full_logprobs(model, prompt, toks), atol=1e-4)
+  assert result.finish_reasons == ["length"] * 3
+
+
+def test_stop_token_included_and_reported(model):
+  prompts = prompts_of([4, 8, 12, 3])
+  result = make_engine(model).generate(
+      prompts, SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, stop_token_ids=STOPS))
+  assert "stop" in result.finish_reasons
+  for toks, reason in zip(result.tokens, result.finish_reasons):
+    if reason == "stop":
+      assert toks[-1] in STOPS and not set(toks[:-1]) & set(STOPS)
+    else:
+      assert len(toks) == 40 and not set(toks) & set(STOPS)
+
+
+def test_row_sample_does_not_depend_on_batch(model):
+  prompts = prompts_of([5, 9, 3, 12, 7, 4])  # 6 prompts -> two chunks with max_batch=4
+  params = SamplingParams(max_new_tokens=20, temperature=0.9, top_k=10, top_p=0.9, seed=11,
+                          stop_token_ids=STOPS)
+  engine = make_engine(model)
+  together = engine.generate(prompts, params)
+  assert len(together.tokens) == 6
+  # A row's PRNG stream is keyed by its index in the request, so a request holding only
+  # rows 0..2 reproduces them exactly, whatever buckets they ran in.
+  first_three = engine.generate(prompts[:3], params)
+  assert first_three.tokens == together.tokens[:3]
+
+
+def test_top_k_one_is_greedy(model):
+  prompts = prompts_of([6, 10])
+  engine = make_engine(model)
+  greedy = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                   stop_token_ids=()))
+  top1 = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.3, top_k=1,
+                                                 seed=5, stop_token_ids=()))
+  assert greedy.tokens == top1.tokens
+  for lp in top1.logprobs:  # the sampling distribution actually used is a point mass
+    np.testing.assert_allclose(lp, 0.0, atol=1e-6)
+
+
+def test_no_recompilation_after_precompile(model):
+  engine = make_engine(model)
+  assert engine.precompile() == len(engine.executable_keys())
+  assert engine.precompile() == 0
+  params = SamplingParams(max_new_tokens=30, temperature=1.0, stop_token_ids=STOPS)
+  for lengths, seed in (([3, 5], 0), ([15, 2, 9], 1), ([1, 7, 16, 4], 2)):
+    result = engine.generate(prompts_of(lengths, seed), SamplingParams(
+        max_new_tokens=30 - seed, temperature=0.5 + seed, seed=seed, top_p=0.9,
+        stop_token_ids=STOPS[:seed + 1]))
+    assert result.stats["compiles"] == 0, result.stats
+    assert result.stats["compile_s"] == 0.0
+
+
+def test_lazy_compiles_happen_once(model):
+  engine = make_engine(model)
+  params = SamplingParams(max_new_tokens=20, temperature=1.0, stop_token_ids=STOPS)
+  first = engine.generate(prompts_of([4, 6, 8]), params)
+  # (<=: JAX may serve an executable another engine already compiled from its own cache)
+  assert 0 < first.stats["compiles"] <= len(engine._executables)
+  for lengths, seed in (([5, 7, 3], 1), ([2], 2), ([9, 9, 9, 9], 3), ([5, 7, 3], 1)):
+    before = set(engine._executables)
+    again = engine.generate(prompts_of(lengths, seed), params)
+    # every XLA compile is a new bucket executable: nothing else ever compiles
+    assert again.stats["compiles"] <= len(set(engine._executables) - before)
+  assert again.stats["compiles"] == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([[]], "prompt 0 is empty"),
+    ([[1] * 17], "max_prompt_len"),
+    ([[1, 2], [99]], "outside the vocabulary"),
+    ([], "at least one prompt"),
+])
+def test_bad_prompts_are_rejected(model, bad, match):
+  with pytest.raises(ValueError, match=match):
+    make_engine(model).generate(bad, SamplingParams(max_new_tokens=4))
+
+
+def test_bad_sampling_and_engine_values_are_rejected(model):
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    make_engine(model).generate([[1, 2]], SamplingParams(max_new_tokens=49))
+  with pytest.raises(ValueError, match="max_stop_ids"):
+    make_engine(model).generate([[1, 2]], SamplingParams(stop_token_ids=tuple(range(9))))
+  with pytest.raises(ValueError, match="SamplingParams.top_p"):
+    SamplingParams(top_p=0.0)
+  with pytest.raises(ValueError, match="SamplingParams.temperature"):
+    SamplingParams(temperature=-1.0)
+  with pytest.raises(ValueError, match="EngineConfig.max_batch"):
+    EngineConfig(max_batch=0)
+  with pytest.raises(ValueError, match="EngineConfig.batch_buckets"):
+    EngineConfig(max_batch=8, batch_buckets=(1, 4, 2, 8))
+  with pytest.raises(ValueError, match="EngineConfig.prefill_buckets"):
+    EngineConfig(max_prompt_len=64, prefill_buckets=(16, 32))

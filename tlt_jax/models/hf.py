@@ -1,0 +1,354 @@
+"""Hugging Face checkpoint I/O: ``config.json`` <-> ``ModelConfig`` and safetensors <-> NNX params.
+
+Reads local Qwen2 / Llama directories (one ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``) and writes directories that ``transformers`` loads.
+Torch is never needed: tensors go through ``safetensors`` with numpy (bf16 via ``ml_dtypes``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from tlt_jax.models.config import ARCHITECTURES, ModelConfig, RopeScaling
+from tlt_jax.models.transformer import Transformer
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+_ARCHITECTURE_BY_CLASS = {hf_class: name for name, hf_class in ARCHITECTURES.items()}
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                "float16": "float16", "half": "float16"}
+# Buffers some exporters write next to the weights; they carry nothing we need.
+_HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+
+ParamPath = tuple[str | int, ...]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _supported_architectures() -> str:
+  return ", ".join(f"{cls} (model_type {name!r})" for name, cls in ARCHITECTURES.items())
+
+
+def _architecture_from_hf(hf_config: dict) -> str:
+  """Our architecture name ('qwen2' / 'llama') from HF ``architectures`` or ``model_type``."""
+  classes = hf_config.get("architectures") or []
+  for hf_class in classes:
+    if hf_class in _ARCHITECTURE_BY_CLASS:
+      return _ARCHITECTURE_BY_CLASS[hf_class]
+  model_type = hf_config.get("model_type")
+  if not classes and model_type in ARCHITECTURES:
+    return model_type
+  found = classes[0] if classes else model_type
+  raise ValueError(f"Unsupported architecture {found!r}; supported: {_supported_architectures()}")
+
+
+def _rope_from_hf(hf_config: dict) -> tuple[float, RopeScaling | None]:
+  """RoPE base and scaling from the legacy (``rope_theta`` + ``rope_scaling``) or the
+  transformers-5 (``rope_parameters``) form; the newer form wins where both are present."""
+  params = dict(hf_config.get("rope_scaling") or {})
+  params.update(hf_config.get("rope_parameters") or {})
+  if any(isinstance(value, dict) for value in params.values()):
+    raise ValueError(f"Per-layer-type RoPE parameters are not supported: {params}")
+  theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+  partial = params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+  if partial not in (None, 1, 1.0):
+    raise ValueError(f"partial_rotary_factor={partial} is not supported (only full rotary)")
+  rope_type = params.get("rope_type", params.get("type")) or "default"
+  if rope_type == "default":
+    return theta, None
+  if "factor" not in params:
+    raise ValueError(f"RoPE scaling {rope_type!r} needs a 'factor': {params}")
+  if rope_type == "linear":
+    return theta, RopeScaling(rope_type="linear", factor=float(params["factor"]))
+  if rope_type == "llama3":
+    for key in ("low_freq_factor", "high_freq_factor"):
+      if key not in params:
+        raise ValueError(f"llama3 RoPE scaling needs {key!r}: {params}")
+    original = params.get("original_max_position_embeddings",
+                          hf_config.get("original_max_position_embeddings",
+                                        hf_config.get("max_position_embeddings")))
+    return theta, RopeScaling(rope_type="llama3", factor=float(params["factor"]),
+                              low_freq_factor=float(params["low_freq_factor"]),
+                              high_freq_factor=float(params["high_freq_factor"]),
+                              original_max_position_embeddings=int(original))
+  raise ValueError(f"RoPE scaling type {rope_type!r} is not supported "
+                   "(supported: 'default', 'linear', 'llama3')")
+
+
+def _dtype_from_hf(hf_config: dict) -> str:
+  """Our dtype name from HF ``dtype`` (transformers 5) or ``torch_dtype`` (older); fp32 if unset."""
+  raw = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+  name = str(raw).removeprefix("torch.")
+  if name == "auto":
+    return "float32"
+  if name not in _DTYPE_NAMES:
+    raise ValueError(f"Unsupported checkpoint dtype {raw!r} (supported: {sorted(_DTYPE_NAMES)})")
+  return _DTYPE_NAMES[name]
+
+
+def config_from_hf(hf_config: dict, dtype: str | None = None) -> ModelConfig:
+  """A ``ModelConfig`` from a parsed HF ``config.json``; ``dtype`` overrides the checkpoint's."""
+  architecture = _architecture_from_hf(hf_config)
+  if hf_config.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"hidden_act {hf_config['hidden_act']!r} is not supported (only 'silu')")
+  if hf_config.get("mlp_bias", False):
+    raise ValueError("mlp_bias=True is not supported")
+  layer_types = hf_config.get("layer_types") or []
+  if hf_config.get("use_sliding_window", False) or "sliding_attention" in layer_types:
+    raise ValueError("Sliding-window attention is not supported (use_sliding_window must be false)")
+  rope_theta, rope_scaling = _rope_from_hf(hf_config)
+  num_heads = hf_config["num_attention_heads"]
+  if architecture == "qwen2":
+    attention_bias = True  # HF Qwen2 always has q/k/v biases
+  else:
+    attention_bias = bool(hf_config.get("attention_bias", False))
+  return ModelConfig(
+      vocab_size=hf_config["vocab_size"],
+      hidden_size=hf_config["hidden_size"],
+      intermediate_size=hf_config["intermediate_size"],
+      num_layers=hf_config["num_hidden_layers"],
+      num_heads=num_heads,
+      num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+      head_dim=hf_config.get("head_dim"),
+      rope_theta=rope_theta,
+      rope_scaling=rope_scaling,
+      rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+      tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+      attention_bias=attention_bias,
+      max_position_embeddings=hf_config.get("max_position_embeddings", 4096),
+      dtype=dtype if dtype is not None else _dtype_from_hf(hf_config),
+      architecture=architecture,
+      bos_token_id=hf_config.get("bos_token_id"),
+      eos_token_id=hf_config.get("eos_token_id"),
+  )
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+  """The HF ``config.json`` dict for ``config``, readable by transformers 5 and 4.x alike."""
+  if config.architecture == "qwen2" and not config.attention_bias:
+    raise ValueError("HF Qwen2 always has q/k/v biases; a model with attention_bias=False "
+                     "must be exported with architecture='llama'")
+  rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+  legacy_rope_scaling = None
+  scaling = config.rope_scaling
+  if scaling is not None:
+    legacy_rope_scaling = {"rope_type": scaling.rope_type, "factor": scaling.factor}
+    if scaling.rope_type == "llama3":
+      legacy_rope_scaling.update(
+          low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+          original_max_position_embeddings=scaling.original_max_position_embeddings)
+    rope_parameters.update(legacy_rope_scaling)
+  eos = list(config.eos_token_id) if isinstance(config.eos_token_id, tuple) else config.eos_token_id
+  hf_config: dict[str, Any] = {
+      "architectures": [ARCHITECTURES[config.architecture]],
+      "model_type": config.architecture,
+      "vocab_size": config.vocab_size,
+      "hidden_size": config.hidden_size,
+      "intermediate_size": config.intermediate_size,
+      "num_hidden_layers": config.num_layers,
+      "num_attention_heads": config.num_heads,
+      "num_key_value_heads": config.num_kv_heads,
+      "head_dim": config.head_dim,
+      "hidden_act": "silu",
+      "max_position_embeddings": config.max_position_embeddings,
+      "rms_norm_eps": config.rms_norm_eps,
+      "rope_parameters": rope_parameters,
+      # transformers 4.x reads these two instead of rope_parameters.
+      "rope_theta": config.rope_theta,
+      "rope_scaling": legacy_rope_scaling,
+      "tie_word_embeddings": config.tie_word_embeddings,
+      "bos_token_id": config.bos_token_id,
+      "eos_token_id": eos,
+      "dtype": config.dtype,
+      "attention_dropout": 0.0,
+      "use_cache": True,
+  }
+  if config.architecture == "llama":
+    hf_config.update(attention_bias=config.attention_bias, mlp_bias=False)
+  else:
+    hf_config.update(use_sliding_window=False, sliding_window=None)
+  return hf_config
+
+
+def read_hf_config(path: str | Path) -> dict:
+  """The parsed ``config.json`` of a local HF model directory."""
+  config_path = Path(path) / CONFIG_FILE
+  if not config_path.is_file():
+    raise FileNotFoundError(f"No {CONFIG_FILE} in {Path(path)} (expected {config_path})")
+  return json.loads(config_path.read_text())
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def hf_tensor_names(config: ModelConfig) -> dict[ParamPath, tuple[str, bool]]:
+  """Maps each Param path of ``Transformer(config)`` to (HF tensor name, stored transposed?).
+
+  HF linears store ``[out, in]``; our kernels are ``[in, out]``.
+  """
+  names: dict[ParamPath, tuple[str, bool]] = {
+      ("embed_tokens", "embedding"): ("model.embed_tokens.weight", False),
+      ("norm", "weight"): ("model.norm.weight", False),
+  }
+  for i in range(config.num_layers):
+    prefix = f"model.layers.{i}"
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+      names[("layers", i, norm, "weight")] = (f"{prefix}.{norm}.weight", False)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      names[("layers", i, "self_attn", proj, "kernel")] = (f"{prefix}.self_attn.{proj}.weight", True)
+      if config.attention_bias and proj != "o_proj":
+        names[("layers", i, "self_attn", proj, "bias")] = (f"{prefix}.self_attn.{proj}.bias", False)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+      names[("layers", i, "mlp", proj, "kernel")] = (f"{prefix}.mlp.{proj}.weight", True)
+  if not config.tie_word_embeddings:
+    names[("lm_head", "kernel")] = ("lm_head.weight", True)
+  return names
+
+
+def zero_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """HF tensors that ``Transformer`` has no param for and that must therefore be all zeros.
+
+  HF Llama's ``attention_bias`` also biases ``o_proj``; our ``attention_bias`` covers q/k/v only.
+  """
+  if config.architecture != "llama" or not config.attention_bias:
+    return {}
+  return {f"model.layers.{i}.self_attn.o_proj.bias": (config.hidden_size,)
+          for i in range(config.num_layers)}
+
+
+def _abstract_params(config: ModelConfig):
+  """(graphdef, flat abstract state) of ``Transformer(config)``, checked against the name map."""
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  flat = nnx.to_flat_state(state)
+  names = hf_tensor_names(config)
+  model_paths = {path for path, _ in flat}
+  if model_paths != set(names):
+    unnamed = sorted(map(str, model_paths - set(names)))
+    absent = sorted(map(str, set(names) - model_paths))
+    raise RuntimeError(f"HF name map is out of sync with Transformer: params without an HF name "
+                       f"{unnamed}, HF names without a param {absent}")
+  return graphdef, flat, names
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+  """Which safetensors file holds each tensor: ``model.safetensors`` or the sharded index."""
+  single = path / WEIGHTS_FILE
+  index_path = path / WEIGHTS_INDEX_FILE
+  if single.is_file():
+    with safe_open(str(single), framework="np") as f:
+      return {name: single for name in f.keys()}
+  if not index_path.is_file():
+    raise FileNotFoundError(f"No weights in {path}: expected {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
+  weight_map = json.loads(index_path.read_text())["weight_map"]
+  files = {name: path / shard for name, shard in weight_map.items()}
+  for name, shard in files.items():
+    if not shard.is_file():
+      raise FileNotFoundError(
+          f"Shard {shard.name} listed in {WEIGHTS_INDEX_FILE} (holding tensor {name!r}) "
+          f"is missing from {path}")
+  return files
+
+
+def _is_harmless_extra(name: str, config: ModelConfig) -> bool:
+  """Tensors a checkpoint may carry that the model does not use."""
+  if name.endswith(_HARMLESS_SUFFIXES):
+    return True
+  return name == "lm_head.weight" and config.tie_word_embeddings  # tied: HF ignores it too
+
+
+def from_pretrained(path: str | Path, dtype: str | None = None, *,
+                    strict: bool = True) -> tuple[Transformer, ModelConfig]:
+  """Loads a local HF Qwen2/Llama directory into a ``Transformer``; ``dtype`` overrides the config's.
+
+  Every parameter comes from the checkpoint; ``strict`` rejects unexpected (non-harmless) tensors.
+  """
+  path = Path(path)
+  config = config_from_hf(read_hf_config(path), dtype=dtype)
+  tensor_files = _tensor_files(path)
+  graphdef, flat, names = _abstract_params(config)
+
+  missing = [hf_name for hf_name, _ in names.values() if hf_name not in tensor_files]
+  if missing:
+    raise ValueError(f"Checkpoint {path} is missing tensor {missing[0]!r}"
+                     + (f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""))
+  zeros = zero_tensors(config)
+  wanted = {hf_name for hf_name, _ in names.values()} | set(zeros)
+  unexpected = sorted(n for n in tensor_files if n not in wanted and not _is_harmless_extra(n, config))
+  if strict and unexpected:
+    raise ValueError(f"Checkpoint {path} has unexpected tensor {unexpected[0]!r} "
+                     f"({len(unexpected)} unexpected in all: {unexpected[:6]}); "
+                     "pass strict=False to ignore them")
+
+  for hf_name in sorted(set(zeros) & set(tensor_files)):
+    with safe_open(str(tensor_files[hf_name]), framework="np") as f:
+      array = f.get_tensor(hf_name)
+    if tuple(array.shape) != zeros[hf_name] or np.any(array.astype(np.float32) != 0):
+      raise ValueError(f"Tensor {hf_name!r} must be all zeros of shape {zeros[hf_name]} "
+                       f"(Transformer has no o_proj bias), got shape {tuple(array.shape)}")
+
+  variables = dict(flat)
+  by_file: dict[Path, list[ParamPath]] = defaultdict(list)
+  for param_path, (hf_name, _) in names.items():
+    by_file[tensor_files[hf_name]].append(param_path)
+  loaded: set[ParamPath] = set()
+  for file, param_paths in by_file.items():
+    with safe_open(str(file), framework="np") as f:
+      for param_path in param_paths:
+        hf_name, transposed = names[param_path]
+        variable = variables[param_path]
+        want = tuple(variable.shape)
+        want_hf = want[::-1] if transposed else want
+        array = f.get_tensor(hf_name)
+        if tuple(array.shape) != want_hf:
+          raise ValueError(f"Tensor {hf_name!r} in {file.name} has shape {tuple(array.shape)}, "
+                           f"expected {want_hf}")
+        if transposed:
+          array = array.T
+        variable.set_value(jnp.asarray(array).astype(variable.dtype))
+        loaded.add(param_path)
+  if loaded != set(variables):
+    raise RuntimeError(f"Params left unset: {sorted(map(str, set(variables) - loaded))}")
+  model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+  return model, config
+
+
+def save_pretrained(model: Transformer, config: ModelConfig, path: str | Path) -> None:
+  """Writes ``config.json`` + ``model.safetensors`` (+ ``generation_config.json``) that
+  ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
+  path = Path(path)
+  _, abstract_flat, names = _abstract_params(config)
+  expected_shapes = {param_path: tuple(v.shape) for param_path, v in abstract_flat}
+  params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  if set(params) != set(names):
+    raise ValueError(f"Model params do not match config: {sorted(map(str, set(params) ^ set(names)))}")
+  tensors: dict[str, np.ndarray] = {}
+  for param_path, (hf_name, transposed) in names.items():
+    value = np.asarray(params[param_path].get_value())
+    if value.shape != expected_shapes[param_path]:
+      raise ValueError(f"Param {'.'.join(map(str, param_path))} has shape {value.shape}, "
+                       f"config expects {expected_shapes[param_path]}")
+    tensors[hf_name] = np.ascontiguousarray(value.T if transposed else value)
+  for hf_name, shape in zero_tensors(config).items():
+    tensors[hf_name] = np.zeros(shape, np.dtype(config.jnp_dtype))
+  path.mkdir(parents=True, exist_ok=True)
+  save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+  (path / CONFIG_FILE).write_text(json.dumps(config_to_hf(config), indent=2, sort_keys=True) + "\n")
+  generation = {key: value for key, value in (("bos_token_id", config.bos_token_id),
+                                              ("eos_token_id", config_to_hf(config)["eos_token_id"]))
+                if value is not None}
+  if generation:
+    (path / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")

@@ -1,0 +1,185 @@
+"""Tokenizers: a common protocol, a Hugging Face ``tokenizer.json`` wrapper and a char-level one.
+
+``encode`` maps raw text to ids without adding special tokens (callers add BOS / chat
+templates explicitly); ``decode`` keeps special tokens unless asked to skip them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol, Sequence, runtime_checkable
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+CHAR_PREFIX = "char:"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+  """What the rest of the code base needs from a tokenizer."""
+
+  @property
+  def vocab_size(self) -> int: ...
+
+  @property
+  def bos_token_id(self) -> int | None: ...
+
+  @property
+  def eos_token_id(self) -> int | None: ...
+
+  @property
+  def pad_token_id(self) -> int | None: ...
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class CharTokenizer:
+  """One id per character of ``alphabet``, after the ``specials`` (ids 0..len(specials)-1).
+
+  Specials named ``<pad>``, ``<bos>``, ``<eos>`` become the pad / bos / eos ids.
+  """
+
+  def __init__(self, alphabet: str, specials: Sequence[str] = ("<pad>", "<bos>", "<eos>")):
+    if len(set(alphabet)) != len(alphabet):
+      repeated = sorted({c for c in alphabet if alphabet.count(c) > 1})
+      raise ValueError(f"CharTokenizer alphabet repeats characters {repeated}")
+    if len(set(specials)) != len(specials):
+      raise ValueError(f"CharTokenizer specials repeat: {list(specials)}")
+    self.alphabet = alphabet
+    self.specials = tuple(specials)
+    self._id_of_char = {c: len(self.specials) + i for i, c in enumerate(alphabet)}
+    self._tokens = self.specials + tuple(alphabet)
+
+  def _special_id(self, name: str) -> int | None:
+    return self.specials.index(name) if name in self.specials else None
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of ids (specials + alphabet)."""
+    return len(self._tokens)
+
+  @property
+  def pad_token_id(self) -> int | None:
+    """Id of ``<pad>`` if it is a special, else None."""
+    return self._special_id("<pad>")
+
+  @property
+  def bos_token_id(self) -> int | None:
+    """Id of ``<bos>`` if it is a special, else None."""
+    return self._special_id("<bos>")
+
+  @property
+  def eos_token_id(self) -> int | None:
+    """Id of ``<eos>`` if it is a special, else None."""
+    return self._special_id("<eos>")
+
+  def encode(self, text: str) -> list[int]:
+    """Ids of the characters of ``text``; a character outside the alphabet is a ValueError."""
+    try:
+      return [self._id_of_char[c] for c in text]
+    except KeyError as error:
+      raise ValueError(f"Character {error.args[0]!r} is not in the CharTokenizer alphabet "
+                       f"{self.alphabet!r}") from None
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    """The text of ``ids``; specials appear by name unless skipped."""
+    pieces = []
+    for token_id in ids:
+      token_id = int(token_id)
+      if not 0 <= token_id < len(self._tokens):
+        raise ValueError(f"Token id {token_id} is outside the vocabulary [0, {len(self._tokens)})")
+      if skip_special_tokens and token_id < len(self.specials):
+        continue
+      pieces.append(self._tokens[token_id])
+    return "".join(pieces)
+
+
+def _token_content(value) -> str | None:
+  """The string of a tokenizer_config special-token entry (a string or an AddedToken dict)."""
+  if isinstance(value, dict):
+    return value.get("content")
+  return value if isinstance(value, str) else None
+
+
+def _first_id(value) -> int | None:
+  """An id from a generation_config entry (an int or a list of ints)."""
+  if isinstance(value, list):
+    return int(value[0]) if value else None
+  return int(value) if isinstance(value, int) else None
+
+
+class HFTokenizer:
+  """A Hugging Face ``tokenizers.Tokenizer`` with special-token ids from the model directory."""
+
+  def __init__(self, tokenizer, bos_token_id: int | None = None, eos_token_id: int | None = None,
+               pad_token_id: int | None = None):
+    self.tokenizer = tokenizer
+    self._bos_token_id = bos_token_id
+    self._eos_token_id = eos_token_id
+    self._pad_token_id = pad_token_id
+
+  @classmethod
+  def from_file(cls, path_or_dir: str | Path) -> "HFTokenizer":
+    """Loads ``tokenizer.json`` (a file, or the one in a directory) and the special-token ids found
+    in ``tokenizer_config.json`` then ``generation_config.json`` beside it (None where absent)."""
+    from tokenizers import Tokenizer as RawTokenizer
+
+    path = Path(path_or_dir)
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    if not file.is_file():
+      raise FileNotFoundError(f"No tokenizer file at {file}")
+    tokenizer = RawTokenizer.from_file(str(file))
+    ids: dict[str, int | None] = {"bos": None, "eos": None, "pad": None}
+    config_file = file.parent / TOKENIZER_CONFIG_FILE
+    if config_file.is_file():
+      tokenizer_config = json.loads(config_file.read_text())
+      for kind in ids:
+        content = _token_content(tokenizer_config.get(f"{kind}_token"))
+        if content is not None:
+          ids[kind] = tokenizer.token_to_id(content)
+    generation_file = file.parent / GENERATION_CONFIG_FILE
+    if generation_file.is_file():
+      generation_config = json.loads(generation_file.read_text())
+      for kind in ids:
+        if ids[kind] is None:
+          ids[kind] = _first_id(generation_config.get(f"{kind}_token_id"))
+    return cls(tokenizer, bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of ids, added tokens included."""
+    return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def bos_token_id(self) -> int | None:
+    """The BOS id, or None."""
+    return self._bos_token_id
+
+  @property
+  def eos_token_id(self) -> int | None:
+    """The EOS id, or None."""
+    return self._eos_token_id
+
+  @property
+  def pad_token_id(self) -> int | None:
+    """The padding id, or None."""
+    return self._pad_token_id
+
+  def encode(self, text: str) -> list[int]:
+    """Ids of ``text`` without added special tokens."""
+    return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    """The text of ``ids``."""
+    return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(path: str | Path) -> HFTokenizer | CharTokenizer:
+  """A tokenizer from a ``tokenizer.json`` file or model directory, or ``"char:<alphabet>"``."""
+  if isinstance(path, str) and path.startswith(CHAR_PREFIX):
+    return CharTokenizer(path[len(CHAR_PREFIX):])
+  return HFTokenizer.from_file(path)

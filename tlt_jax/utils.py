@@ -1,0 +1,29 @@
+"""Small shared utilities: a global XLA compile counter."""
+
+from __future__ import annotations
+
+import threading
+
+from jax import monitoring
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_lock = threading.Lock()
+_compiles = 0
+_registered = False
+
+
+def _on_event(name: str, duration: float, **kwargs) -> None:
+  global _compiles
+  if name == _BACKEND_COMPILE_EVENT:
+    with _lock:
+      _compiles += 1
+
+
+def compile_count() -> int:
+  """Number of XLA backend compilations in this process since the counter was installed."""
+  global _registered
+  with _lock:
+    if not _registered:
+      monitoring.register_event_duration_secs_listener(_on_event)
+      _registered = True
+    return _compiles
