@@ -21,7 +21,7 @@ def to_dataclass(cls: type[T], section: ml_collections.ConfigDict, where: str, *
   try:
     return cls(**values)
   except (TypeError, ValueError) as e:
-    raise ValueError(f"invalid config.{where}: {e}") from None
+    raise ValueError(f"config.{where}: {e}") from None
 
 
 def check_keys(section: ml_collections.ConfigDict, allowed: set[str], where: str) -> None:

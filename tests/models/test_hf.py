@@ -18,7 +18,8 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from tests.hf_fixtures import VOCAB_SIZE, make_llama_checkpoint, make_qwen2_checkpoint  # noqa: E402
 from tlt_jax.models import hf  # noqa: E402
 from tlt_jax.models.config import ModelConfig, RopeScaling  # noqa: E402
-from tlt_jax.models.transformer import Transformer, init_model  # noqa: E402
+from tests.models.random_model import random_model  # noqa: E402
+from tlt_jax.models.transformer import Transformer  # noqa: E402
 
 TOLERANCE = 1e-4
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -104,7 +105,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
   reference = torch_logits(torch_model, ids)
   assert max_diff(our_logits(model, ids), reference) < TOLERANCE
   # The scaling matters at these lengths: the unscaled model is visibly different.
-  unscaled = init_model(config.replace(rope_scaling=None))
+  unscaled = random_model(config.replace(rope_scaling=None))
   nnx.update(unscaled, nnx.state(model))
   assert max_diff(our_logits(unscaled, ids), reference) > 1e-2
 
@@ -131,7 +132,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path, qwen2_dir):
                      rope_scaling=RopeScaling(rope_type="linear", factor=4.0)),
 ], ids=["qwen2_tied", "llama_llama3_untied", "llama_bias_linear"])
 def test_save_pretrained_round_trip(tmp_path, config):
-  model = init_model(config, seed=3)
+  model = random_model(config, seed=3)
   hf.save_pretrained(model, config, tmp_path)
   torch_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
   assert type(torch_model).__name__ == hf.ARCHITECTURES[config.architecture]
@@ -144,7 +145,7 @@ def test_save_pretrained_round_trip(tmp_path, config):
 
 def test_bf16_checkpoint_and_dtype_override(tmp_path):
   config = ModelConfig.tiny(dtype="bfloat16")
-  model = init_model(config, seed=4)
+  model = random_model(config, seed=4)
   hf.save_pretrained(model, config, tmp_path)
   assert load_file(str(tmp_path / hf.WEIGHTS_FILE))["model.norm.weight"].dtype.name == "bfloat16"
   as_bf16, bf16_config = hf.from_pretrained(tmp_path)
@@ -167,6 +168,31 @@ def test_config_from_hf_reads_legacy_rope_fields():
   assert config.dtype == "bfloat16"
   assert hf.config_from_hf(legacy, dtype="float32").dtype == "float32"
   assert hf.config_from_hf(hf.config_to_hf(config)) == config
+
+
+def test_config_from_hf_reads_qwen25_style_config():
+  qwen25 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 32,
+            "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 1e6,
+            "rope_scaling": None, "sliding_window": 4096, "use_sliding_window": False,
+            "max_window_layers": 21, "torch_dtype": "bfloat16", "eos_token_id": 7}
+  config = hf.config_from_hf(qwen25)
+  assert (config.rope_theta, config.rope_scaling, config.attention_bias) == (1e6, None, True)
+  assert (config.num_kv_heads, config.head_dim, config.eos_token_ids) == (2, 4, (7,))
+  with pytest.raises(ValueError, match="Sliding-window"):
+    hf.config_from_hf({**qwen25, "use_sliding_window": True})
+
+
+def test_unrepresentable_configs_are_rejected(tmp_path):
+  with pytest.raises(ValueError, match="attention_bias=False"):
+    hf.config_to_hf(ModelConfig.tiny(attention_bias=False))
+  config = ModelConfig.tiny(architecture="llama", attention_bias=True)
+  hf.save_pretrained(random_model(config), config, tmp_path)
+  tensors = load_file(str(tmp_path / hf.WEIGHTS_FILE))
+  tensors["model.layers.1.self_attn.o_proj.bias"] += 1.0  # HF Llama has it, we do not
+  save_file(tensors, str(tmp_path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
+  with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.o_proj\.bias'.*zeros"):
+    hf.from_pretrained(tmp_path)
 
 
 def test_unknown_architecture_is_rejected():

@@ -7,28 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tests.models.random_model import random_model
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import KVCache, Transformer
 
 CONFIG = ModelConfig.tiny()
 # A small tree of draft tokens: node i hangs under TREE_PARENTS[i] (-1: the root).
 TREE_PARENTS = (-1, 0, 0, 1, 3, 2)
-
-
-def randomized_model(config: ModelConfig, seed: int = 0, scale: float = 0.2) -> Transformer:
-  """A model with every param drawn large enough for errors to show in the logits.
-
-  Built abstractly and filled from numpy: much faster on CPU than an eager random init.
-  """
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-  rng = np.random.RandomState(seed)
-
-  def draw(path, leaf):
-    noise = rng.standard_normal(leaf.shape).astype(np.float32)
-    is_norm = any(getattr(key, "key", None) == "weight" for key in path)
-    return jnp.asarray(1.0 + 0.1 * noise if is_norm else scale * noise, leaf.dtype)
-
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, state))
 
 
 @nnx.jit
@@ -51,7 +36,7 @@ def cached_forward(model: Transformer, ids, cache: KVCache, positions=None, attn
 
 
 def test_incremental_decode_matches_full_forward():
-  model = randomized_model(CONFIG, seed=0)
+  model = random_model(CONFIG, seed=0)
   rng = np.random.RandomState(0)
   sequences = [rng.randint(3, CONFIG.vocab_size, 10), rng.randint(3, CONFIG.vocab_size, 8)]
   prompt_lengths = np.array([4, 2], np.int32)
@@ -63,7 +48,8 @@ def test_incremental_decode_matches_full_forward():
   cache = cache.advance(jnp.asarray(prompt_lengths))
   steps = [logits]
   for step in range(6):
-    next_ids = np.array([[sequences[row][prompt_lengths[row] + step]] for row in range(2)], np.int32)
+    next_ids = np.array([[seq[length + step]] for seq, length in zip(sequences, prompt_lengths)],
+                        np.int32)
     logits, cache = cached_forward(model, jnp.asarray(next_ids), cache)
     cache = cache.advance(1)
     steps.append(logits)
@@ -79,9 +65,9 @@ def test_incremental_decode_matches_full_forward():
 
 
 def test_bf16_model_is_close_to_fp32():
-  model = randomized_model(CONFIG, seed=1)
+  model = random_model(CONFIG, seed=1)
   bf16_config = CONFIG.replace(dtype="bfloat16")
-  bf16_model = randomized_model(bf16_config, seed=1)  # the same draws, stored in bf16
+  bf16_model = random_model(bf16_config, seed=1)  # the same draws, stored in bf16
   assert bf16_model.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
   ids = jnp.asarray(np.random.RandomState(1).randint(0, CONFIG.vocab_size, (2, 12)))
   reference = np.asarray(full_logits(model, ids))
@@ -126,7 +112,7 @@ def path_logits(model: Transformer, prefixes: list[np.ndarray], tree_tokens: np.
 
 
 def test_tree_mask_forward_equals_path_forwards_without_cache():
-  model = randomized_model(CONFIG, seed=2)
+  model = random_model(CONFIG, seed=2)
   depths, mask, paths = tree_structure(TREE_PARENTS)
   tokens = np.random.RandomState(2).randint(0, CONFIG.vocab_size, (1, len(TREE_PARENTS)))
   logits = masked_logits(model, jnp.asarray(tokens), jnp.asarray(depths[None]),
@@ -136,7 +122,7 @@ def test_tree_mask_forward_equals_path_forwards_without_cache():
 
 
 def test_tree_mask_forward_equals_path_forwards_with_cache():
-  model = randomized_model(CONFIG, seed=3)
+  model = random_model(CONFIG, seed=3)
   depths, mask, paths = tree_structure(TREE_PARENTS)
   rng = np.random.RandomState(3)
   prefixes = [rng.randint(0, CONFIG.vocab_size, 5), rng.randint(0, CONFIG.vocab_size, 3)]

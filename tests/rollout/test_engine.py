@@ -146,7 +146,7 @@ def test_bad_sampling_and_engine_values_are_rejected(model):
   with pytest.raises(ValueError, match="max_new_tokens"):
     make_engine(model).generate([[1, 2]], SamplingParams(max_new_tokens=49))
   with pytest.raises(ValueError, match="max_stop_ids"):
-    make_engine(model).generate([[1, 2]], SamplingParams(stop_token_ids=tuple(range(9))))
+    make_engine(model).generate([[1, 2]], SamplingParams(max_new_tokens=4, stop_token_ids=tuple(range(9))))
   with pytest.raises(ValueError, match="SamplingParams.top_p"):
     SamplingParams(top_p=0.0)
   with pytest.raises(ValueError, match="SamplingParams.temperature"):

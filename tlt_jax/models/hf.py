@@ -208,7 +208,8 @@ def hf_tensor_names(config: ModelConfig) -> dict[ParamPath, tuple[str, bool]]:
     for norm in ("input_layernorm", "post_attention_layernorm"):
       names[("layers", i, norm, "weight")] = (f"{prefix}.{norm}.weight", False)
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      names[("layers", i, "self_attn", proj, "kernel")] = (f"{prefix}.self_attn.{proj}.weight", True)
+      names[("layers", i, "self_attn", proj, "kernel")] = (
+          f"{prefix}.self_attn.{proj}.weight", True)
       if config.attention_bias and proj != "o_proj":
         names[("layers", i, "self_attn", proj, "bias")] = (f"{prefix}.self_attn.{proj}.bias", False)
     for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -252,7 +253,8 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     with safe_open(str(single), framework="np") as f:
       return {name: single for name in f.keys()}
   if not index_path.is_file():
-    raise FileNotFoundError(f"No weights in {path}: expected {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
+    raise FileNotFoundError(
+        f"No weights in {path}: expected {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
   weight_map = json.loads(index_path.read_text())["weight_map"]
   files = {name: path / shard for name, shard in weight_map.items()}
   for name, shard in files.items():
@@ -270,29 +272,21 @@ def _is_harmless_extra(name: str, config: ModelConfig) -> bool:
   return name == "lm_head.weight" and config.tie_word_embeddings  # tied: HF ignores it too
 
 
-def from_pretrained(path: str | Path, dtype: str | None = None, *,
-                    strict: bool = True) -> tuple[Transformer, ModelConfig]:
-  """Loads a local HF Qwen2/Llama directory into a ``Transformer``; ``dtype`` overrides the config's.
-
-  Every parameter comes from the checkpoint; ``strict`` rejects unexpected (non-harmless) tensors.
-  """
-  path = Path(path)
-  config = config_from_hf(read_hf_config(path), dtype=dtype)
-  tensor_files = _tensor_files(path)
-  graphdef, flat, names = _abstract_params(config)
-
+def _check_tensor_names(path: Path, tensor_files: dict[str, Path], config: ModelConfig,
+                        names: dict[ParamPath, tuple[str, bool]], strict: bool) -> None:
+  """Raises if a needed tensor is absent, or (``strict``) if an unknown one is present."""
   missing = [hf_name for hf_name, _ in names.values() if hf_name not in tensor_files]
   if missing:
-    raise ValueError(f"Checkpoint {path} is missing tensor {missing[0]!r}"
-                     + (f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""))
+    more = f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""
+    raise ValueError(f"Checkpoint {path} is missing tensor {missing[0]!r}{more}")
   zeros = zero_tensors(config)
-  wanted = {hf_name for hf_name, _ in names.values()} | set(zeros)
-  unexpected = sorted(n for n in tensor_files if n not in wanted and not _is_harmless_extra(n, config))
+  known = {hf_name for hf_name, _ in names.values()} | set(zeros)
+  unexpected = sorted(name for name in tensor_files
+                      if name not in known and not _is_harmless_extra(name, config))
   if strict and unexpected:
     raise ValueError(f"Checkpoint {path} has unexpected tensor {unexpected[0]!r} "
                      f"({len(unexpected)} unexpected in all: {unexpected[:6]}); "
                      "pass strict=False to ignore them")
-
   for hf_name in sorted(set(zeros) & set(tensor_files)):
     with safe_open(str(tensor_files[hf_name]), framework="np") as f:
       array = f.get_tensor(hf_name)
@@ -300,44 +294,55 @@ def from_pretrained(path: str | Path, dtype: str | None = None, *,
       raise ValueError(f"Tensor {hf_name!r} must be all zeros of shape {zeros[hf_name]} "
                        f"(Transformer has no o_proj bias), got shape {tuple(array.shape)}")
 
+
+def from_pretrained(path: str | Path, dtype: str | None = None, *,
+                    strict: bool = True) -> tuple[Transformer, ModelConfig]:
+  """Loads a local HF Qwen2/Llama directory as a ``Transformer``; ``dtype`` overrides the config's.
+
+  Every param is set from the checkpoint; ``strict`` rejects unknown (non-harmless) tensors.
+  """
+  path = Path(path)
+  config = config_from_hf(read_hf_config(path), dtype=dtype)
+  tensor_files = _tensor_files(path)
+  graphdef, flat, names = _abstract_params(config)
+  _check_tensor_names(path, tensor_files, config, names, strict)
+
   variables = dict(flat)
-  by_file: dict[Path, list[ParamPath]] = defaultdict(list)
+  params_by_file: dict[Path, list[ParamPath]] = defaultdict(list)
   for param_path, (hf_name, _) in names.items():
-    by_file[tensor_files[hf_name]].append(param_path)
+    params_by_file[tensor_files[hf_name]].append(param_path)
   loaded: set[ParamPath] = set()
-  for file, param_paths in by_file.items():
+  for file, param_paths in params_by_file.items():
     with safe_open(str(file), framework="np") as f:
       for param_path in param_paths:
         hf_name, transposed = names[param_path]
         variable = variables[param_path]
-        want = tuple(variable.shape)
-        want_hf = want[::-1] if transposed else want
+        hf_shape = tuple(variable.shape)[::-1] if transposed else tuple(variable.shape)
         array = f.get_tensor(hf_name)
-        if tuple(array.shape) != want_hf:
+        if tuple(array.shape) != hf_shape:
           raise ValueError(f"Tensor {hf_name!r} in {file.name} has shape {tuple(array.shape)}, "
-                           f"expected {want_hf}")
-        if transposed:
-          array = array.T
-        variable.set_value(jnp.asarray(array).astype(variable.dtype))
+                           f"expected {hf_shape}")
+        variable.set_value(jnp.asarray(array.T if transposed else array, dtype=variable.dtype))
         loaded.add(param_path)
-  if loaded != set(variables):
+  if loaded != set(variables):  # every param set exactly once: no random weights survive
     raise RuntimeError(f"Params left unset: {sorted(map(str, set(variables) - loaded))}")
-  model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-  return model, config
+  return nnx.merge(graphdef, nnx.from_flat_state(flat)), config
 
 
 def save_pretrained(model: Transformer, config: ModelConfig, path: str | Path) -> None:
   """Writes ``config.json`` + ``model.safetensors`` (+ ``generation_config.json``) that
   ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
   path = Path(path)
+  hf_config = config_to_hf(config)  # raises before anything is written if not representable
   _, abstract_flat, names = _abstract_params(config)
   expected_shapes = {param_path: tuple(v.shape) for param_path, v in abstract_flat}
   params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   if set(params) != set(names):
-    raise ValueError(f"Model params do not match config: {sorted(map(str, set(params) ^ set(names)))}")
+    mismatched = sorted(map(str, set(params) ^ set(names)))
+    raise ValueError(f"Model params do not match config: {mismatched}")
   tensors: dict[str, np.ndarray] = {}
   for param_path, (hf_name, transposed) in names.items():
-    value = np.asarray(params[param_path].get_value())
+    value = np.asarray(params[param_path].get_value()).astype(config.jnp_dtype)
     if value.shape != expected_shapes[param_path]:
       raise ValueError(f"Param {'.'.join(map(str, param_path))} has shape {value.shape}, "
                        f"config expects {expected_shapes[param_path]}")
@@ -346,9 +351,8 @@ def save_pretrained(model: Transformer, config: ModelConfig, path: str | Path) -
     tensors[hf_name] = np.zeros(shape, np.dtype(config.jnp_dtype))
   path.mkdir(parents=True, exist_ok=True)
   save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-  (path / CONFIG_FILE).write_text(json.dumps(config_to_hf(config), indent=2, sort_keys=True) + "\n")
-  generation = {key: value for key, value in (("bos_token_id", config.bos_token_id),
-                                              ("eos_token_id", config_to_hf(config)["eos_token_id"]))
-                if value is not None}
+  (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+  generation = {key: hf_config[key] for key in ("bos_token_id", "eos_token_id")
+                if hf_config[key] is not None}
   if generation:
     (path / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
