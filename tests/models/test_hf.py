@@ -186,13 +186,22 @@ def test_config_from_hf_reads_qwen25_style_config():
 def test_unrepresentable_configs_are_rejected(tmp_path):
   with pytest.raises(ValueError, match="attention_bias=False"):
     hf.config_to_hf(ModelConfig.tiny(attention_bias=False))
+
+
+def test_llama_attention_bias_includes_o_proj(tmp_path):
+  """HF Llama's ``attention_bias`` biases q/k/v *and* o; a non-zero o bias must load and match."""
   config = ModelConfig.tiny(architecture="llama", attention_bias=True)
   hf.save_pretrained(random_model(config), config, tmp_path)
   tensors = load_file(str(tmp_path / hf.WEIGHTS_FILE))
-  tensors["model.layers.1.self_attn.o_proj.bias"] += 1.0  # HF Llama has it, we do not
+  assert "model.layers.1.self_attn.o_proj.bias" in tensors
+  tensors["model.layers.1.self_attn.o_proj.bias"] += 0.5
   save_file(tensors, str(tmp_path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
-  with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.o_proj\.bias'.*zeros"):
-    hf.from_pretrained(tmp_path)
+  model, _ = hf.from_pretrained(tmp_path)
+  torch_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+  ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 9))
+  with torch.no_grad():
+    expected = torch_model(torch.tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(model(ids)), expected, atol=1e-4)
 
 
 def test_unknown_architecture_is_rejected():

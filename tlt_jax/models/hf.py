@@ -210,24 +210,13 @@ def hf_tensor_names(config: ModelConfig) -> dict[ParamPath, tuple[str, bool]]:
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
       names[("layers", i, "self_attn", proj, "kernel")] = (
           f"{prefix}.self_attn.{proj}.weight", True)
-      if config.attention_bias and proj != "o_proj":
+      if config.attention_bias and (proj != "o_proj" or config.architecture == "llama"):
         names[("layers", i, "self_attn", proj, "bias")] = (f"{prefix}.self_attn.{proj}.bias", False)
     for proj in ("gate_proj", "up_proj", "down_proj"):
       names[("layers", i, "mlp", proj, "kernel")] = (f"{prefix}.mlp.{proj}.weight", True)
   if not config.tie_word_embeddings:
     names[("lm_head", "kernel")] = ("lm_head.weight", True)
   return names
-
-
-def zero_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """HF tensors that ``Transformer`` has no param for and that must therefore be all zeros.
-
-  HF Llama's ``attention_bias`` also biases ``o_proj``; our ``attention_bias`` covers q/k/v only.
-  """
-  if config.architecture != "llama" or not config.attention_bias:
-    return {}
-  return {f"model.layers.{i}.self_attn.o_proj.bias": (config.hidden_size,)
-          for i in range(config.num_layers)}
 
 
 def _abstract_params(config: ModelConfig):
@@ -279,20 +268,13 @@ def _check_tensor_names(path: Path, tensor_files: dict[str, Path], config: Model
   if missing:
     more = f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""
     raise ValueError(f"Checkpoint {path} is missing tensor {missing[0]!r}{more}")
-  zeros = zero_tensors(config)
-  known = {hf_name for hf_name, _ in names.values()} | set(zeros)
+  known = {hf_name for hf_name, _ in names.values()}
   unexpected = sorted(name for name in tensor_files
                       if name not in known and not _is_harmless_extra(name, config))
   if strict and unexpected:
     raise ValueError(f"Checkpoint {path} has unexpected tensor {unexpected[0]!r} "
                      f"({len(unexpected)} unexpected in all: {unexpected[:6]}); "
                      "pass strict=False to ignore them")
-  for hf_name in sorted(set(zeros) & set(tensor_files)):
-    with safe_open(str(tensor_files[hf_name]), framework="np") as f:
-      array = f.get_tensor(hf_name)
-    if tuple(array.shape) != zeros[hf_name] or np.any(array.astype(np.float32) != 0):
-      raise ValueError(f"Tensor {hf_name!r} must be all zeros of shape {zeros[hf_name]} "
-                       f"(Transformer has no o_proj bias), got shape {tuple(array.shape)}")
 
 
 def from_pretrained(path: str | Path, dtype: str | None = None, *,
@@ -347,8 +329,6 @@ def save_pretrained(model: Transformer, config: ModelConfig, path: str | Path) -
       raise ValueError(f"Param {'.'.join(map(str, param_path))} has shape {value.shape}, "
                        f"config expects {expected_shapes[param_path]}")
     tensors[hf_name] = np.ascontiguousarray(value.T if transposed else value)
-  for hf_name, shape in zero_tensors(config).items():
-    tensors[hf_name] = np.zeros(shape, np.dtype(config.jnp_dtype))
   path.mkdir(parents=True, exist_ok=True)
   save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
   (path / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

@@ -123,7 +123,9 @@ class Attention(nnx.Module):
     self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.attention_bias, c, rngs)
     self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, c, rngs)
     self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, c, rngs)
-    self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, False, c, rngs)
+    # HF Llama's attention_bias also biases the output projection; Qwen2's never does.
+    o_bias = c.attention_bias and c.architecture == "llama"
+    self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, o_bias, c, rngs)
 
   def __call__(self, x, positions, inv_freq, mask, cache_kv, cache_lengths):
     """``mask [B, T, S]`` says which keys each query sees; returns (out, (k, v) to attend)."""
