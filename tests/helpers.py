@@ -13,3 +13,17 @@ def sharp_random_model(config: ModelConfig, seed: int = 0, scale: float = 8.0) -
   graphdef, state = nnx.split(init_model(config, seed))
   state = jax.tree.map(lambda x: x * scale if x.ndim == 2 else x, state)
   return nnx.merge(graphdef, state)
+
+
+def mirror_drafter(target: Transformer, layer: int = 0):
+  """A drafter that copies one target layer and whose ``fc`` passes the token embedding through
+  (ignoring the feature): for a one-layer target it predicts almost exactly what the target does
+  (it misses only the first prompt token), so drafts are mostly accepted."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.drafter import Drafter  # pylint: disable=import-outside-toplevel
+  drafter = Drafter.from_target_layer(target, layer)
+  h = target.config.hidden_size
+  drafter.fc.kernel.set_value(jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], 0).astype(
+      drafter.fc.kernel.dtype))
+  drafter.fc.bias.set_value(jnp.zeros((h,), drafter.fc.bias.dtype))
+  return drafter

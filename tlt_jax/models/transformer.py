@@ -232,18 +232,23 @@ class Transformer(nnx.Module):
 
   def forward(self, input_ids: jax.Array, positions: jax.Array | None = None, *,
               cache: KVCache | None = None, attn_mask: jax.Array | None = None,
-              return_hidden: bool = False) -> ModelOutput:
+              cache_mask: jax.Array | None = None, return_hidden: bool = False) -> ModelOutput:
     """Runs ``input_ids [B, T]`` at ``positions [B, T]``, writing their KV at ``cache.lengths + t``.
 
     ``positions`` default to ``cache.lengths[:, None] + arange(T)`` (or ``arange(T)``);
-    ``attn_mask [B, T, T]`` restricts which new tokens see each other (tree verify).
+    ``attn_mask [B, T, T]`` restricts which new tokens see each other (tree verify);
+    ``cache_mask [B, T, S]`` instead gives the full visibility over every cache slot (tree drafting,
+    where earlier draft levels sit in uncommitted slots).
     """
     b, t = input_ids.shape
     if positions is None:
       base = cache.lengths[:, None] if cache is not None else jnp.zeros((b, 1), jnp.int32)
       positions = base + jnp.arange(t, dtype=jnp.int32)[None]
     lengths = cache.lengths if cache is not None else None
-    mask = attention_mask(t, lengths, cache.max_len if cache is not None else None, attn_mask)
+    if cache_mask is not None:
+      mask = cache_mask
+    else:
+      mask = attention_mask(t, lengths, cache.max_len if cache is not None else None, attn_mask)
     mask = jnp.broadcast_to(mask, (b,) + mask.shape[1:])
     inv_freq = rope_inv_freq(self.config)
     x = self.embed(input_ids)

@@ -19,9 +19,13 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import KVCache, Transformer
 from tlt_jax.rollout import buckets as bk
-from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams, row_keys, sample_tokens
+from tlt_jax.rollout import speculative as sd
+from tlt_jax.rollout.sampling import (SamplerArgs, SamplingParams, filtered_logprobs, row_keys,
+                                      sample_tokens)
+from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.utils import compile_count
 
 
@@ -37,8 +41,11 @@ class EngineConfig:
   compaction: bool = True
   max_stop_ids: int = 8
   pad_token_id: int = 0
+  spec: SpecConfig | None = None  # speculative decoding strategy (needs a drafter)
 
   def __post_init__(self):
+    if self.spec is not None and not isinstance(self.spec, SpecConfig):
+      raise ValueError(f"EngineConfig.spec must be a SpecConfig or None, got {self.spec!r}")
     for name in ("max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -55,9 +62,16 @@ class EngineConfig:
       object.__setattr__(self, name, value)
 
   @property
+  def slack(self) -> int:
+    """Extra slots past the longest sequence that a speculative step may write into."""
+    if self.spec is None:
+      return 0
+    return self.spec.verify_tokens + self.spec.depth * (self.spec.topk + 1) + 2
+
+  @property
   def cache_len(self) -> int:
-    """KV-cache slots per row: the longest prompt plus the longest completion."""
-    return self.max_prompt_len + self.max_new_tokens
+    """KV-cache slots per row: the longest prompt plus the longest completion (plus slack)."""
+    return self.max_prompt_len + self.max_new_tokens + self.slack
 
 
 @jax.tree_util.register_dataclass
@@ -72,7 +86,12 @@ class DecodeState:
   num_generated: jax.Array  # [B]
   done: jax.Array  # [B] bool; padding rows are done from the start
   row_id: jax.Array  # [B] index of the prompt in the request (-1: padding)
-  steps: jax.Array  # scalar: decode iterations run so far
+  counters: dict  # scalars / histograms summed over rows: not per-row, never compacted
+  # Speculative decoding only (None otherwise):
+  dcache: KVCache | None = None  # the drafter's one-layer cache
+  pend_tokens: jax.Array | None = None  # [B, W] tokens x_{t+1} of (feature, token) pairs ...
+  pend_feats: jax.Array | None = None  # [B, W, H] ... and target features h_t not yet drafted on
+  pend_count: jax.Array | None = None  # [B] how many pending pairs are valid
 
 
 @dataclasses.dataclass
@@ -90,76 +109,176 @@ def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
 
 
 class RolloutEngine:
-  """Generates completions for a list of prompts with bucketed, jitted decode segments."""
+  """Generates completions for a list of prompts with bucketed, jitted decode segments.
 
-  def __init__(self, model: Transformer, drafter=None, config: EngineConfig = EngineConfig()):
-    if drafter is not None:
-      raise NotImplementedError("speculative decoding is not available yet; pass drafter=None")
+  With a ``drafter`` (and ``config.spec``, default ``SpecConfig()``), every decode step is a
+  lossless speculative step: draft, verify in one target pass, accept per row.
+  """
+
+  def __init__(self, model: Transformer, drafter: Drafter | None = None,
+               config: EngineConfig = EngineConfig()):
+    if drafter is not None and config.spec is None:
+      config = dataclasses.replace(config, spec=SpecConfig())
+    if config.spec is not None and drafter is None:
+      raise ValueError("EngineConfig.spec is set but no drafter was given; pass drafter=... "
+                       "or set spec=None for vanilla decoding")
+    if drafter is not None and drafter.config.hidden_size != model.config.hidden_size:
+      raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} does not match the "
+                       f"target's {model.config.hidden_size}")
     self.config = config
+    self.spec = config.spec
     self.model_config = model.config
     self.graphdef, self.params = nnx.split(model)
+    self.drafter_graphdef, self.drafter_params = (nnx.split(drafter) if drafter is not None
+                                                  else (None, None))
     self._executables: dict[tuple, Any] = {}
     self._compile_seconds = 0.0
 
   # ---- weights -------------------------------------------------------------------------------
-  def update_params(self, params: nnx.State) -> None:
-    """Swaps in new model weights (same structure and shapes; nothing recompiles)."""
+  def update_params(self, params: nnx.State, drafter_params: nnx.State | None = None) -> None:
+    """Swaps in new target (and optionally drafter) weights of the same shapes; no recompiles."""
     self.params = params
+    if drafter_params is not None:
+      self.drafter_params = drafter_params
+
+  def _weights(self):
+    return (self.params, self.drafter_params)
 
   # ---- jitted pieces ---------------------------------------------------------------------------
-  def _merge(self, params):
-    return nnx.merge(self.graphdef, params)
+  def _merge(self, weights):
+    params, dparams = weights
+    target = nnx.merge(self.graphdef, params)
+    drafter = nnx.merge(self.drafter_graphdef, dparams) if dparams is not None else None
+    return target, drafter
 
-  def _prefill_fn(self, params, ids, prompt_lens, row_id, args: SamplerArgs) -> DecodeState:
-    model = self._merge(params)
+  def _counters(self):
+    counters = {"steps": jnp.zeros((), jnp.int32), "row_steps": jnp.zeros((), jnp.int32)}
+    if self.spec is not None:
+      counters["accept_hist"] = jnp.zeros((self.spec.max_emit,), jnp.int32)
+    return counters
+
+  def _prefill_fn(self, weights, ids, prompt_lens, row_id, args: SamplerArgs) -> DecodeState:
+    target, drafter = self._merge(weights)
     batch = ids.shape[0]
     cache = KVCache.create(self.model_config, batch, self.config.cache_len)
-    out = model.forward(ids, cache=cache)
-    last_logits = jnp.take_along_axis(out.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    out = target.forward(ids, cache=cache, return_hidden=drafter is not None)
+    last_logits = sd._take_rows(out.logits, prompt_lens - 1)
     keys = row_keys(args.seed, row_id, jnp.zeros_like(row_id))
     tok, logp = sample_tokens(last_logits, keys, args)
     padding = row_id < 0
-    n = self.config.max_new_tokens
+    n = self.config.max_new_tokens + (self.spec.max_emit if self.spec else 0)
     tokens = jnp.zeros((batch, n), jnp.int32).at[:, 0].set(tok)
     logprobs = jnp.zeros((batch, n), jnp.float32).at[:, 0].set(logp)
     done = padding | _is_stop(tok, args.stop_ids) | (args.max_new_tokens <= 1)
+    extra = {}
+    if drafter is not None:
+      # The drafter reads pairs (h_t, x_{t+1}): the prompt gives t = 0 .. len-2; the pair
+      # (h_{len-1}, first sampled token) stays pending for the first speculative step.
+      shifted = jnp.concatenate([ids[:, 1:], jnp.zeros((batch, 1), ids.dtype)], axis=1)
+      dcache = drafter.init_cache(batch, self.config.cache_len)
+      dout = drafter.forward(target, shifted, out.hidden, cache=dcache)
+      width = self.spec.max_emit
+      pend_tokens = jnp.zeros((batch, width), jnp.int32).at[:, 0].set(tok)
+      pend_feats = jnp.zeros((batch, width, out.hidden.shape[-1]), out.hidden.dtype)
+      pend_feats = pend_feats.at[:, 0].set(sd._take_rows(out.hidden, prompt_lens - 1))
+      extra = dict(dcache=dout.cache.with_lengths(prompt_lens - 1), pend_tokens=pend_tokens,
+                   pend_feats=pend_feats, pend_count=jnp.ones((batch,), jnp.int32))
     return DecodeState(cache=out.cache.with_lengths(prompt_lens), last_token=tok, tokens=tokens,
                        logprobs=logprobs, num_generated=jnp.where(padding, 0, 1).astype(jnp.int32),
-                       done=done, row_id=row_id, steps=jnp.zeros((), jnp.int32))
+                       done=done, row_id=row_id, counters=self._counters(), **extra)
 
-  def _decode_step(self, model, state: DecodeState, args: SamplerArgs) -> DecodeState:
+  def _decode_step(self, target, state: DecodeState, args: SamplerArgs) -> DecodeState:
     live = ~state.done
-    out = model.forward(state.last_token[:, None], cache=state.cache)
+    out = target.forward(state.last_token[:, None], cache=state.cache)
     keys = row_keys(args.seed, state.row_id, state.num_generated)
     tok, logp = sample_tokens(out.logits[:, 0], keys, args)
-    rows = jnp.arange(tok.shape[0])
-    slot = jnp.minimum(state.num_generated, self.config.max_new_tokens - 1)
-    tokens = state.tokens.at[rows, slot].set(jnp.where(live, tok, state.tokens[rows, slot]))
-    logprobs = state.logprobs.at[rows, slot].set(jnp.where(live, logp, state.logprobs[rows, slot]))
-    num_generated = state.num_generated + live
-    finished = _is_stop(tok, args.stop_ids) | (num_generated >= args.max_new_tokens)
-    return DecodeState(cache=out.cache.advance(live.astype(jnp.int32)),
-                       last_token=jnp.where(live, tok, state.last_token), tokens=tokens,
-                       logprobs=logprobs, num_generated=num_generated,
-                       done=state.done | (live & finished), row_id=state.row_id,
-                       steps=state.steps + 1)
+    return self._emit(state, live, tok[:, None], logp[:, None], jnp.ones_like(tok),
+                      out.cache.advance(live.astype(jnp.int32)), tok, args)
 
-  def _segment_fn(self, params, state: DecodeState, args: SamplerArgs, *, stop_at: int):
+  def _emit(self, state, live, new_tokens, new_logprobs, count, cache, last_token, args, **extra):
+    """Appends up to ``count [B]`` of ``new_tokens [B, W]`` per live row, cut at the first stop
+    id or the length limit, and marks rows that finished."""
+    width = new_tokens.shape[1]
+    j = jnp.arange(width)[None, :]
+    is_stop = jnp.any(new_tokens[:, :, None] == args.stop_ids[None, None, :], axis=-1)
+    first_stop = jnp.min(jnp.where(is_stop & (j < count[:, None]), j, width), axis=1)
+    n_emit = jnp.minimum(jnp.minimum(count, first_stop + 1),
+                         args.max_new_tokens - state.num_generated)
+    n_emit = jnp.where(live, jnp.maximum(n_emit, 0), 0)
+    rows = jnp.arange(new_tokens.shape[0])[:, None]
+    slots = state.num_generated[:, None] + j
+    keep = j < n_emit[:, None]
+    tokens = state.tokens.at[rows, slots].set(jnp.where(keep, new_tokens, state.tokens[rows, slots]))
+    logprobs = state.logprobs.at[rows, slots].set(
+        jnp.where(keep, new_logprobs, state.logprobs[rows, slots]))
+    num_generated = state.num_generated + n_emit
+    finished = (first_stop < n_emit) | (num_generated >= args.max_new_tokens)
+    counters = dict(state.counters, steps=state.counters["steps"] + 1,
+                    row_steps=state.counters["row_steps"] + jnp.sum(live))
+    if "accept_hist" in counters:
+      counters["accept_hist"] = counters["accept_hist"] + jnp.sum(
+          jax.nn.one_hot(count - 1, width, dtype=jnp.int32) * live[:, None], axis=0)
+    return dataclasses.replace(
+        state, cache=cache, last_token=jnp.where(live, last_token, state.last_token),
+        tokens=tokens, logprobs=logprobs, num_generated=num_generated,
+        done=state.done | (live & finished), counters=counters, **extra)
+
+  def _spec_step(self, target, drafter, state: DecodeState, args: SamplerArgs) -> DecodeState:
+    """Catch the drafter up on the pending pairs, draft, verify in one target pass, accept."""
+    spec = self.spec
+    live = ~state.done
+    dout = drafter.forward(target, state.pend_tokens, state.pend_feats, cache=state.dcache)
+    dcache = dout.cache.advance(jnp.where(live, state.pend_count, 0))
+    feature = sd._take_rows(dout.hidden, state.pend_count - 1)
+    logits = sd._take_rows(dout.logits, state.pend_count - 1)
+    rows, gen_pos = state.row_id, state.num_generated
+    if spec.is_chain:
+      draft = sd.draft_chain(target, drafter, dcache, feature, logits, state.last_token, args,
+                             rows, gen_pos, spec.depth)
+      mask = None
+    else:
+      draft = sd.draft_tree(target, drafter, dcache, feature, logits, state.last_token, spec)
+      mask = sd.tree_attention(draft, spec.depth)
+    positions = state.cache.lengths[:, None] + draft.depth
+    out = target.forward(draft.tokens, positions, cache=state.cache, attn_mask=mask,
+                         return_hidden=True)
+    verdict = sd.verify(draft, out.logits, args, rows, gen_pos, spec)
+    accepted = verdict.accepted
+    path_tokens = jnp.take_along_axis(draft.tokens, verdict.path, 1)  # [B, depth + 1]
+    batch_rows = jnp.arange(path_tokens.shape[0])
+    emitted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros_like(path_tokens[:, :1])], 1)
+    emitted = emitted.at[batch_rows, accepted].set(verdict.bonus)
+    logp = filtered_logprobs(jnp.take_along_axis(out.logits, verdict.path[:, :, None], 1),
+                             args.temperature, args.top_k, args.top_p)
+    emitted_logp = jnp.take_along_axis(logp, emitted[:, :, None], 2)[:, :, 0]
+    cache = out.cache if spec.is_chain else sd.compact_path_kv(out.cache, verdict.path,
+                                                               spec.verify_tokens)
+    count = accepted + 1
+    cache = cache.advance(jnp.where(live, count, 0))
+    pend_feats = jnp.take_along_axis(out.hidden, verdict.path[:, :, None], 1)
+    return self._emit(state, live, emitted, emitted_logp, count, cache, verdict.bonus, args,
+                      dcache=dcache, pend_tokens=jnp.where(live[:, None], emitted, state.pend_tokens),
+                      pend_feats=jnp.where(live[:, None, None], pend_feats, state.pend_feats),
+                      pend_count=jnp.where(live, count, state.pend_count))
+
+  def _segment_fn(self, weights, state: DecodeState, args: SamplerArgs, *, stop_at: int):
     """Decodes until at most ``stop_at`` rows are live (0: until all rows finish)."""
-    model = self._merge(params)
-    cond = lambda s: jnp.sum(~s.done) > stop_at
-    return lax.while_loop(cond, lambda s: self._decode_step(model, s, args), state)
+    target, drafter = self._merge(weights)
+    if drafter is None:
+      body = lambda s: self._decode_step(target, s, args)
+    else:
+      body = lambda s: self._spec_step(target, drafter, s, args)
+    return lax.while_loop(lambda s: jnp.sum(~s.done) > stop_at, body, state)
 
   @staticmethod
   def _compact_fn(state: DecodeState, index: jax.Array) -> DecodeState:
     """Gathers rows ``index`` into a smaller batch; ``index == -1`` makes a padding row."""
     pad = index < 0
-    take = lambda x: jnp.take(x, jnp.maximum(index, 0), axis=0)
-    return DecodeState(cache=state.cache.take_rows(jnp.maximum(index, 0)),
-                       last_token=take(state.last_token), tokens=take(state.tokens),
-                       logprobs=take(state.logprobs), num_generated=take(state.num_generated),
-                       done=take(state.done) | pad, row_id=jnp.where(pad, -1, take(state.row_id)),
-                       steps=state.steps)
+    counters = state.counters
+    rows = dataclasses.replace(state, counters=None)
+    rows = jax.tree.map(lambda x: jnp.take(x, jnp.maximum(index, 0), axis=0), rows)
+    return dataclasses.replace(rows, done=rows.done | pad, row_id=jnp.where(pad, -1, rows.row_id),
+                               counters=counters)
 
   # ---- executable pool -------------------------------------------------------------------------
   def _args_spec(self):
@@ -169,7 +288,7 @@ class RolloutEngine:
   def _state_spec(self, batch: int):
     ids = jax.ShapeDtypeStruct((batch, self.config.prefill_buckets[0]), jnp.int32)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return jax.eval_shape(self._prefill_fn, self.params, ids, vec, vec, self._args_spec())
+    return jax.eval_shape(self._prefill_fn, self._weights(), ids, vec, vec, self._args_spec())
 
   def _executable(self, key: tuple):
     """The compiled executable for ``key`` (compiled on first use, then reused)."""
@@ -181,10 +300,10 @@ class RolloutEngine:
     if kind == "prefill":
       ids = jax.ShapeDtypeStruct((batch, key[2]), jnp.int32)
       vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
-      lowered = jax.jit(self._prefill_fn).lower(self.params, ids, vec, vec, args)
+      lowered = jax.jit(self._prefill_fn).lower(self._weights(), ids, vec, vec, args)
     elif kind == "segment":
       fn = jax.jit(lambda p, s, a: self._segment_fn(p, s, a, stop_at=key[2]), donate_argnums=1)
-      lowered = fn.lower(self.params, self._state_spec(batch), args)
+      lowered = fn.lower(self._weights(), self._state_spec(batch), args)
     elif kind == "compact":
       index = jax.ShapeDtypeStruct((key[2],), jnp.int32)
       lowered = jax.jit(self._compact_fn).lower(self._state_spec(batch), index)
@@ -245,7 +364,7 @@ class RolloutEngine:
                 else params.stop_token_ids)
     args = SamplerArgs.from_params(params, stop_ids, self.config.max_stop_ids)
     stats = dict(prefill_s=0.0, decode_s=0.0, compact_s=0.0, compile_s=0.0, decode_steps=0,
-                 row_steps=0, segments=[], tokens=0)
+                 row_steps=0, live_row_steps=0, segments=[], tokens=0)
     compiles0, compile_s0 = compile_count(), self._compile_seconds
     t_start = time.perf_counter()
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -259,6 +378,12 @@ class RolloutEngine:
     stats["wall_s"] = time.perf_counter() - t_start
     stats["tokens"] = sum(len(t) for t in tokens)
     stats["tokens_per_s"] = stats["tokens"] / max(stats["wall_s"] - stats["compile_s"], 1e-9)
+    if self.spec is not None:
+      # tokens emitted per live row per speculative step (accepted drafts + the bonus token)
+      hist = np.asarray(stats.get("accept_hist", np.zeros(self.spec.max_emit)))
+      stats["accept_hist"] = hist.tolist()  # index i: steps that emitted i + 1 tokens
+      stats["mean_accept_len"] = float((hist * np.arange(1, hist.size + 1)).sum() /
+                                       max(hist.sum(), 1))
     return RolloutResult(tokens, logprobs, reasons, stats)
 
   def _run_chunk(self, prompts, chunk, args, stop_ids, tokens, logprobs, reasons, stats):
@@ -273,7 +398,7 @@ class RolloutEngine:
       lens[slot], row_id[slot] = len(prompts[i]), i
     prefill = self._executable(("prefill", batch, plen))
     t0 = time.perf_counter()
-    state = prefill(self.params, ids, lens, row_id, args)
+    state = prefill(self._weights(), ids, lens, row_id, args)
     jax.block_until_ready(state)
     stats["prefill_s"] += time.perf_counter() - t0
     stop_set = set(stop_ids)
@@ -281,11 +406,11 @@ class RolloutEngine:
     while True:
       segment = self._executable(("segment", batch, self._stop_at(batch)))
       t0 = time.perf_counter()
-      state = segment(self.params, state, args)
-      done, n_gen, rows, steps = jax.device_get((state.done, state.num_generated, state.row_id,
-                                                 state.steps))
+      state = segment(self._weights(), state, args)
+      done, n_gen, rows, counters = jax.device_get((state.done, state.num_generated, state.row_id,
+                                                    state.counters))
       stats["decode_s"] += time.perf_counter() - t0
-      run, steps_before = int(steps) - steps_before, int(steps)
+      run, steps_before = int(counters["steps"]) - steps_before, int(counters["steps"])
       stats["segments"].append((batch, run))
       stats["decode_steps"] += run
       stats["row_steps"] += run * batch
@@ -299,6 +424,9 @@ class RolloutEngine:
           reasons[rows[s]] = "stop" if n and tokens[rows[s]][-1] in stop_set else "length"
       live = np.flatnonzero(~done)
       if live.size == 0:
+        stats["live_row_steps"] += int(counters["row_steps"])
+        if "accept_hist" in counters:
+          stats["accept_hist"] = stats.get("accept_hist", 0) + counters["accept_hist"]
         return
       smaller = bk.bucket_for(live.size, cfg.batch_buckets)
       index = np.full((smaller,), -1, np.int32)

@@ -1,0 +1,216 @@
+"""Trains the small char-level target LM the drafter/RL experiments use, on ArithmeticTask traces.
+
+  python experiments/train_bench_target.py [--steps 600] [--hidden 256] [--layers 6]
+      [--out experiments/out/bench_target] [--seed 0]
+
+A Qwen2-style decoder learns next-token cross-entropy on ``<bos> prompt solution <eos>``, the
+loss taken on solution and EOS tokens only. Fresh problems are packed into fixed rows each step
+(block-diagonal attention, positions restarting per problem), so the step compiles once. At the
+end the model answers held-out problems greedily through ``RolloutEngine`` and the task reward
+scores them. Writes an HF checkpoint (``config.json`` + safetensors), ``char_tokenizer.json`` with the
+char alphabet, and ``train_log.json`` (loss curve, timings, accuracy) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from tlt_jax.drafter.train import layout_rows, segment_mask
+from tlt_jax.models import hf
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.tokenizer import CharTokenizer
+from tlt_jax.models.transformer import init_model
+from tlt_jax.rl.tasks import ArithmeticTask, Problem
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+
+TOKENIZER_FILE = "char_tokenizer.json"  # not tokenizer.json: that name means an HF tokenizer
+
+
+def encode_problem(tokenizer: CharTokenizer, problem: Problem) -> tuple[list[int], int]:
+  """``<bos> prompt solution <eos>`` ids and the prompt length (bos included)."""
+  prompt = [tokenizer.bos_token_id] + tokenizer.encode(problem.prompt)
+  return prompt + tokenizer.encode(problem.solution) + [tokenizer.eos_token_id], len(prompt)
+
+
+class PackedStream:
+  """Fills ``rows`` rows of ``row_len`` tokens with fresh problems, first fit, in draw order."""
+
+  def __init__(self, task: ArithmeticTask, tokenizer: CharTokenizer, rows: int, row_len: int,
+               seed: int):
+    self.task, self.tokenizer, self.rows, self.row_len = task, tokenizer, rows, row_len
+    self.rng = np.random.default_rng(seed)
+    self.pending: list[tuple[list[int], int]] = []
+
+  def _next(self) -> tuple[list[int], int]:
+    if not self.pending:
+      self.pending = [encode_problem(self.tokenizer, p) for p in self.task.sample(self.rng, 256)]
+      self.pending.reverse()
+    return self.pending.pop()
+
+  def batch(self) -> dict[str, np.ndarray]:
+    """One step's arrays: ids, positions, segment_ids, targets and loss mask ``[rows, row_len]``."""
+    room = [self.row_len] * self.rows
+    groups: list[list[tuple[list[int], int]]] = [[] for _ in range(self.rows)]
+    while True:
+      item = self._next()
+      n = len(item[0])
+      fit = next((r for r in range(self.rows) if room[r] >= n), None)
+      if fit is None:
+        self.pending.append(item)  # first of the next batch
+        break
+      groups[fit].append(item)
+      room[fit] -= n
+    ids = np.zeros((self.rows, self.row_len), np.int32)
+    positions = np.zeros_like(ids)
+    segments = np.zeros_like(ids)
+    trained = np.zeros(ids.shape, bool)
+    for r, group in enumerate(groups):
+      if not group:
+        continue
+      row = layout_rows([s for s, _ in group], self.row_len, pack=True,
+                        prompt_lens=[n for _, n in group])
+      assert row[0].shape[0] == 1, "a group must fit one row"
+      ids[r], positions[r], segments[r], trained[r] = (x[0] for x in row)
+    next_ids = np.concatenate([ids[:, 1:], np.zeros_like(ids[:, :1])], axis=1)
+    next_seg = np.concatenate([segments[:, 1:], np.zeros_like(segments[:, :1])], axis=1)
+    mask = (segments > 0) & (next_seg == segments) & trained
+    return dict(ids=ids, positions=positions, segment_ids=segments, targets=next_ids,
+                mask=mask.astype(np.float32))
+
+
+def make_lm_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation):
+  """A jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` of masked LM CE."""
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    logits = model.forward(batch["ids"], batch["positions"],
+                           attn_mask=segment_mask(batch["segment_ids"])).logits
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["mask"]
+    count = jnp.maximum(mask.sum(), 1.0)
+    correct = (jnp.argmax(logits, -1) == batch["targets"]) * mask
+    return jnp.sum(ce * mask) / count, dict(token_acc=correct.sum() / count, tokens=mask.sum())
+
+  def step(params, opt_state, batch):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, dict(metrics, loss=loss)
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def greedy_accuracy(model, tokenizer: CharTokenizer, task: ArithmeticTask,
+                    problems: list[Problem], max_new_tokens: int) -> dict:
+  """Greedy completions of ``problems`` through ``RolloutEngine``; mean reward and lengths."""
+  prompts = [[tokenizer.bos_token_id] + tokenizer.encode(p.prompt) for p in problems]
+  engine = RolloutEngine(model, config=EngineConfig(
+      max_batch=64, max_prompt_len=max(32, max(map(len, prompts))),
+      max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id))
+  result = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens,
+                                                   temperature=0.0, seed=0))
+  texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+  rewards = np.array([task.reward(p, t) for p, t in zip(problems, texts)])
+  longest = np.array([max(len(x) for x in p.prompt[:-2].replace("-", "+").split("+"))
+                      for p in problems])
+  by_size = {f"{lo}-{hi}": float(rewards[(longest >= lo) & (longest <= hi)].mean())
+             for lo, hi in ((1, 2), (3, 5), (6, 12)) if np.any((longest >= lo) & (longest <= hi))}
+  return dict(accuracy=float(rewards.mean()), accuracy_by_digits=by_size,
+              mean_completion_len=float(np.mean([len(t) for t in result.tokens])),
+              generate_s=result.stats["wall_s"], example=texts[0], example_prompt=problems[0].prompt)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=600)
+  parser.add_argument("--hidden", type=int, default=256)
+  parser.add_argument("--layers", type=int, default=6)
+  parser.add_argument("--heads", type=int, default=8)
+  parser.add_argument("--kv-heads", type=int, default=4)
+  parser.add_argument("--rows", type=int, default=8, help="packed rows per step")
+  parser.add_argument("--row-len", type=int, default=256)
+  parser.add_argument("--ffn", type=int, default=2, help="MLP width as a multiple of --hidden")
+  parser.add_argument("--lr", type=float, default=3e-3)
+  parser.add_argument("--max-digits", type=int, default=12)
+  parser.add_argument("--train-exponent", type=float, default=None,
+                      help="Zipf exponent of operand sizes in training data (default: the task's); "
+                           "a flatter law shows more long problems per step")
+  parser.add_argument("--eval-problems", type=int, default=256)
+  parser.add_argument("--out", default="experiments/out/bench_target")
+  parser.add_argument("--seed", type=int, default=0)
+  a = parser.parse_args()
+
+  task = ArithmeticTask(max_digits=a.max_digits)
+  tokenizer = CharTokenizer(task.alphabet)
+  config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=a.hidden,
+                       intermediate_size=a.ffn * a.hidden, num_layers=a.layers, num_heads=a.heads,
+                       num_kv_heads=a.kv_heads, architecture="qwen2", attention_bias=True,
+                       tie_word_embeddings=True, max_position_embeddings=512,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+  model = init_model(config, seed=a.seed)
+  graphdef, params = nnx.split(model)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, a.lr, min(100, a.steps // 10), a.steps,
+                                                end_value=0.1 * a.lr)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                          optax.adamw(schedule, b2=0.98, weight_decay=0.01,
+                                      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+  opt_state = optimizer.init(params)
+  step = make_lm_step(graphdef, optimizer)
+  train_task = task if a.train_exponent is None else dataclasses.replace(
+      task, digit_exponent=a.train_exponent)
+  stream = PackedStream(train_task, tokenizer, a.rows, a.row_len, seed=a.seed)
+
+  print(f"target: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M params, "
+        f"vocab {config.vocab_size}, {a.steps} steps x {a.rows} rows x {a.row_len} tokens")
+  t_start = time.perf_counter()
+  log, window = [], []
+  for i in range(a.steps):
+    params, opt_state, metrics = step(params, opt_state, stream.batch())
+    if i == 0:
+      jax.block_until_ready(params)
+      compile_s = time.perf_counter() - t_start
+    window.append(metrics)
+    if (i + 1) % 50 == 0 or i + 1 == a.steps:
+      m = {k: float(np.mean([float(w[k]) for w in window])) for k in window[0]}
+      window = []
+      m.update(step=i + 1, elapsed_s=round(time.perf_counter() - t_start, 1))
+      log.append(m)
+      print(f"step {i + 1:5d}  loss {m['loss']:.4f}  token_acc {m['token_acc']:.4f}  "
+            f"tokens/step {m['tokens']:.0f}  {m['elapsed_s']:.0f}s", flush=True)
+  train_s = time.perf_counter() - t_start
+
+  model = nnx.merge(graphdef, params)
+  held_out = task.sample(np.random.default_rng(10_000 + a.seed), a.eval_problems)
+  max_new = max(len(p.solution) for p in held_out) + 16
+  evaluation = greedy_accuracy(model, tokenizer, task, held_out, max_new)
+  print(f"held-out greedy accuracy {evaluation['accuracy']:.3f} by digits "
+        f"{evaluation['accuracy_by_digits']}  ({evaluation['generate_s']:.1f}s to generate)")
+  print(f"example: {evaluation['example_prompt']}{evaluation['example']}")
+
+  out = pathlib.Path(a.out)
+  hf.save_pretrained(model, config, out)
+  (out / TOKENIZER_FILE).write_text(json.dumps(
+      {"type": "char", "alphabet": tokenizer.alphabet, "specials": list(tokenizer.specials),
+       "task": {"name": task.name, "max_digits": task.max_digits,
+                "digit_exponent": task.digit_exponent, "subtraction": task.subtraction}},
+      indent=2) + "\n")
+  summary = dict(args=vars(a), final_loss=log[-1]["loss"], final_token_acc=log[-1]["token_acc"],
+                 compile_s=compile_s, train_s=train_s,
+                 total_s=time.perf_counter() - t_start, eval=evaluation, log=log)
+  (out / "train_log.json").write_text(json.dumps(summary, indent=2) + "\n")
+  print(f"final loss {summary['final_loss']:.4f}; train {train_s:.0f}s "
+        f"(compile {compile_s:.1f}s); saved to {out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,94 @@
+"""The arithmetic task: correct traces, rewards, a heavy length tail, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tlt_jax.models.tokenizer import CharTokenizer
+from tlt_jax.rl.tasks import ArithmeticTask, Problem, Task, extract_answer, parse_steps
+
+TASKS = [ArithmeticTask(), ArithmeticTask(subtraction=True)]
+
+
+def check_trace(problem: Problem) -> None:
+  """Asserts every step of the trace is a true column step and the answer follows from them."""
+  lhs = problem.prompt.removesuffix("=?")
+  op = "-" if "-" in lhs else "+"
+  a, b = map(int, lhs.split(op))
+  xs, ys = str(a)[::-1], str(b)[::-1]
+  steps = parse_steps(problem.solution)
+  assert len(steps) == max(len(xs), len(ys))
+  carry, digits = 0, []
+  for i, (x, step_op, y, c, r) in enumerate(steps):
+    assert step_op == op
+    assert c == carry, f"step {i} of {problem.text!r} uses carry {c}, expected {carry}"
+    assert x % 10 == (int(xs[i]) if i < len(xs) else 0)
+    assert y == (int(ys[i]) if i < len(ys) else 0)
+    if op == "+":
+      assert x + y + c == r and x < 10
+      carry, digit = divmod(r, 10)
+    else:
+      assert x - y - c == r and 0 <= r <= 9
+      carry, digit = x // 10, r  # "1x" means the column borrowed
+    digits.append(digit)
+  if carry:
+    assert op == "+", "a subtraction must not end with a borrow"
+    digits.append(carry)
+  assert int("".join(map(str, reversed(digits)))) == int(problem.answer)
+  assert int(problem.answer) == (a + b if op == "+" else a - b)
+  assert extract_answer(problem.solution) == problem.answer
+
+
+@pytest.mark.parametrize("task", TASKS, ids=["add", "add_sub"])
+def test_traces_are_correct_arithmetic_and_score_one(task):
+  assert isinstance(task, Task)
+  tokenizer = CharTokenizer(task.alphabet)
+  for problem in task.sample(np.random.default_rng(0), 500):
+    check_trace(problem)
+    tokenizer.encode(problem.text)  # every character is in the alphabet
+    assert task.reward(problem, problem.solution) == 1.0
+
+
+def test_hand_written_examples():
+  task = ArithmeticTask()
+  assert task.make_problem(47, 85).text == "47+85=? 7+5+0=12 4+8+1=13 #132"
+  assert task.make_problem(85, 47, "-").text == "85-47=? 15-7-0=8 08-4-1=3 #38"
+  assert task.make_problem(47, 85, "-").prompt == "85-47=?"
+  for a, b, op in [(0, 0, "+"), (999, 1, "+"), (100, 99, "-"), (5, 5, "-"), (123456789, 987654321, "+")]:
+    check_trace(task.make_problem(a, b, op))
+
+
+def test_reward_is_zero_for_wrong_or_garbage_answers():
+  task = ArithmeticTask()
+  problem = task.make_problem(47, 85)
+  wrong = problem.solution.replace("#132", "#133")
+  for completion in [wrong, "", "garbage", " 7+5+0=12 4+8+1=13", "#", "#13 2", "#-132", "#132x",
+                     "#132#1", " #1e2"]:
+    assert task.reward(problem, completion) == 0.0, completion
+  # Only the final answer counts: a sloppy trace with the right answer still earns the reward,
+  # as do surrounding spaces and leading zeros.
+  for completion in ["#132", " 1+1+1=99 #132", "#0132 ", "#1#132"]:
+    assert task.reward(problem, completion) == 1.0, completion
+
+
+def test_solution_lengths_have_a_heavy_tail():
+  problems = ArithmeticTask().sample(np.random.default_rng(1), 2000)
+  lengths = np.array([len(p.solution) for p in problems])
+  assert np.percentile(lengths, 99) >= 4 * np.median(lengths)
+
+
+def test_same_seed_same_problems():
+  for task in TASKS:
+    first = task.sample(np.random.default_rng(7), 50)
+    assert first == task.sample(np.random.default_rng(7), 50)
+    assert first != task.sample(np.random.default_rng(8), 50)
+
+
+def test_invalid_settings_are_rejected():
+  with pytest.raises(ValueError, match="max_digits"):
+    ArithmeticTask(max_digits=0)
+  with pytest.raises(ValueError, match="digit_exponent"):
+    ArithmeticTask(digit_exponent=0.0)
+  with pytest.raises(ValueError, match="op"):
+    ArithmeticTask().make_problem(1, 2, "*")

@@ -1,0 +1,164 @@
+"""Reasoning tasks with checkable answers: the interface and a built-in long-tail arithmetic task.
+
+A task draws ``Problem``s (prompt, reference answer, a worked solution that ends in the answer)
+from a numpy ``Generator`` and scores a completion with a 0/1 reward on its final answer.
+
+``ArithmeticTask`` writes multi-digit addition (and optionally subtraction) as a char-level
+carry trace, one fixed-width step per digit column from the right::
+
+  47+85=? 7+5+0=12 4+8+1=13 #132        (x+y+carry_in = two-digit sum: carry out, digit)
+  85-47=? 15-7-0=8 08-4-1=3 #38         (x borrowed-from as 1x when needed, minus y, minus borrow)
+
+Every step is a true equation, so a trace can be checked step by step. Operand sizes follow a
+truncated Zipf law over 1..max_digits, which makes trace lengths heavy-tailed (the RL long tail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+ANSWER_MARK = "#"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One task instance: the prompt text, the reference final answer and a worked solution."""
+
+  prompt: str
+  answer: str
+  solution: str  # the text a perfect model writes after the prompt (ends with the answer)
+
+  @property
+  def text(self) -> str:
+    """Prompt followed by its solution."""
+    return self.prompt + self.solution
+
+
+@runtime_checkable
+class Task(Protocol):
+  """What the RL loop needs from a task: problems to roll out and a reward for completions."""
+
+  name: str
+  alphabet: str  # every character a prompt or a solution may contain
+
+  def sample(self, rng: np.random.Generator, n: int) -> list[Problem]: ...
+
+  def reward(self, problem: Problem, completion: str) -> float: ...
+
+
+def extract_answer(completion: str) -> str | None:
+  """The text after the last answer mark (``#``), stripped; None if there is no mark."""
+  at = completion.rfind(ANSWER_MARK)
+  if at < 0:
+    return None
+  return completion[at + len(ANSWER_MARK):].strip()
+
+
+def truncated_zipf_probs(max_value: int, exponent: float) -> np.ndarray:
+  """Probabilities of 1..max_value proportional to ``k ** -exponent``."""
+  weights = np.arange(1, max_value + 1, dtype=np.float64) ** -exponent
+  return weights / weights.sum()
+
+
+_STEP = re.compile(r"^(\d{1,2})([+-])(\d)[+-](\d)=(\d{1,2})$")
+
+
+def parse_steps(solution: str) -> list[tuple[int, str, int, int, int]]:
+  """The ``(x, op, y, carry_in, result)`` steps of a trace (everything before the answer mark)."""
+  body = solution.split(ANSWER_MARK)[0]
+  steps = []
+  for chunk in body.split():
+    match = _STEP.match(chunk)
+    if match is None:
+      raise ValueError(f"not a trace step: {chunk!r}")
+    x, op, y, c, r = match.groups()
+    steps.append((int(x), op, int(y), int(c), int(r)))
+  return steps
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticTask:
+  """Multi-digit addition (and optionally subtraction) with a written digit-by-digit trace.
+
+  The larger operand has ``n ~ Zipf(digit_exponent)`` digits truncated to ``1..max_digits``, the
+  other a uniform ``1..n`` digits; subtraction problems never go below zero.
+  """
+
+  max_digits: int = 12
+  digit_exponent: float = 1.5
+  subtraction: bool = False
+  name: str = "arithmetic"
+  alphabet: str = "0123456789+-=?# "
+
+  def __post_init__(self):
+    if not isinstance(self.max_digits, int) or self.max_digits < 1:
+      raise ValueError(f"ArithmeticTask.max_digits must be a positive int, got {self.max_digits!r}")
+    if not self.digit_exponent > 0:
+      raise ValueError(f"ArithmeticTask.digit_exponent must be > 0, got {self.digit_exponent!r}")
+
+  def digit_probs(self) -> np.ndarray:
+    """Probabilities of the larger operand having 1..max_digits digits."""
+    return truncated_zipf_probs(self.max_digits, self.digit_exponent)
+
+  def sample(self, rng: np.random.Generator, n: int) -> list[Problem]:
+    """``n`` problems drawn from ``rng`` (same generator state, same problems)."""
+    probs = self.digit_probs()
+    problems = []
+    for _ in range(n):
+      digits = int(rng.choice(self.max_digits, p=probs)) + 1
+      other = int(rng.integers(1, digits + 1))
+      a, b = _random_number(rng, digits), _random_number(rng, other)
+      op = "-" if self.subtraction and rng.random() < 0.5 else "+"
+      if op == "+" and rng.random() < 0.5:
+        a, b = b, a
+      problems.append(self.make_problem(a, b, op))
+    return problems
+
+  def make_problem(self, a: int, b: int, op: str = "+") -> Problem:
+    """The problem ``a op b`` with its trace; subtraction puts the larger operand first."""
+    if op not in "+-" or len(op) != 1:
+      raise ValueError(f"op must be '+' or '-', got {op!r}")
+    if a < 0 or b < 0:
+      raise ValueError(f"operands must be non-negative, got {a} and {b}")
+    if op == "-" and a < b:
+      a, b = b, a
+    prompt = f"{a}{op}{b}=?"
+    steps, digits = [], []
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    carry = 0
+    for i in range(max(len(xs), len(ys))):
+      x = int(xs[i]) if i < len(xs) else 0
+      y = int(ys[i]) if i < len(ys) else 0
+      if op == "+":
+        total = x + y + carry
+        steps.append(f"{x}+{y}+{carry}={total:02d}")
+        carry, digit = divmod(total, 10)
+      else:
+        borrow = int(x - y - carry < 0)
+        digit = 10 * borrow + x - y - carry
+        steps.append(f"{10 * borrow + x:02d}-{y}-{carry}={digit}")
+        carry = borrow
+      digits.append(str(digit))
+    if carry:
+      digits.append(str(carry))
+    answer = str(int("".join(reversed(digits))))
+    assert answer == str(a + b if op == "+" else a - b)
+    solution = " " + " ".join(steps) + f" {ANSWER_MARK}{answer}"
+    return Problem(prompt=prompt, answer=answer, solution=solution)
+
+  def reward(self, problem: Problem, completion: str) -> float:
+    """1.0 if the completion's final answer (after the last ``#``) equals the reference, else 0.0."""
+    found = extract_answer(completion)
+    if found is None or re.fullmatch(r"[0-9]+", found) is None:
+      return 0.0
+    return float(int(found) == int(problem.answer))
+
+
+def _random_number(rng: np.random.Generator, digits: int) -> int:
+  """A uniform number with exactly ``digits`` digits (0..9 for one digit)."""
+  low = 0 if digits == 1 else 10 ** (digits - 1)
+  return int(rng.integers(low, 10 ** digits))

@@ -1,0 +1,308 @@
+"""Lossless speculative decoding: drafting (chain and tree), verification, and cache re-sync.
+
+One speculative step per row: the drafter proposes tokens after the row's newest token (the
+*root*), the target scores root + proposals in one forward pass, and the row accepts a prefix
+(chain) or a root-to-leaf path (tree) plus one *bonus* token drawn from the target.
+
+Why the output distribution is exactly the target's
+----------------------------------------------------
+Let ``p_c`` be the target's (tempered, top-k/top-p filtered) next-token distribution after the
+prefix ending at tree node ``c``. The verify forward computes ``p_c`` exactly for every drafted
+node, because each node attends to precisely its committed prefix and its ancestors, at the
+positions it would have in a plain decode.
+
+* Greedy (temperature 0): at node ``c`` we move to the child whose token equals ``argmax p_c``,
+  if there is one, else emit ``argmax p_c`` as the bonus and stop. Every emitted token is thus
+  the target's argmax after the tokens before it: identical to vanilla greedy decoding.
+* Chain, sampled: draft token ``d_i`` is drawn from the drafter's distribution ``q_i``. It is
+  accepted with probability ``min(1, p(d_i) / q_i(d_i))``; on the first rejection the bonus is
+  drawn from ``normalize(max(p - q_i, 0))``. For one position this emits ``x`` with probability
+  ``q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) * max(p(x) - q(x), 0) / Z``, and
+  ``Z = 1 - sum_y min(p(y), q(y))``, so the total is ``min(p, q) + max(p - q, 0) = p(x)``.
+  Positions after an accepted token repeat the argument under the target's conditional, so
+  the joint law of the emitted tokens is the target's. If every draft is accepted (or the
+  drafter proposed fewer tokens) the bonus is drawn from ``p`` itself.
+* Tree, sampled: the children ``t_1, t_2, ...`` of a node are a *deterministic* function of
+  the drafter state (the top-k), not samples. We treat each as a draft from the point mass
+  ``delta(t_j)``, in order: with residual ``r_1 = p``, accept ``t_j`` with probability
+  ``r_j(t_j)``; on rejection set ``r_{j+1} = normalize(r_j with t_j removed)``. If all
+  children are rejected the bonus is drawn from the last residual. By induction on ``j``, the
+  token leaving the node has law ``r_1 = p``: ``P(x = t_j)`` is ``r_j(t_j)`` times the
+  probability of reaching step ``j``, which is what ``r_j`` assigns, and the residual carries
+  the remaining mass unchanged in proportion. Accepting ``t_j`` moves to that child, whose
+  ``p`` is again exact, so the whole path is distributed as the target's own sampling.
+
+All random draws come from per-row keys folded with the position of the token they decide,
+so results depend on neither the batch nor the bucket a row runs in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.transformer import KVCache, Transformer
+from tlt_jax.rollout.sampling import SamplerArgs, filtered_logprobs
+
+# Tags folded into a row's position key, one independent stream per use.
+_DRAFT, _ACCEPT, _BONUS = 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """A drafting strategy: ``depth`` draft levels, ``topk`` children per expanded node, and
+  ``verify_tokens`` tokens per target verify pass (the root included). ``topk == 1`` is a
+  chain, which needs ``verify_tokens == depth + 1``."""
+
+  depth: int = 4
+  topk: int = 1
+  verify_tokens: int = 5
+
+  def __post_init__(self):
+    for name in ("depth", "topk", "verify_tokens"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"SpecConfig.{name} must be a positive int, got {value!r}")
+    if self.topk == 1 and self.verify_tokens != self.depth + 1:
+      raise ValueError(
+          f"SpecConfig.verify_tokens must be depth + 1 = {self.depth + 1} for a chain (topk=1), "
+          f"got {self.verify_tokens}")
+    most = 1 + self.topk + (self.depth - 1) * self.topk * self.topk
+    if self.topk > 1 and not 2 <= self.verify_tokens <= most:
+      raise ValueError(
+          f"SpecConfig.verify_tokens must be in [2, {most}] for depth={self.depth}, "
+          f"topk={self.topk} (root + drafted candidates), got {self.verify_tokens}")
+
+  @property
+  def is_chain(self) -> bool:
+    return self.topk == 1
+
+  @property
+  def max_emit(self) -> int:
+    """Most tokens one step can emit: every level accepted plus the bonus."""
+    return self.depth + 1
+
+
+class Draft(NamedTuple):
+  """A drafted tree over ``N = verify_tokens`` nodes in topological order, node 0 the root."""
+
+  tokens: jax.Array  # [B, N]
+  depth: jax.Array  # [B, N] 0 for the root
+  parent: jax.Array  # [B, N] node index of the parent (root: 0)
+  children: jax.Array  # [B, N, topk] node indices of the children, -1 where none
+  draft_probs: jax.Array | None  # chain only: [B, depth, V] the distributions drafts came from
+  draft_len: jax.Array  # [B] usable draft levels (a chain may propose fewer than depth)
+
+
+def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+  """``x[b, index[b]]`` for ``x [B, T, ...]`` and ``index [B]``."""
+  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+
+
+def _keys(args: SamplerArgs, rows, positions, tag: int):
+  """Per-row keys for ``positions [B]`` and one stream ``tag``."""
+  base = jax.random.key(args.seed)
+  fold = lambda r, p: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, r), p), tag)
+  return jax.vmap(fold)(rows, positions)
+
+
+def chain_tree(tokens: jax.Array, root: jax.Array, draft_probs, draft_len) -> Draft:
+  """Wraps a chain of drafts ``[B, D]`` after ``root [B]`` as a (linear) ``Draft``."""
+  b, d = tokens.shape
+  n = d + 1
+  idx = jnp.arange(n, dtype=jnp.int32)
+  children = jnp.where(idx[:, None] + 1 < n, idx[:, None] + 1, -1)
+  return Draft(tokens=jnp.concatenate([root[:, None], tokens], axis=1),
+               depth=jnp.broadcast_to(idx, (b, n)),
+               parent=jnp.broadcast_to(jnp.maximum(idx - 1, 0), (b, n)),
+               children=jnp.broadcast_to(children, (b, n, 1)),
+               draft_probs=draft_probs, draft_len=draft_len)
+
+
+def draft_chain(target: Transformer, drafter: Drafter, dcache: KVCache, feature, logits,
+                root, args: SamplerArgs, rows, gen_pos, depth: int) -> Draft:
+  """Drafts ``depth`` tokens one at a time; sampled from the filtered drafter distribution,
+  or its argmax when greedy. ``feature``/``logits`` are the drafter outputs for the root."""
+  dl = dcache.lengths
+
+  def step(carry, i):
+    feat, lg, cache = carry
+    logq = filtered_logprobs(lg, args.temperature, args.top_k, args.top_p)
+    sampled = jax.vmap(jax.random.categorical)(_keys(args, rows, gen_pos + i, _DRAFT), logq)
+    tok = jnp.where(args.temperature > 0, sampled, jnp.argmax(lg, -1)).astype(jnp.int32)
+    out = drafter.forward(target, tok[:, None], feat[:, None], cache=cache.with_lengths(dl + i))
+    return (out.hidden[:, 0], out.logits[:, 0], out.cache), (tok, jnp.exp(logq))
+
+  _, (toks, probs) = lax.scan(step, (feature, logits, dcache), jnp.arange(depth))
+  toks, probs = toks.T, jnp.swapaxes(probs, 0, 1)
+  return chain_tree(toks, root, probs, jnp.full(root.shape, depth, jnp.int32))
+
+
+def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, logits, root,
+               spec: SpecConfig) -> Draft:
+  """EAGLE-2 style: expand the top-k children of the k best frontier nodes per level, then keep
+  the ``verify_tokens - 1`` candidates with the highest cumulative draft log-probability."""
+  k, depth = spec.topk, spec.depth
+  b = root.shape[0]
+  dl = dcache.lengths
+  width = depth * k  # uncommitted drafter slots used by the frontier nodes
+  slot = jnp.arange(dcache.max_len)[None, :]
+
+  lp, tok = lax.top_k(jax.nn.log_softmax(logits, -1), k)  # [B, k]
+  cand_tok, cand_score = [tok], [lp]
+  cand_parent = [jnp.full((b, k), -1, jnp.int32)]
+  cand_depth = [jnp.ones((b, k), jnp.int32)]
+  frontier = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate index
+  f_score, f_tok = lp, tok
+  f_feat = jnp.broadcast_to(feature[:, None], (b, k, feature.shape[-1]))
+  f_vis = jnp.broadcast_to(jnp.eye(k, width, dtype=bool), (b, k, width))  # own + ancestors' slots
+  cache, offset = dcache, k
+  for level in range(1, depth):
+    rel = slot - dl[:, None]  # [B, S]
+    in_draft = (rel >= 0) & (rel < width)
+    seen = jnp.take_along_axis(f_vis, jnp.broadcast_to(jnp.clip(rel, 0, width - 1)[:, None],
+                                                       (b, k, slot.shape[1])), axis=2)
+    mask = (rel < 0)[:, None, :] | (in_draft[:, None, :] & seen)
+    positions = jnp.broadcast_to((dl + level - 1)[:, None], (b, k))
+    out = drafter.forward(target, f_tok, f_feat, positions,
+                          cache=cache.with_lengths(dl + (level - 1) * k), cache_mask=mask)
+    cache = out.cache
+    child_lp, child_tok = lax.top_k(jax.nn.log_softmax(out.logits, -1), k)  # [B, k, k]
+    child_score = (f_score[:, :, None] + child_lp).reshape(b, k * k)
+    cand_tok.append(child_tok.reshape(b, k * k))
+    cand_score.append(child_score)
+    cand_parent.append(jnp.repeat(frontier, k, axis=1))
+    cand_depth.append(jnp.full((b, k * k), level + 1, jnp.int32))
+    f_score, pick = lax.top_k(child_score, k)  # the next frontier
+    from_parent = pick // k
+    f_tok = jnp.take_along_axis(child_tok.reshape(b, k * k), pick, 1)
+    f_feat = jnp.take_along_axis(out.hidden, from_parent[:, :, None], 1)
+    own = jax.nn.one_hot(level * k + jnp.arange(k), width, dtype=bool)
+    f_vis = jnp.take_along_axis(f_vis, from_parent[:, :, None], 1) | own[None]
+    frontier = offset + pick
+    offset += k * k
+
+  tokens, score = jnp.concatenate(cand_tok, 1), jnp.concatenate(cand_score, 1)
+  parent, depth_c = jnp.concatenate(cand_parent, 1), jnp.concatenate(cand_depth, 1)
+  # A child's score never exceeds its parent's; the depth penalty breaks exact ties parent-first,
+  # so the best candidates always form a tree that contains every chosen node's ancestors.
+  n_pick = spec.verify_tokens - 1
+  _, sel = lax.top_k(score - 1e-4 * depth_c, n_pick)
+  order = jnp.argsort(jnp.take_along_axis(depth_c, sel, 1), axis=1, stable=True)
+  sel = jnp.take_along_axis(sel, order, 1)  # topological: by depth, best first within a level
+  node_of = jnp.zeros(tokens.shape, jnp.int32).at[jnp.arange(b)[:, None], sel].set(
+      jnp.arange(1, n_pick + 1, dtype=jnp.int32)[None])
+  sel_parent = jnp.take_along_axis(parent, sel, 1)
+  parent_node = jnp.where(sel_parent < 0, 0,
+                          jnp.take_along_axis(node_of, jnp.maximum(sel_parent, 0), 1))
+  parent_node = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent_node], 1)  # [B, N]
+  n = n_pick + 1
+  idx = jnp.arange(n)
+  # rank of each node among its siblings, and the children table
+  same = (parent_node[:, :, None] == parent_node[:, None, :]) & (idx[None, :] < idx[:, None])[None]
+  same &= (idx[None, None, :] >= 1)
+  rank = jnp.sum(same, axis=2)
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, n))
+  children = jnp.full((b, n, k), -1, jnp.int32)
+  children = children.at[rows[:, 1:], parent_node[:, 1:], rank[:, 1:]].set(
+      jnp.broadcast_to(idx[1:], (b, n - 1)).astype(jnp.int32))
+  return Draft(tokens=jnp.concatenate([root[:, None], jnp.take_along_axis(tokens, sel, 1)], 1),
+               depth=jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                                      jnp.take_along_axis(depth_c, sel, 1)], 1),
+               parent=parent_node, children=children, draft_probs=None,
+               draft_len=jnp.full((b,), depth, jnp.int32))
+
+
+def tree_attention(draft: Draft, max_depth: int) -> jax.Array:
+  """``[B, N, N]``: node i sees node j iff j is i or one of its ancestors."""
+  b, n = draft.parent.shape
+  seen = jnp.broadcast_to(jnp.eye(n, dtype=bool), (b, n, n))
+  cur = draft.parent
+  for _ in range(max_depth):
+    seen = seen | jax.nn.one_hot(cur, n, dtype=bool)
+    cur = jnp.take_along_axis(draft.parent, cur, 1)
+  return seen
+
+
+class Verdict(NamedTuple):
+  path: jax.Array  # [B, depth + 1] accepted node indices (path[0] = root; beyond `accepted`: 0)
+  accepted: jax.Array  # [B] number of accepted draft tokens
+  bonus: jax.Array  # [B] the token drawn from the target after the accepted path
+
+
+def verify(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, spec: SpecConfig
+           ) -> Verdict:
+  """Walks the draft against the target ``logits [B, N, V]``; exact for greedy and sampling."""
+  b, n = draft.tokens.shape
+  depth = spec.depth
+  logp = filtered_logprobs(logits, args.temperature, args.top_k, args.top_p)  # [B, N, V]
+  probs = jnp.exp(logp)
+  greedy = args.temperature <= 0
+  cur = jnp.zeros((b,), jnp.int32)
+  active = jnp.ones((b,), bool)
+  path = [cur]
+  residual = _take_rows(probs, cur)
+  final_residual = residual
+  for level in range(depth):
+    p_here = _take_rows(probs, cur)
+    argmax_here = jnp.argmax(_take_rows(logits, cur), -1)
+    children = _take_rows(draft.children, cur)  # [B, k]
+    usable = active & (level < draft.draft_len)
+    residual = p_here
+    chosen = jnp.full((b,), -1, jnp.int32)
+    for j in range(children.shape[1]):
+      child = children[:, j]
+      ok = usable & (child >= 0) & (chosen < 0)
+      tok = jnp.take_along_axis(draft.tokens, jnp.maximum(child, 0)[:, None], 1)[:, 0]
+      if draft.draft_probs is not None:  # chain: rejection against the drafter's q
+        q = draft.draft_probs[:, level]
+        q_tok = jnp.take_along_axis(q, tok[:, None], 1)[:, 0]
+        p_tok = jnp.take_along_axis(residual, tok[:, None], 1)[:, 0]
+        accept_prob = jnp.minimum(1.0, p_tok / jnp.maximum(q_tok, 1e-30))
+        rejected_residual = jnp.maximum(residual - q, 0.0)
+      else:  # tree: sequential rejection of point-mass candidates
+        accept_prob = jnp.take_along_axis(residual, tok[:, None], 1)[:, 0]
+        rejected_residual = jnp.where(jax.nn.one_hot(tok, residual.shape[-1], dtype=bool), 0.0,
+                                      residual)
+      u = jax.vmap(jax.random.uniform)(_keys(args, rows, gen_pos + level, _ACCEPT + 8 * j))
+      accept = jnp.where(greedy, tok == argmax_here, u < accept_prob)
+      chosen = jnp.where(ok & accept, child, chosen)
+      mass = jnp.sum(rejected_residual, -1, keepdims=True)
+      rejected_residual = jnp.where(mass > 0, rejected_residual / jnp.maximum(mass, 1e-30),
+                                    residual)
+      residual = jnp.where((ok & ~accept)[:, None], rejected_residual, residual)
+    found = chosen >= 0
+    stops_here = active & ~found
+    final_residual = jnp.where(stops_here[:, None], residual, final_residual)
+    cur = jnp.where(found, chosen, cur)
+    path.append(jnp.where(found, chosen, 0))
+    active = active & found
+  final_residual = jnp.where(active[:, None], _take_rows(probs, cur), final_residual)
+  accepted = jnp.sum(jnp.stack(path[1:], 1) > 0, axis=1).astype(jnp.int32)
+  bonus_greedy = jnp.argmax(_take_rows(logits, cur), -1)
+  bonus_key = _keys(args, rows, gen_pos + accepted, _BONUS)
+  bonus_sampled = jax.vmap(jax.random.categorical)(
+      bonus_key, jnp.log(jnp.maximum(final_residual, 0.0)))
+  bonus = jnp.where(greedy, bonus_greedy, bonus_sampled).astype(jnp.int32)
+  return Verdict(jnp.stack(path, 1), accepted, bonus)
+
+
+def compact_path_kv(cache: KVCache, path: jax.Array, n: int) -> KVCache:
+  """Moves the KV of the accepted path's nodes (written at ``lengths + node``) to
+  ``lengths + 0..a``, so the row's committed cache is contiguous again."""
+  b, width = path.shape
+  order = jnp.concatenate([path, jnp.broadcast_to(jnp.arange(width, n), (b, n - width))], 1)
+  # Beyond the accepted length the path is 0-padded; those slots are dead, any content will do.
+
+  def move(buf):
+    window = jax.vmap(lambda x, at: lax.dynamic_slice_in_dim(x, at, n, 0))(buf, cache.lengths)
+    window = jnp.take_along_axis(window, order[:, :, None, None], 1)
+    return jax.vmap(lambda x, w, at: lax.dynamic_update_slice_in_dim(x, w, at, 0))(
+        buf, window, cache.lengths)
+
+  return KVCache(tuple(map(move, cache.k)), tuple(map(move, cache.v)), cache.lengths)
