@@ -1,0 +1,170 @@
+"""Speculative decoding is lossless: greedy is token-identical to vanilla, sampling matches the
+target's exact distribution (chi-square), for chain and tree strategies."""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from tests.helpers import mirror_drafter, sharp_random_model
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams, filtered_logprobs
+from tlt_jax.rollout.speculative import SpecConfig
+
+STOPS = (3, 4, 5, 6)
+GREEDY_BATCHES = ([5], [3, 12, 7], [9, 2, 14, 5, 7, 1, 11])  # 1, 3 and 7 rows of varied lengths
+STRATEGIES = {"chain": SpecConfig(4, 1, 5), "tree-2": SpecConfig(3, 2, 6),
+              "tree-3": SpecConfig(4, 3, 12)}
+BASE = dict(max_batch=2, max_prompt_len=16, max_new_tokens=40, prefill_buckets=(16,))
+
+
+@pytest.fixture(scope="module")
+def targets():
+  """(target, drafter) pairs: a 2-layer target with a random drafter (low acceptance), and a
+  1-layer target with a drafter mirroring its layer (high acceptance)."""
+  deep = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=1)
+  shallow = sharp_random_model(ModelConfig.tiny(vocab_size=32, num_layers=1), seed=1)
+  return {"random": (deep, Drafter.create(deep.config, seed=5)),
+          "mirror": (shallow, mirror_drafter(shallow))}
+
+
+@pytest.fixture(scope="module")
+def vanilla_results(targets):
+  """Vanilla greedy completions per target, computed once for all strategies."""
+  params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
+  results = {}
+  for kind, (target, _) in targets.items():
+    engine = RolloutEngine(target, config=EngineConfig(**BASE))
+    results[kind] = [engine.generate(prompts_of(lengths, seed=len(lengths)), params)
+                     for lengths in GREEDY_BATCHES]
+  return results
+
+
+def prompts_of(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(7, 32, n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("drafter_kind", ["random", "mirror"])
+def test_greedy_speculative_equals_vanilla(targets, vanilla_results, drafter_kind, strategy):
+  target, drafter = targets[drafter_kind]
+  spec = RolloutEngine(target, drafter=drafter,
+                       config=EngineConfig(**BASE, spec=STRATEGIES[strategy]))
+  params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
+  for lengths, want in zip(GREEDY_BATCHES, vanilla_results[drafter_kind]):
+    got = spec.generate(prompts_of(lengths, seed=len(lengths)), params)
+    assert got.tokens == want.tokens
+    assert got.finish_reasons == want.finish_reasons
+    for a, b in zip(got.logprobs, want.logprobs):
+      np.testing.assert_allclose(a, b, atol=1e-4)
+  stats_ = got.stats
+  assert sum(stats_["accept_hist"]) > 0 and stats_["mean_accept_len"] >= 1.0
+  if drafter_kind == "mirror":
+    # most drafts accepted, so stop ids were necessarily met inside accepted drafts
+    assert stats_["mean_accept_len"] > 2.5, stats_
+    assert "stop" in got.finish_reasons
+
+
+def test_speculative_engine_does_not_recompile(targets):
+  target, drafter = targets["mirror"]
+  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(**BASE, spec=STRATEGIES["tree-2"]))
+  engine.precompile()
+  for lengths, temperature in (([4, 9], 0.0), ([16, 1, 3], 1.0), ([2, 2, 2, 2, 2], 0.6)):
+    result = engine.generate(prompts_of(lengths), SamplingParams(
+        max_new_tokens=30, temperature=temperature, top_k=7, stop_token_ids=STOPS))
+    assert result.stats["compiles"] == 0
+
+
+# ---- sampling: chi-square against the exact joint distribution of the first tokens ---------
+
+VOCAB, PROMPT, HORIZON, SAMPLES = 8, [1, 5, 2], 3, 32768
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+  target = sharp_random_model(ModelConfig.tiny(vocab_size=VOCAB, num_layers=1), seed=2, scale=3.0)
+  return {"random": (target, Drafter.create(target.config, seed=3)),
+          "mirror": (target, mirror_drafter(target))}
+
+
+def exact_joint(target, temperature, top_k, top_p):
+  """P(first HORIZON tokens) under the target's filtered sampling distribution, by enumeration."""
+  seqs = np.array(list(itertools.product(range(VOCAB), repeat=HORIZON)))
+  ids = np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], 1)
+  logits = target(jnp.asarray(ids))[:, len(PROMPT) - 1:-1]
+  logp = np.asarray(filtered_logprobs(logits, jnp.float32(temperature), jnp.int32(top_k),
+                                      jnp.float32(top_p)), np.float64)
+  joint = np.exp(sum(logp[np.arange(len(seqs)), i, seqs[:, i]] for i in range(HORIZON)))
+  return seqs, joint / joint.sum()
+
+
+def chi_square_pvalue(counts, probs):
+  """Pearson's test; cells expecting fewer than 5 samples are pooled."""
+  expected = probs * counts.sum()
+  big = expected >= 5
+  obs, exp = counts[big], expected[big]
+  if (~big).any() and expected[~big].sum() > 0:
+    obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expected[~big].sum())
+  return stats.chisquare(obs, exp).pvalue
+
+
+def test_chi_square_detects_a_one_percent_bias():
+  """Power check of the test below: at SAMPLES draws, moving 1% of probability between two
+  first tokens is rejected (p < 1e-3) in at least 9 of 10 trials."""
+  rng = np.random.default_rng(0)
+  probs = rng.dirichlet(np.ones(VOCAB) * 2)
+  biased = probs.copy()
+  top, low = np.argmax(probs), np.argmin(probs)
+  biased[top] -= 0.01
+  biased[low] += 0.01
+  rejected = sum(chi_square_pvalue(rng.multinomial(SAMPLES, biased), probs) < 1e-3
+                 for _ in range(10))
+  assert rejected >= 9
+  unbiased = sum(chi_square_pvalue(rng.multinomial(SAMPLES, probs), probs) < 1e-3
+                 for _ in range(10))
+  assert unbiased <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter_kind, strategy, temperature, top_k, top_p", [
+    ("random", SpecConfig(3, 1, 4), 1.0, 0, 1.0),
+    ("mirror", SpecConfig(3, 1, 4), 0.7, 5, 0.9),
+    ("random", SpecConfig(3, 2, 6), 1.0, 0, 0.8),
+    ("mirror", SpecConfig(3, 3, 8), 0.7, 5, 0.9),
+], ids=["chain-random", "chain-mirror-topk-topp", "tree-random-topp", "tree-mirror-topk-topp"])
+def test_sampled_speculative_matches_target_distribution(small_vocab, drafter_kind, strategy,
+                                                          temperature, top_k, top_p):
+  target, drafter = small_vocab[drafter_kind]
+  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(
+      max_batch=1024, max_prompt_len=4, max_new_tokens=HORIZON, prefill_buckets=(4,),
+      compaction=False, spec=strategy))
+  result = engine.generate([PROMPT] * SAMPLES, SamplingParams(
+      max_new_tokens=HORIZON, temperature=temperature, top_k=top_k, top_p=top_p, seed=0,
+      stop_token_ids=()))
+  seqs, joint = exact_joint(target, temperature, top_k, top_p)
+  flat = np.array(result.tokens) @ (VOCAB ** np.arange(HORIZON - 1, -1, -1))
+  counts = np.bincount(flat, minlength=VOCAB ** HORIZON)
+  assert counts[joint == 0].sum() == 0, "sampled a sequence the filters forbid"
+  assert chi_square_pvalue(counts, joint) > 1e-3
+  for i in range(HORIZON):  # each position's marginal, where a 1% bias is easiest to see
+    marginal = np.bincount(seqs[:, i], weights=joint, minlength=VOCAB)
+    assert chi_square_pvalue(np.bincount(np.array(result.tokens)[:, i], minlength=VOCAB),
+                             marginal) > 1e-3
+  assert result.stats["mean_accept_len"] > 1.2  # drafts were really accepted, not all rejected
+
+
+def test_bad_spec_configs_are_rejected(targets):
+  with pytest.raises(ValueError, match="SpecConfig.verify_tokens must be depth \\+ 1"):
+    SpecConfig(depth=4, topk=1, verify_tokens=3)
+  with pytest.raises(ValueError, match="SpecConfig.verify_tokens must be in"):
+    SpecConfig(depth=2, topk=2, verify_tokens=9)
+  with pytest.raises(ValueError, match="SpecConfig.depth"):
+    SpecConfig(depth=0)
+  target, _ = targets["random"]
+  with pytest.raises(ValueError, match="no drafter"):
+    RolloutEngine(target, config=EngineConfig(spec=SpecConfig()))
