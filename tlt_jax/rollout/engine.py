@@ -23,6 +23,7 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import KVCache, Transformer
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout import speculative as sd
+from tlt_jax.rollout.ngram import NgramConfig, ngram_propose
 from tlt_jax.rollout.sampling import (SamplerArgs, SamplingParams, filtered_logprobs, row_keys,
                                       sample_tokens)
 from tlt_jax.rollout.speculative import SpecConfig
@@ -92,6 +93,10 @@ class DecodeState:
   pend_tokens: jax.Array | None = None  # [B, W] tokens x_{t+1} of (feature, token) pairs ...
   pend_feats: jax.Array | None = None  # [B, W, H] ... and target features h_t not yet drafted on
   pend_count: jax.Array | None = None  # [B] how many pending pairs are valid
+  # n-gram drafting only: each row's prompt and the group of rows sharing that prompt
+  prompt_tokens: jax.Array | None = None  # [B, max_prompt_len]
+  prompt_lens: jax.Array | None = None  # [B]
+  group_id: jax.Array | None = None  # [B] (-1: padding)
 
 
 @dataclasses.dataclass
@@ -115,11 +120,20 @@ class RolloutEngine:
   lossless speculative step: draft, verify in one target pass, accept per row.
   """
 
-  def __init__(self, model: Transformer, drafter: Drafter | None = None,
+  def __init__(self, model: Transformer, drafter: Drafter | NgramConfig | None = None,
                config: EngineConfig = EngineConfig()):
-    if drafter is not None and config.spec is None:
+    self.ngram = drafter if isinstance(drafter, NgramConfig) else None
+    if self.ngram is not None:
+      # model-free drafting: a chain of up to ngram.depth tokens copied from the row's group
+      chain = SpecConfig(depth=self.ngram.depth, topk=1, verify_tokens=self.ngram.depth + 1)
+      if config.spec is not None and config.spec != chain:
+        raise ValueError(f"EngineConfig.spec {config.spec} does not fit the n-gram drafter; "
+                         f"leave it None (it becomes {chain})")
+      config = dataclasses.replace(config, spec=chain)
+      drafter = None
+    elif drafter is not None and config.spec is None:
       config = dataclasses.replace(config, spec=SpecConfig())
-    if config.spec is not None and drafter is None:
+    if config.spec is not None and drafter is None and self.ngram is None:
       raise ValueError("EngineConfig.spec is set but no drafter was given; pass drafter=... "
                        "or set spec=None for vanilla decoding")
     if drafter is not None and drafter.config.hidden_size != model.config.hidden_size:
@@ -157,7 +171,8 @@ class RolloutEngine:
       counters["accept_hist"] = jnp.zeros((self.spec.max_emit,), jnp.int32)
     return counters
 
-  def _prefill_fn(self, weights, ids, prompt_lens, row_id, args: SamplerArgs) -> DecodeState:
+  def _prefill_fn(self, weights, ids, prompt_lens, row_id, group_id, args: SamplerArgs
+                  ) -> DecodeState:
     target, drafter = self._merge(weights)
     batch = ids.shape[0]
     cache = KVCache.create(self.model_config, batch, self.config.cache_len)
@@ -183,6 +198,10 @@ class RolloutEngine:
       pend_feats = pend_feats.at[:, 0].set(sd._take_rows(out.hidden, prompt_lens - 1))
       extra = dict(dcache=dout.cache.with_lengths(prompt_lens - 1), pend_tokens=pend_tokens,
                    pend_feats=pend_feats, pend_count=jnp.ones((batch,), jnp.int32))
+    if self.ngram is not None:
+      pad = self.config.max_prompt_len - ids.shape[1]
+      extra = dict(prompt_tokens=jnp.pad(ids, ((0, 0), (0, pad))), prompt_lens=prompt_lens,
+                   group_id=jnp.where(padding, -1, group_id))
     return DecodeState(cache=out.cache.with_lengths(prompt_lens), last_token=tok, tokens=tokens,
                        logprobs=logprobs, num_generated=jnp.where(padding, 0, 1).astype(jnp.int32),
                        done=done, row_id=row_id, counters=self._counters(), **extra)
@@ -227,11 +246,19 @@ class RolloutEngine:
     """Catch the drafter up on the pending pairs, draft, verify in one target pass, accept."""
     spec = self.spec
     live = ~state.done
+    rows, gen_pos = state.row_id, state.num_generated
+    if self.ngram is not None:
+      proposal, proposal_len = ngram_propose(
+          state.prompt_tokens, state.prompt_lens, state.tokens, state.num_generated,
+          state.group_id, max_ngram=self.ngram.max_ngram, min_ngram=self.ngram.min_ngram,
+          depth=self.ngram.depth)
+      # point-mass drafts: verified by the sequential point-mass rule (draft_probs=None)
+      draft = sd.chain_tree(proposal, state.last_token, None, proposal_len)
+      return self._verify_and_emit(target, state, draft, None, args)
     dout = drafter.forward(target, state.pend_tokens, state.pend_feats, cache=state.dcache)
     dcache = dout.cache.advance(jnp.where(live, state.pend_count, 0))
     feature = sd._take_rows(dout.hidden, state.pend_count - 1)
     logits = sd._take_rows(dout.logits, state.pend_count - 1)
-    rows, gen_pos = state.row_id, state.num_generated
     if spec.is_chain:
       draft = sd.draft_chain(target, drafter, dcache, feature, logits, state.last_token, args,
                              rows, gen_pos, spec.depth)
@@ -239,6 +266,13 @@ class RolloutEngine:
     else:
       draft = sd.draft_tree(target, drafter, dcache, feature, logits, state.last_token, spec)
       mask = sd.tree_attention(draft, spec.depth)
+    return self._verify_and_emit(target, state, draft, mask, args, dcache=dcache)
+
+  def _verify_and_emit(self, target, state, draft, mask, args, dcache=None):
+    """One target pass over the draft, the lossless walk, cache commit and token emission."""
+    spec = self.spec
+    live = ~state.done
+    rows, gen_pos = state.row_id, state.num_generated
     positions = state.cache.lengths[:, None] + draft.depth
     out = target.forward(draft.tokens, positions, cache=state.cache, attn_mask=mask,
                          return_hidden=True)
@@ -255,6 +289,8 @@ class RolloutEngine:
                                                                spec.verify_tokens)
     count = accepted + 1
     cache = cache.advance(jnp.where(live, count, 0))
+    if dcache is None:
+      return self._emit(state, live, emitted, emitted_logp, count, cache, verdict.bonus, args)
     pend_feats = jnp.take_along_axis(out.hidden, verdict.path[:, :, None], 1)
     return self._emit(state, live, emitted, emitted_logp, count, cache, verdict.bonus, args,
                       dcache=dcache, pend_tokens=jnp.where(live[:, None], emitted, state.pend_tokens),
@@ -264,7 +300,7 @@ class RolloutEngine:
   def _segment_fn(self, weights, state: DecodeState, args: SamplerArgs, *, stop_at: int):
     """Decodes until at most ``stop_at`` rows are live (0: until all rows finish)."""
     target, drafter = self._merge(weights)
-    if drafter is None:
+    if self.spec is None:
       body = lambda s: self._decode_step(target, s, args)
     else:
       body = lambda s: self._spec_step(target, drafter, s, args)
@@ -277,8 +313,11 @@ class RolloutEngine:
     counters = state.counters
     rows = dataclasses.replace(state, counters=None)
     rows = jax.tree.map(lambda x: jnp.take(x, jnp.maximum(index, 0), axis=0), rows)
-    return dataclasses.replace(rows, done=rows.done | pad, row_id=jnp.where(pad, -1, rows.row_id),
+    rows = dataclasses.replace(rows, done=rows.done | pad, row_id=jnp.where(pad, -1, rows.row_id),
                                counters=counters)
+    if rows.group_id is not None:  # a padding copy must not act as anyone's sibling
+      rows = dataclasses.replace(rows, group_id=jnp.where(pad, -1, rows.group_id))
+    return rows
 
   # ---- executable pool -------------------------------------------------------------------------
   def _args_spec(self):
@@ -288,7 +327,7 @@ class RolloutEngine:
   def _state_spec(self, batch: int):
     ids = jax.ShapeDtypeStruct((batch, self.config.prefill_buckets[0]), jnp.int32)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return jax.eval_shape(self._prefill_fn, self._weights(), ids, vec, vec, self._args_spec())
+    return jax.eval_shape(self._prefill_fn, self._weights(), ids, vec, vec, vec, self._args_spec())
 
   def _executable(self, key: tuple):
     """The compiled executable for ``key`` (compiled on first use, then reused)."""
@@ -300,7 +339,7 @@ class RolloutEngine:
     if kind == "prefill":
       ids = jax.ShapeDtypeStruct((batch, key[2]), jnp.int32)
       vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
-      lowered = jax.jit(self._prefill_fn).lower(self._weights(), ids, vec, vec, args)
+      lowered = jax.jit(self._prefill_fn).lower(self._weights(), ids, vec, vec, vec, args)
     elif kind == "segment":
       fn = jax.jit(lambda p, s, a: self._segment_fn(p, s, a, stop_at=key[2]), donate_argnums=1)
       lowered = fn.lower(self._weights(), self._state_spec(batch), args)
@@ -393,12 +432,15 @@ class RolloutEngine:
     ids = np.full((batch, plen), cfg.pad_token_id, np.int32)
     lens = np.ones((batch,), np.int32)
     row_id = np.full((batch,), -1, np.int32)
+    group_id = np.full((batch,), -1, np.int32)
+    groups: dict[tuple, int] = {}
     for slot, i in enumerate(chunk):
       ids[slot, :len(prompts[i])] = prompts[i]
       lens[slot], row_id[slot] = len(prompts[i]), i
+      group_id[slot] = groups.setdefault(tuple(prompts[i]), len(groups))  # same prompt, same group
     prefill = self._executable(("prefill", batch, plen))
     t0 = time.perf_counter()
-    state = prefill(self._weights(), ids, lens, row_id, args)
+    state = prefill(self._weights(), ids, lens, row_id, group_id, args)
     jax.block_until_ready(state)
     stats["prefill_s"] += time.perf_counter() - t0
     stop_set = set(stop_ids)
