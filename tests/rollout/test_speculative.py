@@ -18,7 +18,7 @@ from tlt_jax.rollout.speculative import SpecConfig
 
 STOPS = (3, 4, 5, 6)
 GREEDY_BATCHES = ([5], [3, 12, 7], [9, 2, 14, 5, 7, 1, 11])  # 1, 3 and 7 rows of varied lengths
-STRATEGIES = {"chain": SpecConfig(4, 1, 5), "tree-2": SpecConfig(3, 2, 6),
+STRATEGIES = {"chain": SpecConfig(4, 1, 5), "tree-narrow": SpecConfig(5, 2, 4),
               "tree-3": SpecConfig(4, 3, 12)}
 BASE = dict(max_batch=2, max_prompt_len=16, max_new_tokens=40, prefill_buckets=(16,))
 
@@ -73,7 +73,7 @@ def test_greedy_speculative_equals_vanilla(targets, vanilla_results, drafter_kin
 
 def test_speculative_engine_does_not_recompile(targets):
   target, drafter = targets["mirror"]
-  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(**BASE, spec=STRATEGIES["tree-2"]))
+  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(**BASE, spec=STRATEGIES["tree-narrow"]))
   engine.precompile()
   for lengths, temperature in (([4, 9], 0.0), ([16, 1, 3], 1.0), ([2, 2, 2, 2, 2], 0.6)):
     result = engine.generate(prompts_of(lengths), SamplingParams(

@@ -295,6 +295,7 @@ def verify(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, sp
 def compact_path_kv(cache: KVCache, path: jax.Array, n: int) -> KVCache:
   """Moves the KV of the accepted path's nodes (written at ``lengths + node``) to
   ``lengths + 0..a``, so the row's committed cache is contiguous again."""
+  path = path[:, :n]  # a tree of n nodes accepts at most n - 1 drafts, whatever its depth
   b, width = path.shape
   order = jnp.concatenate([path, jnp.broadcast_to(jnp.arange(width, n), (b, n - width))], 1)
   # Beyond the accepted length the path is 0-padded; those slots are dead, any content will do.

@@ -1,0 +1,176 @@
+"""Speculative vs vanilla decoding, tokens/s as ratios measured in one run (Table 4 / Fig. 13 shape).
+
+  python experiments/train_bench_target.py      # once: a small target trained on arithmetic traces
+  python experiments/train_drafter_offline.py   # once: an EAGLE drafter trained on its generations
+  python experiments/bench_sd.py [--repeats 3] [--batches 1,2,4,8,16,32] [--verify 4,8,16,32]
+
+For every batch size the vanilla engine and each speculative strategy decode the same prompts
+(long addition problems, so all rows run for a similar number of tokens) with one static batch
+(no compaction), greedy unless --temperature is set; repeats are interleaved and the median of
+the per-repeat ratios is reported. Greedy outputs are checked to be identical to vanilla.
+Writes JSON and a PNG heatmap to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import numpy as np
+
+from tlt_jax.models import hf
+from tlt_jax.models.drafter import load_drafter
+from tlt_jax.models.tokenizer import CharTokenizer
+from tlt_jax.rl.tasks import ArithmeticTask
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import SpecConfig
+
+
+def ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x]
+
+
+def long_prompts(tokenizer: CharTokenizer, n: int, digits: int, seed: int) -> list[list[int]]:
+  """``n`` addition problems of two ``digits``-digit numbers: long, similar-length solutions."""
+  rng = np.random.default_rng(seed)
+  task = ArithmeticTask()
+  lo, hi = 10 ** (digits - 1), 10 ** digits
+  problems = [task.make_problem(int(rng.integers(lo, hi)), int(rng.integers(lo, hi)))
+              for _ in range(n)]
+  return [[tokenizer.bos_token_id] + tokenizer.encode(p.prompt) for p in problems]
+
+
+def tree_for(verify: int, depth: int, topk: int) -> SpecConfig:
+  """A strategy verifying ``verify`` tokens: a chain when that is depth + 1, else a tree."""
+  if verify == depth + 1:
+    return SpecConfig(depth=depth, topk=1, verify_tokens=verify)
+  return SpecConfig(depth=depth, topk=topk, verify_tokens=verify)
+
+
+def measure(target, drafter, prompts, strategies: dict[str, SpecConfig], params, max_new,
+            repeats: int) -> dict:
+  """tokens/s of vanilla and each strategy on ``prompts`` in one static batch; median ratios."""
+  bs = len(prompts)
+  plen = max(len(p) for p in prompts)
+  base = dict(max_batch=bs, batch_buckets=(bs,), max_prompt_len=plen, prefill_buckets=(plen,),
+              max_new_tokens=max_new, compaction=False)
+  engines = {"vanilla": RolloutEngine(target, config=EngineConfig(**base))}
+  for name, spec in strategies.items():
+    engines[name] = RolloutEngine(target, drafter=drafter, config=EngineConfig(**base, spec=spec))
+  for engine in engines.values():
+    engine.precompile()
+    engine.generate(prompts, params)  # warm-up run
+  runs = {name: [] for name in engines}
+  reference = None
+  for _ in range(repeats):
+    for name, engine in engines.items():
+      result = engine.generate(prompts, params)
+      assert result.stats["compiles"] == 0
+      if name == "vanilla":
+        reference = result.tokens
+      elif params.temperature == 0:
+        assert result.tokens == reference, f"{name}: greedy SD differs from vanilla"
+      runs[name].append(result.stats)
+  out = {}
+  for name in strategies:
+    ratios = [s["tokens_per_s"] / v["tokens_per_s"] for s, v in zip(runs[name], runs["vanilla"])]
+    out[name] = {"speedup": statistics.median(ratios), "speedups": ratios,
+                 "mean_accept_len": runs[name][0]["mean_accept_len"],
+                 "tokens_per_s": statistics.median(s["tokens_per_s"] for s in runs[name])}
+  out["vanilla_tokens_per_s"] = statistics.median(s["tokens_per_s"] for s in runs["vanilla"])
+  return out
+
+
+def heatmap(path, rows, cols, values, title, xlabel, ylabel):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(1.2 * len(cols) + 2, 0.6 * len(rows) + 1.5))
+  grid = np.array(values, dtype=float)
+  im = ax.imshow(grid, cmap="viridis", aspect="auto")
+  for i in range(len(rows)):
+    for j in range(len(cols)):
+      ax.text(j, i, f"{grid[i, j]:.2f}x", ha="center", va="center", color="w")
+  ax.set_xticks(range(len(cols)), [str(c) for c in cols])
+  ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  fig.colorbar(im, ax=ax)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--target", default="experiments/out/bench_target")
+  parser.add_argument("--drafter", default="experiments/out/bench_drafter")
+  parser.add_argument("--batches", type=ints, default=[1, 2, 4, 8, 16, 32])
+  parser.add_argument("--verify", type=ints, default=[4, 8, 16, 32])
+  parser.add_argument("--depth", type=int, default=6, help="draft depth for the batch table")
+  parser.add_argument("--topk", type=int, default=4)
+  parser.add_argument("--fig13-depths", type=ints, default=[3, 5, 7])
+  parser.add_argument("--fig13-batch", type=int, default=1)
+  parser.add_argument("--digits", type=int, default=10)
+  parser.add_argument("--max-new", type=int, default=128)
+  parser.add_argument("--temperature", type=float, default=0.0)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out-dir", default="experiments/out")
+  a = parser.parse_args()
+
+  for path in (a.target, a.drafter):
+    if not pathlib.Path(path).is_dir():
+      raise SystemExit(f"{path} not found: run experiments/train_bench_target.py and "
+                       "experiments/train_drafter_offline.py first")
+  target, config = hf.from_pretrained(a.target)
+  drafter = load_drafter(a.drafter, config)
+  tok = json.loads((pathlib.Path(a.target) / "char_tokenizer.json").read_text())
+  tokenizer = CharTokenizer(tok["alphabet"], tuple(tok["specials"]))
+  params = SamplingParams(max_new_tokens=a.max_new, temperature=a.temperature, seed=a.seed)
+  prompts = long_prompts(tokenizer, max(a.batches), a.digits, a.seed)
+  t0 = time.time()
+
+  table = {}
+  for bs in a.batches:
+    strategies = {f"verify={v}": tree_for(v, a.depth, a.topk) for v in a.verify}
+    table[bs] = measure(target, drafter, prompts[:bs], strategies, params, a.max_new, a.repeats)
+    print(f"batch {bs:>3}: vanilla {table[bs]['vanilla_tokens_per_s']:.0f} tok/s | " + " | ".join(
+        f"{k} {v['speedup']:.2f}x (accept {v['mean_accept_len']:.2f})"
+        for k, v in table[bs].items() if k.startswith("verify")), flush=True)
+
+  fig13 = {}
+  for depth in a.fig13_depths:
+    strategies = {f"verify={v}": tree_for(v, depth, a.topk) for v in a.verify
+                  if v <= 1 + a.topk + (depth - 1) * a.topk ** 2}
+    fig13[depth] = measure(target, drafter, prompts[:a.fig13_batch], strategies, params,
+                           a.max_new, a.repeats)
+    print(f"depth {depth}: " + " | ".join(
+        f"{k} {v['speedup']:.2f}x (accept {v['mean_accept_len']:.2f})"
+        for k, v in fig13[depth].items() if k.startswith("verify")), flush=True)
+
+  out_dir = pathlib.Path(a.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  summary = {"args": vars(a), "target": dict(layers=config.num_layers, hidden=config.hidden_size,
+                                             vocab=config.vocab_size),
+             "batch_by_verify": table, "depth_by_verify": fig13, "wall_s": time.time() - t0,
+             "cpu_count": os.cpu_count()}
+  (out_dir / "bench_sd.json").write_text(json.dumps(summary, indent=2, default=str))
+  heatmap(out_dir / "bench_sd_batch.png", a.batches, a.verify,
+          [[table[b][f"verify={v}"]["speedup"] for v in a.verify] for b in a.batches],
+          "SD speedup over vanilla (tokens/s)", "tokens to verify", "batch size")
+  heatmap(out_dir / "bench_sd_depth.png", a.fig13_depths, a.verify,
+          [[fig13[d].get(f"verify={v}", {"speedup": np.nan})["speedup"] for v in a.verify]
+           for d in a.fig13_depths],
+          f"SD speedup at batch {a.fig13_batch}", "tokens to verify", "draft depth")
+  print(f"wrote {out_dir}/bench_sd.json and two PNGs in {summary['wall_s']:.0f}s")
+
+
+if __name__ == "__main__":
+  main()
