@@ -1,6 +1,6 @@
 """Trains the small char-level target LM the drafter/RL experiments use, on ArithmeticTask traces.
 
-  python experiments/train_bench_target.py [--steps 600] [--hidden 256] [--layers 6]
+  python experiments/train_bench_target.py [--steps 240] [--hidden 256] [--layers 6]
       [--out experiments/out/bench_target] [--seed 0]
 
 A Qwen2-style decoder learns next-token cross-entropy on ``<bos> prompt solution <eos>``, the
@@ -65,6 +65,8 @@ class PackedStream:
     while True:
       item = self._next()
       n = len(item[0])
+      if n > self.row_len:
+        raise ValueError(f"a {n}-token problem does not fit --row-len {self.row_len}")
       fit = next((r for r in range(self.rows) if room[r] >= n), None)
       if fit is None:
         self.pending.append(item)  # first of the next batch
@@ -132,7 +134,7 @@ def greedy_accuracy(model, tokenizer: CharTokenizer, task: ArithmeticTask,
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=600)
+  parser.add_argument("--steps", type=int, default=240)
   parser.add_argument("--hidden", type=int, default=256)
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--heads", type=int, default=8)

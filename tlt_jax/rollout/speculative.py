@@ -130,16 +130,29 @@ def draft_chain(target: Transformer, drafter: Drafter, dcache: KVCache, feature,
   or its argmax when greedy. ``feature``/``logits`` are the drafter outputs for the root."""
   dl = dcache.lengths
 
-  def step(carry, i):
-    feat, lg, cache = carry
-    logq = filtered_logprobs(lg, args.temperature, args.top_k, args.top_p)
-    sampled = jax.vmap(jax.random.categorical)(_keys(args, rows, gen_pos + i, _DRAFT), logq)
-    tok = jnp.where(args.temperature > 0, sampled, jnp.argmax(lg, -1)).astype(jnp.int32)
-    out = drafter.forward(target, tok[:, None], feat[:, None], cache=cache.with_lengths(dl + i))
-    return (out.hidden[:, 0], out.logits[:, 0], out.cache), (tok, jnp.exp(logq))
+  def run(greedy: bool):
+    def pick(lg, i):
+      if greedy:
+        return jnp.argmax(lg, -1).astype(jnp.int32), jnp.zeros_like(lg)
+      logq = filtered_logprobs(lg, args.temperature, args.top_k, args.top_p)
+      tok = jax.vmap(jax.random.categorical)(_keys(args, rows, gen_pos + i, _DRAFT), logq)
+      return tok.astype(jnp.int32), jnp.exp(logq)
 
-  _, (toks, probs) = lax.scan(step, (feature, logits, dcache), jnp.arange(depth))
-  toks, probs = toks.T, jnp.swapaxes(probs, 0, 1)
+    def step(carry, i):
+      feat, lg, cache = carry
+      tok, q = pick(lg, i)
+      out = drafter.forward(target, tok[:, None], feat[:, None], cache=cache.with_lengths(dl + i))
+      return (out.hidden[:, 0], out.logits[:, 0], out.cache), (tok, q)
+
+    # depth - 1 drafter passes; the last draft needs no pass of its own
+    (_, last_logits, _), (toks, probs) = lax.scan(step, (feature, logits, dcache),
+                                                  jnp.arange(depth - 1))
+    last_tok, last_q = pick(last_logits, depth - 1)
+    toks = jnp.concatenate([toks.T, last_tok[:, None]], 1)
+    probs = jnp.concatenate([jnp.swapaxes(probs, 0, 1), last_q[:, None]], 1)
+    return toks, probs
+
+  toks, probs = lax.cond(args.temperature <= 0, lambda: run(True), lambda: run(False))
   return chain_tree(toks, root, probs, jnp.full(root.shape, depth, jnp.int32))
 
 
@@ -238,18 +251,26 @@ class Verdict(NamedTuple):
 def verify(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, spec: SpecConfig
            ) -> Verdict:
   """Walks the draft against the target ``logits [B, N, V]``; exact for greedy and sampling."""
+  walk = lambda greedy: lambda: _walk(draft, logits, args, rows, gen_pos, spec, greedy)
+  return lax.cond(args.temperature <= 0, walk(True), walk(False))
+
+
+def _walk(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, spec: SpecConfig,
+          greedy: bool) -> Verdict:
+  """The acceptance walk; ``greedy`` (static) skips every random draw."""
   b, n = draft.tokens.shape
   depth = spec.depth
-  logp = filtered_logprobs(logits, args.temperature, args.top_k, args.top_p)  # [B, N, V]
-  probs = jnp.exp(logp)
-  greedy = args.temperature <= 0
+  if greedy:
+    probs = jnp.zeros(logits.shape[:1] + (1, 1), jnp.float32)  # unused placeholder
+  else:
+    probs = jnp.exp(filtered_logprobs(logits, args.temperature, args.top_k, args.top_p))
   cur = jnp.zeros((b,), jnp.int32)
   active = jnp.ones((b,), bool)
   path = [cur]
   residual = _take_rows(probs, cur)
   final_residual = residual
   for level in range(depth):
-    p_here = _take_rows(probs, cur)
+    p_here = _take_rows(probs, cur) if not greedy else None
     argmax_here = jnp.argmax(_take_rows(logits, cur), -1)
     children = _take_rows(draft.children, cur)  # [B, k]
     usable = active & (level < draft.draft_len)
@@ -259,6 +280,9 @@ def verify(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, sp
       child = children[:, j]
       ok = usable & (child >= 0) & (chosen < 0)
       tok = jnp.take_along_axis(draft.tokens, jnp.maximum(child, 0)[:, None], 1)[:, 0]
+      if greedy:
+        chosen = jnp.where(ok & (tok == argmax_here), child, chosen)
+        continue
       if draft.draft_probs is not None:  # chain: rejection against the drafter's q
         q = draft.draft_probs[:, level]
         q_tok = jnp.take_along_axis(q, tok[:, None], 1)[:, 0]
@@ -270,26 +294,27 @@ def verify(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, sp
         rejected_residual = jnp.where(jax.nn.one_hot(tok, residual.shape[-1], dtype=bool), 0.0,
                                       residual)
       u = jax.vmap(jax.random.uniform)(_keys(args, rows, gen_pos + level, _ACCEPT + 8 * j))
-      accept = jnp.where(greedy, tok == argmax_here, u < accept_prob)
+      accept = u < accept_prob
       chosen = jnp.where(ok & accept, child, chosen)
       mass = jnp.sum(rejected_residual, -1, keepdims=True)
       rejected_residual = jnp.where(mass > 0, rejected_residual / jnp.maximum(mass, 1e-30),
                                     residual)
       residual = jnp.where((ok & ~accept)[:, None], rejected_residual, residual)
     found = chosen >= 0
-    stops_here = active & ~found
-    final_residual = jnp.where(stops_here[:, None], residual, final_residual)
+    if not greedy:
+      final_residual = jnp.where((active & ~found)[:, None], residual, final_residual)
     cur = jnp.where(found, chosen, cur)
     path.append(jnp.where(found, chosen, 0))
     active = active & found
-  final_residual = jnp.where(active[:, None], _take_rows(probs, cur), final_residual)
   accepted = jnp.sum(jnp.stack(path[1:], 1) > 0, axis=1).astype(jnp.int32)
-  bonus_greedy = jnp.argmax(_take_rows(logits, cur), -1)
-  bonus_key = _keys(args, rows, gen_pos + accepted, _BONUS)
-  bonus_sampled = jax.vmap(jax.random.categorical)(
-      bonus_key, jnp.log(jnp.maximum(final_residual, 0.0)))
-  bonus = jnp.where(greedy, bonus_greedy, bonus_sampled).astype(jnp.int32)
-  return Verdict(jnp.stack(path, 1), accepted, bonus)
+  if greedy:
+    bonus = jnp.argmax(_take_rows(logits, cur), -1)
+  else:
+    final_residual = jnp.where(active[:, None], _take_rows(probs, cur), final_residual)
+    bonus_key = _keys(args, rows, gen_pos + accepted, _BONUS)
+    bonus = jax.vmap(jax.random.categorical)(bonus_key,
+                                             jnp.log(jnp.maximum(final_residual, 0.0)))
+  return Verdict(jnp.stack(path, 1), accepted, bonus.astype(jnp.int32))
 
 
 def compact_path_kv(cache: KVCache, path: jax.Array, n: int) -> KVCache:
