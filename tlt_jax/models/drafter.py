@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.transformer import (DecoderLayer, KVCache, Transformer, attention_mask,
+from tlt_jax.models.transformer import (DecoderLayer, KVCache, Transformer, positions_and_mask,
                                         rope_inv_freq)
 
 PARAMS_FILE = "drafter.safetensors"
@@ -68,18 +68,10 @@ class Drafter(nnx.Module):
     Cache semantics are the target's (see ``Transformer.forward``): keys are written at
     ``cache.lengths + t`` and ``lengths`` is left for the caller to advance.
     """
-    b, t = tokens.shape
-    if positions is None:
-      base = cache.lengths[:, None] if cache is not None else jnp.zeros((b, 1), jnp.int32)
-      positions = base + jnp.arange(t, dtype=jnp.int32)[None]
+    positions, mask = positions_and_mask(tokens.shape, cache, positions, attn_mask, cache_mask)
     x = self.fc(jnp.concatenate([target.embed(tokens), features.astype(self.config.jnp_dtype)],
                                 axis=-1))
     lengths = cache.lengths if cache is not None else None
-    if cache_mask is not None:
-      mask = cache_mask
-    else:
-      mask = attention_mask(t, lengths, cache.max_len if cache is not None else None, attn_mask)
-    mask = jnp.broadcast_to(mask, (b,) + mask.shape[1:])
     kv = (cache.k[0], cache.v[0]) if cache is not None else None
     x, (k, v) = self.layer(x, positions, rope_inv_freq(self.config), mask, kv, lengths)
     new_cache = KVCache((k,), (v,), cache.lengths) if cache is not None else None

@@ -201,6 +201,21 @@ def attention_mask(t: int, cache_lengths: jax.Array | None, max_len: int | None,
   return (rel < 0)[:, None, :] | (in_new[:, None, :] & seen_new)
 
 
+def positions_and_mask(shape: tuple[int, int], cache: KVCache | None, positions, attn_mask,
+                       cache_mask) -> tuple[jax.Array, jax.Array]:
+  """Default positions (``cache.lengths + t``, or ``t``) and the ``[B, T, S]`` attention mask."""
+  b, t = shape
+  if positions is None:
+    base = cache.lengths[:, None] if cache is not None else jnp.zeros((b, 1), jnp.int32)
+    positions = base + jnp.arange(t, dtype=jnp.int32)[None]
+  if cache_mask is not None:
+    mask = cache_mask
+  else:
+    mask = attention_mask(t, cache.lengths if cache is not None else None,
+                          cache.max_len if cache is not None else None, attn_mask)
+  return positions, jnp.broadcast_to(mask, (b,) + mask.shape[1:])
+
+
 class Transformer(nnx.Module):
   """Qwen2/Llama-family causal LM. ``model(ids)`` gives logits; ``model.forward`` does the rest."""
 
@@ -240,16 +255,8 @@ class Transformer(nnx.Module):
     ``cache_mask [B, T, S]`` instead gives the full visibility over every cache slot (tree drafting,
     where earlier draft levels sit in uncommitted slots).
     """
-    b, t = input_ids.shape
-    if positions is None:
-      base = cache.lengths[:, None] if cache is not None else jnp.zeros((b, 1), jnp.int32)
-      positions = base + jnp.arange(t, dtype=jnp.int32)[None]
+    positions, mask = positions_and_mask(input_ids.shape, cache, positions, attn_mask, cache_mask)
     lengths = cache.lengths if cache is not None else None
-    if cache_mask is not None:
-      mask = cache_mask
-    else:
-      mask = attention_mask(t, lengths, cache.max_len if cache is not None else None, attn_mask)
-    mask = jnp.broadcast_to(mask, (b,) + mask.shape[1:])
     inv_freq = rope_inv_freq(self.config)
     x = self.embed(input_ids)
     new_k, new_v = [], []
