@@ -186,3 +186,15 @@ def test_bad_spec_configs_are_rejected(targets):
   target, _ = targets["random"]
   with pytest.raises(ValueError, match="no drafter"):
     RolloutEngine(target, config=EngineConfig(spec=SpecConfig()))
+
+
+def test_phase_timing_reports_draft_and_verify_time(targets, vanilla_results):
+  target, drafter = targets["mirror"]
+  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(
+      **BASE, spec=STRATEGIES["chain"], time_phases=True))
+  params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
+  result = engine.generate(prompts_of(GREEDY_BATCHES[1], seed=3), params)
+  assert result.tokens == vanilla_results["mirror"][1].tokens  # timing changes nothing
+  s = result.stats
+  assert s["draft_s"] > 0 and s["verify_s"] > 0
+  assert s["draft_s"] + s["verify_s"] <= s["decode_s"]

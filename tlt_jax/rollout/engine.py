@@ -43,6 +43,9 @@ class EngineConfig:
   max_stop_ids: int = 8
   pad_token_id: int = 0
   spec: SpecConfig | None = None  # speculative decoding strategy (needs a drafter)
+  # Speculative steps report draft vs verify time, read by host callbacks at the phase
+  # boundaries (one host round trip per phase: leave off when measuring throughput).
+  time_phases: bool = False
 
   def __post_init__(self):
     if self.spec is not None and not isinstance(self.spec, SpecConfig):
@@ -147,6 +150,7 @@ class RolloutEngine:
                                                   else (None, None))
     self._executables: dict[tuple, Any] = {}
     self._compile_seconds = 0.0
+    self._phase_marks: list[tuple[int, float]] = []
 
   # ---- weights -------------------------------------------------------------------------------
   def update_params(self, params: nnx.State, drafter_params: nnx.State | None = None) -> None:
@@ -242,11 +246,18 @@ class RolloutEngine:
         tokens=tokens, logprobs=logprobs, num_generated=num_generated,
         done=state.done | (live & finished), counters=counters, **extra)
 
+  def _mark_phase(self, phase: int, after: jax.Array) -> None:
+    """With ``time_phases``, records on the host when ``after`` is computed (phase 0/1/2)."""
+    if self.config.time_phases:
+      jax.debug.callback(lambda p, _: self._phase_marks.append((int(p), time.perf_counter())),
+                         phase, after, ordered=True)
+
   def _spec_step(self, target, drafter, state: DecodeState, args: SamplerArgs) -> DecodeState:
     """Catch the drafter up on the pending pairs, draft, verify in one target pass, accept."""
     spec = self.spec
     live = ~state.done
     rows, gen_pos = state.row_id, state.num_generated
+    self._mark_phase(0, state.last_token)
     if self.ngram is not None:
       proposal, proposal_len = ngram_propose(
           state.prompt_tokens, state.prompt_lens, state.tokens, state.num_generated,
@@ -254,6 +265,7 @@ class RolloutEngine:
           depth=self.ngram.depth)
       # point-mass drafts: verified by the sequential point-mass rule (draft_probs=None)
       draft = sd.chain_tree(proposal, state.last_token, None, proposal_len)
+      self._mark_phase(1, draft.tokens)
       return self._verify_and_emit(target, state, draft, None, args)
     dout = drafter.forward(target, state.pend_tokens, state.pend_feats, cache=state.dcache)
     dcache = dout.cache.advance(jnp.where(live, state.pend_count, 0))
@@ -266,6 +278,7 @@ class RolloutEngine:
     else:
       draft = sd.draft_tree(target, drafter, dcache, feature, logits, state.last_token, spec)
       mask = sd.tree_attention(draft, spec.depth)
+    self._mark_phase(1, draft.tokens)
     return self._verify_and_emit(target, state, draft, mask, args, dcache=dcache)
 
   def _verify_and_emit(self, target, state, draft, mask, args, dcache=None):
@@ -277,6 +290,7 @@ class RolloutEngine:
     out = target.forward(draft.tokens, positions, cache=state.cache, attn_mask=mask,
                          return_hidden=True)
     verdict = sd.verify(draft, out.logits, args, rows, gen_pos, spec)
+    self._mark_phase(2, verdict.bonus)
     accepted = verdict.accepted
     path_tokens = jnp.take_along_axis(draft.tokens, verdict.path, 1)  # [B, depth + 1]
     batch_rows = jnp.arange(path_tokens.shape[0])
@@ -405,6 +419,7 @@ class RolloutEngine:
     stats = dict(prefill_s=0.0, decode_s=0.0, compact_s=0.0, compile_s=0.0, decode_steps=0,
                  row_steps=0, live_row_steps=0, segments=[], tokens=0)
     compiles0, compile_s0 = compile_count(), self._compile_seconds
+    self._phase_marks.clear()
     t_start = time.perf_counter()
     tokens: list[list[int]] = [[] for _ in prompts]
     logprobs: list[np.ndarray] = [np.zeros(0, np.float32) for _ in prompts]
@@ -423,6 +438,13 @@ class RolloutEngine:
       stats["accept_hist"] = hist.tolist()  # index i: steps that emitted i + 1 tokens
       stats["mean_accept_len"] = float((hist * np.arange(1, hist.size + 1)).sum() /
                                        max(hist.sum(), 1))
+      if self.config.time_phases:
+        marks = self._phase_marks
+        spans = {1: 0.0, 2: 0.0}  # phase 1 ends drafting, phase 2 ends verification
+        for (p0, t0), (p1, t1) in zip(marks, marks[1:]):
+          if p1 == p0 + 1:
+            spans[p1] += t1 - t0
+        stats["draft_s"], stats["verify_s"] = spans[1], spans[2]
     return RolloutResult(tokens, logprobs, reasons, stats)
 
   def _run_chunk(self, prompts, chunk, args, stop_ids, tokens, logprobs, reasons, stats):
