@@ -113,7 +113,7 @@ def main():
   parser.add_argument("--drafter", default="experiments/out/bench_drafter")
   parser.add_argument("--batches", type=ints, default=[1, 2, 4, 8, 16, 32])
   parser.add_argument("--verify", type=ints, default=[4, 8, 16, 32])
-  parser.add_argument("--depth", type=int, default=6, help="draft depth for the batch table")
+  parser.add_argument("--depth", type=int, default=7, help="draft depth for the batch table")
   parser.add_argument("--topk", type=int, default=4)
   parser.add_argument("--fig13-depths", type=ints, default=[3, 5, 7])
   parser.add_argument("--fig13-batch", type=int, default=1)

@@ -7,8 +7,8 @@ A Qwen2-style decoder learns next-token cross-entropy on ``<bos> prompt solution
 loss taken on solution and EOS tokens only. Fresh problems are packed into fixed rows each step
 (block-diagonal attention, positions restarting per problem), so the step compiles once. At the
 end the model answers held-out problems greedily through ``RolloutEngine`` and the task reward
-scores them. Writes an HF checkpoint (``config.json`` + safetensors), ``char_tokenizer.json`` with the
-char alphabet, and ``train_log.json`` (loss curve, timings, accuracy) to ``--out``.
+scores them. Writes an HF checkpoint (``config.json`` + safetensors), ``char_tokenizer.json``
+with the char alphabet, and ``train_log.json`` (loss curve, timings, accuracy) to ``--out``.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def greedy_accuracy(model, tokenizer: CharTokenizer, task: ArithmeticTask,
              for lo, hi in ((1, 2), (3, 5), (6, 12)) if np.any((longest >= lo) & (longest <= hi))}
   return dict(accuracy=float(rewards.mean()), accuracy_by_digits=by_size,
               mean_completion_len=float(np.mean([len(t) for t in result.tokens])),
-              generate_s=result.stats["wall_s"], example=texts[0], example_prompt=problems[0].prompt)
+              generate_s=result.stats["wall_s"], example=texts[0],
+              example_prompt=problems[0].prompt)
 
 
 def main():

@@ -1,7 +1,7 @@
 """Trains an EAGLE drafter offline on the bench target's own completions of ArithmeticTask prompts.
 
   python experiments/train_drafter_offline.py [--target experiments/out/bench_target]
-      [--steps 300] [--init last] [--out experiments/out/bench_drafter]
+      [--steps 300] [--init random] [--out experiments/out/bench_drafter]
 
 The target (from ``train_bench_target.py``) completes a few hundred prompts greedily and at
 temperature 1 through ``RolloutEngine``; those sequences are packed into rows, run through the
@@ -10,6 +10,8 @@ rows with the jitted step. Top-1 agreement with the target (teacher-forced featu
 positions only) is reported on the training rows and on held-out prompts' completions.
 ``--init`` picks the drafter's decoder layer: ``random``, or a copy of the target's ``first`` or
 ``last`` layer; a comma list trains one drafter per choice and keeps the best held-out one.
+(On the bench target, 300 steps: random 0.929, first 0.926, last 0.918 held-out top-1 -- a
+copied layer does not help, since ``fc`` starts random and feeds it unfamiliar inputs.)
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def load_task_and_tokenizer(target_dir: pathlib.Path) -> tuple[ArithmeticTask, C
 
 def own_completions(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: int,
                     seed: int) -> tuple[list[list[int]], list[int], dict]:
-  """Prompt + completion sequences at temperature 0 and 1 (two per prompt), prompt lengths, stats."""
+  """Prompt + completion sequences at temperatures 0 and 1, their prompt lengths, and stats."""
   sequences, prompt_lens, stats = [], [], {}
   for temperature in (0.0, 1.0):
     result = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens,
@@ -122,7 +124,7 @@ def main():
   parser.add_argument("--batch-rows", type=int, default=8)
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--lr", type=float, default=2e-3)
-  parser.add_argument("--init", default="last", help="random|first|last, or a comma list")
+  parser.add_argument("--init", default="random", help="random|first|last, or a comma list")
   parser.add_argument("--log-every", type=int, default=50)
   parser.add_argument("--seed", type=int, default=0)
   a = parser.parse_args()

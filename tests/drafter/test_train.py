@@ -26,7 +26,7 @@ def target():
 
 
 def sample_sequences(model, prompts: np.ndarray, length: int, seed: int) -> np.ndarray:
-  """Ancestral samples of ``model`` continuing ``prompts`` to ``length`` tokens (one jitted loop)."""
+  """Ancestral samples of ``model`` continuing ``prompts`` to ``length`` tokens, in one jit."""
   graphdef, params = nnx.split(model)
   prompt_len = prompts.shape[1]
 

@@ -55,7 +55,8 @@ def test_hand_written_examples():
   assert task.make_problem(47, 85).text == "47+85=? 7+5+0=12 4+8+1=13 #132"
   assert task.make_problem(85, 47, "-").text == "85-47=? 15-7-0=8 08-4-1=3 #38"
   assert task.make_problem(47, 85, "-").prompt == "85-47=?"
-  for a, b, op in [(0, 0, "+"), (999, 1, "+"), (100, 99, "-"), (5, 5, "-"), (123456789, 987654321, "+")]:
+  for a, b, op in [(0, 0, "+"), (999, 1, "+"), (100, 99, "-"), (5, 5, "-"),
+                   (123456789, 987654321, "+")]:
     check_trace(task.make_problem(a, b, op))
 
 

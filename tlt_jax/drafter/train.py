@@ -133,7 +133,7 @@ def pack_sequences(lengths: Sequence[int], row_len: int) -> list[list[int]]:
 def layout_rows(sequences: Sequence[Sequence[int]], seq_len: int, *, pack: bool = False,
                 prompt_lens: Sequence[int] | None = None, pad_id: int = 0
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """Lays sequences (truncated to ``seq_len``) into rows: ``(ids, positions, segment_ids, trained)``.
+  """Lays sequences (cut to ``seq_len``) into rows: ``(ids, positions, segment_ids, trained)``.
 
   ``trained [R, L]`` marks positions at or after ``prompt_len - 1`` of their sequence: those that
   draft completion tokens. Without ``pack`` each sequence gets a row of its own.
@@ -238,7 +238,7 @@ def _graphdef_of(module_or_graphdef) -> nnx.GraphDef:
 
 def make_train_step(drafter: Drafter | nnx.GraphDef, target: Transformer | nnx.GraphDef,
                     optimizer: optax.GradientTransformation, *, ce_weight: float = CE_WEIGHT):
-  """A jitted ``step(drafter_params, opt_state, target_params, batch) -> (params, opt_state, metrics)``.
+  """A jitted ``step(drafter_params, opt_state, target_params, batch)`` -> (params, state, metrics).
 
   Only the drafter's params are trained; the target's params are an argument (not a baked
   constant), so new policy weights never recompile the step. Drafter params and optimizer

@@ -151,7 +151,7 @@ class ArithmeticTask:
     return Problem(prompt=prompt, answer=answer, solution=solution)
 
   def reward(self, problem: Problem, completion: str) -> float:
-    """1.0 if the completion's final answer (after the last ``#``) equals the reference, else 0.0."""
+    """1.0 if the completion's final answer (after its last ``#``) is the reference, else 0.0."""
     found = extract_answer(completion)
     if found is None or re.fullmatch(r"[0-9]+", found) is None:
       return 0.0
