@@ -181,7 +181,7 @@ class RolloutEngine:
     batch = ids.shape[0]
     cache = KVCache.create(self.model_config, batch, self.config.cache_len)
     out = target.forward(ids, cache=cache, return_hidden=drafter is not None)
-    last_logits = sd._take_rows(out.logits, prompt_lens - 1)
+    last_logits = sd.pick_positions(out.logits, prompt_lens - 1)
     keys = row_keys(args.seed, row_id, jnp.zeros_like(row_id))
     tok, logp = sample_tokens(last_logits, keys, args)
     padding = row_id < 0
@@ -199,7 +199,7 @@ class RolloutEngine:
       width = self.spec.max_emit
       pend_tokens = jnp.zeros((batch, width), jnp.int32).at[:, 0].set(tok)
       pend_feats = jnp.zeros((batch, width, out.hidden.shape[-1]), out.hidden.dtype)
-      pend_feats = pend_feats.at[:, 0].set(sd._take_rows(out.hidden, prompt_lens - 1))
+      pend_feats = pend_feats.at[:, 0].set(sd.pick_positions(out.hidden, prompt_lens - 1))
       extra = dict(dcache=dout.cache.with_lengths(prompt_lens - 1), pend_tokens=pend_tokens,
                    pend_feats=pend_feats, pend_count=jnp.ones((batch,), jnp.int32))
     if self.ngram is not None:
@@ -269,8 +269,8 @@ class RolloutEngine:
       return self._verify_and_emit(target, state, draft, None, args)
     dout = drafter.forward(target, state.pend_tokens, state.pend_feats, cache=state.dcache)
     dcache = dout.cache.advance(jnp.where(live, state.pend_count, 0))
-    feature = sd._take_rows(dout.hidden, state.pend_count - 1)
-    logits = sd._take_rows(dout.logits, state.pend_count - 1)
+    feature = sd.pick_positions(dout.hidden, state.pend_count - 1)
+    logits = sd.pick_positions(dout.logits, state.pend_count - 1)
     if spec.is_chain:
       draft = sd.draft_chain(target, drafter, dcache, feature, logits, state.last_token, args,
                              rows, gen_pos, spec.depth)

@@ -99,7 +99,7 @@ class Draft(NamedTuple):
   draft_len: jax.Array  # [B] usable draft levels (a chain may propose fewer than depth)
 
 
-def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+def pick_positions(x: jax.Array, index: jax.Array) -> jax.Array:
   """``x[b, index[b]]`` for ``x [B, T, ...]`` and ``index [B]``."""
   return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
@@ -267,12 +267,12 @@ def _walk(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, spe
   cur = jnp.zeros((b,), jnp.int32)
   active = jnp.ones((b,), bool)
   path = [cur]
-  residual = _take_rows(probs, cur)
+  residual = pick_positions(probs, cur)
   final_residual = residual
   for level in range(depth):
-    p_here = _take_rows(probs, cur) if not greedy else None
-    argmax_here = jnp.argmax(_take_rows(logits, cur), -1)
-    children = _take_rows(draft.children, cur)  # [B, k]
+    p_here = pick_positions(probs, cur) if not greedy else None
+    argmax_here = jnp.argmax(pick_positions(logits, cur), -1)
+    children = pick_positions(draft.children, cur)  # [B, k]
     usable = active & (level < draft.draft_len)
     residual = p_here
     chosen = jnp.full((b,), -1, jnp.int32)
@@ -308,9 +308,9 @@ def _walk(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, spe
     active = active & found
   accepted = jnp.sum(jnp.stack(path[1:], 1) > 0, axis=1).astype(jnp.int32)
   if greedy:
-    bonus = jnp.argmax(_take_rows(logits, cur), -1)
+    bonus = jnp.argmax(pick_positions(logits, cur), -1)
   else:
-    final_residual = jnp.where(active[:, None], _take_rows(probs, cur), final_residual)
+    final_residual = jnp.where(active[:, None], pick_positions(probs, cur), final_residual)
     bonus_key = _keys(args, rows, gen_pos + accepted, _BONUS)
     bonus = jax.vmap(jax.random.categorical)(bonus_key,
                                              jnp.log(jnp.maximum(final_residual, 0.0)))
