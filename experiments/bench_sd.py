@@ -86,6 +86,27 @@ def measure(target, drafter, prompts, strategies: dict[str, SpecConfig], params,
   return out
 
 
+def phase_split(target, drafter, prompts, strategies: dict[str, SpecConfig], params, max_new):
+  """Per-step draft and verify time (``time_phases``: host callbacks at phase boundaries)."""
+  plen = max(len(p) for p in prompts)
+  base = dict(max_batch=len(prompts), batch_buckets=(len(prompts),), max_prompt_len=plen,
+              prefill_buckets=(plen,), max_new_tokens=max_new, compaction=False)
+  out = {}
+  for name, spec in {"vanilla": None, **strategies}.items():
+    engine = RolloutEngine(target, drafter=drafter if spec else None,
+                           config=EngineConfig(**base, spec=spec, time_phases=spec is not None))
+    engine.precompile()
+    engine.generate(prompts, params)
+    s = engine.generate(prompts, params).stats
+    n = s["decode_steps"]
+    out[name] = {"step_ms": 1e3 * s["decode_s"] / n}
+    if spec is not None:
+      out[name].update(draft_ms=1e3 * s["draft_s"] / n, verify_ms=1e3 * s["verify_s"] / n,
+                       mean_accept_len=s["mean_accept_len"])
+    print(name, {k: round(v, 3) for k, v in out[name].items()}, flush=True)
+  return out
+
+
 def heatmap(path, rows, cols, values, title, xlabel, ylabel):
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
@@ -123,6 +144,8 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out-dir", default="experiments/out")
+  parser.add_argument("--phase-split", action="store_true",
+                      help="only measure the draft/verify time split at batch 1")
   a = parser.parse_args()
 
   for path in (a.target, a.drafter):
@@ -136,6 +159,13 @@ def main():
   params = SamplingParams(max_new_tokens=a.max_new, temperature=a.temperature, seed=a.seed)
   prompts = long_prompts(tokenizer, max(a.batches), a.digits, a.seed)
   t0 = time.time()
+  if a.phase_split:
+    split = phase_split(target, drafter, prompts[:1], {
+        "chain depth 3": tree_for(4, 3, a.topk), "chain depth 7": tree_for(8, 7, a.topk),
+        "tree depth 7 verify 16": tree_for(16, 7, a.topk)}, params, a.max_new)
+    pathlib.Path(a.out_dir).mkdir(parents=True, exist_ok=True)
+    (pathlib.Path(a.out_dir) / "bench_sd_phases.json").write_text(json.dumps(split, indent=2))
+    return
 
   table = {}
   for bs in a.batches:
