@@ -27,3 +27,11 @@ def compile_count() -> int:
       monitoring.register_event_duration_secs_listener(_on_event)
       _registered = True
     return _compiles
+
+
+def require_positive_ints(obj, *names: str) -> None:
+  """Raises ``ValueError`` naming ``Class.field`` for the first field that is not an int >= 1."""
+  for name in names:
+    value = getattr(obj, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")

@@ -7,6 +7,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from tlt_jax.utils import require_positive_ints
+
 ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
@@ -48,11 +50,8 @@ class ModelConfig:
   eos_token_id: int | tuple[int, ...] | None = None
 
   def __post_init__(self):
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                 "num_heads", "num_kv_heads", "max_position_embeddings"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+    require_positive_ints(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                          "num_heads", "num_kv_heads", "max_position_embeddings")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "

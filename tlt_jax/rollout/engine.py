@@ -27,7 +27,7 @@ from tlt_jax.rollout.ngram import NgramConfig, ngram_propose
 from tlt_jax.rollout.sampling import (SamplerArgs, SamplingParams, filtered_logprobs, row_keys,
                                       sample_tokens)
 from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.utils import compile_count
+from tlt_jax.utils import compile_count, require_positive_ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +50,7 @@ class EngineConfig:
   def __post_init__(self):
     if self.spec is not None and not isinstance(self.spec, SpecConfig):
       raise ValueError(f"EngineConfig.spec must be a SpecConfig or None, got {self.spec!r}")
-    for name in ("max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+    require_positive_ints(self, "max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids")
     for name, limit, default in (("batch_buckets", self.max_batch, bk.powers_of_two_up_to(self.max_batch)),
                                  ("prefill_buckets", self.max_prompt_len,
                                   bk.powers_of_two_up_to(self.max_prompt_len, start=min(16, self.max_prompt_len)))):

@@ -27,6 +27,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.utils import require_positive_ints
+
 _PAD = -1  # marks context slots past a row's length; never equal to a token id
 _NO_QUERY = -2  # marks suffix slots a short row does not have; never equal to anything
 
@@ -40,10 +42,7 @@ class NgramConfig:
   depth: int = 8
 
   def __post_init__(self):
-    for name in ("max_ngram", "min_ngram", "depth"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"NgramConfig.{name} must be a positive int, got {value!r}")
+    require_positive_ints(self, "max_ngram", "min_ngram", "depth")
     if self.min_ngram > self.max_ngram:
       raise ValueError(f"NgramConfig.min_ngram ({self.min_ngram}) must be <= NgramConfig.max_ngram "
                        f"({self.max_ngram})")

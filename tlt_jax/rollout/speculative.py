@@ -48,6 +48,7 @@ from jax import lax
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import KVCache, Transformer
 from tlt_jax.rollout.sampling import SamplerArgs, filtered_logprobs
+from tlt_jax.utils import require_positive_ints
 
 # Tags folded into a row's position key, one independent stream per use.
 _DRAFT, _ACCEPT, _BONUS = 1, 2, 3
@@ -64,10 +65,7 @@ class SpecConfig:
   verify_tokens: int = 5
 
   def __post_init__(self):
-    for name in ("depth", "topk", "verify_tokens"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"SpecConfig.{name} must be a positive int, got {value!r}")
+    require_positive_ints(self, "depth", "topk", "verify_tokens")
     if self.topk == 1 and self.verify_tokens != self.depth + 1:
       raise ValueError(
           f"SpecConfig.verify_tokens must be depth + 1 = {self.depth + 1} for a chain (topk=1), "
