@@ -1,0 +1,159 @@
+"""GRPO objective as pure, jittable functions: group advantages, token log-probs, clipped loss.
+
+Rollout rows are laid out group by group: rows ``g*G .. g*G+G-1`` are the ``G`` completions of
+one prompt. ``group_advantages`` turns their scalar rewards into per-row advantages;
+``policy_loss`` is the PPO-style clipped surrogate (optionally DAPO-style asymmetric clipping and
+a k3 KL penalty to a reference policy) aggregated over the valid tokens of a padded batch.
+
+Masked (padding) tokens never reach an ``exp``: their log-prob differences are zeroed first, so
+garbage values there cannot produce NaNs, and their gradients are exactly zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """GRPO hyperparameters; frozen and hashable, so it can be a static jit argument."""
+
+  group_size: int
+  clip_eps_low: float = 0.2
+  clip_eps_high: Optional[float] = None  # None: symmetric (same as clip_eps_low)
+  kl_coef: float = 0.0
+  loss_agg: str = "token-mean"
+  normalize_std: bool = True  # False: Dr.GRPO-style centring only
+  eps: float = 1e-6
+
+  def __post_init__(self) -> None:
+    if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+      raise ValueError(f"GRPOConfig.group_size must be an int >= 1, got {self.group_size!r}")
+    if not _is_real(self.clip_eps_low) or not 0.0 < self.clip_eps_low < 1.0:
+      raise ValueError(f"GRPOConfig.clip_eps_low must be in (0, 1), got {self.clip_eps_low!r}")
+    if self.clip_eps_high is not None and (not _is_real(self.clip_eps_high) or not self.clip_eps_high > 0.0):
+      raise ValueError(f"GRPOConfig.clip_eps_high must be None or a finite float > 0, got {self.clip_eps_high!r}")
+    if not _is_real(self.kl_coef) or self.kl_coef < 0.0:
+      raise ValueError(f"GRPOConfig.kl_coef must be a finite float >= 0, got {self.kl_coef!r}")
+    if self.loss_agg not in LOSS_AGG_MODES:
+      raise ValueError(f"GRPOConfig.loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}")
+    if not isinstance(self.normalize_std, bool):
+      raise ValueError(f"GRPOConfig.normalize_std must be a bool, got {self.normalize_std!r}")
+    if not _is_real(self.eps) or not self.eps > 0.0:
+      raise ValueError(f"GRPOConfig.eps must be a finite float > 0, got {self.eps!r}")
+
+  @property
+  def eps_high(self) -> float:
+    """Upper clip epsilon actually used (``clip_eps_low`` when ``clip_eps_high`` is None)."""
+    return self.clip_eps_low if self.clip_eps_high is None else self.clip_eps_high
+
+
+def _is_real(x: object) -> bool:
+  """True for a finite int/float that is not a bool."""
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def group_advantages(rewards: jax.Array, group_size: int, normalize_std: bool = True,
+                     eps: float = 1e-6) -> jax.Array:
+  """Per-row advantages [N] from rewards [N]: reward minus its group's mean, over (std + eps).
+
+  Uses the population std (ddof=0); with ``normalize_std=False`` only centres (Dr.GRPO).
+  """
+  rewards = jnp.asarray(rewards, jnp.float32)
+  if rewards.ndim != 1:
+    raise ValueError(f"rewards must be 1-D [N], got shape {rewards.shape}")
+  n = rewards.shape[0]
+  if group_size < 1 or n % group_size != 0:
+    raise ValueError(f"number of rewards {n} is not a multiple of group_size {group_size}")
+  grouped = rewards.reshape(n // group_size, group_size)
+  centred = grouped - grouped.mean(axis=1, keepdims=True)
+  if normalize_std:
+    centred = centred / (grouped.std(axis=1, keepdims=True) + eps)
+  return centred.reshape(n)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Float32 log-probability [B, T] of each token under logits [B, T, V]."""
+  if logits.shape[:-1] != tokens.shape:
+    raise ValueError(f"logits {logits.shape} and tokens {tokens.shape} disagree on [B, T]")
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """Mean of x over the positions where mask is 1 (0 when there are none)."""
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> jax.Array:
+  """Reduce a per-token loss [B, T] to a scalar by ``mode`` over the valid tokens.
+
+  Sequence-level modes average over the rows with at least one valid token (all-padding rows,
+  e.g. bucket filler, do not dilute the mean).
+  """
+  if mode == "token-mean":
+    return _masked_mean(per_token, mask)
+  counts = jnp.sum(mask, axis=1)
+  seq = jnp.sum(per_token * mask, axis=1)
+  if mode == "seq-mean-token-mean":
+    seq = seq / jnp.maximum(counts, 1.0)
+  elif mode != "seq-mean-token-sum":
+    raise ValueError(f"unknown loss_agg {mode!r}")
+  nonempty = (counts > 0).astype(per_token.dtype)
+  return jnp.sum(seq * nonempty) / jnp.maximum(jnp.sum(nonempty), 1.0)
+
+
+def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+                mask: jax.Array, config: GRPOConfig,
+                ref_logprobs: Optional[jax.Array] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Clipped GRPO surrogate (+ k3 KL to ref when ``kl_coef > 0``) and metrics, from [B, T] inputs.
+
+  Metrics: loss, pg_loss, clip_fraction, ratio_mean, approx_kl (to old), and kl_to_ref when given.
+  """
+  if logprobs.ndim != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
+    raise ValueError(f"logprobs {logprobs.shape}, old_logprobs {old_logprobs.shape} and mask "
+                     f"{mask.shape} must all be the same [B, T]")
+  if advantages.shape != logprobs.shape[:1]:
+    raise ValueError(f"advantages {advantages.shape} must be [B] for logprobs {logprobs.shape}")
+  if config.kl_coef > 0 and ref_logprobs is None:
+    raise ValueError("GRPOConfig.kl_coef > 0 needs ref_logprobs")
+
+  valid = mask.astype(bool)
+  m = valid.astype(jnp.float32)
+  logprobs = logprobs.astype(jnp.float32)
+  adv = advantages.astype(jnp.float32)[:, None]
+
+  log_ratio = jnp.where(valid, logprobs - old_logprobs.astype(jnp.float32), 0.0)
+  ratio = jnp.exp(log_ratio)
+  lo, hi = 1.0 - config.clip_eps_low, 1.0 + config.eps_high
+  unclipped = ratio * adv
+  clipped = jnp.clip(ratio, lo, hi) * adv
+  pg = -jnp.minimum(unclipped, clipped)
+  # The clipped branch wins (and the gradient is cut) above the interval for A > 0, below for A < 0.
+  clip_active = ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))
+
+  per_token = pg
+  metrics: dict[str, jax.Array] = {}
+  if ref_logprobs is not None:
+    ref_diff = jnp.where(valid, ref_logprobs.astype(jnp.float32) - logprobs, 0.0)
+    k3 = jnp.exp(ref_diff) - ref_diff - 1.0
+    metrics["kl_to_ref"] = _masked_mean(k3, m)
+    if config.kl_coef > 0:
+      per_token = pg + config.kl_coef * k3
+
+  loss = _aggregate(per_token, m, config.loss_agg)
+  metrics.update(
+      loss=loss,
+      pg_loss=_aggregate(pg, m, config.loss_agg),
+      clip_fraction=_masked_mean(clip_active.astype(jnp.float32), m),
+      ratio_mean=_masked_mean(ratio, m),
+      approx_kl=_masked_mean((ratio - 1.0) - log_ratio, m),
+  )
+  return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
