@@ -34,16 +34,19 @@ class GRPOConfig:
   eps: float = 1e-6
 
   def __post_init__(self) -> None:
-    if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+    g = self.group_size
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
       raise ValueError(f"GRPOConfig.group_size must be an int >= 1, got {self.group_size!r}")
     if not _is_real(self.clip_eps_low) or not 0.0 < self.clip_eps_low < 1.0:
       raise ValueError(f"GRPOConfig.clip_eps_low must be in (0, 1), got {self.clip_eps_low!r}")
-    if self.clip_eps_high is not None and (not _is_real(self.clip_eps_high) or not self.clip_eps_high > 0.0):
-      raise ValueError(f"GRPOConfig.clip_eps_high must be None or a finite float > 0, got {self.clip_eps_high!r}")
+    high = self.clip_eps_high
+    if high is not None and (not _is_real(high) or not high > 0.0):
+      raise ValueError(f"GRPOConfig.clip_eps_high must be None or a finite float > 0, got {high!r}")
     if not _is_real(self.kl_coef) or self.kl_coef < 0.0:
       raise ValueError(f"GRPOConfig.kl_coef must be a finite float >= 0, got {self.kl_coef!r}")
     if self.loss_agg not in LOSS_AGG_MODES:
-      raise ValueError(f"GRPOConfig.loss_agg must be one of {LOSS_AGG_MODES}, got {self.loss_agg!r}")
+      raise ValueError(f"GRPOConfig.loss_agg must be one of {LOSS_AGG_MODES}, "
+                       f"got {self.loss_agg!r}")
     if not isinstance(self.normalize_std, bool):
       raise ValueError(f"GRPOConfig.normalize_std must be a bool, got {self.normalize_std!r}")
     if not _is_real(self.eps) or not self.eps > 0.0:

@@ -470,9 +470,10 @@ class RolloutEngine:
       state = segment(self._weights(), state, args)
       done, n_gen, rows, counters = jax.device_get((state.done, state.num_generated, state.row_id,
                                                     state.counters))
-      stats["decode_s"] += time.perf_counter() - t0
+      seconds = time.perf_counter() - t0
+      stats["decode_s"] += seconds
       run, steps_before = int(counters["steps"]) - steps_before, int(counters["steps"])
-      stats["segments"].append((batch, run))
+      stats["segments"].append((batch, run, seconds))
       stats["decode_steps"] += run
       stats["row_steps"] += run * batch
       finished = [s for s in range(batch) if done[s] and rows[s] >= 0]

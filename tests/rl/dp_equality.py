@@ -1,0 +1,28 @@
+"""Run by test_trainer in a fresh process with 8 simulated CPU devices: one GRPO update on a
+1-device mesh and on an 8-device mesh (rows sharded over ``data``) must give the same params."""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+from jax.sharding import Mesh  # pylint: disable=wrong-import-position
+
+from tests.rl.test_trainer import hand_made_batch, make_trainer  # pylint: disable=wrong-import-position
+
+assert jax.device_count() == 8, jax.devices()
+params = []
+for n in (1, 8):
+  trainer = make_trainer(mesh=Mesh(np.array(jax.devices()[:n]), ("data",)), prompts_per_step=4,
+                         minibatches=1)
+  batch = hand_made_batch(trainer, 8)
+  for _ in range(2):  # two steps, so the optimizer state must agree too
+    trainer.params, trainer.opt_state, _ = trainer.update_fn(trainer.params, trainer.opt_state,
+                                                             batch)
+  params.append(jax.tree.map(np.asarray, jax.device_get(trainer.params)))
+diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params[0]),
+                                                         jax.tree.leaves(params[1])))
+print(f"max abs difference {diff:.3e}")
+assert diff < 1e-5, diff

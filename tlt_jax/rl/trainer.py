@@ -1,0 +1,197 @@
+"""The GRPO trainer: rollout -> reward -> group advantages -> jitted policy updates.
+
+One RL step samples ``prompts_per_step`` problems (deterministically from ``(seed, step)``, so
+the data position is the step number), completes each ``group_size`` times with the rollout
+engine, scores the completions with the task's verifiable reward, and takes ``minibatches``
+clipped policy-gradient steps per epoch. Updates run data-parallel over a 1-D ``Mesh`` (batch
+rows sharded over ``data``, params replicated; XLA inserts the gradient all-reduce).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tlt_jax.models.tokenizer import CharTokenizer
+from tlt_jax.models.transformer import Transformer
+from tlt_jax.rl import grpo
+from tlt_jax.rl.tasks import Problem
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.utils import require_positive_ints
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  """How much to sample and how to update per RL step."""
+
+  steps: int = 20
+  prompts_per_step: int = 8
+  learning_rate: float = 3e-4
+  warmup_steps: int = 2
+  grad_clip: float = 1.0
+  minibatches: int = 1
+  epochs: int = 1
+  max_new_tokens: int = 96
+  temperature: float = 1.0
+  eval_problems: int = 64
+  seed: int = 0
+
+  def __post_init__(self):
+    require_positive_ints(self, "steps", "prompts_per_step", "minibatches", "epochs",
+                          "max_new_tokens", "eval_problems")
+    if not self.learning_rate > 0:
+      raise ValueError(f"TrainerConfig.learning_rate must be > 0, got {self.learning_rate!r}")
+    if not self.temperature > 0:
+      raise ValueError(f"TrainerConfig.temperature must be > 0 for RL sampling, got "
+                       f"{self.temperature!r}")
+    if self.warmup_steps < 0:
+      raise ValueError(f"TrainerConfig.warmup_steps must be >= 0, got {self.warmup_steps!r}")
+
+
+def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                   config: grpo.GRPOConfig, mesh: Mesh):
+  """A jitted ``update(params, opt_state, batch) -> (params, opt_state, metrics)`` over ``mesh``."""
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["ids"])[:, :-1]
+    logprobs = grpo.token_logprobs(logits, batch["ids"][:, 1:])
+    return grpo.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["mask"],
+                            config)
+
+  def update(params, opt_state, batch):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+  replicated = NamedSharding(mesh, P())
+  rows = NamedSharding(mesh, P("data"))
+  batch_sharding = {"ids": rows, "old_logprobs": rows, "advantages": rows, "mask": rows}
+  return jax.jit(update, in_shardings=(replicated, replicated, batch_sharding),
+                 out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
+
+
+class GRPOTrainer:
+  """Owns the policy params, optimizer state and rollout engine; ``step()`` runs one RL step."""
+
+  def __init__(self, model: Transformer, tokenizer: CharTokenizer, task, engine_config: EngineConfig,
+               grpo_config: grpo.GRPOConfig, config: TrainerConfig, mesh: Mesh | None = None):
+    self.tokenizer, self.task, self.config, self.grpo_config = tokenizer, task, config, grpo_config
+    self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("data",))
+    rows = config.prompts_per_step * grpo_config.group_size
+    if rows % config.minibatches or (rows // config.minibatches) % self.mesh.size:
+      raise ValueError(
+          f"prompts_per_step x group_size = {rows} rows must split into {config.minibatches} "
+          f"minibatches whose size divides over {self.mesh.size} devices")
+    if config.max_new_tokens > engine_config.max_new_tokens:
+      raise ValueError(f"TrainerConfig.max_new_tokens={config.max_new_tokens} exceeds "
+                       f"EngineConfig.max_new_tokens={engine_config.max_new_tokens}")
+    self.engine = RolloutEngine(model, config=engine_config)
+    self.graphdef, params = nnx.split(model)
+    # linear warmup over `warmup_steps` optimizer updates, starting above zero (no wasted step)
+    warmup = max(config.warmup_steps, 1)
+    schedule = optax.linear_schedule(config.learning_rate / (warmup + 1), config.learning_rate,
+                                     warmup)
+    self.optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip),
+                                 optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=0.0))
+    replicated = NamedSharding(self.mesh, P())
+    self.params = jax.device_put(params, replicated)
+    self.opt_state = jax.device_put(self.optimizer.init(params), replicated)
+    self.update_fn = make_update_fn(self.graphdef, self.optimizer, grpo_config, self.mesh)
+    self.seq_len = engine_config.max_prompt_len + config.max_new_tokens
+    self.step_count = 0
+
+  # ---- data ---------------------------------------------------------------------------------
+  def problems_for(self, step: int) -> list[Problem]:
+    """The step's problems: a pure function of (seed, step), so a resumed run sees the same data."""
+    return self.task.sample(np.random.default_rng([self.config.seed, step]),
+                            self.config.prompts_per_step)
+
+  def encode_prompt(self, problem: Problem) -> list[int]:
+    return [self.tokenizer.bos_token_id] + self.tokenizer.encode(problem.prompt)
+
+  def make_batch(self, prompts, completions, logprobs, advantages) -> dict[str, np.ndarray]:
+    """Fixed-shape arrays: ids ``[N, L]``, and per predicted token ``[N, L-1]`` mask/old logprobs."""
+    n, length = len(prompts), self.seq_len
+    ids = np.full((n, length), self.tokenizer.pad_token_id, np.int32)
+    mask = np.zeros((n, length - 1), np.float32)
+    old = np.zeros((n, length - 1), np.float32)
+    for i, (prompt, comp, lp) in enumerate(zip(prompts, completions, logprobs)):
+      seq = prompt + comp
+      ids[i, :len(seq)] = seq
+      start = len(prompt) - 1  # the logit at position t predicts token t + 1
+      mask[i, start:start + len(comp)] = 1.0
+      old[i, start:start + len(comp)] = lp
+    return dict(ids=ids, mask=mask, old_logprobs=old,
+                advantages=np.asarray(advantages, np.float32))
+
+  # ---- one RL step ---------------------------------------------------------------------------
+  def step(self) -> dict[str, Any]:
+    """Rollout, reward, advantages and policy updates for one step; returns its metrics."""
+    cfg, g = self.config, self.grpo_config.group_size
+    t0 = time.perf_counter()
+    problems = self.problems_for(self.step_count)
+    prompts = [self.encode_prompt(p) for p in problems for _ in range(g)]
+    self.engine.update_params(self.params)
+    result = self.engine.generate(prompts, SamplingParams(
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+        seed=(cfg.seed * 1_000_003 + self.step_count) % 2**32))
+    t_rollout = time.perf_counter() - t0
+    texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    rewards = np.array([self.task.reward(p, t) for p, t in
+                        zip((p for p in problems for _ in range(g)), texts)], np.float32)
+    advantages = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g,
+                                                  self.grpo_config.normalize_std,
+                                                  self.grpo_config.eps))
+    batch = self.make_batch(prompts, result.tokens, result.logprobs, advantages)
+    t1 = time.perf_counter()
+    metrics = []
+    n = len(prompts)
+    size = n // cfg.minibatches
+    order_rng = np.random.default_rng([cfg.seed, self.step_count, 1])
+    for _ in range(cfg.epochs):
+      order = order_rng.permutation(n)
+      for m in range(cfg.minibatches):
+        rows = order[m * size:(m + 1) * size]
+        mini = {k: v[rows] for k, v in batch.items()}
+        self.params, self.opt_state, mm = self.update_fn(self.params, self.opt_state, mini)
+        metrics.append(mm)
+    metrics = jax.device_get(metrics)
+    t_update = time.perf_counter() - t1
+    self.step_count += 1
+    lengths = np.array([len(t) for t in result.tokens])
+    out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    out.update(step=self.step_count, reward=float(rewards.mean()),
+               len_p50=float(np.percentile(lengths, 50)), len_p90=float(np.percentile(lengths, 90)),
+               len_p99=float(np.percentile(lengths, 99)), len_max=int(lengths.max()),
+               rollout_s=t_rollout, update_s=t_update, step_s=time.perf_counter() - t0,
+               tail_s=tail_seconds(result.stats), compiles=result.stats["compiles"])
+    return out
+
+  def evaluate(self, n: int | None = None, seed: int = 10_000) -> float:
+    """Greedy accuracy on held-out problems (a fixed set, independent of training data)."""
+    problems = self.task.sample(np.random.default_rng(seed), n or self.config.eval_problems)
+    self.engine.update_params(self.params)
+    result = self.engine.generate([self.encode_prompt(p) for p in problems], SamplingParams(
+        max_new_tokens=self.config.max_new_tokens, temperature=0.0))
+    texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    return float(np.mean([self.task.reward(p, t) for p, t in zip(problems, texts)]))
+
+
+def tail_seconds(stats: dict) -> float:
+  """Decode time spent in segments where fewer than half of the chunk's rows were live."""
+  segments = stats["segments"]  # (bucket, steps, seconds), in order
+  if not segments:
+    return 0.0
+  first = segments[0][0]
+  return float(sum(seconds for bucket, _, seconds in segments if bucket < first / 2))
