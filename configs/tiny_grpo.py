@@ -10,6 +10,7 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.logdir = "runs/tiny_grpo"  # tensorboard event files and metrics.jsonl
+  c.distributed = False  # True: jax.distributed.initialize() (multi-host, from the environment)
 
   c.task = ml_collections.ConfigDict(dict(max_digits=8, digit_exponent=1.5))
   c.model = ml_collections.ConfigDict(dict(

@@ -18,6 +18,10 @@ from flax import nnx
 from tlt_jax import checkpoint as ck
 from tlt_jax.checkpoint import CheckpointError, Checkpointer
 
+# After a failed (corrupt) read, orbax's tensorstore callbacks may hit an already closed asyncio
+# loop in a background thread; that noise is harmless and not ours.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

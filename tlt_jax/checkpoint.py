@@ -192,6 +192,8 @@ class Checkpointer:
     ``like`` may be concrete or abstract (``jax.ShapeDtypeStruct`` leaves, whose shardings are
     honoured). Stored dtypes are cast to ``like``'s. Returns ``(state, metadata)``.
     """
+    if self.async_save:
+      self.wait()  # never read a step whose files are still being written
     steps = self.all_steps()
     if step is None:
       if not steps:

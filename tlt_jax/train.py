@@ -81,7 +81,10 @@ def warm_start(model, tokenizer, task, cfg, seed: int):
 
 def run(cfg) -> dict:
   """Runs warm start + GRPO for a config; returns a summary."""
-  check_keys(cfg, {"seed", "logdir", "task", "model", "sft", "grpo", "trainer", "rollout"}, "")
+  check_keys(cfg, {"seed", "logdir", "distributed", "task", "model", "sft", "grpo", "trainer",
+                   "rollout"}, "")
+  if cfg.get("distributed", False):
+    jax.distributed.initialize()  # multi-host: coordinator/process ids from the environment
   t_start = time.perf_counter()
   task = to_dataclass(ArithmeticTask, cfg.task, "task")
   tokenizer = CharTokenizer(task.alphabet)
@@ -107,10 +110,11 @@ def run(cfg) -> dict:
   log = MetricsLog(cfg.logdir)
   accuracy_start = trainer.evaluate()
   print(f"held-out greedy accuracy before RL: {accuracy_start:.3f}", flush=True)
-  history = []
+  history, lengths = [], []
   for _ in range(trainer_config.steps):
     m = trainer.step()
     history.append(m)
+    lengths.extend(trainer.last_lengths.tolist())
     log.write(m["step"], m)
     print(f"step {m['step']:4d} reward {m['reward']:.3f} loss {m['loss']:+.4f} "
           f"len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/{m['len_max']} "
@@ -126,7 +130,7 @@ def run(cfg) -> dict:
                  reward_last=float(np.mean([m["reward"] for m in history[-5:]])),
                  rollout_share=rollout / max(total, 1e-9),
                  tail_share=sum(m["tail_s"] for m in history) / max(total, 1e-9),
-                 wall_s=time.perf_counter() - t_start)
+                 wall_s=time.perf_counter() - t_start, lengths=lengths, history=history)
   print(f"held-out greedy accuracy: {accuracy_start:.3f} -> {accuracy_end:.3f}; train reward "
         f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; rollout "
         f"{100 * summary['rollout_share']:.0f}% of step time (tail "

@@ -110,6 +110,7 @@ class GRPOTrainer:
     self.update_fn = make_update_fn(self.graphdef, self.optimizer, grpo_config, self.mesh)
     self.seq_len = engine_config.max_prompt_len + config.max_new_tokens
     self.step_count = 0
+    self.last_lengths = np.zeros(0, np.int64)  # completion lengths of the latest step
 
   # ---- data ---------------------------------------------------------------------------------
   def problems_for(self, step: int) -> list[Problem]:
@@ -170,6 +171,7 @@ class GRPOTrainer:
     t_update = time.perf_counter() - t1
     self.step_count += 1
     lengths = np.array([len(t) for t in result.tokens])
+    self.last_lengths = lengths
     out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
     out.update(step=self.step_count, reward=float(rewards.mean()),
                len_p50=float(np.percentile(lengths, 50)), len_p90=float(np.percentile(lengths, 90)),
