@@ -10,6 +10,8 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.logdir = "runs/tiny_grpo"  # tensorboard event files and metrics.jsonl
+  c.resume = False  # True: continue from the latest checkpoint in <logdir>/checkpoints
+  c.checkpoint_every = 5  # RL steps between checkpoints (0: only at the end)
   c.distributed = False  # True: jax.distributed.initialize() (multi-host, from the environment)
 
   c.task = ml_collections.ConfigDict(dict(max_digits=8, digit_exponent=1.5))

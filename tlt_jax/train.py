@@ -20,7 +20,9 @@ from absl import app
 from flax import nnx
 from ml_collections import config_flags
 
+from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.config import check_keys, to_dataclass
+from tlt_jax.models import hf
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
@@ -81,8 +83,11 @@ def warm_start(model, tokenizer, task, cfg, seed: int):
 
 def run(cfg) -> dict:
   """Runs warm start + GRPO for a config; returns a summary."""
-  check_keys(cfg, {"seed", "logdir", "distributed", "task", "model", "sft", "grpo", "trainer",
-                   "rollout"}, "")
+  check_keys(cfg, {"seed", "logdir", "distributed", "resume", "checkpoint_every", "task", "model",
+                   "sft", "grpo", "trainer", "rollout"}, "")
+  if cfg.checkpoint_every < 0:
+    raise ValueError(f"config.checkpoint_every must be >= 0 (0: only at the end), got "
+                     f"{cfg.checkpoint_every!r}")
   if cfg.get("distributed", False):
     jax.distributed.initialize()  # multi-host: coordinator/process ids from the environment
   t_start = time.perf_counter()
@@ -101,20 +106,33 @@ def run(cfg) -> dict:
   check_keys(cfg.sft, {"steps", "rows", "row_len", "learning_rate"}, "sft")
 
   model = init_model(model_config, seed=cfg.seed)
-  t0 = time.perf_counter()
-  model, sft_metrics = warm_start(model, tokenizer, task, cfg.sft, cfg.seed)
-  print(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
-        f"loss {sft_metrics.get('loss', float('nan')):.3f}", flush=True)
+  checkpointer = Checkpointer(pathlib.Path(cfg.logdir) / "checkpoints", keep=2)
+  resuming = cfg.resume and checkpointer.latest_step() is not None
+  if not cfg.resume and checkpointer.latest_step() is not None:
+    raise ValueError(f"{checkpointer.directory} already holds checkpoints (latest step "
+                     f"{checkpointer.latest_step()}); pass --config.resume=True to continue that "
+                     "run, or choose another --config.logdir")
+  if not resuming:
+    t0 = time.perf_counter()
+    model, sft_metrics = warm_start(model, tokenizer, task, cfg.sft, cfg.seed)
+    print(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
+          f"loss {sft_metrics.get('loss', float('nan')):.3f}", flush=True)
 
   trainer = GRPOTrainer(model, tokenizer, task, engine_config, grpo_config, trainer_config)
+  if resuming:  # the checkpoint holds the warm-started (and RL-trained) params
+    trainer.restore(checkpointer)
+    print(f"resumed from {checkpointer.step_dir(trainer.step_count)}", flush=True)
   log = MetricsLog(cfg.logdir)
   accuracy_start = trainer.evaluate()
-  print(f"held-out greedy accuracy before RL: {accuracy_start:.3f}", flush=True)
+  print(f"held-out greedy accuracy at step {trainer.step_count}: {accuracy_start:.3f}", flush=True)
   history, lengths = [], []
-  for _ in range(trainer_config.steps):
+  while trainer.step_count < trainer_config.steps:
     m = trainer.step()
     history.append(m)
     lengths.extend(trainer.last_lengths.tolist())
+    if (cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0) or \
+        trainer.step_count == trainer_config.steps:
+      trainer.save(checkpointer, {"config": cfg.to_dict()})
     log.write(m["step"], m)
     print(f"step {m['step']:4d} reward {m['reward']:.3f} loss {m['loss']:+.4f} "
           f"len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/{m['len_max']} "
@@ -123,6 +141,12 @@ def run(cfg) -> dict:
   accuracy_end = trainer.evaluate()
   log.write(trainer.step_count, {"eval_accuracy": accuracy_end})
   log.close()
+  checkpointer.close()
+  hf.save_pretrained(nnx.merge(trainer.graphdef, trainer.params), model_config,
+                     pathlib.Path(cfg.logdir) / "final_model")
+  if not history:
+    print(f"nothing to do: the checkpoint is already at step {trainer.step_count}")
+    return dict(accuracy_start=accuracy_start, accuracy_end=accuracy_end, history=[], lengths=[])
   rollout = sum(m["rollout_s"] for m in history)
   total = sum(m["step_s"] for m in history)
   summary = dict(accuracy_start=accuracy_start, accuracy_end=accuracy_end,

@@ -39,7 +39,7 @@ def _import_optional(module: str, package: str, needed_for: str) -> ModuleType:
 
 
 def _fill_template(template: str, question: str) -> str:
-  """``template`` with ``{question}`` replaced (other braces, e.g. ``\\boxed{}``, are left alone)."""
+  """``template`` with ``{question}`` filled in; other braces (``\\boxed{}``) are left alone."""
   return template.replace("{question}", question)
 
 
@@ -195,7 +195,7 @@ class GymProblem(Problem):
 
 
 def extract_gym_answer(completion: str) -> str | None:
-  """The answer inside the last ``<answer>...</answer>``, else the last ``\\boxed{}``, else any final answer."""
+  """Text of the last ``<answer>...</answer>``, else the last ``\\boxed{}``, else a final answer."""
   at = completion.lower().rfind("<answer>")
   if at >= 0:
     rest = completion[at + len("<answer>"):]
@@ -234,7 +234,7 @@ class ReasoningGymTask:
     return self.size
 
   def entry(self, index: int) -> Mapping[str, Any]:
-    """Dataset entry ``index`` (``question``, ``answer``, ``metadata``), generated once and cached."""
+    """Dataset entry ``index`` (``question``, ``answer``, ``metadata``), generated once, cached."""
     if not 0 <= index < self.size:
       raise IndexError(f"{self.name} has entries 0..{self.size - 1}, asked for {index}")
     if index not in self._entries:
@@ -273,7 +273,8 @@ class ReasoningGymTask:
     if problem.prompt in self._index_of_prompt:
       return self._index_of_prompt[problem.prompt]
     raise ValueError(f"{self.name} cannot find the dataset entry of this problem; score only "
-                     f"problems returned by its sample() or problem(). Prompt: {problem.prompt[:80]!r}")
+                     "problems returned by its sample() or problem(). "
+                     f"Prompt: {problem.prompt[:80]!r}")
 
   def reward(self, problem: Problem, completion: str) -> float:
     """The dataset's ``score_answer`` for the completion's extracted answer; 0.0 without one."""

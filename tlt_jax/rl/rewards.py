@@ -45,7 +45,10 @@ def _braced(text: str, open_at: int) -> int | None:
 
 
 def extract_boxed(text: str) -> str | None:
-  """Content of the last complete ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces kept), or None."""
+  """Content of the last complete ``\\boxed{...}`` or ``\\fbox{...}`` (nested braces kept), or None.
+
+  An unbalanced (truncated) box is skipped.
+  """
   found = None
   found_end = -1
   pos = 0
@@ -125,7 +128,7 @@ def _drop_spaces(s: str) -> str:
 
 
 def normalize_answer(s: str) -> str:
-  """A canonical form of an answer string: no ``$``/spaces/``\\text{}``/``\\left``, no ``1,000`` commas."""
+  """Canonical answer: no ``$``, spaces, ``\\text{}``, ``\\left``, ``x =``, ``1,000`` commas."""
   s = s.strip()
   boxed = extract_boxed(s)
   if boxed is not None and _BOX_START.match(s) and _braced(s, s.index("{")) == len(s) - 1:
@@ -149,11 +152,12 @@ def normalize_answer(s: str) -> str:
 
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _SLASH = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))/((?:\d+\.?\d*|\.\d+))")
-_FRAC = re.compile(r"([+-]?)\\frac(?:\{([+-]?(?:\d+\.?\d*|\.\d+))\}|(\d))(?:\{((?:\d+\.?\d*|\.\d+))\}|(\d))")
+_FRAC = re.compile(r"([+-]?)\\frac(?:\{([+-]?(?:\d+\.?\d*|\.\d+))\}|(\d))"
+                   r"(?:\{((?:\d+\.?\d*|\.\d+))\}|(\d))")
 
 
 def parse_number(s: str) -> float | None:
-  """The value of a normalized answer that is an int, a decimal, ``a/b`` or ``\\frac{a}{b}``; else None."""
+  """Value of a normalized int, decimal, ``a/b`` or ``\\frac{a}{b}`` answer; None otherwise."""
   if _NUMBER.fullmatch(s):
     return float(s)
   match = _SLASH.fullmatch(s)
@@ -171,7 +175,7 @@ def parse_number(s: str) -> float | None:
 
 
 def answers_match(answer: str, reference: str) -> bool:
-  """Whether two answers agree after ``normalize_answer``: numerically (1e-6 relative) or as strings."""
+  """Whether two answers agree after ``normalize_answer``: as numbers (1e-6 relative) or as text."""
   a, b = normalize_answer(answer), normalize_answer(reference)
   x, y = parse_number(a), parse_number(b)
   if x is not None and y is not None:
@@ -202,13 +206,13 @@ def _math_verify_says(answer: str, reference: str) -> bool | None:
 
 
 def reference_answer(reference: str) -> str:
-  """The final answer inside a reference: boxed / ``####`` / "answer is" text, else the whole string."""
+  """The final answer in a reference (boxed, ``####``, "answer is"), else the stripped string."""
   found = extract_final_answer(reference)
   return found if found is not None else reference.strip()
 
 
 def math_reward(completion: str, reference: str, use_math_verify: bool = True) -> float:
-  """1.0 if the completion's final answer equals the reference's (bare, boxed or ``####``), else 0.0.
+  """1.0 if the completion's final answer equals the reference (bare, boxed or ``####``), else 0.0.
 
   A completion that states no final answer scores 0.0. With ``math_verify`` installed (and
   ``use_math_verify``) its "equal" is accepted first; otherwise the rules of this module decide.

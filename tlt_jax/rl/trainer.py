@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tlt_jax import checkpoint as ckpt
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rl import grpo
@@ -179,6 +180,28 @@ class GRPOTrainer:
                rollout_s=t_rollout, update_s=t_update, step_s=time.perf_counter() - t0,
                tail_s=tail_seconds(result.stats), compiles=result.stats["compiles"])
     return out
+
+  # ---- checkpoints ----------------------------------------------------------------------------
+  def _checkpoint_state(self) -> dict:
+    # params as a nested dict (readable key paths in errors); optimizer state as its leaf list
+    return {"params": ckpt.state_to_pure_dict(self.params),
+            "opt_state": jax.tree.leaves(self.opt_state),
+            "step": np.asarray(self.step_count, np.int64)}
+
+  def save(self, checkpointer: ckpt.Checkpointer, metadata: dict | None = None) -> None:
+    """Saves params, optimizer state and the step (the data position is the step) atomically."""
+    checkpointer.save(self.step_count, self._checkpoint_state(),
+                      {"format": 1, "trainer": dataclasses.asdict(self.config), **(metadata or {})})
+
+  def restore(self, checkpointer: ckpt.Checkpointer, step: int | None = None) -> dict:
+    """Loads the latest (or ``step``) checkpoint into this trainer; returns its metadata."""
+    state, metadata = checkpointer.restore(step, like=self._checkpoint_state())
+    replicated = NamedSharding(self.mesh, P())
+    self.params = jax.device_put(ckpt.pure_dict_to_state(state["params"], self.params), replicated)
+    treedef = jax.tree.structure(self.opt_state)
+    self.opt_state = jax.device_put(jax.tree.unflatten(treedef, state["opt_state"]), replicated)
+    self.step_count = int(state["step"])
+    return metadata
 
   def evaluate(self, n: int | None = None, seed: int = 10_000) -> float:
     """Greedy accuracy on held-out problems (a fixed set, independent of training data)."""
