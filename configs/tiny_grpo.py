@@ -9,7 +9,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.logdir = "runs/tiny_grpo"  # tensorboard event files and metrics.jsonl
+  c.logdir = ""  # tensorboard events, metrics.jsonl, checkpoints; "" = runs/<timestamp>
   c.resume = False  # True: continue from the latest checkpoint in <logdir>/checkpoints
   c.checkpoint_every = 5  # RL steps between checkpoints (0: only at the end)
   c.distributed = False  # True: jax.distributed.initialize() (multi-host, from the environment)
@@ -19,10 +19,10 @@ def get_config() -> ml_collections.ConfigDict:
       hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2))
   c.sft = ml_collections.ConfigDict(dict(steps=300, rows=8, row_len=256, learning_rate=3e-3))
   c.grpo = ml_collections.ConfigDict(dict(
-      group_size=4, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, loss_agg="token-mean",
+      group_size=8, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, loss_agg="token-mean",
       normalize_std=True))
   c.trainer = ml_collections.ConfigDict(dict(
-      steps=20, prompts_per_step=16, learning_rate=5e-5, warmup_steps=2, grad_clip=1.0,
+      steps=80, prompts_per_step=8, learning_rate=2e-5, warmup_steps=2, grad_clip=1.0,
       minibatches=2, epochs=1, max_new_tokens=96, temperature=1.0, eval_problems=128))
   c.rollout = ml_collections.ConfigDict(dict(max_batch=64, max_prompt_len=32))
   return c

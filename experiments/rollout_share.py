@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--steps", type=int, default=80)
   parser.add_argument("--sft-steps", type=int, default=300)
   parser.add_argument("--out-dir", default="experiments/out")
   a = parser.parse_args()
@@ -46,6 +46,7 @@ def main():
       "length_p50": float(np.percentile(lengths, 50)), "length_p90": float(np.percentile(lengths, 90)),
       "length_p99": float(np.percentile(lengths, 99)), "length_max": int(lengths.max()),
       "accuracy_start": summary["accuracy_start"], "accuracy_end": summary["accuracy_end"],
+      "sampled_reward_start": summary["sampled_start"], "sampled_reward_end": summary["sampled_end"],
       "per_step": [{k: m[k] for k in ("rollout_s", "update_s", "tail_s", "step_s", "reward")}
                    for m in history],
   }

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 import optax
-from absl import app
+from absl import app, logging
 from flax import nnx
 from ml_collections import config_flags
 
@@ -88,6 +88,11 @@ def run(cfg) -> dict:
   if cfg.checkpoint_every < 0:
     raise ValueError(f"config.checkpoint_every must be >= 0 (0: only at the end), got "
                      f"{cfg.checkpoint_every!r}")
+  if not cfg.logdir:
+    if cfg.resume:
+      raise ValueError("config.resume=True needs the run's --config.logdir")
+    cfg.logdir = time.strftime("runs/%Y%m%d-%H%M%S")
+  print(f"logdir: {cfg.logdir}", flush=True)
   if cfg.get("distributed", False):
     jax.distributed.initialize()  # multi-host: coordinator/process ids from the environment
   t_start = time.perf_counter()
@@ -123,8 +128,11 @@ def run(cfg) -> dict:
     trainer.restore(checkpointer)
     print(f"resumed from {checkpointer.step_dir(trainer.step_count)}", flush=True)
   log = MetricsLog(cfg.logdir)
+  t_eval = trainer.config.temperature
   accuracy_start = trainer.evaluate()
-  print(f"held-out greedy accuracy at step {trainer.step_count}: {accuracy_start:.3f}", flush=True)
+  sampled_start = trainer.evaluate(temperature=t_eval)
+  print(f"held-out at step {trainer.step_count}: greedy accuracy {accuracy_start:.3f}, "
+        f"sampled reward {sampled_start:.3f}", flush=True)
   history, lengths = [], []
   while trainer.step_count < trainer_config.steps:
     m = trainer.step()
@@ -139,23 +147,27 @@ def run(cfg) -> dict:
           f"rollout {m['rollout_s']:.1f}s (tail {m['tail_s']:.1f}s) update {m['update_s']:.1f}s",
           flush=True)
   accuracy_end = trainer.evaluate()
-  log.write(trainer.step_count, {"eval_accuracy": accuracy_end})
+  sampled_end = trainer.evaluate(temperature=t_eval)
+  log.write(trainer.step_count, {"eval_accuracy": accuracy_end, "eval_sampled_reward": sampled_end})
   log.close()
   checkpointer.close()
   hf.save_pretrained(nnx.merge(trainer.graphdef, trainer.params), model_config,
                      pathlib.Path(cfg.logdir) / "final_model")
   if not history:
     print(f"nothing to do: the checkpoint is already at step {trainer.step_count}")
-    return dict(accuracy_start=accuracy_start, accuracy_end=accuracy_end, history=[], lengths=[])
+    return dict(accuracy_start=accuracy_start, accuracy_end=accuracy_end,
+                sampled_start=sampled_start, sampled_end=sampled_end, history=[], lengths=[])
   rollout = sum(m["rollout_s"] for m in history)
   total = sum(m["step_s"] for m in history)
   summary = dict(accuracy_start=accuracy_start, accuracy_end=accuracy_end,
+                 sampled_start=sampled_start, sampled_end=sampled_end,
                  reward_first=float(np.mean([m["reward"] for m in history[:5]])),
                  reward_last=float(np.mean([m["reward"] for m in history[-5:]])),
                  rollout_share=rollout / max(total, 1e-9),
                  tail_share=sum(m["tail_s"] for m in history) / max(total, 1e-9),
                  wall_s=time.perf_counter() - t_start, lengths=lengths, history=history)
-  print(f"held-out greedy accuracy: {accuracy_start:.3f} -> {accuracy_end:.3f}; train reward "
+  print(f"held-out sampled reward: {sampled_start:.3f} -> {sampled_end:.3f}; held-out greedy "
+        f"accuracy: {accuracy_start:.3f} -> {accuracy_end:.3f}; train reward "
         f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; rollout "
         f"{100 * summary['rollout_share']:.0f}% of step time (tail "
         f"{100 * summary['tail_share']:.0f}%); {summary['wall_s']:.0f}s in all", flush=True)
@@ -164,6 +176,7 @@ def run(cfg) -> dict:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # keep orbax's per-save INFO lines off the console
   run(_CONFIG.value)
 
 

@@ -203,12 +203,13 @@ class GRPOTrainer:
     self.step_count = int(state["step"])
     return metadata
 
-  def evaluate(self, n: int | None = None, seed: int = 10_000) -> float:
-    """Greedy accuracy on held-out problems (a fixed set, independent of training data)."""
+  def evaluate(self, n: int | None = None, seed: int = 10_000, temperature: float = 0.0) -> float:
+    """Mean reward on held-out problems (a fixed set, independent of training data): greedy
+    accuracy at temperature 0, or the expected reward of the sampling policy otherwise."""
     problems = self.task.sample(np.random.default_rng(seed), n or self.config.eval_problems)
     self.engine.update_params(self.params)
     result = self.engine.generate([self.encode_prompt(p) for p in problems], SamplingParams(
-        max_new_tokens=self.config.max_new_tokens, temperature=0.0))
+        max_new_tokens=self.config.max_new_tokens, temperature=temperature, seed=seed))
     texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     return float(np.mean([self.task.reward(p, t) for p, t in zip(problems, texts)]))
 
