@@ -26,15 +26,6 @@ DATA = Path(__file__).parent / "data" / "gsm8k_tiny.jsonl"
 ANSWERS = ["72", "1,200", "-7", "3.5", "7"]
 
 
-@pytest.fixture(autouse=True)
-def no_math_verify(monkeypatch):
-  """Rewards use this package's own rules even where math_verify happens to be installed."""
-  monkeypatch.setitem(sys.modules, "math_verify", None)
-  rewards._load_math_verify.cache_clear()
-  yield
-  rewards._load_math_verify.cache_clear()
-
-
 def write_jsonl(path: Path, records: list) -> Path:
   path.write_text("".join(json.dumps(r) + "\n" for r in records))
   return path

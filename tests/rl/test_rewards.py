@@ -12,15 +12,6 @@ from tlt_jax.rl.rewards import (answers_match, extract_boxed, extract_final_answ
                                 normalize_answer, parse_number)
 
 
-@pytest.fixture(autouse=True)
-def no_math_verify(monkeypatch):
-  """Every test runs the module's own rules, whether or not math_verify is installed here."""
-  monkeypatch.setitem(sys.modules, "math_verify", None)
-  rewards._load_math_verify.cache_clear()
-  yield
-  rewards._load_math_verify.cache_clear()
-
-
 @pytest.mark.parametrize("text, expected", [
     (r"so the result is \boxed{42}.", "42"),
     (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
