@@ -20,7 +20,7 @@ from tlt_jax.utils import compile_count
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def make_trainer(mesh=None, **trainer_kw):
+def make_trainer(mesh=None, kl_coef=0.0, **trainer_kw):
   task = ArithmeticTask(max_digits=3)
   tokenizer = CharTokenizer(task.alphabet)
   config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,
@@ -30,7 +30,8 @@ def make_trainer(mesh=None, **trainer_kw):
   return GRPOTrainer(init_model(config, seed=0), tokenizer, task,
                      EngineConfig(max_batch=8, max_prompt_len=16, max_new_tokens=24,
                                   prefill_buckets=(16,)),
-                     grpo.GRPOConfig(group_size=2), TrainerConfig(**kw), mesh=mesh)
+                     grpo.GRPOConfig(group_size=2, kl_coef=kl_coef), TrainerConfig(**kw),
+                     mesh=mesh)
 
 
 def hand_made_batch(trainer, rows: int):
@@ -100,3 +101,15 @@ def test_bad_trainer_values_are_rejected(kw, match):
 def test_rows_must_split_over_minibatches():
   with pytest.raises(ValueError, match="minibatches"):
     make_trainer(prompts_per_step=3, minibatches=4)  # 6 rows do not split into 4
+
+
+def test_kl_to_the_reference_policy_is_reported_and_grows_as_params_move():
+  trainer = make_trainer(kl_coef=0.1)
+  batch = hand_made_batch(trainer, 4)
+  kls = []
+  for _ in range(3):
+    trainer.params, trainer.opt_state, metrics = trainer.update_fn(
+        trainer.params, trainer.opt_state, batch, trainer.ref_params)
+    kls.append(float(metrics["kl_to_ref"]))
+  assert kls[0] == pytest.approx(0.0, abs=1e-6)  # the first update starts at the reference
+  assert kls[-1] > kls[0]

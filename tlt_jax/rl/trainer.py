@@ -62,15 +62,18 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
                    config: grpo.GRPOConfig, mesh: Mesh):
   """A jitted ``update(params, opt_state, batch) -> (params, opt_state, metrics)`` over ``mesh``."""
 
-  def loss_fn(params, batch):
-    model = nnx.merge(graphdef, params)
-    logits = model(batch["ids"])[:, :-1]
-    logprobs = grpo.token_logprobs(logits, batch["ids"][:, 1:])
-    return grpo.policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["mask"],
-                            config)
+  def logprobs_of(params, ids):
+    return grpo.token_logprobs(nnx.merge(graphdef, params)(ids)[:, :-1], ids[:, 1:])
 
-  def update(params, opt_state, batch):
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+  def loss_fn(params, ref_params, batch):
+    ref = None
+    if config.kl_coef > 0:  # KL to the frozen reference policy (k3 estimator in policy_loss)
+      ref = jax.lax.stop_gradient(logprobs_of(ref_params, batch["ids"]))
+    return grpo.policy_loss(logprobs_of(params, batch["ids"]), batch["old_logprobs"],
+                            batch["advantages"], batch["mask"], config, ref_logprobs=ref)
+
+  def update(params, opt_state, batch, ref_params):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
     return optax.apply_updates(params, updates), opt_state, metrics
@@ -78,8 +81,10 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
   replicated = NamedSharding(mesh, P())
   rows = NamedSharding(mesh, P("data"))
   batch_sharding = {"ids": rows, "old_logprobs": rows, "advantages": rows, "mask": rows}
-  return jax.jit(update, in_shardings=(replicated, replicated, batch_sharding),
-                 out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
+  jitted = jax.jit(update, in_shardings=(replicated, replicated, batch_sharding, replicated),
+                   out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
+  return lambda params, opt_state, batch, ref_params=None: jitted(params, opt_state, batch,
+                                                                  ref_params)
 
 
 class GRPOTrainer:
@@ -109,6 +114,8 @@ class GRPOTrainer:
     self.params = jax.device_put(params, replicated)
     self.opt_state = jax.device_put(self.optimizer.init(params), replicated)
     self.update_fn = make_update_fn(self.graphdef, self.optimizer, grpo_config, self.mesh)
+    # the reference policy for the KL term: the starting (warm-started) weights, kept frozen
+    self.ref_params = (jax.tree.map(jnp.copy, self.params) if grpo_config.kl_coef > 0 else None)
     self.seq_len = engine_config.max_prompt_len + config.max_new_tokens
     self.step_count = 0
     self.last_lengths = np.zeros(0, np.int64)  # completion lengths of the latest step
@@ -166,7 +173,8 @@ class GRPOTrainer:
       for m in range(cfg.minibatches):
         rows = order[m * size:(m + 1) * size]
         mini = {k: v[rows] for k, v in batch.items()}
-        self.params, self.opt_state, mm = self.update_fn(self.params, self.opt_state, mini)
+        self.params, self.opt_state, mm = self.update_fn(self.params, self.opt_state, mini,
+                                                         self.ref_params)
         metrics.append(mm)
     metrics = jax.device_get(metrics)
     t_update = time.perf_counter() - t1
@@ -184,9 +192,12 @@ class GRPOTrainer:
   # ---- checkpoints ----------------------------------------------------------------------------
   def _checkpoint_state(self) -> dict:
     # params as a nested dict (readable key paths in errors); optimizer state as its leaf list
-    return {"params": ckpt.state_to_pure_dict(self.params),
-            "opt_state": jax.tree.leaves(self.opt_state),
-            "step": np.asarray(self.step_count, np.int64)}
+    state = {"params": ckpt.state_to_pure_dict(self.params),
+             "opt_state": jax.tree.leaves(self.opt_state),
+             "step": np.asarray(self.step_count, np.int64)}
+    if self.ref_params is not None:
+      state["ref_params"] = ckpt.state_to_pure_dict(self.ref_params)
+    return state
 
   def save(self, checkpointer: ckpt.Checkpointer, metadata: dict | None = None) -> None:
     """Saves params, optimizer state and the step (the data position is the step) atomically."""
@@ -200,6 +211,9 @@ class GRPOTrainer:
     self.params = jax.device_put(ckpt.pure_dict_to_state(state["params"], self.params), replicated)
     treedef = jax.tree.structure(self.opt_state)
     self.opt_state = jax.device_put(jax.tree.unflatten(treedef, state["opt_state"]), replicated)
+    if self.ref_params is not None:
+      self.ref_params = jax.device_put(
+          ckpt.pure_dict_to_state(state["ref_params"], self.ref_params), replicated)
     self.step_count = int(state["step"])
     return metadata
 
