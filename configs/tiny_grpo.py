@@ -12,6 +12,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.logdir = ""  # tensorboard events, metrics.jsonl, checkpoints; "" = runs/<timestamp>
   c.resume = False  # True: continue from the latest checkpoint in <logdir>/checkpoints
   c.checkpoint_every = 5  # RL steps between checkpoints (0: only at the end)
+  c.drafter = "none"  # "ngram": lossless speculative rollouts drafted from sibling responses
   c.distributed = False  # True: jax.distributed.initialize() (multi-host, from the environment)
 
   c.task = ml_collections.ConfigDict(dict(max_digits=8, digit_exponent=1.5))

@@ -31,6 +31,7 @@ from tlt_jax.rl.sft import PackedStream, make_lm_step
 from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
 from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.ngram import NgramConfig
 
 _DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.py"
 _CONFIG = config_flags.DEFINE_config_file(
@@ -83,8 +84,11 @@ def warm_start(model, tokenizer, task, cfg, seed: int):
 
 def run(cfg) -> dict:
   """Runs warm start + GRPO for a config; returns a summary."""
-  check_keys(cfg, {"seed", "logdir", "distributed", "resume", "checkpoint_every", "task", "model",
-                   "sft", "grpo", "trainer", "rollout"}, "")
+  check_keys(cfg, {"seed", "logdir", "distributed", "resume", "checkpoint_every", "drafter",
+                   "task", "model", "sft", "grpo", "trainer", "rollout"}, "")
+  drafter = {"none": None, "ngram": NgramConfig()}.get(cfg.get("drafter", "none"), "bad")
+  if drafter == "bad":
+    raise ValueError(f"config.drafter must be 'none' or 'ngram', got {cfg.drafter!r}")
   if cfg.checkpoint_every < 0:
     raise ValueError(f"config.checkpoint_every must be >= 0 (0: only at the end), got "
                      f"{cfg.checkpoint_every!r}")
@@ -123,7 +127,8 @@ def run(cfg) -> dict:
     print(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
           f"loss {sft_metrics.get('loss', float('nan')):.3f}", flush=True)
 
-  trainer = GRPOTrainer(model, tokenizer, task, engine_config, grpo_config, trainer_config)
+  trainer = GRPOTrainer(model, tokenizer, task, engine_config, grpo_config, trainer_config,
+                        drafter=drafter)
   if resuming:  # the checkpoint holds the warm-started (and RL-trained) params
     trainer.restore(checkpointer)
     print(f"resumed from {checkpointer.step_dir(trainer.step_count)}", flush=True)

@@ -20,7 +20,7 @@ from tlt_jax.utils import compile_count
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def make_trainer(mesh=None, kl_coef=0.0, **trainer_kw):
+def make_trainer(mesh=None, kl_coef=0.0, drafter=None, **trainer_kw):
   task = ArithmeticTask(max_digits=3)
   tokenizer = CharTokenizer(task.alphabet)
   config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,
@@ -31,7 +31,7 @@ def make_trainer(mesh=None, kl_coef=0.0, **trainer_kw):
                      EngineConfig(max_batch=8, max_prompt_len=16, max_new_tokens=24,
                                   prefill_buckets=(16,)),
                      grpo.GRPOConfig(group_size=2, kl_coef=kl_coef), TrainerConfig(**kw),
-                     mesh=mesh)
+                     mesh=mesh, drafter=drafter)
 
 
 def hand_made_batch(trainer, rows: int):
@@ -113,3 +113,16 @@ def test_kl_to_the_reference_policy_is_reported_and_grows_as_params_move():
     kls.append(float(metrics["kl_to_ref"]))
   assert kls[0] == pytest.approx(0.0, abs=1e-6)  # the first update starts at the reference
   assert kls[-1] > kls[0]
+
+
+def test_trainer_runs_with_speculative_rollouts():
+  """The n-gram drafter plugs into the RL step (its losslessness is tested in
+  tests/rollout/test_speculative.py: sampled SD matches the target's distribution, not its
+  individual samples, so the two runs are not compared sample by sample)."""
+  from tlt_jax.rollout.ngram import NgramConfig  # pylint: disable=import-outside-toplevel
+  trainer = make_trainer(drafter=NgramConfig(depth=4))
+  assert trainer.engine.spec is not None
+  first = trainer.step()
+  second = trainer.step()
+  assert second["compiles"] == 0
+  assert all(0.0 <= m["reward"] <= 1.0 and np.isfinite(m["loss"]) for m in (first, second))

@@ -91,7 +91,10 @@ class GRPOTrainer:
   """Owns the policy params, optimizer state and rollout engine; ``step()`` runs one RL step."""
 
   def __init__(self, model: Transformer, tokenizer: CharTokenizer, task, engine_config: EngineConfig,
-               grpo_config: grpo.GRPOConfig, config: TrainerConfig, mesh: Mesh | None = None):
+               grpo_config: grpo.GRPOConfig, config: TrainerConfig, mesh: Mesh | None = None,
+               drafter=None):
+    """``drafter`` (a ``Drafter`` or ``NgramConfig``) makes rollouts speculative; being lossless,
+    it changes their speed, never what is sampled."""
     self.tokenizer, self.task, self.config, self.grpo_config = tokenizer, task, config, grpo_config
     self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("data",))
     rows = config.prompts_per_step * grpo_config.group_size
@@ -102,7 +105,7 @@ class GRPOTrainer:
     if config.max_new_tokens > engine_config.max_new_tokens:
       raise ValueError(f"TrainerConfig.max_new_tokens={config.max_new_tokens} exceeds "
                        f"EngineConfig.max_new_tokens={engine_config.max_new_tokens}")
-    self.engine = RolloutEngine(model, config=engine_config)
+    self.engine = RolloutEngine(model, drafter=drafter, config=engine_config)
     self.graphdef, params = nnx.split(model)
     # linear warmup over `warmup_steps` optimizer updates, starting above zero (no wasted step)
     warmup = max(config.warmup_steps, 1)
