@@ -20,8 +20,6 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 
 _DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_generate.py"
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(_DEFAULT_CONFIG), "ml_collections config file (get_config()).")
 
 DEMO_ALPHABET = "0123456789+-*=() ?"
 
@@ -83,4 +81,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Defined only when run as a program, so importing several entry points never clashes.
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", str(_DEFAULT_CONFIG), "ml_collections config file (get_config()).")
   app.run(main)

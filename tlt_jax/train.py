@@ -34,8 +34,6 @@ from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
 
 _DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.py"
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", str(_DEFAULT_CONFIG), "ml_collections config file (get_config()).")
 
 
 class MetricsLog:
@@ -186,4 +184,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Defined only when run as a program, so importing several entry points never clashes.
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", str(_DEFAULT_CONFIG), "ml_collections config file (get_config()).")
   app.run(main)
