@@ -10,13 +10,13 @@ completion-length distribution (JSON + a PNG histogram). The paper reports ~85% 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 
 import numpy as np
 
 from tlt_jax import train
+from tlt_jax.config import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,10 +27,7 @@ def main():
   parser.add_argument("--sft-steps", type=int, default=300)
   parser.add_argument("--out-dir", default="experiments/out")
   a = parser.parse_args()
-  spec = importlib.util.spec_from_file_location("tiny_grpo", ROOT / "configs" / "tiny_grpo.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = module.get_config()
+  cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
   cfg.trainer.steps, cfg.sft.steps = a.steps, a.sft_steps
   cfg.logdir = str(pathlib.Path(a.out_dir) / "rollout_share_run")
   summary = train.run(cfg)

@@ -1,6 +1,5 @@
 """The generation entry point: config loading, validation at the edge, an end-to-end run."""
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -8,15 +7,13 @@ import sys
 import pytest
 
 from tlt_jax import generate
+from tlt_jax.config import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def tiny_config():
-  spec = importlib.util.spec_from_file_location("tiny_generate", ROOT / "configs/tiny_generate.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = module.get_config()
+  cfg = load_config_file(ROOT / "configs" / "tiny_generate.py")
   cfg.num_prompts = 5
   cfg.rollout.max_batch = 4
   cfg.rollout.max_new_tokens = 24

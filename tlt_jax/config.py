@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import pathlib
 from typing import TypeVar
 
 import ml_collections
 
 T = TypeVar("T")
+
+
+def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+  """``get_config()`` of an ml_collections config file, as ``--config=path`` would load it."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"no config file at {path}")
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
 
 
 def to_dataclass(cls: type[T], section: ml_collections.ConfigDict, where: str, **extra) -> T:

@@ -6,6 +6,7 @@ buckets and completes a batch of prompts, printing completions and engine statis
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import numpy as np
@@ -49,7 +50,6 @@ def run(cfg) -> dict:
   """Runs the demo for a config and returns the engine statistics."""
   check_keys(cfg, {"seed", "num_prompts", "model", "rollout", "sampling"}, "")
   model, tokenizer = build_model(cfg)
-  import dataclasses  # pylint: disable=import-outside-toplevel
   check_keys(cfg.rollout, {f.name for f in dataclasses.fields(EngineConfig)} | {"precompile"},
              "rollout")
   check_keys(cfg.sampling, {f.name for f in dataclasses.fields(SamplingParams)} - {"seed"},

@@ -1,20 +1,17 @@
 """The main job rejects bad config values at start, naming the field."""
 
-import importlib.util
 import pathlib
 
 import pytest
 
 from tlt_jax import train
+from tlt_jax.config import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def default_config():
-  spec = importlib.util.spec_from_file_location("tiny_grpo", ROOT / "configs" / "tiny_grpo.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return load_config_file(ROOT / "configs" / "tiny_grpo.py")
 
 
 @pytest.mark.parametrize("field, value, match", [

@@ -153,15 +153,15 @@ class GRPOTrainer:
     cfg, g = self.config, self.grpo_config.group_size
     t0 = time.perf_counter()
     problems = self.problems_for(self.step_count)
-    prompts = [self.encode_prompt(p) for p in problems for _ in range(g)]
+    rows = [p for p in problems for _ in range(g)]  # each problem g times, group by group
+    prompts = [self.encode_prompt(p) for p in rows]
     self.engine.update_params(self.params)
     result = self.engine.generate(prompts, SamplingParams(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         seed=(cfg.seed * 1_000_003 + self.step_count) % 2**32))
     t_rollout = time.perf_counter() - t0
     texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
-    rewards = np.array([self.task.reward(p, t) for p, t in
-                        zip((p for p in problems for _ in range(g)), texts)], np.float32)
+    rewards = np.array([self.task.reward(p, t) for p, t in zip(rows, texts)], np.float32)
     advantages = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g,
                                                   self.grpo_config.normalize_std,
                                                   self.grpo_config.eps))
@@ -174,8 +174,8 @@ class GRPOTrainer:
     for _ in range(cfg.epochs):
       order = order_rng.permutation(n)
       for m in range(cfg.minibatches):
-        rows = order[m * size:(m + 1) * size]
-        mini = {k: v[rows] for k, v in batch.items()}
+        picked = order[m * size:(m + 1) * size]
+        mini = {k: v[picked] for k, v in batch.items()}
         self.params, self.opt_state, mm = self.update_fn(self.params, self.opt_state, mini,
                                                          self.ref_params)
         metrics.append(mm)

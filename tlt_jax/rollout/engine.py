@@ -51,9 +51,10 @@ class EngineConfig:
     if self.spec is not None and not isinstance(self.spec, SpecConfig):
       raise ValueError(f"EngineConfig.spec must be a SpecConfig or None, got {self.spec!r}")
     require_positive_ints(self, "max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids")
-    for name, limit, default in (("batch_buckets", self.max_batch, bk.powers_of_two_up_to(self.max_batch)),
-                                 ("prefill_buckets", self.max_prompt_len,
-                                  bk.powers_of_two_up_to(self.max_prompt_len, start=min(16, self.max_prompt_len)))):
+    defaults = (("batch_buckets", self.max_batch, bk.powers_of_two_up_to(self.max_batch)),
+                ("prefill_buckets", self.max_prompt_len,
+                 bk.powers_of_two_up_to(self.max_prompt_len, start=min(16, self.max_prompt_len))))
+    for name, limit, default in defaults:
       value = getattr(self, name)
       value = default if value is None else tuple(int(v) for v in value)
       if not value or list(value) != sorted(set(value)) or value[0] <= 0 or value[-1] != limit:
@@ -110,7 +111,8 @@ class RolloutResult:
 
 
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
-  return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+  """Whether each token (any shape) is one of ``stop_ids`` (padded with -1, which never matches)."""
+  return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 
 class RolloutEngine:
@@ -220,7 +222,7 @@ class RolloutEngine:
     id or the length limit, and marks rows that finished."""
     width = new_tokens.shape[1]
     j = jnp.arange(width)[None, :]
-    is_stop = jnp.any(new_tokens[:, :, None] == args.stop_ids[None, None, :], axis=-1)
+    is_stop = _is_stop(new_tokens, args.stop_ids)
     first_stop = jnp.min(jnp.where(is_stop & (j < count[:, None]), j, width), axis=1)
     n_emit = jnp.minimum(jnp.minimum(count, first_stop + 1),
                          args.max_new_tokens - state.num_generated)

@@ -258,21 +258,18 @@ def _walk(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, spe
   """The acceptance walk; ``greedy`` (static) skips every random draw."""
   b, n = draft.tokens.shape
   depth = spec.depth
-  if greedy:
-    probs = jnp.zeros(logits.shape[:1] + (1, 1), jnp.float32)  # unused placeholder
-  else:
+  probs = final_residual = None
+  if not greedy:
     probs = jnp.exp(filtered_logprobs(logits, args.temperature, args.top_k, args.top_p))
+    final_residual = pick_positions(probs, jnp.zeros((b,), jnp.int32))
   cur = jnp.zeros((b,), jnp.int32)
   active = jnp.ones((b,), bool)
   path = [cur]
-  residual = pick_positions(probs, cur)
-  final_residual = residual
   for level in range(depth):
-    p_here = pick_positions(probs, cur) if not greedy else None
+    residual = None if greedy else pick_positions(probs, cur)  # the node's target distribution
     argmax_here = jnp.argmax(pick_positions(logits, cur), -1)
     children = pick_positions(draft.children, cur)  # [B, k]
     usable = active & (level < draft.draft_len)
-    residual = p_here
     chosen = jnp.full((b,), -1, jnp.int32)
     for j in range(children.shape[1]):
       child = children[:, j]
