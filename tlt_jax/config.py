@@ -1,15 +1,24 @@
-"""Turns ml_collections configs into validated typed configs, once, at the edge."""
+"""Turns ml_collections configs into validated typed configs, once, at the edge.
+
+Every mistake a user can make in a config raises :class:`ConfigError` (a ``ValueError``) whose
+message names the field as ``config.<section>.<key>``; entry points print it in one line.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import pathlib
-from typing import TypeVar
+from typing import Any, Iterable, TypeVar
 
 import ml_collections
 
 T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+  """A config value, key or file that cannot be used; the message says which and what to do."""
 
 
 def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
@@ -23,10 +32,21 @@ def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
   return module.get_config()
 
 
-def to_dataclass(cls: type[T], section: ml_collections.ConfigDict, where: str, **extra) -> T:
-  """Builds ``cls`` from the keys of ``section`` it knows; errors name the field as ``where.key``."""
+def section(cfg: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+  """``cfg[name]``, checked to be a section (a dict of fields) rather than a single value."""
+  value = cfg.get(name)
+  if not isinstance(value, (ml_collections.ConfigDict, dict)):
+    raise ConfigError(f"config.{name} must be a section of fields, got {value!r}")
+  return value
+
+
+def to_dataclass(cls: type[T], section_: ml_collections.ConfigDict, where: str,
+                 ignore: Iterable[str] = (), **extra) -> T:
+  """Builds ``cls`` from ``section_``; unknown keys (except ``ignore``) and bad values raise
+  :class:`ConfigError` naming the field as ``config.<where>.<key>``."""
   fields = {f.name for f in dataclasses.fields(cls)}
-  values = {k: v for k, v in section.items() if k in fields}
+  check_keys(section_, (fields - set(extra)) | set(ignore), where)
+  values = {k: v for k, v in section_.items() if k in fields}
   values.update(extra)
   for key, value in values.items():
     if isinstance(value, list):
@@ -34,11 +54,56 @@ def to_dataclass(cls: type[T], section: ml_collections.ConfigDict, where: str, *
   try:
     return cls(**values)
   except (TypeError, ValueError) as e:
-    raise ValueError(f"config.{where}: {e}") from None
+    raise ConfigError(f"config.{where}: {e}") from None
 
 
-def check_keys(section: ml_collections.ConfigDict, allowed: set[str], where: str) -> None:
-  """Rejects keys that nothing reads (usually a typo), naming them."""
-  unknown = sorted(set(section.keys()) - allowed)
+def check_keys(section_: ml_collections.ConfigDict, allowed: set[str], where: str) -> None:
+  """Rejects keys that nothing reads (usually a typo), naming them and the known ones."""
+  unknown = sorted(set(section_.keys()) - set(allowed))
   if unknown:
-    raise ValueError(f"config.{where} has unknown keys {unknown}; known keys: {sorted(allowed)}")
+    prefix = f"config.{where}" if where else "config"
+    raise ConfigError(f"{prefix} has unknown keys {unknown}; known keys: {sorted(allowed)}")
+
+
+def flatten(cfg: ml_collections.ConfigDict | dict, prefix: str = "") -> dict[str, Any]:
+  """``{"trainer.steps": 80, ...}``: every leaf field under its dotted name."""
+  out: dict[str, Any] = {}
+  for key, value in cfg.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+      out.update(flatten(value, name + "."))
+    else:
+      out[name] = value
+  return out
+
+
+def set_dotted(cfg: ml_collections.ConfigDict, name: str, value: Any) -> None:
+  """Sets the field ``name`` (``"trainer.steps"``) of ``cfg``, creating no new sections."""
+  *parents, key = name.split(".")
+  for part in parents:
+    cfg = cfg[part]
+  with cfg.ignore_type():
+    cfg[key] = value
+
+
+def read_json_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+  """A config saved as JSON (a run's ``config.json``); errors name the file."""
+  path = pathlib.Path(path)
+  try:
+    data = json.loads(path.read_text(encoding="utf-8"))
+  except FileNotFoundError:
+    raise ConfigError(f"{path} does not exist") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ConfigError(f"{path} is not valid JSON ({e}); restore it from a backup or "
+                      "delete the run's logdir to start over") from None
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
+  return ml_collections.ConfigDict(data)
+
+
+def write_json_config(cfg: ml_collections.ConfigDict, path: str | pathlib.Path) -> None:
+  """Writes ``cfg`` as readable JSON, atomically (tmp file + rename)."""
+  path = pathlib.Path(path)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+  tmp.replace(path)

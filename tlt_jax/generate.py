@@ -1,19 +1,22 @@
-"""Generation demo: ``python -m tlt_jax.generate [--config=configs/tiny_generate.py]``.
+"""Generation: completes prompts with the rollout engine and prints completions and statistics.
 
-Builds the model (a local HF checkpoint or the embedded tiny preset), precompiles the engine's
-buckets and completes a batch of prompts, printing completions and engine statistics.
+  python -m tlt_jax.generate [--config=CONFIG_FILE] [--config.<field>=VALUE ...]
+                             [--prompt TEXT [--prompt TEXT ...]] [--verbose]
+
+The model is a local checkpoint directory (``--config.model.path``: an HF directory, or a
+trained main job's ``<logdir>/final_model``, whose tokenizer is saved beside the weights) or,
+by default, an embedded tiny preset with random weights. Without ``--prompt``, small arithmetic
+questions are generated. The tokenizer's BOS id, if it has one, starts every prompt.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
+import sys
 
 import numpy as np
-from absl import app, flags
-from ml_collections import config_flags
 
-from tlt_jax.config import check_keys, to_dataclass
+from tlt_jax.config import ConfigError, check_keys, section, to_dataclass
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer, load_tokenizer
 from tlt_jax.models.transformer import init_model
@@ -27,61 +30,79 @@ DEMO_ALPHABET = "0123456789+-*=() ?"
 
 def build_model(cfg):
   """The model and tokenizer named by ``cfg.model``."""
-  check_keys(cfg.model, {"path", "dtype", "tiny"}, "model")
-  if cfg.model.path:
+  model_cfg = section(cfg, "model")
+  check_keys(model_cfg, {"path", "dtype", "tiny"}, "model")
+  if model_cfg.path:
     from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
-    model, model_config = hf.from_pretrained(cfg.model.path, dtype=cfg.model.dtype)
-    return model, load_tokenizer(cfg.model.path)
+    path = pathlib.Path(model_cfg.path)
+    if not path.is_dir():
+      raise ConfigError(f"config.model.path {path} is not a directory (expected a checkpoint "
+                        "directory with config.json and *.safetensors)")
+    model, _ = hf.from_pretrained(path, dtype=model_cfg.dtype)
+    try:
+      tokenizer = load_tokenizer(path)
+    except FileNotFoundError:
+      raise FileNotFoundError(f"{path} has no tokenizer (tokenizer.json or "
+                              "char_tokenizer.json); copy the model's tokenizer there") from None
+    return model, tokenizer
   tokenizer = CharTokenizer(DEMO_ALPHABET)
-  model_config = to_dataclass(ModelConfig, cfg.model.tiny, "model.tiny",
-                              vocab_size=tokenizer.vocab_size, dtype=cfg.model.dtype,
+  model_config = to_dataclass(ModelConfig, section(model_cfg, "tiny"), "model.tiny",
+                              vocab_size=tokenizer.vocab_size, dtype=model_cfg.dtype,
                               eos_token_id=tokenizer.eos_token_id, architecture="qwen2",
                               tie_word_embeddings=True, attention_bias=True)
   return init_model(model_config, seed=cfg.seed), tokenizer
 
 
 def demo_prompts(n: int, seed: int) -> list[str]:
-  """Small arithmetic questions, the shape of the RL task to come."""
+  """Small arithmetic questions, the shape of the RL task."""
   rng = np.random.default_rng(seed)
   return [f"{rng.integers(1, 10**rng.integers(1, 5))}+{rng.integers(1, 999)}=?" for _ in range(n)]
 
 
-def run(cfg) -> dict:
-  """Runs the demo for a config and returns the engine statistics."""
+def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+  """Token ids of each text, after the tokenizer's BOS id when it has one."""
+  if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+    raise TypeError(f"prompts must be a list of strings, got {texts!r:.80}")
+  bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+  return [bos + tokenizer.encode(t) for t in texts]
+
+
+def run(cfg, overrides=None, prompts: list[str] | None = None) -> dict:
+  """Generates for ``prompts`` (default: ``cfg.num_prompts`` demo questions); returns the engine
+  statistics plus the completions (``texts``)."""
+  del overrides  # generation has no saved run to resume
   check_keys(cfg, {"seed", "num_prompts", "model", "rollout", "sampling"}, "")
   model, tokenizer = build_model(cfg)
-  check_keys(cfg.rollout, {f.name for f in dataclasses.fields(EngineConfig)} | {"precompile"},
-             "rollout")
-  check_keys(cfg.sampling, {f.name for f in dataclasses.fields(SamplingParams)} - {"seed"},
-             "sampling")
-  precompile = cfg.rollout.get("precompile", True)
-  engine_config = to_dataclass(EngineConfig, cfg.rollout, "rollout",
+  rollout = section(cfg, "rollout")
+  precompile = rollout.get("precompile", True)
+  engine_config = to_dataclass(EngineConfig, rollout, "rollout", ignore={"precompile"},
                                pad_token_id=tokenizer.pad_token_id or 0)
-  sampling = to_dataclass(SamplingParams, cfg.sampling, "sampling", seed=cfg.seed)
+  sampling = to_dataclass(SamplingParams, section(cfg, "sampling"), "sampling", seed=cfg.seed)
+  texts = list(prompts) if prompts else demo_prompts(cfg.num_prompts, cfg.seed)
+  ids = encode_prompts(tokenizer, texts)
   engine = RolloutEngine(model, config=engine_config)
   if precompile:
     n = engine.precompile()
-    print(f"precompiled {n} executables in {engine._compile_seconds:.1f}s")
-  texts = demo_prompts(cfg.num_prompts, cfg.seed)
-  result = engine.generate([tokenizer.encode(t) for t in texts], sampling)
-  for text, toks in list(zip(texts, result.tokens))[:8]:
-    print(f"{text!r:>14} -> {tokenizer.decode(toks)[:60]!r}")
+    print(f"precompiled {n} executables in {engine._compile_seconds:.1f}s", flush=True)
+  result = engine.generate(ids, sampling)
+  completions = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+  shown = len(texts) if prompts else 8
+  for text, completion in list(zip(texts, completions))[:shown]:
+    print(f"{text!r} -> {completion!r}")
   lengths = np.array([len(t) for t in result.tokens])
   s = result.stats
   print(f"lengths p50={np.percentile(lengths, 50):.0f} p90={np.percentile(lengths, 90):.0f} "
         f"max={lengths.max()} | segments (bucket, steps): {[seg[:2] for seg in s['segments']]}")
   print(f"{s['tokens']} tokens in {s['wall_s']:.2f}s ({s['tokens_per_s']:.0f} tok/s excl. "
         f"compile), compiles during generate: {s['compiles']}")
-  return s
+  return dict(s, texts=completions)
 
 
-def main(argv):
-  del argv
-  run(_CONFIG.value)
+def _prompt_flag() -> dict:
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  return {"prompts": flags.DEFINE_multi_string("prompt", None, "a prompt text (repeatable)")}
 
 
 if __name__ == "__main__":
-  # Defined only when run as a program, so importing several entry points never clashes.
-  _CONFIG = config_flags.DEFINE_config_file(
-      "config", str(_DEFAULT_CONFIG), "ml_collections config file (get_config()).")
-  app.run(main)
+  from tlt_jax import cli  # pylint: disable=import-outside-toplevel
+  sys.exit(cli.main(__doc__, run, _DEFAULT_CONFIG, sys.argv, extra_flags=_prompt_flag))

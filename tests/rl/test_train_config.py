@@ -22,7 +22,7 @@ def default_config():
     ("model.num_kv_heads", 3, r"config.model: ModelConfig.num_heads"),
     ("task.max_digits", 0, r"config.task: ArithmeticTask.max_digits"),
     ("rollout.max_batch", -2, r"config.rollout: EngineConfig.max_batch"),
-    ("checkpoint_every", -1, r"config.checkpoint_every must be >= 0"),
+    ("checkpoint_every", -1, r"config.checkpoint_every must be an int >= 0"),
 ])
 def test_bad_values_are_rejected_naming_the_field(tmp_path, field, value, match):
   cfg = default_config()

@@ -8,22 +8,30 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.logdir = ""  # tensorboard events, metrics.jsonl, checkpoints; "" = runs/<timestamp>
-  c.resume = False  # True: continue from the latest checkpoint in <logdir>/checkpoints
+  c.seed = 0  # every PRNG stream and the data order derive from (seed, step)
+  c.logdir = ""  # config.json, metrics.jsonl, tensorboard events, checkpoints/, final_model/;
+  #               "" = runs/<timestamp>
+  c.resume = False  # True: continue the run in <logdir> with its saved config.json
   c.checkpoint_every = 5  # RL steps between checkpoints (0: only at the end)
   c.drafter = "none"  # "ngram": lossless speculative rollouts drafted from sibling responses
+  c.mesh_devices = 0  # devices of the data-parallel update mesh (0: every device)
   c.distributed = False  # True: jax.distributed.initialize() (multi-host, from the environment)
 
+  # ArithmeticTask: operands of up to max_digits digits, sizes Zipf(digit_exponent)-distributed
   c.task = ml_collections.ConfigDict(dict(max_digits=8, digit_exponent=1.5))
+  # ModelConfig of the char-level Qwen2-style policy
   c.model = ml_collections.ConfigDict(dict(
       hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2))
+  # supervised warm start on correct traces (steps=0: none)
   c.sft = ml_collections.ConfigDict(dict(steps=300, rows=8, row_len=256, learning_rate=3e-3))
+  # GRPOConfig: samples per prompt, PPO clip range (DAPO clip-higher), KL to the warm start
   c.grpo = ml_collections.ConfigDict(dict(
       group_size=8, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, loss_agg="token-mean",
       normalize_std=True))
+  # TrainerConfig: RL steps, prompts per step, AdamW, updates per step, rollout length
   c.trainer = ml_collections.ConfigDict(dict(
       steps=80, prompts_per_step=8, learning_rate=2e-5, warmup_steps=2, grad_clip=1.0,
       minibatches=2, epochs=1, max_new_tokens=96, temperature=1.0, eval_problems=128))
+  # EngineConfig of the rollout engine (batch buckets up to max_batch rows)
   c.rollout = ml_collections.ConfigDict(dict(max_batch=64, max_prompt_len=32))
   return c

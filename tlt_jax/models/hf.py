@@ -188,7 +188,13 @@ def read_hf_config(path: str | Path) -> dict:
   config_path = Path(path) / CONFIG_FILE
   if not config_path.is_file():
     raise FileNotFoundError(f"No {CONFIG_FILE} in {Path(path)} (expected {config_path})")
-  return json.loads(config_path.read_text())
+  try:
+    hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{config_path} is not valid JSON ({e})") from None
+  if not isinstance(hf_config, dict):
+    raise ValueError(f"{config_path} must hold a JSON object, got {type(hf_config).__name__}")
+  return hf_config
 
 
 # ----------------------------------------------------------------------------- weights
@@ -284,7 +290,14 @@ def from_pretrained(path: str | Path, dtype: str | None = None, *,
   Every param is set from the checkpoint; ``strict`` rejects unknown (non-harmless) tensors.
   """
   path = Path(path)
-  config = config_from_hf(read_hf_config(path), dtype=dtype)
+  try:
+    config = config_from_hf(read_hf_config(path), dtype=dtype)
+  except KeyError as e:
+    raise ValueError(f"{path / CONFIG_FILE} lacks the required key {e.args[0]!r}") from None
+  except (TypeError, ValueError) as e:
+    if str(e).startswith(str(path / CONFIG_FILE)):
+      raise
+    raise ValueError(f"{path / CONFIG_FILE}: {e}") from None
   tensor_files = _tensor_files(path)
   graphdef, flat, names = _abstract_params(config)
   _check_tensor_names(path, tensor_files, config, names, strict)

@@ -13,6 +13,7 @@ from typing import Protocol, Sequence, runtime_checkable
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+CHAR_TOKENIZER_FILE = "char_tokenizer.json"
 CHAR_PREFIX = "char:"
 
 
@@ -84,6 +85,22 @@ class CharTokenizer:
     except KeyError as error:
       raise ValueError(f"Character {error.args[0]!r} is not in the CharTokenizer alphabet "
                        f"{self.alphabet!r}") from None
+
+  def save(self, directory: str | Path) -> None:
+    """Writes ``char_tokenizer.json`` into ``directory`` (read back by :func:`load_tokenizer`)."""
+    data = {"type": "char", "alphabet": self.alphabet, "specials": list(self.specials)}
+    (Path(directory) / CHAR_TOKENIZER_FILE).write_text(json.dumps(data, indent=2) + "\n",
+                                                        encoding="utf-8")
+
+  @classmethod
+  def from_file(cls, path: str | Path) -> "CharTokenizer":
+    """Loads a ``char_tokenizer.json`` written by :meth:`save`; errors name the file."""
+    path = Path(path)
+    try:
+      data = json.loads(path.read_text(encoding="utf-8"))
+      return cls(data["alphabet"], tuple(data["specials"]))
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise ValueError(f"{path} is not a char tokenizer file ({type(e).__name__}: {e})") from None
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     """The text of ``ids``; specials appear by name unless skipped."""
@@ -169,6 +186,16 @@ class HFTokenizer:
     """The padding id, or None."""
     return self._pad_token_id
 
+  def save(self, directory: str | Path) -> None:
+    """Writes ``tokenizer.json`` (and the special ids in ``tokenizer_config.json``)."""
+    directory = Path(directory)
+    self.tokenizer.save(str(directory / TOKENIZER_FILE))
+    specials = {f"{kind}_token": self.tokenizer.id_to_token(i)
+                for kind, i in (("bos", self._bos_token_id), ("eos", self._eos_token_id),
+                                ("pad", self._pad_token_id)) if i is not None}
+    (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(specials, indent=2) + "\n",
+                                                   encoding="utf-8")
+
   def encode(self, text: str) -> list[int]:
     """Ids of ``text`` without added special tokens."""
     return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -179,7 +206,12 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: str | Path) -> HFTokenizer | CharTokenizer:
-  """A tokenizer from a ``tokenizer.json`` file or model directory, or ``"char:<alphabet>"``."""
+  """A tokenizer from a model directory (``char_tokenizer.json`` or ``tokenizer.json``), a
+  tokenizer file, or ``"char:<alphabet>"``."""
   if isinstance(path, str) and path.startswith(CHAR_PREFIX):
     return CharTokenizer(path[len(CHAR_PREFIX):])
+  path = Path(path)
+  char_file = path / CHAR_TOKENIZER_FILE if path.is_dir() else path
+  if char_file.name == CHAR_TOKENIZER_FILE and char_file.is_file():
+    return CharTokenizer.from_file(char_file)
   return HFTokenizer.from_file(path)

@@ -6,6 +6,9 @@ problem) so the step compiles once; the loss is taken on solution and EOS tokens
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +20,25 @@ from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.rl.tasks import ArithmeticTask, Problem
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.utils import require_positive_ints
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """The supervised warm start: ``steps`` optimizer steps on ``rows`` packed rows of ``row_len``."""
+
+  steps: int = 300
+  rows: int = 8
+  row_len: int = 256
+  learning_rate: float = 3e-3
+
+  def __post_init__(self):
+    if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
+      raise ValueError(f"SFTConfig.steps must be an int >= 0 (0: no warm start), got "
+                       f"{self.steps!r}")
+    require_positive_ints(self, "rows", "row_len")
+    if not (isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0):
+      raise ValueError(f"SFTConfig.learning_rate must be > 0, got {self.learning_rate!r}")
 
 
 def encode_problem(tokenizer: CharTokenizer, problem: Problem) -> tuple[list[int], int]:
@@ -113,3 +135,29 @@ def greedy_accuracy(model, tokenizer: CharTokenizer, task: ArithmeticTask,
               mean_completion_len=float(np.mean([len(t) for t in result.tokens])),
               generate_s=result.stats["wall_s"], example=texts[0],
               example_prompt=problems[0].prompt)
+
+
+def warm_start(model, tokenizer: CharTokenizer, task: ArithmeticTask, config: SFTConfig,
+               seed: int, progress: Callable[[int, dict], None] | None = None):
+  """``config.steps`` supervised steps on correct traces; returns ``(model, last metrics)``.
+
+  ``progress(step, metrics)`` is called after each step (metrics are device arrays: reading
+  them syncs, so a caller should do it only now and then).
+  """
+  graphdef, params = nnx.split(model)
+  steps = config.steps
+  if steps == 0:
+    return model, {}
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, config.learning_rate, max(1, steps // 10), max(steps, 2),
+      end_value=0.1 * config.learning_rate)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98))
+  opt_state = optimizer.init(params)
+  step_fn = make_lm_step(graphdef, optimizer)
+  stream = PackedStream(task, tokenizer, config.rows, config.row_len, seed=seed)
+  metrics = {}
+  for i in range(steps):
+    params, opt_state, metrics = step_fn(params, opt_state, stream.batch())
+    if progress is not None:
+      progress(i + 1, metrics)
+  return nnx.merge(graphdef, params), {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -1,0 +1,191 @@
+"""The main job as a user meets it: resume semantics, metrics without duplicates, the final model
+with its tokenizer, validation before any work, and the command line (help, one-line errors)."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tlt_jax import generate, train
+from tlt_jax.config import ConfigError, load_config_file
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = dict(task=dict(max_digits=3), model=dict(hidden_size=32, intermediate_size=64,
+                                                 num_layers=1),
+            sft=dict(steps=3, rows=2, row_len=64),
+            trainer=dict(steps=2, prompts_per_step=4, minibatches=2, max_new_tokens=16,
+                         eval_problems=4, learning_rate=1e-3),
+            grpo=dict(group_size=2), rollout=dict(max_batch=8, max_prompt_len=16))
+
+
+def tiny_config(logdir, **top):
+  cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
+  for name, fields in TINY.items():
+    cfg[name].update(fields)
+  cfg.logdir = str(logdir)
+  cfg.checkpoint_every = 1
+  cfg.update(top)
+  return cfg
+
+
+def metric_steps(logdir):
+  rows = [json.loads(line) for line in (pathlib.Path(logdir) / "metrics.jsonl").open()]
+  return [r["step"] for r in rows if "reward" in r]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """A tiny run of 2 RL steps, finished (checkpoints at 1 and 2, final model)."""
+  logdir = tmp_path_factory.mktemp("run") / "logdir"
+  summary = train.run(tiny_config(logdir))
+  return logdir, summary
+
+
+def test_a_run_saves_its_config_metrics_and_a_usable_final_model(finished_run):
+  logdir, summary = finished_run
+  saved = json.loads((logdir / "config.json").read_text())
+  assert saved["trainer"]["steps"] == 2 and saved["model"]["hidden_size"] == 32
+  assert "logdir" not in saved and "resume" not in saved
+  assert metric_steps(logdir) == [1, 2] and summary["step"] == 2
+  # the final model carries its tokenizer: generate runs on it with a text prompt
+  cfg = load_config_file(ROOT / "configs" / "tiny_generate.py")
+  cfg.model.path = str(logdir / "final_model")
+  cfg.rollout.update(max_batch=2, max_new_tokens=8, precompile=False)
+  cfg.sampling.update(max_new_tokens=8, temperature=0.0)
+  out = generate.run(cfg, prompts=["12+3=?", "7-5=?"])
+  assert len(out["texts"]) == 2 and all(isinstance(t, str) for t in out["texts"])
+  assert out["tokens"] > 0
+
+
+def test_resume_of_a_finished_run_uses_its_saved_config_and_does_nothing(finished_run):
+  logdir, _ = finished_run
+  before = {p.name: p.stat().st_mtime_ns for p in (logdir / "final_model").iterdir()}
+  cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")  # the default says 80 steps
+  cfg.logdir, cfg.resume = str(logdir), True
+  summary = train.run(cfg, overrides=[])  # as from the command line with no overrides
+  assert summary["finished"] and summary["step"] == 2 and summary["history"] == []
+  after = {p.name: p.stat().st_mtime_ns for p in (logdir / "final_model").iterdir()}
+  assert after == before  # no new evaluation, no rewrite of final_model
+
+
+def test_resume_with_an_override_continues_and_replaces_rerun_metric_rows(finished_run, tmp_path,
+                                                                          capsys):
+  logdir = tmp_path / "copy"
+  shutil.copytree(finished_run[0], logdir)
+  # a run killed after logging step 3 but before its checkpoint: the row is re-done on resume
+  with (logdir / "metrics.jsonl").open("a") as f:
+    f.write(json.dumps({"step": 3, "reward": -1.0}) + "\n" + '{"step": 4, "rew')  # torn line
+  shutil.rmtree(logdir / "final_model")
+  cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
+  cfg.logdir, cfg.resume, cfg.trainer.steps = str(logdir), True, 3
+  summary = train.run(cfg, overrides=["trainer.steps"])
+  out = capsys.readouterr().out
+  assert "trainer.steps: 2 -> 3 (override)" in out
+  assert [m["step"] for m in summary["history"]] == [3]
+  assert metric_steps(logdir) == [1, 2, 3]
+  rows = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
+  assert all(r.get("reward") != -1.0 for r in rows)
+  assert json.loads((logdir / "config.json").read_text())["trainer"]["steps"] == 3
+  assert (logdir / "final_model" / "char_tokenizer.json").is_file()
+
+
+def test_resume_config_takes_only_the_named_overrides():
+  saved = load_config_file(ROOT / "configs" / "tiny_grpo.py")
+  saved.trainer.steps = 40
+  cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")  # steps=80 by default
+  cfg.trainer.learning_rate = 1e-4
+  merged, notes = train.resume_config(cfg, saved, overrides=["trainer.learning_rate"])
+  assert merged.trainer.steps == 40 and merged.trainer.learning_rate == 1e-4
+  assert notes == ["  trainer.learning_rate: 2e-05 -> 0.0001 (override)"]
+  merged, _ = train.resume_config(cfg, saved, overrides=None)  # API: every difference counts
+  assert merged.trainer.steps == 80
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path):
+  cfg = tiny_config(tmp_path / "empty", resume=True)
+  with pytest.raises(ConfigError, match=r"holds no checkpoint; drop --config.resume"):
+    train.run(cfg)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+  """Fails the test if the job gets as far as building a model."""
+  def refuse(*args, **kwargs):
+    raise AssertionError("the job started working before validating its config")
+  monkeypatch.setattr(train, "init_model", refuse)
+
+
+@pytest.mark.parametrize("where", ["", "task", "model", "sft", "grpo", "trainer", "rollout"])
+def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_work, where):
+  cfg = tiny_config(tmp_path)
+  (cfg[where] if where else cfg).typo_field = 1
+  with pytest.raises(ConfigError, match=r"unknown keys \['typo_field'\]"):
+    train.run(cfg)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("sft.steps", -5, r"config.sft: SFTConfig.steps must be an int >= 0"),
+    ("sft.learning_rate", -1.0, r"config.sft: SFTConfig.learning_rate must be > 0"),
+    ("sft.rows", 0, r"config.sft: SFTConfig.rows"),
+    ("mesh_devices", -1, r"config.mesh_devices must be an int >= 0"),
+    ("drafter", "eagle3", r"config.drafter must be 'none' or 'ngram'"),
+])
+def test_bad_values_are_rejected_before_work(tmp_path, no_work, field, value, match):
+  cfg = tiny_config(tmp_path)
+  *parents, key = field.split(".")
+  target = cfg[parents[0]] if parents else cfg
+  with target.ignore_type():
+    target[key] = value
+  with pytest.raises(ConfigError, match=match):
+    train.run(cfg)
+
+
+def test_a_logdir_that_is_a_file_is_rejected_before_work(tmp_path, no_work):
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(ConfigError, match=r"is a file, not a directory"):
+    train.run(tiny_config(tmp_path / "file"))
+
+
+def test_a_broken_saved_config_names_the_file(finished_run, tmp_path):
+  logdir = tmp_path / "copy"
+  shutil.copytree(finished_run[0], logdir)
+  (logdir / "config.json").write_text("{broken")
+  with pytest.raises(ConfigError, match=r"config.json is not valid JSON"):
+    train.run(tiny_config(logdir, resume=True))
+
+
+def test_generate_rejects_a_prompt_string_instead_of_a_list():
+  with pytest.raises(TypeError, match="prompts must be a list of strings"):
+    generate.encode_prompts(generate.CharTokenizer("0123"), "0123")
+
+
+# ---- the command line, as a user runs it ---------------------------------------------------
+
+
+def cli(*args, timeout=120):
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "tlt_jax.train", *args], capture_output=True,
+                        text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_help_lists_the_config_fields():
+  done = cli("--help")
+  assert done.returncode == 0
+  assert "--config.trainer.steps=80" in done.stdout and "--config.resume=False" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config.trainer.stepz=3"], "no such config field 'stepz'. Did you mean \"steps\""),
+    (["--config.sft.steps=-5"], "config.sft: SFTConfig.steps must be an int >= 0"),
+    (["--config=missing.py"], "no config file at missing.py"),
+])
+def test_mistakes_are_one_line_errors_without_traceback(tmp_path, args, message):
+  done = cli(f"--config.logdir={tmp_path / 'run'}", *args)
+  assert done.returncode == 2
+  assert "Traceback" not in done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert lines[0].startswith("error: ") and message in lines[0] and len(lines) <= 2, done.stderr

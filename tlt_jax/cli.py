@@ -1,0 +1,104 @@
+"""The command line shared by the entry points: ``--help``, config flags, one-line errors.
+
+A mistake of the user's (a config value, a file, a prompt) prints ``error: ...`` in a line or
+two and exits 2 (config) or 1 (anything else the user can fix); ``--verbose`` shows the
+traceback. Ctrl-C exits 130 with the message the job left (e.g. how to resume).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from typing import Callable
+
+from tlt_jax import config as config_lib
+from tlt_jax.checkpoint import CheckpointError
+
+# Errors that come from what the user gave (config, files, data), printed without a traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, CheckpointError, FloatingPointError)
+_HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull")
+
+
+def config_overrides(argv: list[str]) -> list[str]:
+  """Dotted names of the fields set by ``--config.<name>=...`` flags in ``argv``."""
+  names = []
+  for arg in argv:
+    for prefix in ("--config.", "--noconfig."):
+      if arg.startswith(prefix):
+        names.append(arg[len(prefix):].split("=", 1)[0])
+  return names
+
+
+def help_text(doc: str, default_config: pathlib.Path) -> str:
+  """Usage, then every config field with its default (from ``default_config``)."""
+  lines = [doc.strip(), "",
+           f"Config fields (defaults from {default_config};",
+           "set with --config.<field>=VALUE; the file's comments say what each does):"]
+  for name, value in config_lib.flatten(config_lib.load_config_file(default_config)).items():
+    lines.append(f"  --config.{name}={value!r}")
+  return "\n".join(lines)
+
+
+def _error(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+
+
+def main(doc: str, run: Callable, default_config: pathlib.Path, argv: list[str],
+         extra_flags: Callable[[], dict] | None = None) -> int:
+  """Parses ``argv`` and calls ``run(config, overrides=[...], **extra)``; returns the exit code.
+
+  ``extra_flags()`` defines further absl flags and returns ``{run keyword: flag holder}``.
+  """
+  # pylint: disable=import-outside-toplevel
+  from absl import flags, logging
+  from ml_collections import config_flags
+
+  if any(a in _HELP_FLAGS for a in argv[1:]):
+    print(help_text(doc, default_config))
+    return 0
+  for arg in argv[1:]:
+    if arg.startswith("--config="):
+      path = pathlib.Path(arg.split("=", 1)[1].split(":", 1)[0])
+      if not path.is_file():
+        _error(f"no config file at {path} (--config takes the path of an ml_collections file; "
+               f"the default is {default_config})")
+        return 2
+  verbose = flags.DEFINE_bool("verbose", False, "print tracebacks of errors")
+  extra = extra_flags() if extra_flags else {}
+  try:
+    # ml_collections applies the --config.<field> overrides while defining and reading the
+    # flag; a misspelled field raises here
+    config_flag = config_flags.DEFINE_config_file(
+        "config", str(default_config), "ml_collections config file (get_config()).")
+    rest = flags.FLAGS(argv)
+    config = config_flag.value  # applies the --config.<field> overrides (typos raise here)
+  except Exception as e:  # pylint: disable=broad-except  (absl / ml_collections parse errors)
+    if "--verbose" in argv:
+      raise
+    message = " ".join(str(e).replace("\\'", "'").replace('\\"', '"').replace("\\n", " ").split())
+    if len(message) > 1 and message[0] == message[-1] and message[0] in "'\"":
+      message = message[1:-1]
+    if "Did you mean" in message:
+      message = "no such config field " + message.replace(" Did", ". Did")
+    _error(f"bad command line: {message}\n(--help lists the config fields)")
+    return 2
+  if len(rest) > 1:
+    _error(f"unexpected arguments {rest[1:]}; config fields are set as --config.<field>=VALUE")
+    return 2
+  logging.set_verbosity(logging.WARNING)  # keep orbax's per-save INFO lines off the console
+  try:
+    run(config, overrides=config_overrides(argv),
+        **{name: holder.value for name, holder in extra.items()})
+  except KeyboardInterrupt as e:
+    print(f"\n{e or 'interrupted'}", file=sys.stderr)
+    return 130
+  except USER_ERRORS as e:
+    if verbose.value:
+      raise
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    kind = "" if isinstance(e, (config_lib.ConfigError, CheckpointError)) else \
+        f"{type(e).__name__}: "
+    _error(kind + "\n".join(lines[:3]))
+    print("(--verbose shows the traceback)", file=sys.stderr)
+    return 2 if isinstance(e, config_lib.ConfigError) else 1
+  return 0
