@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tlt_jax import generate, train
@@ -91,6 +92,32 @@ def test_resume_with_an_override_continues_and_replaces_rerun_metric_rows(finish
   assert all(r.get("reward") != -1.0 for r in rows)
   assert json.loads((logdir / "config.json").read_text())["trainer"]["steps"] == 3
   assert (logdir / "final_model" / "char_tokenizer.json").is_file()
+
+
+def test_a_garbled_checkpoint_is_reported_and_the_run_resumes_from_the_last_good_one(
+    finished_run, tmp_path, capsys):
+  """Bytes flipped inside the newest checkpoint's largest file (same size, still readable): the
+  run names it, moves it aside, resumes from the step before and ends with finite weights."""
+  logdir = tmp_path / "copy"
+  shutil.copytree(finished_run[0], logdir)
+  step_dir = logdir / "checkpoints" / "2"
+  files = [p for p in step_dir.rglob("*") if p.is_file()]
+  target = max(files, key=lambda p: p.stat().st_size)
+  data = bytearray(target.read_bytes())
+  middle = len(data) // 2
+  data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+  target.write_bytes(bytes(data))
+  cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
+  cfg.logdir, cfg.resume, cfg.trainer.steps = str(logdir), True, 3
+  summary = train.run(cfg, overrides=["trainer.steps"])
+  out = capsys.readouterr().out
+  assert "checkpoints/2" in out and "corrupt" in out.lower()
+  assert "resumed from" in out and "checkpoints/1" in out
+  assert [m["step"] for m in summary["history"]] == [2, 3]
+  assert all(np.isfinite(m["loss"]) for m in summary["history"])
+  # the bad step is kept aside for inspection; rotation (keep 2) holds the new steps 2 and 3
+  assert sorted(p.name for p in (logdir / "checkpoints").iterdir()) == ["2", "2.corrupt", "3"]
+  assert metric_steps(logdir) == [1, 2, 3]
 
 
 def test_resume_config_takes_only_the_named_overrides():
@@ -189,3 +216,36 @@ def test_mistakes_are_one_line_errors_without_traceback(tmp_path, args, message)
   assert "Traceback" not in done.stderr
   lines = done.stderr.strip().splitlines()
   assert lines[0].startswith("error: ") and message in lines[0] and len(lines) <= 2, done.stderr
+
+
+def test_main_job_on_four_devices_and_ctrl_c_says_how_to_resume(tmp_path):
+  """The command line on 4 simulated CPU devices: the update mesh spans all of them; Ctrl-C
+  (SIGINT) after two RL steps exits 130 and names the resume command."""
+  import signal  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  logdir = tmp_path / "run"
+  flat = {f"{s}.{k}": v for s, fields in TINY.items() for k, v in fields.items()}
+  flat.update({"trainer.steps": 50, "checkpoint_every": 1})
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "tlt_jax.train", f"--config.logdir={logdir}",
+       *[f"--config.{k}={v}" for k, v in flat.items()]],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+  lines, deadline = [], time.time() + 400
+  try:
+    for line in proc.stdout:
+      lines.append(line)
+      if line.startswith("step    2/50") or time.time() > deadline:
+        break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  stdout = "".join(lines) + out
+  assert "devices: 4 x cpu" in stdout, stdout[-2000:]
+  assert "step    2/50" in stdout, (stdout + err)[-3000:]
+  assert proc.returncode == 130, err[-2000:]
+  assert "Traceback" not in err
+  assert f"--config.logdir={logdir} --config.resume=True" in err
+  assert (logdir / "checkpoints" / "2").is_dir()

@@ -38,7 +38,8 @@ from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.sft import SFTConfig, warm_start
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.trainer import GRPOTrainer, NonFiniteUpdateError, TrainerConfig, \
+    check_update_layout
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
 
@@ -276,6 +277,7 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
     raise ConfigError(f"config.mesh_devices={cfg.mesh_devices} but only {len(devices)} devices "
                       "are visible; use 0 for all of them")
   devices = devices[:cfg.mesh_devices or len(devices)]
+  check_update_layout(job.trainer, job.grpo, len(devices))
   mesh = jax.sharding.Mesh(np.array(devices), ("data",))
   _say(f"devices: {len(devices)} x {devices[0].platform} (data-parallel policy updates)")
   t_start = time.perf_counter()
@@ -370,6 +372,12 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
            f"{m['loss']:+.4f} len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
            f"{m['len_max']} rollout {m['rollout_s']:.1f}s (tail {m['tail_s']:.1f}s) update "
            f"{m['update_s']:.1f}s")
+  except NonFiniteUpdateError as e:
+    latest = checkpointer.latest_step()
+    raise NonFiniteUpdateError(
+        f"{e}; nothing non-finite was saved (last checkpoint: step {latest}). Lower "
+        "--config.trainer.learning_rate or set --config.trainer.on_nonfinite=skip, then "
+        f"{_resume_hint(job)}") from None
   except KeyboardInterrupt:
     latest = checkpointer.latest_step()
     where = (f"the last checkpoint is step {latest}" if latest is not None

@@ -13,7 +13,8 @@ from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.trainer import (GRPOTrainer, NonFiniteUpdateError, TrainerConfig,
+                                learning_rate_schedule)
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.utils import compile_count
 
@@ -42,6 +43,39 @@ def hand_made_batch(trainer, rows: int):
   old = [rng.uniform(-3.0, -2.0, len(c)) for c in comps]
   advantages = np.where(np.arange(rows) % 2 == 0, 1.0, -1.0)
   return trainer.make_batch(prompts, comps, old, advantages)
+
+
+class _VariedRewards:
+  """The task with rewards that differ within a group (a random policy solves nothing, so all
+  advantages would be zero and no update would move the params)."""
+
+  def __init__(self, task):
+    self.task = task
+
+  def sample(self, rng, n):
+    return self.task.sample(rng, n)
+
+  def reward(self, problem, text):  # pylint: disable=unused-argument
+    return float(len(text) % 2)
+
+
+def varied_rewards(trainer):
+  trainer.task = _VariedRewards(trainer.task)
+
+
+def nan_row_batches(trainer):
+  """From now on the batch's row 0 has a NaN advantage (``del trainer.make_batch`` undoes it): with
+  one epoch, exactly one minibatch per step is non-finite."""
+  def make_batch(*args):
+    batch = GRPOTrainer.make_batch(trainer, *args)
+    batch["advantages"] = batch["advantages"].copy()
+    batch["advantages"][0] = np.nan
+    return batch
+  trainer.make_batch = make_batch
+
+
+def host(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
 def test_batch_aligns_old_logprobs_with_predicted_tokens():
@@ -90,9 +124,88 @@ def test_one_device_and_eight_devices_give_the_same_update():
   assert "max abs difference" in proc.stdout, proc.stdout
 
 
+def test_trainer_on_a_four_device_mesh_steps_without_recompiling():
+  """Rollout on one device, updates over 4 (simulated) devices: two steps, the second compiling
+  nothing, then a NaN update restores the mesh-replicated state (see multi_device_trainer.py)."""
+  script = ROOT / "tests" / "rl" / "multi_device_trainer.py"
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        timeout=600, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "4-device trainer ok" in proc.stdout, proc.stdout
+
+
+def test_nonfinite_update_stops_the_step_and_restores_the_state():
+  trainer = make_trainer()  # 8 rows in 2 minibatches: the finite one is applied, then undone
+  varied_rewards(trainer)
+  nan_row_batches(trainer)
+  params, opt_state = host(trainer.params), host(trainer.opt_state)
+  with pytest.raises(NonFiniteUpdateError, match=r"RL step 1: 1 of 2 policy updates"):
+    trainer.step()
+  assert trainer.step_count == 0
+  for a, b in zip(params + opt_state, host(trainer.params) + host(trainer.opt_state)):
+    np.testing.assert_array_equal(a, b)
+  # the engine holds the restored (live) params, and training goes on from them
+  for a, b in zip(params, host(trainer.engine.params)):
+    np.testing.assert_array_equal(a, b)
+  del trainer.make_batch
+  metrics = trainer.step()
+  assert metrics["step"] == 1 and metrics["skipped_updates"] == 0 and np.isfinite(metrics["loss"])
+
+
+def test_nonfinite_update_is_skipped_and_counted():
+  trainer = make_trainer(on_nonfinite="skip")
+  varied_rewards(trainer)
+  nan_row_batches(trainer)
+  before = host(trainer.params)
+  metrics = trainer.step()
+  assert metrics["skipped_updates"] == 1 and metrics["step"] == 1
+  assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])  # the applied one
+  after = host(trainer.params)
+  assert all(np.all(np.isfinite(x)) for x in after)
+  assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+  assert int(jax.device_get(trainer.opt_state[1][0].count)) == 1  # one update applied, not two
+
+
+def test_update_with_a_nonfinite_new_param_keeps_the_old_state():
+  trainer = make_trainer()
+  # a NaN in Adam's first moment: loss and gradient (functions of the params) stay finite, but
+  # the updated params do not
+  adam = trainer.opt_state[1][0]
+  leaves = jax.tree.leaves(adam.mu)
+  leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(np.nan)
+  mu = jax.tree.unflatten(jax.tree.structure(adam.mu), leaves)
+  trainer.opt_state = (trainer.opt_state[0], (adam._replace(mu=mu),) + trainer.opt_state[1][1:])
+  params, opt_state = host(trainer.params), host(trainer.opt_state)
+  new_params, new_opt_state, metrics = trainer.update_fn(trainer.params, trainer.opt_state,
+                                                         hand_made_batch(trainer, 4))
+  assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+  assert not bool(metrics["finite"])
+  for a, b in zip(params + opt_state, host(new_params) + host(new_opt_state)):
+    np.testing.assert_array_equal(a, b)  # (NaN == NaN here)
+
+
+@pytest.mark.parametrize("warmup, first", [(0, 1e-3), (2, 1e-3 / 3)])
+def test_first_update_runs_at_the_warmup_rate(warmup, first):
+  lr = 1e-3
+  config = TrainerConfig(learning_rate=lr, warmup_steps=warmup)
+  schedule = learning_rate_schedule(config)
+  assert float(schedule(0)) == pytest.approx(first)
+  assert float(schedule(warmup)) == pytest.approx(lr) and float(schedule(100)) == pytest.approx(lr)
+  if warmup:
+    assert float(schedule(1)) == pytest.approx(2 * lr / 3)
+  # the trainer's optimizer uses it: Adam's first update is lr * g / |g| per element
+  trainer = make_trainer(learning_rate=lr, warmup_steps=warmup)
+  grads = jax.tree.map(lambda x: np.full(x.shape, 0.5, x.dtype), host(trainer.params))
+  grads = jax.tree.unflatten(jax.tree.structure(trainer.params), grads)
+  updates, _ = trainer.optimizer.update(grads, trainer.opt_state, trainer.params)
+  for u in host(updates):
+    np.testing.assert_allclose(u, -first, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(steps=0), "TrainerConfig.steps"), (dict(temperature=0.0), "TrainerConfig.temperature"),
-    (dict(learning_rate=-1.0), "TrainerConfig.learning_rate")])
+    (dict(learning_rate=-1.0), "TrainerConfig.learning_rate"),
+    (dict(on_nonfinite="ignore"), "TrainerConfig.on_nonfinite")])
 def test_bad_trainer_values_are_rejected(kw, match):
   with pytest.raises(ValueError, match=match):
     TrainerConfig(**kw)

@@ -143,6 +143,54 @@ def test_bad_prompts_are_rejected(model, bad, match):
     make_engine(model).generate(bad, SamplingParams(max_new_tokens=4))
 
 
+@pytest.mark.parametrize("bad, error, match", [
+    ([1, 2, 3], TypeError, r"prompts\[0\] is an int: pass a list of prompts, each a list of "
+                           r"token ids"),
+    (np.array([7, 8, 9]), TypeError, r"prompts\[0\] is an int"),
+    ("12+3=", TypeError, r"prompts is a str.*encode text with the tokenizer"),
+    (["12+3=", [1, 2]], TypeError, r"prompts\[0\] is a str.*encode text with the tokenizer"),
+    ([[1, 2], 7], TypeError, r"prompts\[1\] is an int"),
+    (5, TypeError, r"prompts is an int: pass a list of prompts"),
+    ([[1, 1.5]], TypeError, r"prompts\[0\]\[1\] is 1.5 \(float\): token ids must be ints"),
+    ([[1, 2.0]], TypeError, r"prompts\[0\]\[1\] is 2.0 \(float\)"),
+    ([[1], [2, "3"]], TypeError, r"prompts\[1\]\[1\] is '3' \(str\)"),
+    ([[True, 2]], TypeError, r"prompts\[0\]\[0\] is True \(bool\)"),
+    ([np.array([1.0, 2.0])], TypeError, r"prompts\[0\]\[0\] is .*float"),
+    ([[1, [2]]], TypeError, r"prompts\[0\]\[1\] is \[2\] \(list\)"),
+])
+def test_prompts_that_are_not_lists_of_token_ids_are_rejected(model, bad, error, match):
+  with pytest.raises(error, match=match):
+    make_engine(model).generate(bad, SamplingParams(max_new_tokens=4))
+
+
+def test_integer_arrays_and_tuples_are_accepted_as_prompts(model):
+  checked = make_engine(model)._check_prompts(
+      ([np.int32(7), 8], np.array([9, 10], np.int64), (11,), jax.numpy.array([12, 13])))
+  assert checked == [[7, 8], [9, 10], [11], [12, 13]]
+  assert all(type(t) is int for p in checked for t in p)  # pylint: disable=unidiomatic-typecheck
+  assert make_engine(model)._check_prompts(np.array([[7, 8], [9, 10]])) == [[7, 8], [9, 10]]
+
+
+def test_progress_callbacks_count_compiles_and_finished_rows(model):
+  engine = make_engine(model, max_batch=2, prefill_buckets=(16,))
+  compiled = []
+  total = engine.precompile(lambda done, n: compiled.append((done, n, len(engine._executables))))
+  # called once per executable, after it compiled, with the number this call compiles
+  assert total == len(engine.executable_keys()) > 1
+  assert compiled == [(i, total, i) for i in range(1, total + 1)]
+  assert engine.precompile(lambda *a: compiled.append(a)) == 0 and len(compiled) == total
+
+  calls = []
+  result = engine.generate(prompts_of([3, 9, 5]), SamplingParams(
+      max_new_tokens=40, temperature=1.0, seed=3, stop_token_ids=STOPS),
+      progress=lambda done, n: calls.append((done, n)))
+  assert result.stats["compiles"] == 0
+  assert len(calls) == len(result.stats["segments"])  # once per segment, no extra syncs
+  assert all(n == 3 for _, n in calls) and calls[-1] == (3, 3)
+  done = [d for d, _ in calls]
+  assert done == sorted(done) and 2 in done  # the first chunk (2 rows) ends before the second
+
+
 def test_bad_sampling_and_engine_values_are_rejected(model):
   with pytest.raises(ValueError, match="max_new_tokens"):
     make_engine(model).generate([[1, 2]], SamplingParams(max_new_tokens=49))

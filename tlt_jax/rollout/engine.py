@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +108,22 @@ class RolloutResult:
   logprobs: list[np.ndarray]
   finish_reasons: list[str]  # "stop" (a stop id was sampled; it is included) or "length"
   stats: dict[str, Any]
+
+
+def _a(x) -> str:
+  """``"an int"``, ``"a str"``: the type of ``x`` with its article, for error messages."""
+  name = type(x).__name__
+  return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _is_integer(x) -> bool:
+  """A Python or NumPy integer, or a 0-d integer array; never a bool or a float like 1.0."""
+  if isinstance(x, (bool, np.bool_)):
+    return False
+  if isinstance(x, (int, np.integer)):
+    return True
+  return (isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0
+          and jnp.issubdtype(x.dtype, jnp.integer))
 
 
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -377,20 +393,49 @@ class RolloutEngine:
       keys += [("compact", b, s) for b in cfg.batch_buckets for s in cfg.batch_buckets if s < b]
     return keys
 
-  def precompile(self) -> int:
-    """Compiles every bucket's executables now; returns how many were compiled."""
-    before = len(self._executables)
-    for key in self.executable_keys():
+  def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
+    """Compiles every bucket's executables now; returns how many were compiled.
+
+    ``progress(done, total)``, if given, is called after each executable compiles, ``total``
+    being how many this call compiles (executables compiled earlier are not counted).
+    """
+    missing = [key for key in self.executable_keys() if key not in self._executables]
+    for done, key in enumerate(missing, 1):
       self._executable(key)
-    return len(self._executables) - before
+      if progress is not None:
+        progress(done, len(missing))
+    return len(missing)
 
   # ---- generate ----------------------------------------------------------------------------
   def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The prompts as lists of Python ints; a clear error for anything but a list of token-id
+    lists within the vocabulary and ``max_prompt_len``."""
+    expected = "pass a list of prompts, each a list of token ids"
+    if isinstance(prompts, (str, bytes)):
+      raise TypeError(f"prompts is {_a(prompts)}: {expected} (encode text with the "
+                      f"tokenizer first)")
+    try:
+      prompts = list(prompts)
+    except TypeError:
+      raise TypeError(f"prompts is {_a(prompts)}: {expected}") from None
     if len(prompts) == 0:
       raise ValueError("generate() needs at least one prompt")
     checked = []
     vocab = self.model_config.vocab_size
     for i, p in enumerate(prompts):
+      if isinstance(p, (str, bytes)):
+        raise TypeError(f"prompts[{i}] is {_a(p)}: {expected} (encode text with the "
+                        f"tokenizer first)")
+      if _is_integer(p):
+        raise TypeError(f"prompts[{i}] is an int: {expected} (for one prompt, pass [prompt])")
+      try:
+        p = list(p)
+      except TypeError:
+        raise TypeError(f"prompts[{i}] is {_a(p)}: {expected}") from None
+      for j, t in enumerate(p):
+        if not _is_integer(t):
+          raise TypeError(f"prompts[{i}][{j}] is {t!r} ({type(t).__name__}): token ids must be "
+                          f"ints ({expected})")
       p = [int(t) for t in p]
       if not p:
         raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -404,9 +449,13 @@ class RolloutEngine:
       checked.append(p)
     return checked
 
-  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams()
-               ) -> RolloutResult:
-    """Completes every prompt; rows finish on a stop id or at ``params.max_new_tokens``."""
+  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
+               progress: Callable[[int, int], Any] | None = None) -> RolloutResult:
+    """Completes every prompt; rows finish on a stop id or at ``params.max_new_tokens``.
+
+    ``progress(rows_done, rows_total)``, if given, is called after every decode segment (where
+    the host reads the finished rows anyway); the last call has ``rows_done == rows_total``.
+    """
     prompts = self._check_prompts(prompts)
     if params.max_new_tokens > self.config.max_new_tokens:
       raise ValueError(
@@ -425,7 +474,8 @@ class RolloutEngine:
     reasons = ["length"] * len(prompts)
     for start in range(0, len(prompts), self.config.max_batch):
       chunk = range(start, min(start + self.config.max_batch, len(prompts)))
-      self._run_chunk(prompts, chunk, args, stop_ids, tokens, logprobs, reasons, stats)
+      self._run_chunk(prompts, chunk, args, stop_ids, tokens, logprobs, reasons, stats,
+                      progress)
     stats["compile_s"] = self._compile_seconds - compile_s0
     stats["compiles"] = compile_count() - compiles0
     stats["wall_s"] = time.perf_counter() - t_start
@@ -446,7 +496,8 @@ class RolloutEngine:
         stats["draft_s"], stats["verify_s"] = spans[1], spans[2]
     return RolloutResult(tokens, logprobs, reasons, stats)
 
-  def _run_chunk(self, prompts, chunk, args, stop_ids, tokens, logprobs, reasons, stats):
+  def _run_chunk(self, prompts, chunk, args, stop_ids, tokens, logprobs, reasons, stats,
+                 progress=None):
     cfg = self.config
     batch = bk.bucket_for(len(chunk), cfg.batch_buckets)
     plen = bk.bucket_for(max(len(prompts[i]) for i in chunk), cfg.prefill_buckets)
@@ -487,6 +538,8 @@ class RolloutEngine:
           logprobs[rows[s]] = lps[s, :n]
           reasons[rows[s]] = "stop" if n and tokens[rows[s]][-1] in stop_set else "length"
       live = np.flatnonzero(~done)
+      if progress is not None:  # rows of earlier chunks are all done
+        progress(chunk.start + len(chunk) - live.size, len(prompts))
       if live.size == 0:
         stats["live_row_steps"] += int(counters["row_steps"])
         if "accept_hist" in counters:
