@@ -22,6 +22,7 @@ from tlt_jax.models.tokenizer import CharTokenizer, load_tokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.utils import progress_bar
 
 _DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "tiny_generate.py"
 
@@ -84,7 +85,8 @@ def run(cfg, overrides=None, prompts: list[str] | None = None) -> dict:
   if precompile:
     n = engine.precompile()
     print(f"precompiled {n} executables in {engine._compile_seconds:.1f}s", flush=True)
-  result = engine.generate(ids, sampling)
+  with progress_bar(len(ids), "generating", "row") as bar:
+    result = engine.generate(ids, sampling, progress=lambda done, _: bar.update(done - bar.n))
   completions = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
   shown = len(texts) if prompts else 8
   for text, completion in list(zip(texts, completions))[:shown]:

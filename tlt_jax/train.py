@@ -42,6 +42,7 @@ from tlt_jax.rl.trainer import GRPOTrainer, NonFiniteUpdateError, TrainerConfig,
     check_update_layout
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.utils import progress_bar
 
 _DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "tiny_grpo.py"
 _TOP_LEVEL = {"seed", "logdir", "distributed", "resume", "checkpoint_every", "drafter",
@@ -210,13 +211,6 @@ def export_final_model(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
   return final
 
 
-def _bar(total: int, desc: str, unit: str):
-  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
-  interactive = sys.stderr.isatty()
-  return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False,
-              mininterval=0.5 if interactive else 10.0, dynamic_ncols=True)
-
-
 def _say(text: str) -> None:
   print(text, flush=True)
 
@@ -307,7 +301,7 @@ def _warm_start(model, job: Job):
   if job.sft.steps == 0:
     return model
   t0 = time.perf_counter()
-  bar = _bar(job.sft.steps, "warm start", "step")
+  bar = progress_bar(job.sft.steps, "warm start", "step")
 
   def progress(step, metrics):
     bar.update(1)
@@ -323,7 +317,8 @@ def _warm_start(model, job: Job):
 
 def _precompile(trainer: GRPOTrainer) -> None:
   t0 = time.perf_counter()
-  with _bar(len(trainer.engine.executable_keys()), "compiling rollout executables", "exe") as bar:
+  with progress_bar(len(trainer.engine.executable_keys()), "compiling rollout executables",
+                    "exe") as bar:
 
     def progress(done, total):
       bar.total = total
@@ -335,8 +330,11 @@ def _precompile(trainer: GRPOTrainer) -> None:
 
 def _evaluate(trainer: GRPOTrainer) -> tuple[float, float]:
   t0 = time.perf_counter()
-  greedy = trainer.evaluate()
-  sampled = trainer.evaluate(temperature=trainer.config.temperature)
+  n = trainer.config.eval_problems
+  with progress_bar(2 * n, f"held-out evaluation at step {trainer.step_count}", "row") as bar:
+    greedy = trainer.evaluate(progress=lambda done, _: bar.update(done - bar.n))
+    sampled = trainer.evaluate(temperature=trainer.config.temperature,
+                               progress=lambda done, _: bar.update(n + done - bar.n))
   _say(f"held-out at step {trainer.step_count} ({trainer.config.eval_problems} problems, "
        f"{time.perf_counter() - t0:.0f}s): greedy accuracy {greedy:.3f}, sampled reward "
        f"{sampled:.3f}")

@@ -1,10 +1,12 @@
-"""Small shared utilities: a global XLA compile counter."""
+"""Small shared utilities: a global XLA compile counter, config checks, progress bars."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from jax import monitoring
+from tqdm.auto import tqdm
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
@@ -35,3 +37,10 @@ def require_positive_ints(obj, *names: str) -> None:
     value = getattr(obj, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")
+
+
+def progress_bar(total: int, desc: str, unit: str):
+  """A tqdm bar on stderr, cleared when done (sparse updates when stderr is not a terminal)."""
+  interactive = sys.stderr.isatty()
+  return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False,
+              mininterval=0.5 if interactive else 10.0, dynamic_ncols=True)

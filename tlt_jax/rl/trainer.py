@@ -295,13 +295,16 @@ class GRPOTrainer:
     self._sync_engine()
     return metadata
 
-  def evaluate(self, n: int | None = None, seed: int = 10_000, temperature: float = 0.0) -> float:
+  def evaluate(self, n: int | None = None, seed: int = 10_000, temperature: float = 0.0,
+               progress=None) -> float:
     """Mean reward on held-out problems (a fixed set, independent of training data): greedy
-    accuracy at temperature 0, or the expected reward of the sampling policy otherwise."""
+    accuracy at temperature 0, or the expected reward of the sampling policy otherwise.
+    ``progress(rows_done, rows_total)`` is passed to the engine's ``generate``."""
     problems = self.task.sample(np.random.default_rng(seed), n or self.config.eval_problems)
     self._sync_engine()
     result = self.engine.generate([self.encode_prompt(p) for p in problems], SamplingParams(
-        max_new_tokens=self.config.max_new_tokens, temperature=temperature, seed=seed))
+        max_new_tokens=self.config.max_new_tokens, temperature=temperature, seed=seed),
+        progress=progress)
     texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     return float(np.mean([self.task.reward(p, t) for p, t in zip(problems, texts)]))
 
