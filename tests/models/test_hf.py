@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
@@ -49,6 +50,17 @@ def our_logits(model: Transformer, ids: np.ndarray) -> np.ndarray:
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> float:
   return float(np.max(np.abs(a - b)))
+
+
+def assert_same_params(a: Transformer, b: Transformer) -> None:
+  """Both models hold exactly the same params (names, dtypes and values)."""
+  flat_a = dict(nnx.to_flat_state(nnx.state(a, nnx.Param)))
+  flat_b = dict(nnx.to_flat_state(nnx.state(b, nnx.Param)))
+  assert set(flat_a) == set(flat_b)
+  for path, var in flat_a.items():
+    x, y = np.asarray(var.get_value()), np.asarray(flat_b[path].get_value())
+    assert x.dtype == y.dtype, path
+    np.testing.assert_array_equal(x, y, err_msg=str(path))
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +131,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path, qwen2_dir):
   sharded, sharded_config = hf.from_pretrained(tmp_path)
   single, single_config = hf.from_pretrained(path)
   assert sharded_config == single_config
+  assert_same_params(sharded, single)
   ids = token_batch()
   np.testing.assert_array_equal(our_logits(sharded, ids), our_logits(single, ids))
 
@@ -140,7 +153,13 @@ def test_save_pretrained_round_trip(tmp_path, config):
   assert max_diff(our_logits(model, ids), torch_logits(torch_model, ids)) < TOLERANCE
   reloaded, reloaded_config = hf.from_pretrained(tmp_path)
   assert reloaded_config == config
+  assert_same_params(reloaded, model)
   np.testing.assert_array_equal(our_logits(reloaded, ids), our_logits(model, ids))
+  # HF writes back what it read: a second round trip through transformers is exact too
+  torch_model.save_pretrained(str(tmp_path / "again"))
+  again, again_config = hf.from_pretrained(tmp_path / "again")
+  assert again_config.replace(dtype=config.dtype) == config
+  assert_same_params(again, model)
 
 
 def test_bf16_checkpoint_and_dtype_override(tmp_path):
@@ -149,12 +168,16 @@ def test_bf16_checkpoint_and_dtype_override(tmp_path):
   hf.save_pretrained(model, config, tmp_path)
   assert load_file(str(tmp_path / hf.WEIGHTS_FILE))["model.norm.weight"].dtype.name == "bfloat16"
   as_bf16, bf16_config = hf.from_pretrained(tmp_path)
-  assert bf16_config.dtype == "bfloat16"
+  assert bf16_config == config
   assert as_bf16.embed_tokens.embedding[...].dtype == jnp.bfloat16
+  assert_same_params(as_bf16, model)
+  ids = token_batch(vocab=config.vocab_size, seed=4)
+  np.testing.assert_array_equal(our_logits(as_bf16, ids), our_logits(model, ids))
   as_fp32, fp32_config = hf.from_pretrained(tmp_path, dtype="float32")
-  assert fp32_config.dtype == "float32"
-  np.testing.assert_array_equal(np.asarray(as_fp32.embed_tokens.embedding[...]),
-                                np.asarray(model.embed_tokens.embedding[...], np.float32))
+  assert fp32_config == config.replace(dtype="float32")
+  upcast = random_model(fp32_config)
+  nnx.update(upcast, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(model, nnx.Param)))
+  assert_same_params(as_fp32, upcast)  # bf16 values widen exactly
 
 
 def test_config_from_hf_reads_legacy_rope_fields():
@@ -255,12 +278,15 @@ def test_extra_tensors(tmp_path, qwen2_dir):
   tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones((8,), np.float32)
   tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # harmless when tied
   save_file(tensors, str(path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
-  hf.from_pretrained(path)
+  reference, _ = hf.from_pretrained(qwen2_dir[0])
+  tolerated, _ = hf.from_pretrained(path)
+  assert_same_params(tolerated, reference)  # the extras are ignored, nothing else changes
   tensors["model.layers.7.mlp.up_proj.weight"] = np.ones((2, 2), np.float32)
   save_file(tensors, str(path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
   with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.7\.mlp\.up_proj"):
     hf.from_pretrained(path)
-  hf.from_pretrained(path, strict=False)
+  lenient, _ = hf.from_pretrained(path, strict=False)
+  assert_same_params(lenient, reference)
 
 
 def test_every_param_comes_from_the_checkpoint(qwen2_dir):

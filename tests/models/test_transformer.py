@@ -1,14 +1,17 @@
-"""Transformer forward semantics: KV-cache decode, bf16 numerics and tree-verify masks."""
+"""Transformer forward semantics (KV-cache decode, bf16, tree-verify masks); ModelConfig checks."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from tests.models.random_model import random_model
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.config import ModelConfig, RopeScaling
 from tlt_jax.models.transformer import KVCache, Transformer
 
 CONFIG = ModelConfig.tiny()
@@ -137,3 +140,48 @@ def test_tree_mask_forward_equals_path_forwards_with_cache():
                              jnp.asarray(np.broadcast_to(mask, (2,) + mask.shape)))
   reference = path_logits(model, prefixes, tokens, paths)
   np.testing.assert_allclose(np.asarray(logits), reference, atol=2e-5, rtol=1e-5)
+
+
+# --- ModelConfig validation ----------------------------------------------------------------
+
+POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                   "num_kv_heads", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("field", POSITIVE_FIELDS)
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "8"])
+def test_config_size_fields_must_be_positive_ints(field, value):
+  with pytest.raises(ValueError, match=rf"ModelConfig\.{field} must be a positive int, "
+                                       rf"got {re.escape(repr(value))}"):
+    ModelConfig.tiny(**{field: value})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_heads=4, num_kv_heads=3),
+     r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+    (dict(hidden_size=30), r"hidden_size \(30\) is not divisible by num_heads \(4\)"),
+    (dict(hidden_size=36, num_heads=4, head_dim=None), r"head_dim must be even for RoPE, got 9"),
+    (dict(head_dim=7), r"head_dim must be even for RoPE, got 7"),
+    (dict(dtype="float64"),
+     r"dtype must be one of \['bfloat16', 'float16', 'float32'\], got 'float64'"),
+    (dict(architecture="mistral"),
+     r"architecture must be one of \['llama', 'qwen2'\], got 'mistral'"),
+    (dict(rope_scaling=RopeScaling(rope_type="yarn")), r"rope_type 'yarn' is not supported"),
+])
+def test_config_rejects_inconsistent_settings(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    ModelConfig.tiny(**overrides)
+
+
+def test_config_derives_and_normalises_fields():
+  assert ModelConfig.tiny().head_dim == 8  # hidden_size // num_heads
+  assert ModelConfig.tiny(hidden_size=30, head_dim=10).head_dim == 10  # explicit: no divisibility
+  config = ModelConfig.tiny(eos_token_id=[2, 5])
+  assert config.eos_token_id == (2, 5) and config.eos_token_ids == (2, 5)
+  hash(config)  # a jit static
+  assert ModelConfig.tiny(eos_token_id=3).eos_token_ids == (3,)
+  assert ModelConfig.tiny().eos_token_ids == ()
+  assert ModelConfig.tiny(dtype="bfloat16").jnp_dtype == jnp.bfloat16
+  ModelConfig.tiny(rope_scaling=RopeScaling(rope_type="linear", factor=2.0))
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    ModelConfig.tiny().replace(num_kv_heads=3)  # replace re-validates

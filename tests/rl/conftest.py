@@ -7,10 +7,20 @@ import pytest
 from tlt_jax.rl import rewards
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def no_math_verify(monkeypatch):
-  """Rewards use this package's own rules even where math_verify happens to be installed."""
+  """math_verify hidden (as if not installed): rewards use this package's own rules only."""
   monkeypatch.setitem(sys.modules, "math_verify", None)
   rewards._load_math_verify.cache_clear()
   yield
+  rewards._load_math_verify.cache_clear()
+
+
+@pytest.fixture
+def real_math_verify():
+  """The installed math_verify package, which ``math_reward`` consults first."""
+  module = pytest.importorskip("math_verify")
+  rewards._load_math_verify.cache_clear()
+  assert rewards._load_math_verify() is module
+  yield module
   rewards._load_math_verify.cache_clear()

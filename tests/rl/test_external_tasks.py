@@ -1,23 +1,19 @@
 """Tasks on outside data: a local GSM8K-style dataset and the reasoning_gym adapter.
 
-reasoning_gym and datasets are optional and usually absent here, so their tests inject small fake
-modules into ``sys.modules`` that mimic the parts of the interfaces the adapters use:
-``reasoning_gym.create_dataset(name, size=, seed=)`` returning an indexable dataset of
-``{"question", "answer", "metadata"}`` entries with ``score_answer(answer=, entry=)``, and
-``datasets.load_dataset(kind, data_files=, split=)`` returning an iterable of row dicts.
+The optional packages are the real ones (``datasets`` reads parquet, ``reasoning_gym`` generates
+problems; both are dev dependencies); only the "not installed" messages and a crashing scorer are
+simulated.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tlt_jax.rl import rewards
 from tlt_jax.rl.external_tasks import (GymProblem, MathDatasetTask, ReasoningGymTask,
                                        extract_gym_answer)
 from tlt_jax.rl.tasks import Problem, Task
@@ -126,107 +122,139 @@ def test_parquet_needs_datasets(tmp_path, monkeypatch):
     MathDatasetTask(path)
 
 
-def test_parquet_goes_through_datasets(tmp_path, monkeypatch):
-  path = tmp_path / "train.parquet"
-  path.write_bytes(b"PAR1")
-  calls = []
+@pytest.fixture
+def real_datasets(tmp_path, monkeypatch):
+  """The installed ``datasets`` package, caching into ``tmp_path`` (not the home directory)."""
+  datasets = pytest.importorskip("datasets")
+  monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
+  return datasets
 
-  def load_dataset(kind, data_files, split):
-    calls.append((kind, data_files, split))
-    return [{"question": "2+2?", "answer": "#### 4"}]
 
-  monkeypatch.setitem(sys.modules, "datasets",
-                      types.SimpleNamespace(load_dataset=load_dataset))
-  task = MathDatasetTask(path)
-  assert calls == [("parquet", [str(path)], "train")]
-  assert task.problems[0].answer == "4"
+def write_parquet(path: Path, records: list[dict]) -> Path:
+  """``records`` as a parquet file (written by pyarrow, read back by ``datasets``)."""
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  pq.write_table(pa.Table.from_pylist(records), str(path))
+  return path
+
+
+def test_parquet_loads_through_real_datasets(tmp_path, real_datasets):
+  records = [json.loads(line) for line in DATA.read_text().splitlines()]
+  task = MathDatasetTask(write_parquet(tmp_path / "train.parquet", records))
+  assert task.name == "math:train" and len(task) == 5
+  assert task.problems == MathDatasetTask(DATA).problems  # same records, same problems
+  assert task.alphabet == MathDatasetTask(DATA).alphabet
+  assert task.reward(task.problems[1], r"\boxed{1200}") == 1.0
+  assert task.reward(task.problems[1], r"\boxed{1201}") == 0.0
+
+
+def test_parquet_directory_and_numeric_answers(tmp_path, real_datasets):
+  folder = tmp_path / "shards"
+  folder.mkdir()
+  write_parquet(folder / "part-1.parquet", [{"q": "3+4?", "a": 7}, {"q": "10-1?", "a": 9}])
+  write_parquet(folder / "part-0.parquet", [{"q": "2+2?", "a": 4}])
+  task = MathDatasetTask(folder, question_key="q", answer_key="a")
+  assert [p.answer for p in task.problems] == ["4", "7", "9"]  # files in name order
+  assert task.problems[0].prompt.startswith("2+2?\n")
+  assert task.problems[0].solution == r"\boxed{4}"
+  assert task.reward(task.problems[1], "The answer is 7.") == 1.0
+  bad = write_parquet(tmp_path / "bad.parquet", [{"q": "1+1?", "b": "2"}])
+  with pytest.raises(ValueError, match="Record 0 .* no key 'a'"):
+    MathDatasetTask(bad, question_key="q", answer_key="a")
 
 
 # --- ReasoningGymTask ----------------------------------------------------------------------
 
 
-class FakeGymDataset:
-  """Mimics a reasoning_gym ProceduralDataset: indexable entries and ``score_answer``."""
-
-  def __init__(self, size: int, seed: int, max_value: int = 50):
-    self.size, self.seed, self.max_value = size, seed, max_value
-    self.generated = 0
-
-  def __len__(self) -> int:
-    return self.size
-
-  def __getitem__(self, index: int) -> dict:
-    self.generated += 1
-    rng = np.random.default_rng([self.seed, index])
-    a, b = (int(x) for x in rng.integers(0, self.max_value, size=2))
-    return {"question": f"What is {a} + {b}?", "answer": str(a + b),
-            "metadata": {"a": a, "b": b}}
-
-  def score_answer(self, answer: str | None, entry: dict) -> float:
-    if answer is None:
-      return 0.0
-    if answer.strip() == "crash":
-      raise RuntimeError("scorer failure")
-    return 1.0 if answer.strip() == entry["answer"] else 0.01  # partial credit, like the real one
-
-
-@pytest.fixture
-def fake_gym(monkeypatch):
-  """A fake ``reasoning_gym`` module in ``sys.modules`` (the real package is optional)."""
-  module = types.ModuleType("reasoning_gym")
-  module.created = []
-
-  def create_dataset(name, size, seed, **kwargs):
-    if name != "fake_add":
-      raise ValueError(f"unknown dataset {name}")
-    module.created.append((name, size, seed, kwargs))
-    return FakeGymDataset(size, seed, **kwargs)
-
-  module.create_dataset = create_dataset
-  monkeypatch.setitem(sys.modules, "reasoning_gym", module)
-  return module
+@pytest.fixture(scope="module")
+def gym():
+  """The installed ``reasoning_gym`` package."""
+  return pytest.importorskip("reasoning_gym")
 
 
 def test_gym_missing_package_message(monkeypatch):
   monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed
   with pytest.raises(ImportError, match="pip install reasoning-gym"):
-    ReasoningGymTask("fake_add")
+    ReasoningGymTask("basic_arithmetic")
 
 
-def test_gym_task_problems_and_rewards(fake_gym):
-  task = ReasoningGymTask("fake_add", size=8, seed=5, max_value=20)
-  assert fake_gym.created == [("fake_add", 8, 5, {"max_value": 20})]
-  assert isinstance(task, Task) and task.name == "reasoning_gym:fake_add" and len(task) == 8
-  problems = task.sample(np.random.default_rng(0), 6)
-  assert all(isinstance(p, GymProblem) and 0 <= p.index < 8 for p in problems)
-  problem = problems[0]
-  entry = task.entry(problem.index)
-  assert problem.answer == entry["answer"]
-  assert problem.prompt.startswith(entry["question"]) and "<answer>" in problem.prompt
-  assert task.reward(problem, problem.solution) == 1.0
-  right, wrong = entry["answer"], str(int(entry["answer"]) + 1)
-  assert task.reward(problem, f"<think>add</think><answer>{right}</answer>") == 1.0
-  assert task.reward(problem, rf"so \boxed{{{right}}}") == 1.0
-  assert task.reward(problem, f"<answer>{wrong}</answer>") == 0.01
-  assert task.reward(problem, "I do not know") == 0.0
-  assert task.reward(problem, "<answer>crash</answer>") == 0.0  # scorer errors score 0
-  plain = Problem(problem.prompt, problem.answer, problem.solution)  # found again by its prompt
-  assert task.reward(plain, f"<answer>{right}</answer>") == 1.0
+def test_gym_task_problems_are_the_datasets_entries(gym):
+  task = ReasoningGymTask("basic_arithmetic", size=12, seed=5)
+  assert isinstance(task, Task) and task.name == "reasoning_gym:basic_arithmetic"
+  assert len(task) == 12
+  reference = gym.create_dataset("basic_arithmetic", size=12, seed=5)
+  problems = task.sample(np.random.default_rng(0), 8)
+  assert all(isinstance(p, GymProblem) and 0 <= p.index < 12 for p in problems)
+  assert len({p.index for p in problems}) > 1
+  for problem in problems:
+    entry = reference[problem.index]
+    assert problem.answer == entry["answer"]
+    assert problem.prompt.startswith(entry["question"]) and problem.prompt.endswith("tags.")
+    assert problem.solution == f"<answer>{entry['answer']}</answer>"
+    assert set(problem.prompt + problem.solution) <= set(task.alphabet)
+
+
+def test_gym_rewards_use_the_real_scorer(gym):
+  task = ReasoningGymTask("basic_arithmetic", size=10, seed=2)
+  for problem in task.sample(np.random.default_rng(1), 5):
+    right, wrong = problem.answer, str(int(problem.answer) + 1)
+    assert task.reward(problem, problem.solution) == 1.0
+    assert task.reward(problem, f"<think>work</think><answer> {right} </answer>") == 1.0
+    assert task.reward(problem, rf"so \boxed{{{right}}}") == 1.0
+    assert task.reward(problem, f"<answer>{wrong}</answer>") == 0.0
+    assert task.reward(problem, f"{right}") == 0.0  # no stated answer
+    assert task.reward(problem, "I do not know") == 0.0
+    # reasoning_gym's partial credit: the oracle inside a longer answer.
+    assert task.reward(problem, f"<answer>{right} units</answer>") == pytest.approx(
+        len(right) / len(f"{right} units"))
+    plain = Problem(problem.prompt, problem.answer, problem.solution)  # found by its prompt
+    assert task.reward(plain, f"<answer>{right}</answer>") == 1.0
   with pytest.raises(ValueError, match="cannot find the dataset entry"):
     task.reward(Problem("unknown prompt", "1", "1"), "<answer>1</answer>")
-  assert set(problem.prompt + problem.solution) <= set(task.alphabet)
 
 
-def test_gym_sampling_is_deterministic_and_cached(fake_gym):
-  task = ReasoningGymTask("fake_add", size=4, seed=1)
+def test_gym_dataset_options_reach_reasoning_gym(gym):
+  task = ReasoningGymTask("leg_counting", size=6, seed=0, min_animals=1, max_animals=1,
+                          max_instances=2)
+  for i in range(6):
+    entry = task.entry(i)
+    assert entry == gym.create_dataset("leg_counting", size=6, seed=0, min_animals=1,
+                                       max_animals=1, max_instances=2)[i]
+    animals = entry["metadata"]["animals"]
+    assert len(animals) == 1 and 1 <= sum(animals.values()) <= 2  # the options took effect
+    problem = task.problem(i)
+    assert task.reward(problem, f"<answer>{entry['answer']}</answer>") == 1.0
+    assert task.reward(problem, f"<answer>{int(entry['answer']) + 2}</answer>") == 0.0
+
+
+def test_gym_scorer_crash_scores_zero(gym, monkeypatch):
+  task = ReasoningGymTask("basic_arithmetic", size=4, seed=0)
+  problem = task.problem(0)
+
+  def crash(answer, entry):
+    raise RuntimeError("scorer failure")
+
+  monkeypatch.setattr(task.dataset, "score_answer", crash)
+  assert task.reward(problem, problem.solution) == 0.0
+
+
+def test_gym_sampling_is_deterministic_and_cached(gym, monkeypatch):
+  task = ReasoningGymTask("basic_arithmetic", size=4, seed=1)
+  generated = []
+  getitem = type(task.dataset).__getitem__
+  monkeypatch.setattr(type(task.dataset), "__getitem__",
+                      lambda self, i: generated.append(i) or getitem(self, i))
   a = task.sample(np.random.default_rng(9), 30)
   assert a == task.sample(np.random.default_rng(9), 30)
   assert a != task.sample(np.random.default_rng(10), 30)
-  assert task.dataset.generated == 4  # each entry generated once
+  assert sorted(generated) == [0, 1, 2, 3]  # each entry generated once
+  assert ReasoningGymTask("basic_arithmetic", size=4, seed=2).problem(0) != task.problem(0)
+  with pytest.raises(IndexError, match="entries 0..3"):
+    task.entry(4)
   with pytest.raises(ValueError, match="size must be a positive int"):
-    ReasoningGymTask("fake_add", size=0)
-  with pytest.raises(ValueError, match="unknown dataset"):
-    ReasoningGymTask("nope")
+    ReasoningGymTask("basic_arithmetic", size=0)
+  with pytest.raises(ValueError, match="not registered"):
+    ReasoningGymTask("no_such_dataset")
 
 
 @pytest.mark.parametrize("completion, expected", [

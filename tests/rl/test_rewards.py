@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import types
 
@@ -92,6 +93,14 @@ def test_answers_differ(answer, reference):
   assert not answers_match(answer, reference)
 
 
+@pytest.fixture(params=["own_rules", "math_verify"])
+def checker(request):
+  """Each reward test runs twice: with math_verify hidden, and with the installed package."""
+  fixture = "no_math_verify" if request.param == "own_rules" else "real_math_verify"
+  request.getfixturevalue(fixture)
+  return request.param
+
+
 @pytest.mark.parametrize("completion, reference, reward", [
     (r"... so \boxed{72}", "72", 1.0),
     (r"... so \boxed{72}", "Natalia sold 72 clips.\n#### 72", 1.0),  # GSM8K reference field
@@ -103,17 +112,77 @@ def test_answers_differ(answer, reference):
     ("It is 72 for sure", "72", 0.0),  # no stated final answer
     ("", "72", 0.0),
     (r"\boxed{}", "72", 0.0),
+    (r"first \boxed{72}, then on reflection \boxed{70}", "72", 0.0),  # only the last box counts
 ])
-def test_math_reward(completion, reference, reward):
+def test_math_reward(checker, completion, reference, reward):
   assert math_reward(completion, reference) == reward
+
+
+def test_own_rules_without_math_verify(no_math_verify):
+  assert rewards._load_math_verify() is None
+  assert math_reward(r"\boxed{\frac{1}{2}}", "0.5") == 1.0  # numbers: this module's own parser
+  assert math_reward(r"\boxed{\sqrt{4}}", "2") == 0.0  # beyond its rules
+
+
+# --- the installed math_verify package -------------------------------------------------------
+
+
+@pytest.mark.parametrize("completion, reference", [
+    (r"so \boxed{\sqrt{4}}", "2"),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}"),
+    (r"\boxed{x^2+2x+1}", "(x+1)^2"),
+    (r"\boxed{\{1,2\}}", r"\{2,1\}"),
+    ("The answer is $\\frac{\\sqrt{3}}{2}$.", r"\frac{\sqrt3}{2}"),
+    (r"\boxed{\frac{\pi}{2}}", r"Half a turn: \boxed{\frac{1}{2}\pi}"),
+])
+def test_math_verify_accepts_what_own_rules_cannot(real_math_verify, completion, reference):
+  assert math_reward(completion, reference) == 1.0
+  assert math_reward(completion, reference, use_math_verify=False) == 0.0
+
+
+@pytest.mark.parametrize("completion, reference", [
+    (r"\boxed{3}", "4"), (r"\boxed{\sqrt{5}}", "2"), (r"\boxed{\pi}", "3.14159"),
+    (r"\boxed{(1,2)}", "(2,1)"), (r"\boxed{x^2+1}", "(x+1)^2"), ("The answer is 2.", "#### -2"),
+    (r"\boxed{4} is wrong; the answer is 5", "5"),  # the box wins over the phrase
+])
+def test_math_verify_rejects_wrong_answers(real_math_verify, completion, reference):
+  assert math_reward(completion, reference) == 0.0
+
+
+def test_equivalent_forms_with_math_verify(real_math_verify):
+  assert rewards._math_verify_says(r"\frac{1}{2}", "0.5") is True
+  assert math_reward(r"We halve it: \boxed{\frac{1}{2}}", "0.5") == 1.0
+  assert math_reward(r"\boxed{0.5}", r"\boxed{\tfrac{1}{2}}") == 1.0
+  assert math_reward(r"\boxed{\text{1,000}} apples", "#### 1000") == 1.0
+  assert math_reward("The final answer is: $x = 6$.", "6") == 1.0
+
+
+def test_own_rules_decide_when_math_verify_says_no(real_math_verify):
+  assert rewards._math_verify_says("1e3", "1000") is False
+  assert math_reward(r"\boxed{1e3}", "1000") == 1.0
+  assert rewards._math_verify_says("1000000.0000001", "1000000") is False
+  assert math_reward(r"\boxed{1000000.0000001}", "1000000") == 1.0
+
+
+def test_math_verify_works_outside_the_main_thread(real_math_verify):
+  """math_verify's SIGALRM timeouts fail off the main thread; the verdict must not change there."""
+  pairs = [(r"\boxed{\sqrt{4}}", "2"), (r"\boxed{2\sqrt{2}}", r"\sqrt{8}"), (r"\boxed{3}", "4")]
+  in_main = [math_reward(c, r) for c, r in pairs]
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    in_threads = list(pool.map(lambda pair: math_reward(*pair), pairs))
+  assert in_main == [1.0, 1.0, 0.0]
+  assert in_threads == in_main
+
+
+# --- fallback when math_verify fails (a fake module: the real one does not crash on demand) --
 
 
 def fake_math_verify(verdict) -> types.ModuleType:
   """A stand-in for math_verify whose ``verify`` returns ``verdict`` (or raises it)."""
   module = types.ModuleType("math_verify")
-  module.parse = lambda text: [text]
+  module.parse = lambda text, **kwargs: [text]
 
-  def verify(gold, pred):
+  def verify(gold, pred, **kwargs):
     if isinstance(verdict, Exception):
       raise verdict
     return verdict
@@ -122,17 +191,12 @@ def fake_math_verify(verdict) -> types.ModuleType:
   return module
 
 
-def test_math_verify_is_asked_first(monkeypatch):
-  monkeypatch.setitem(sys.modules, "math_verify", fake_math_verify(True))
-  rewards._load_math_verify.cache_clear()
-  assert math_reward(r"\boxed{\sqrt{4}}", "2") == 1.0  # beyond this module's own rules
-  assert math_reward(r"\boxed{\sqrt{4}}", "2", use_math_verify=False) == 0.0
-  assert math_reward("no answer stated", "2") == 0.0  # extraction still decides what is answered
-
-
 @pytest.mark.parametrize("verdict", [False, RuntimeError("parser broke")])
 def test_math_verify_falls_back(monkeypatch, verdict):
   monkeypatch.setitem(sys.modules, "math_verify", fake_math_verify(verdict))
   rewards._load_math_verify.cache_clear()
-  assert math_reward(r"\boxed{1,000}", "1000") == 1.0
-  assert math_reward(r"\boxed{999}", "1000") == 0.0
+  try:
+    assert math_reward(r"\boxed{1,000}", "1000") == 1.0
+    assert math_reward(r"\boxed{999}", "1000") == 0.0
+  finally:
+    rewards._load_math_verify.cache_clear()

@@ -1,4 +1,4 @@
-"""The token sampler's filters against a NumPy reference, and its empirical distribution."""
+"""The token sampler against a NumPy reference, its empirical distribution, SamplingParams checks."""
 
 import jax
 import jax.numpy as jnp
@@ -50,3 +50,36 @@ def test_sampler_empirical_distribution_chi_square():
   support = expect > 0
   assert counts[~support].sum() == 0
   assert stats.chisquare(counts[support], expect[support]).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive int, got 0"),
+    (dict(max_new_tokens=-3), "max_new_tokens must be a positive int, got -3"),
+    (dict(max_new_tokens=8.0), "max_new_tokens must be a positive int, got 8.0"),
+    (dict(temperature=-0.1), r"temperature must be >= 0 \(0 = greedy\), got -0.1"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.01), r"top_p must be in \(0, 1\], got 1.01"),
+    (dict(top_p=float("nan")), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=2.0), "top_k must be an int"),
+    (dict(seed=-1), r"seed must be an int in \[0, 2\*\*32\), got -1"),
+    (dict(seed=2**32), r"seed must be an int in \[0, 2\*\*32\), got 4294967296"),
+    (dict(seed=1.0), r"seed must be an int in \[0, 2\*\*32\)"),
+])
+def test_sampling_params_validation(kwargs, message):
+  with pytest.raises(ValueError, match=rf"SamplingParams\.{message}"):
+    SamplingParams(**kwargs)
+
+
+def test_sampling_params_accepts_edge_values():
+  params = SamplingParams(max_new_tokens=1, temperature=0.0, top_p=1.0, top_k=-1, seed=2**32 - 1,
+                          stop_token_ids=[np.int64(4), 7])
+  assert params.stop_token_ids == (4, 7) and all(type(t) is int for t in params.stop_token_ids)
+  hash(params)
+  assert SamplingParams(stop_token_ids=[]).stop_token_ids == ()
+  assert SamplingParams().stop_token_ids is None  # None: the model's EOS ids
+  args = SamplerArgs.from_params(SamplingParams(top_p=1e-9, seed=5), (3, 9), 4)
+  np.testing.assert_array_equal(args.stop_ids, [3, 9, -1, -1])
+  assert int(args.seed) == 5
+  with pytest.raises(ValueError, match="stop_token_ids has 3 ids but the engine allows 2"):
+    SamplerArgs.from_params(SamplingParams(), (1, 2, 3), 2)

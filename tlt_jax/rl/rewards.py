@@ -13,6 +13,7 @@ import functools
 import importlib
 import math
 import re
+import threading
 from types import ModuleType
 
 REL_TOL = 1e-6  # relative tolerance of numeric answer comparison
@@ -197,10 +198,15 @@ def _math_verify_says(answer: str, reference: str) -> bool | None:
   module = _load_math_verify()
   if module is None:
     return None
+  # math_verify times out with SIGALRM, which only the main thread may set: elsewhere it raises
+  # (every verdict would silently fall back), so other threads run it without its timeouts.
+  in_main = threading.current_thread() is threading.main_thread()
+  parse_kw = {} if in_main else dict(parsing_timeout=None)
+  verify_kw = {} if in_main else dict(timeout_seconds=None)
   try:
-    gold = module.parse(f"$\\boxed{{{normalize_answer(reference)}}}$")
-    pred = module.parse(f"$\\boxed{{{normalize_answer(answer)}}}$")
-    return bool(module.verify(gold, pred))
+    gold = module.parse(f"$\\boxed{{{normalize_answer(reference)}}}$", **parse_kw)
+    pred = module.parse(f"$\\boxed{{{normalize_answer(answer)}}}$", **parse_kw)
+    return bool(module.verify(gold, pred, **verify_kw))
   except Exception:  # any failure of the optional checker: use the rules of this module
     return None
 
