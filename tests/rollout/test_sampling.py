@@ -65,6 +65,9 @@ def test_sampler_empirical_distribution_chi_square():
     (dict(seed=-1), r"seed must be an int in \[0, 2\*\*32\), got -1"),
     (dict(seed=2**32), r"seed must be an int in \[0, 2\*\*32\), got 4294967296"),
     (dict(seed=1.0), r"seed must be an int in \[0, 2\*\*32\)"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an int, got True"),
+    (dict(top_k=False), "top_k must be an int, got False"),
+    (dict(seed=True), "seed must be an int, got True"),
 ])
 def test_sampling_params_validation(kwargs, message):
   with pytest.raises(ValueError, match=rf"SamplingParams\.{message}"):

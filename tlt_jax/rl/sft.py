@@ -141,6 +141,7 @@ def warm_start(model, tokenizer: CharTokenizer, task: ArithmeticTask, config: SF
                seed: int, progress: Callable[[int, dict], None] | None = None):
   """``config.steps`` supervised steps on correct traces; returns ``(model, last metrics)``.
 
+  The steps donate the params' buffers: use the returned model, not the one passed in.
   ``progress(step, metrics)`` is called after each step (metrics are device arrays: reading
   them syncs, so a caller should do it only now and then).
   """

@@ -29,6 +29,9 @@ class SamplingParams:
   stop_token_ids: Sequence[int] | None = None  # None: the model's EOS ids; () : never stop early
 
   def __post_init__(self):
+    for name in ("max_new_tokens", "top_k", "seed"):
+      if isinstance(getattr(self, name), bool):
+        raise ValueError(f"SamplingParams.{name} must be an int, got {getattr(self, name)!r}")
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
       raise ValueError(f"SamplingParams.max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
     if not self.temperature >= 0:
