@@ -23,8 +23,12 @@ def tiny_config():
 
 
 def test_run_generates_for_every_prompt():
-  stats = generate.run(tiny_config())
-  assert stats["tokens"] > 0 and stats["decode_steps"] > 0
+  out = generate.run(tiny_config())
+  assert len(out["texts"]) == 5  # cfg.num_prompts demo questions, one completion each
+  assert all(isinstance(t, str) and t for t in out["texts"])
+  assert 5 <= out["tokens"] <= 5 * 24  # at least one token per prompt, at most the limit
+  given = generate.run(tiny_config(), prompts=["1+2=?", "30-4=?"])
+  assert len(given["texts"]) == 2
 
 
 @pytest.mark.parametrize("field, value, match", [
@@ -44,10 +48,15 @@ def test_bad_values_are_rejected_naming_the_field(field, value, match):
     generate.run(cfg)
 
 
-def test_unknown_keys_are_rejected():
+@pytest.mark.parametrize("where", ["", "model", "model.tiny", "rollout", "sampling"])
+def test_unknown_keys_in_every_section_are_rejected(where):
   cfg = tiny_config()
-  cfg.rollout.max_batchh = 4
-  with pytest.raises(ValueError, match=r"config.rollout has unknown keys \['max_batchh'\]"):
+  target = cfg
+  for part in filter(None, where.split(".")):
+    target = target[part]
+  target.typo_field = 4
+  prefix = f"config.{where}" if where else "config"
+  with pytest.raises(ValueError, match=rf"{prefix} has unknown keys \['typo_field'\]"):
     generate.run(cfg)
 
 
