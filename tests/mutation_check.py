@@ -1,0 +1,157 @@
+"""Plants known, plausible one-line bugs ("mutants") in a temporary copy of the repository and
+checks that the tests meant to catch each one fail. Not collected by pytest; run it by hand:
+
+  python tests/mutation_check.py               # every mutant (about 15-25 min on 2 cores)
+  python tests/mutation_check.py --list        # names, files and the tests that must catch them
+  python tests/mutation_check.py resume_skips_optimizer_state checksums_not_verified
+
+Each mutant is an exact text replacement that must apply exactly once (so a refactor that moves
+the code makes the script fail loudly rather than test nothing). Exit status 1 if any mutant
+survives (its tests pass) or no longer applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  name: str
+  file: str  # relative to the repository root
+  old: str
+  new: str
+  tests: tuple[str, ...]  # pytest node ids / -k expressions as argv pieces
+  why: str
+
+
+MUTANTS = [
+    Mutant("resume_skips_optimizer_state", "tlt_jax/rl/trainer.py",
+           'self.opt_state = jax.device_put(jax.tree.unflatten(treedef, state["opt_state"]), '
+           'replicated)',
+           "self.opt_state = self.opt_state",
+           ("tests/rl/test_trainer.py::test_save_and_restore_continue_exactly",),
+           "restore() keeps the freshly initialised optimizer state"),
+    Mutant("resume_skips_kl_reference", "tlt_jax/rl/trainer.py",
+           'ckpt.pure_dict_to_state(state["ref_params"], self.ref_params)',
+           "self.ref_params",
+           ("tests/rl/test_trainer.py::test_save_and_restore_continue_exactly",),
+           "restore() keeps the reference policy it was built with"),
+    Mutant("engine_keeps_old_weights", "tlt_jax/rollout/engine.py",
+           "    self.params = params\n    if drafter_params is not None:",
+           "    if drafter_params is not None:",
+           ("tests/rl/test_trainer.py::test_rl_steps_learn_a_dense_reward",),
+           "update_params() ignores the new policy weights"),
+    Mutant("nonfinite_update_applied", "tlt_jax/rl/trainer.py",
+           "keep = lambda new, old: jnp.where(finite, new, old)",
+           "keep = lambda new, old: new",
+           ("tests/rl/test_trainer.py", "-k", "nonfinite"),
+           "a NaN update is applied to the params"),
+    Mutant("warmup_zero_starts_at_half_rate", "tlt_jax/rl/trainer.py",
+           "  if config.warmup_steps == 0:\n    return optax.constant_schedule(config.learning_rate)",
+           "  if config.warmup_steps == 0:\n    return optax.linear_schedule(config.learning_rate / 2,"
+           " config.learning_rate, 1)",
+           ("tests/rl/test_trainer.py", "-k", "warmup"),
+           "warmup_steps=0 still runs the first update at half the rate"),
+    Mutant("unknown_config_keys_dropped", "tlt_jax/config.py",
+           "  check_keys(section_, (fields - set(extra)) | set(ignore), where)\n", "",
+           ("tests/test_train_job.py", "tests/test_generate.py", "-k", "unknown_keys"),
+           "to_dataclass silently drops misspelled fields"),
+    Mutant("resume_ignores_saved_config", "tlt_jax/train.py",
+           "      config_lib.set_dotted(merged, name, value)", "      pass",
+           ("tests/test_train_job.py", "-k", "saved_config or named_overrides"),
+           "--config.resume=True trains with the defaults instead of the run's config"),
+    Mutant("rerun_metric_rows_repeated", "tlt_jax/train.py",
+           'row.get("step", 0) <= resume_step', "True",
+           ("tests/test_train_job.py", "-k", "replaces_rerun"),
+           "metrics.jsonl keeps the rows of steps a resumed run does again"),
+    Mutant("checksums_not_verified", "tlt_jax/checkpoint.py",
+           "      if got != want:", "      if False:",
+           ("tests/test_checkpoint_integrity.py", "-k", "garbled_data"),
+           "garbled array bytes load silently"),
+    Mutant("rotation_forgets_the_good_step", "tlt_jax/checkpoint.py",
+           "spared = set(steps[-self.keep:]) | ({max(self._good)} if self._good else set())",
+           "spared = set(steps[-self.keep:])",
+           ("tests/test_checkpoint_integrity.py", "-k", "rotation"),
+           "keep-N rotation deletes the newest good checkpoint"),
+    Mutant("compaction_slices_the_kv_cache", "tlt_jax/rollout/engine.py",
+           "    rows = dataclasses.replace(rows, done=rows.done | pad,",
+           "    rows = dataclasses.replace(rows, cache=jax.tree.map(lambda x: x[:index.shape[0]], "
+           "state.cache))\n    rows = dataclasses.replace(rows, done=rows.done | pad,",
+           ("tests/rollout/test_engine.py", "-k", "uncached_forward"),
+           "the live rows move to a smaller bucket but the KV cache keeps the first rows"),
+    Mutant("math_verify_never_asked", "tlt_jax/rl/rewards.py",
+           "  if use_math_verify and _math_verify_says(answer, gold):",
+           "  if False:",
+           ("tests/rl/test_rewards.py", "-k", "math_verify"),
+           "the installed math_verify is never used"),
+]
+
+
+def copy_repo(dest: pathlib.Path) -> None:
+  """The package, tests and build files (no .git, no outputs) into ``dest``."""
+  for name in ("tlt_jax", "tests", "notebooks"):
+    shutil.copytree(ROOT / name, dest / name, symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
+  for name in ("pyproject.toml", "README.md"):
+    shutil.copy2(ROOT / name, dest / name)
+  os.symlink("tlt_jax/configs", dest / "configs")
+
+
+def run_mutant(mutant: Mutant, timeout: int) -> tuple[str, float, str]:
+  """Returns (verdict, seconds, detail): 'caught', 'SURVIVED' or 'NOT APPLIED'."""
+  with tempfile.TemporaryDirectory(prefix=f"mutant_{mutant.name}_") as tmp:
+    dest = pathlib.Path(tmp)
+    copy_repo(dest)
+    path = dest / mutant.file
+    text = path.read_text()
+    if text.count(mutant.old) != 1:
+      return "NOT APPLIED", 0.0, f"the text to replace occurs {text.count(mutant.old)} times"
+    path.write_text(text.replace(mutant.old, mutant.new))
+    env = dict(os.environ, PYTHONPATH=str(dest), JAX_PLATFORMS="cpu")
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           *mutant.tests], cwd=dest, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    seconds = time.perf_counter() - t0
+    tail = (done.stdout.strip().splitlines() or [""])[-1]
+    if done.returncode == 5:  # pytest: no tests collected
+      return "NOT APPLIED", seconds, "no test matched"
+    return ("caught" if done.returncode != 0 else "SURVIVED"), seconds, tail
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+  parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+  parser.add_argument("--timeout", type=int, default=900, help="seconds per mutant")
+  args = parser.parse_args()
+  chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+  unknown = set(args.names) - {m.name for m in MUTANTS}
+  if unknown:
+    parser.error(f"unknown mutants {sorted(unknown)}")
+  if args.list:
+    for m in chosen:
+      print(f"{m.name:36s} {m.file:28s} {' '.join(m.tests)}\n{'':36s} {m.why}")
+    return 0
+  failures = 0
+  for m in chosen:
+    verdict, seconds, detail = run_mutant(m, args.timeout)
+    failures += verdict != "caught"
+    print(f"{verdict:12s} {m.name:36s} {seconds:6.0f}s  {detail}", flush=True)
+  print(f"{len(chosen) - failures} of {len(chosen)} mutants caught")
+  return 1 if failures else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
