@@ -45,22 +45,23 @@ def hand_made_batch(trainer, rows: int):
   return trainer.make_batch(prompts, comps, old, advantages)
 
 
-class _VariedRewards:
-  """The task with rewards that differ within a group (a random policy solves nothing, so all
-  advantages would be zero and no update would move the params)."""
+class _Rewarded:
+  """The task's problems with another reward of the completion text: the arithmetic reward
+  gives a random policy 0 everywhere, so all advantages (and gradients) would be zero."""
 
-  def __init__(self, task):
-    self.task = task
+  def __init__(self, task, reward_of_text):
+    self.task, self.reward_of_text = task, reward_of_text
 
   def sample(self, rng, n):
     return self.task.sample(rng, n)
 
   def reward(self, problem, text):  # pylint: disable=unused-argument
-    return float(len(text) % 2)
+    return self.reward_of_text(text)
 
 
 def varied_rewards(trainer):
-  trainer.task = _VariedRewards(trainer.task)
+  """Rewards that differ within a group (the parity of the completion's length)."""
+  trainer.task = _Rewarded(trainer.task, lambda text: float(len(text) % 2))
 
 
 def nan_row_batches(trainer):
@@ -116,22 +117,23 @@ def test_update_with_nonzero_advantages_moves_params():
   assert sum(moved) > len(moved) // 2
 
 
-def test_one_device_and_eight_devices_give_the_same_update():
-  script = ROOT / "tests" / "rl" / "dp_equality.py"
-  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                        timeout=600, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+def run_script(name: str) -> str:
+  """Runs ``tests/rl/<name>`` in a fresh process (it sets its own XLA device count); its stdout."""
+  proc = subprocess.run([sys.executable, str(ROOT / "tests" / "rl" / name)], capture_output=True,
+                        text=True, timeout=600, cwd=ROOT,
+                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "max abs difference" in proc.stdout, proc.stdout
+  return proc.stdout
+
+
+def test_one_device_and_eight_devices_give_the_same_update():
+  assert "max abs difference" in run_script("dp_equality.py")
 
 
 def test_trainer_on_a_four_device_mesh_steps_without_recompiling():
   """Rollout on one device, updates over 4 (simulated) devices: two steps, the second compiling
   nothing, then a NaN update restores the mesh-replicated state (see multi_device_trainer.py)."""
-  script = ROOT / "tests" / "rl" / "multi_device_trainer.py"
-  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                        timeout=600, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "4-device trainer ok" in proc.stdout, proc.stdout
+  assert "4-device trainer ok" in run_script("multi_device_trainer.py")
 
 
 def test_nonfinite_update_stops_the_step_and_restores_the_state():
@@ -241,23 +243,10 @@ def test_trainer_runs_with_speculative_rollouts():
   assert all(0.0 <= m["reward"] <= 1.0 and np.isfinite(m["loss"]) for m in (first, second))
 
 
-class _OnesReward:
-  """A dense reward a random policy can move on: the fraction of completion characters that
-  are '1' (the arithmetic task itself gives a random policy reward 0, hence no gradient)."""
-
-  def __init__(self, task):
-    self.task = task
-
-  def sample(self, rng, n):
-    return self.task.sample(rng, n)
-
-  def reward(self, problem, text):  # pylint: disable=unused-argument
-    return text.count("1") / max(len(text), 1)
-
-
 def learning_trainer(**kw):
+  """A trainer on a dense reward the random policy can move on: the fraction of '1's written."""
   trainer = make_trainer(**dict(dict(learning_rate=1e-2, warmup_steps=0, steps=8), **kw))
-  trainer.task = _OnesReward(trainer.task)
+  trainer.task = _Rewarded(trainer.task, lambda text: text.count("1") / max(len(text), 1))
   return trainer
 
 
