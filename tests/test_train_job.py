@@ -249,3 +249,22 @@ def test_main_job_on_four_devices_and_ctrl_c_says_how_to_resume(tmp_path):
   assert "Traceback" not in err
   assert f"--config.logdir={logdir} --config.resume=True" in err
   assert (logdir / "checkpoints" / "2").is_dir()
+
+
+def test_final_model_is_never_written_from_non_finite_weights(tmp_path):
+  """A NaN anywhere in the policy: export refuses, and an existing final_model stays intact."""
+  import types  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  job = train.build_job(tiny_config(tmp_path))
+  graphdef, params = nnx.split(train.init_model(job.model_config, seed=0))
+  good = types.SimpleNamespace(graphdef=graphdef, params=params)
+  final = train.export_final_model(good, job)
+  before = (final / "model.safetensors").read_bytes()
+  leaves, treedef = jax.tree.flatten(params)
+  leaves[-1] = leaves[-1].at[0].set(float("nan"))
+  bad = types.SimpleNamespace(graphdef=graphdef, params=jax.tree.unflatten(treedef, leaves))
+  with pytest.raises(FloatingPointError, match="non-finite"):
+    train.export_final_model(bad, job)
+  assert (final / "model.safetensors").read_bytes() == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["final_model"]
