@@ -57,6 +57,11 @@ MUTANTS = [
            "keep = lambda new, old: new",
            ("tests/rl/test_trainer.py", "-k", "nonfinite"),
            "a NaN update is applied to the params"),
+    Mutant("update_ignores_sampling_temperature", "tlt_jax/rl/trainer.py",
+           "grpo.token_logprobs(logits / temperature, ids[:, 1:])",
+           "grpo.token_logprobs(logits, ids[:, 1:])",
+           ("tests/rl/test_trainer.py", "-k", "ratio_one"),
+           "the update scores tokens at T=1 while the rollout sampled at another temperature"),
     Mutant("warmup_zero_starts_at_half_rate", "tlt_jax/rl/trainer.py",
            "  if config.warmup_steps == 0:\n    return optax.constant_schedule(config.learning_rate)",
            "  if config.warmup_steps == 0:\n    return optax.linear_schedule(config.learning_rate / 2,"

@@ -6,7 +6,7 @@ import sys
 import threading
 
 from jax import monitoring
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in Jupyter
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()

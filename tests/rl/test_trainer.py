@@ -287,3 +287,14 @@ def test_save_and_restore_continue_exactly(tmp_path):
   for name in ("params", "opt_state", "ref_params"):
     for a, b in zip(host(getattr(straight, name)), host(getattr(resumed, name))):
       np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.4])
+def test_first_update_sees_ratio_one_at_any_sampling_temperature(temperature):
+  """The rollout's old log-probs are of softmax(logits / T); the update must score tokens the
+  same way, or even the first (on-policy) update has importance ratios != 1."""
+  trainer = make_trainer(temperature=temperature, minibatches=1)
+  varied_rewards(trainer)
+  m = trainer.step()
+  assert abs(m["ratio_mean"] - 1.0) < 1e-4 and abs(m["approx_kl"]) < 1e-6, m
+  assert m["clip_fraction"] == 0.0

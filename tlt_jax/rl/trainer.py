@@ -82,15 +82,19 @@ def learning_rate_schedule(config: TrainerConfig) -> optax.Schedule:
 
 
 def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                   config: grpo.GRPOConfig, mesh: Mesh):
+                   config: grpo.GRPOConfig, mesh: Mesh, temperature: float = 1.0):
   """A jitted ``update(params, opt_state, batch) -> (params, opt_state, metrics)`` over ``mesh``.
+
+  Log-probs are of the sampling distribution, ``softmax(logits / temperature)``, as the rollout's
+  old log-probs are: the first update of a step then has ratio 1 whatever the temperature.
 
   ``metrics["finite"]`` says whether the update was applied: when the loss, the gradient norm or
   any new param is not finite, the old params and optimizer state come back unchanged.
   """
 
   def logprobs_of(params, ids):
-    return grpo.token_logprobs(nnx.merge(graphdef, params)(ids)[:, :-1], ids[:, 1:])
+    logits = nnx.merge(graphdef, params)(ids)[:, :-1]
+    return grpo.token_logprobs(logits / temperature, ids[:, 1:])
 
   def loss_fn(params, ref_params, batch):
     ref = None
@@ -154,7 +158,8 @@ class GRPOTrainer:
     self.params = jax.device_put(params, replicated)
     self.opt_state = jax.device_put(self.optimizer.init(params), replicated)
     self._sync_engine()  # before anything compiles: the engine's executables take these arrays
-    self.update_fn = make_update_fn(self.graphdef, self.optimizer, grpo_config, self.mesh)
+    self.update_fn = make_update_fn(self.graphdef, self.optimizer, grpo_config, self.mesh,
+                                    temperature=config.temperature)
     # the reference policy for the KL term: the starting (warm-started) weights, kept frozen
     self.ref_params = (jax.tree.map(jnp.copy, self.params) if grpo_config.kl_coef > 0 else None)
     self.seq_len = engine_config.max_prompt_len + config.max_new_tokens
