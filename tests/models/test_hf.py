@@ -244,6 +244,23 @@ def test_missing_config_json(tmp_path):
     hf.from_pretrained(tmp_path)
 
 
+def test_broken_or_incomplete_config_json_names_the_file(tmp_path, llama_dir):
+  source = llama_dir[0]
+  broken = tmp_path / "broken"
+  shutil.copytree(source, broken)
+  (broken / "config.json").write_text("{not json")
+  with pytest.raises(ValueError, match=r"broken/config.json is not valid JSON"):
+    hf.from_pretrained(broken)
+  incomplete = tmp_path / "incomplete"
+  shutil.copytree(source, incomplete)
+  cfg = json.loads((source / "config.json").read_text())
+  del cfg["hidden_size"]
+  (incomplete / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(ValueError, match=r"incomplete/config.json lacks the required key "
+                                       r"'hidden_size'"):
+    hf.from_pretrained(incomplete)
+
+
 def test_missing_tensor_is_named(tmp_path, llama_dir):
   path = copy_checkpoint(llama_dir[0], tmp_path)
   tensors = load_file(str(path / hf.WEIGHTS_FILE))
