@@ -109,7 +109,6 @@ def test_no_recompilation_after_precompile(model):
   engine = make_engine(model)
   assert engine.precompile() == len(engine.executable_keys())
   assert engine.precompile() == 0
-  params = SamplingParams(max_new_tokens=30, temperature=1.0, stop_token_ids=STOPS)
   for lengths, seed in (([3, 5], 0), ([15, 2, 9], 1), ([1, 7, 16, 4], 2)):
     result = engine.generate(prompts_of(lengths, seed), SamplingParams(
         max_new_tokens=30 - seed, temperature=0.5 + seed, seed=seed, top_p=0.9,
