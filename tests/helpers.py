@@ -1,5 +1,7 @@
 """Test helpers shared across test modules."""
 
+import os
+
 import jax
 from flax import nnx
 
@@ -27,3 +29,21 @@ def mirror_drafter(target: Transformer, layer: int = 0):
       drafter.fc.kernel.dtype))
   drafter.fc.bias.set_value(jnp.zeros((h,), drafter.fc.bias.dtype))
   return drafter
+
+
+def largest_file(directory) -> str:
+  """The path of the largest file under ``directory`` (a checkpoint's array data)."""
+  files = [os.path.join(root, name) for root, _, names in os.walk(directory) for name in names]
+  return max(files, key=os.path.getsize)
+
+
+def garble(step_dir) -> None:
+  """Flips 16 bytes in the middle of the largest file; its size (and readability) stay."""
+  path = largest_file(step_dir)
+  size = os.path.getsize(path)
+  with open(path, "r+b") as f:
+    f.seek(size // 2)
+    chunk = f.read(16)
+    f.seek(size // 2)
+    f.write(bytes(b ^ 0xFF for b in chunk))
+  assert os.path.getsize(path) == size

@@ -15,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from tests.helpers import garble, largest_file
 from tlt_jax import checkpoint as ck
 from tlt_jax.checkpoint import (CheckpointCorruptError, CheckpointError, Checkpointer,
                                 NonFiniteError, UnverifiedCheckpointWarning)
@@ -41,28 +42,11 @@ def _same(a, b) -> bool:
       x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in pairs)
 
 
-def _largest_file(step_dir) -> str:
-  files = [os.path.join(root, name) for root, _, names in os.walk(step_dir) for name in names]
-  return max(files, key=os.path.getsize)
-
-
-def _garble(step_dir) -> None:
-  """Flips 16 bytes in the middle of the largest file; its size (and readability) stay."""
-  path = _largest_file(step_dir)
-  size = os.path.getsize(path)
-  with open(path, "r+b") as f:
-    f.seek(size // 2)
-    chunk = f.read(16)
-    f.seek(size // 2)
-    f.write(bytes(b ^ 0xFF for b in chunk))
-  assert os.path.getsize(path) == size
-
-
 def test_garbled_data_file_raises_corrupt_error(tmp_path):
   ckpt = Checkpointer(tmp_path)
   ckpt.save(1, _state(1), {})
   ckpt.save(2, _state(2), {})
-  _garble(tmp_path / "2")
+  garble(tmp_path / "2")
   with pytest.raises(CheckpointCorruptError) as info:
     ckpt.restore(like=_abstract(_state()))
   message = str(info.value)
@@ -88,8 +72,8 @@ def test_restore_latest_good_falls_back_and_moves_the_bad_step_aside(tmp_path):
   ckpt = Checkpointer(tmp_path, keep=3)
   for step in (1, 2, 3):
     ckpt.save(step, _state(step), {"step": step})
-  _garble(tmp_path / "3")
-  _garble(tmp_path / "2")
+  garble(tmp_path / "3")
+  garble(tmp_path / "2")
   lines: list[str] = []
   step, state, meta = ckpt.restore_latest_good(like=_abstract(_state()), report=lines.append)
   assert step == 1 and meta == {"step": 1} and _same(state, _state(1))
@@ -106,7 +90,7 @@ def test_restore_latest_good_falls_back_and_moves_the_bad_step_aside(tmp_path):
   reopened = Checkpointer(tmp_path)  # orbax neither lists nor cleans up the moved-aside steps
   assert reopened.all_steps() == [1, 2]
   assert sorted(os.listdir(tmp_path)) == ["1", "2", "2.corrupt", "3.corrupt"]
-  _garble(tmp_path / "2")
+  garble(tmp_path / "2")
   reopened.restore_latest_good(like=_abstract(_state()), report=lambda line: None)
   assert "2.corrupt1" in os.listdir(tmp_path)
 
@@ -121,8 +105,8 @@ def test_restore_latest_good_errors(tmp_path):
   with pytest.raises(ValueError, match="missing from the checkpoint"):
     ckpt.restore_latest_good(like={"other": jax.ShapeDtypeStruct((2,), jnp.float32)})
   assert ckpt.all_steps() == [1, 2]
-  _garble(tmp_path / "1")
-  _garble(tmp_path / "2")
+  garble(tmp_path / "1")
+  garble(tmp_path / "2")
   with pytest.raises(CheckpointError, match=r"no good checkpoint left .*2 \(array params/w"):
     ckpt.restore_latest_good(like=_abstract(_state()), report=lambda line: None)
   assert ckpt.all_steps() == [] and sorted(os.listdir(tmp_path)) == ["1.corrupt", "2.corrupt"]
@@ -133,7 +117,7 @@ def test_rotation_keeps_the_newest_known_good_step(tmp_path):
   ckpt.save(1, _state(1), {})
   ckpt.save(2, _state(2), {})
   ckpt.close()
-  _garble(tmp_path / "2")
+  garble(tmp_path / "2")
 
   ckpt = Checkpointer(tmp_path, keep=2)  # a resumed run: nothing is known good yet
   step, _, _ = ckpt.restore_latest_good(like=_abstract(_state()), report=lambda line: None)
@@ -284,7 +268,7 @@ def test_truncated_checkpoint_one_line_error_and_quiet_stderr(tmp_path):
                          "b": jnp.asarray(rng.random(128, dtype=np.float32))} for i in range(40)}
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(1, state, {})
-  path = _largest_file(tmp_path / "1")
+  path = largest_file(tmp_path / "1")
   os.truncate(path, os.path.getsize(path) // 2)
 
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")

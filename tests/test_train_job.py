@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.helpers import garble
 from tlt_jax import generate, train
 from tlt_jax.config import ConfigError, load_config_file
 
@@ -100,13 +101,7 @@ def test_a_garbled_checkpoint_is_reported_and_the_run_resumes_from_the_last_good
   run names it, moves it aside, resumes from the step before and ends with finite weights."""
   logdir = tmp_path / "copy"
   shutil.copytree(finished_run[0], logdir)
-  step_dir = logdir / "checkpoints" / "2"
-  files = [p for p in step_dir.rglob("*") if p.is_file()]
-  target = max(files, key=lambda p: p.stat().st_size)
-  data = bytearray(target.read_bytes())
-  middle = len(data) // 2
-  data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
-  target.write_bytes(bytes(data))
+  garble(logdir / "checkpoints" / "2")
   cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
   cfg.logdir, cfg.resume, cfg.trainer.steps = str(logdir), True, 3
   summary = train.run(cfg, overrides=["trainer.steps"])

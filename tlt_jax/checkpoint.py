@@ -200,7 +200,7 @@ def _local_shards(x: Any) -> list[np.ndarray]:
   return [np.asarray(jax.device_get(x))]
 
 
-def _nonfinite_count(x: Any) -> int:
+def count_nonfinite(x: Any) -> int:
   """NaN/inf values in a floating leaf (in this process's shards of a multi-process array)."""
   if not jnp.issubdtype(x.dtype if hasattr(x, "dtype") else np.result_type(x), jnp.inexact):
     return 0
@@ -421,7 +421,7 @@ class Checkpointer:
       name = _path_str(path)
       if name in leaves:
         raise ValueError(f"cannot save step {step}: two leaves share the key {name!r}")
-      bad = _nonfinite_count(leaf)
+      bad = count_nonfinite(leaf)
       if bad and not allow_nonfinite:
         raise NonFiniteError(
             f"refusing to save step {step} in {self.directory}: {name} holds {bad} non-finite "

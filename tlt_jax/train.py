@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax import config as config_lib
-from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.checkpoint import Checkpointer, count_nonfinite
 from tlt_jax.config import ConfigError, check_keys, section, to_dataclass
 from tlt_jax.models import hf
 from tlt_jax.models.config import ModelConfig
@@ -136,7 +136,7 @@ def _differs(a, b) -> bool:
 def describe(cfg: ml_collections.ConfigDict) -> str:
   """The effective config, a line per section."""
   flat = config_lib.flatten(cfg)
-  lines, top = [], []
+  lines = []
   for name in sorted(k for k in cfg.keys() if isinstance(cfg[k], ml_collections.ConfigDict)):
     fields = " ".join(f"{k.split('.', 1)[1]}={v}" for k, v in flat.items()
                       if k.startswith(name + "."))
@@ -195,7 +195,7 @@ def export_final_model(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
   directory replaces the old one), refusing non-finite weights."""
   model = nnx.merge(trainer.graphdef, trainer.params)
   for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]:
-    if not np.all(np.isfinite(np.asarray(leaf))):
+    if count_nonfinite(leaf):
       raise FloatingPointError(f"final model not written: {jax.tree_util.keystr(path)} holds "
                                "non-finite values")
   final = job.logdir / FINAL_MODEL
