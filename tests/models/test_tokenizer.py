@@ -97,3 +97,25 @@ def test_hf_tokenizer_without_configs(tokenizer_dir):
 def test_hf_tokenizer_missing_file(tmp_path):
   with pytest.raises(FileNotFoundError, match="tokenizer.json"):
     HFTokenizer.from_file(tmp_path)
+
+
+def test_saved_tokenizers_load_back_from_a_model_directory(tokenizer_dir, tmp_path):
+  """``save`` + ``load_tokenizer(dir)``: same ids and special ids (what final_model relies on)."""
+  char = CharTokenizer("0123+=?", specials=("<pad>", "<bos>", "<eos>", "<sep>"))
+  (tmp_path / "char").mkdir()
+  char.save(tmp_path / "char")
+  loaded = load_tokenizer(tmp_path / "char")
+  assert isinstance(loaded, CharTokenizer) and loaded.specials == char.specials
+  assert loaded.encode("12+3=?") == char.encode("12+3=?") and loaded.vocab_size == char.vocab_size
+  hf_tok = HFTokenizer.from_file(tokenizer_dir)
+  hf_tok = HFTokenizer(hf_tok.tokenizer, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+  (tmp_path / "hf").mkdir()
+  hf_tok.save(tmp_path / "hf")
+  again = load_tokenizer(tmp_path / "hf")
+  assert isinstance(again, HFTokenizer)
+  assert (again.pad_token_id, again.bos_token_id, again.eos_token_id) == (0, 1, 2)
+  assert again.encode(CORPUS[0]) == hf_tok.encode(CORPUS[0])
+  (tmp_path / "bad").mkdir()
+  (tmp_path / "bad" / "char_tokenizer.json").write_text("{}")
+  with pytest.raises(ValueError, match="char_tokenizer.json is not a char tokenizer file"):
+    load_tokenizer(tmp_path / "bad")

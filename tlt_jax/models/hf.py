@@ -290,13 +290,12 @@ def from_pretrained(path: str | Path, dtype: str | None = None, *,
   Every param is set from the checkpoint; ``strict`` rejects unknown (non-harmless) tensors.
   """
   path = Path(path)
+  hf_config = read_hf_config(path)  # its own errors name the file
   try:
-    config = config_from_hf(read_hf_config(path), dtype=dtype)
+    config = config_from_hf(hf_config, dtype=dtype)
   except KeyError as e:
     raise ValueError(f"{path / CONFIG_FILE} lacks the required key {e.args[0]!r}") from None
   except (TypeError, ValueError) as e:
-    if str(e).startswith(str(path / CONFIG_FILE)):
-      raise
     raise ValueError(f"{path / CONFIG_FILE}: {e}") from None
   tensor_files = _tensor_files(path)
   graphdef, flat, names = _abstract_params(config)
