@@ -282,3 +282,24 @@ def test_truncated_checkpoint_one_line_error_and_quiet_stderr(tmp_path):
   assert "No other checkpoint" in errors[0]
   others = [line for line in lines if not line.startswith("ERROR: ") and line != "DONE"]
   assert len(others) < 5, "\n".join(others[:40])
+
+
+def test_late_errors_of_reads_abandoned_in_a_failed_step_are_dropped(tmp_path):
+  """After a failed read, orbax's abandoned tensorstore reads fail on their own and asyncio logs
+  "Future exception was never retrieved" naming the step directory (no orbax frame in the
+  traceback): those records are dropped; the same report about any other path passes."""
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(1, _state(1), {})
+    path = largest_file(tmp_path / "ckpt" / "1")
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(CheckpointCorruptError):
+      ckpt.restore(1, like=_state(1))
+
+  def passes(where):
+    msg = (f"Future exception was never retrieved\nfuture: <Future finished exception=ValueError("
+           f"'OUT_OF_RANGE: Error reading \"w\" in OCDBT database at local file \"{where}/state/\"')>")
+    record = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None, None)
+    return logging.getLogger("asyncio").filter(record)
+
+  assert not passes(tmp_path / "ckpt" / "1")
+  assert passes(tmp_path / "elsewhere" / "1")

@@ -218,6 +218,9 @@ _NOISY_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(m.__file__)), "
 _quiet_lock = threading.Lock()
 _quiet_depth = 0
 _orbax_failed = False  # once an orbax call failed, stray "Event loop is closed" errors are its
+# step directories whose read failed: the reads orbax abandoned there fail later on their own
+# ("Future exception was never retrieved"), with tensorstore errors that name the directory
+_failed_dirs: set[str] = set()
 
 
 def _noisy_path(path: str | None) -> bool:
@@ -252,7 +255,7 @@ class _OrbaxAsyncioFilter(logging.Filter):
       if record.exc_info and _noisy_exception(record.exc_info[1]):
         return False
       message = record.getMessage()
-      return not any(d in message for d in _NOISY_DIRS)
+      return not any(d in message for d in (*_NOISY_DIRS, *_failed_dirs))
     except Exception:  # pylint: disable=broad-exception-caught
       return True
 
@@ -264,8 +267,10 @@ def _is_orbax_unraisable(unraisable: Any) -> bool:
   exc = unraisable.exc_value
   if _noisy_exception(exc):
     return True
-  return (_orbax_failed and unraisable.object is None and isinstance(exc, RuntimeError)
-          and str(exc) == "Event loop is closed")
+  # tensorstore's completion callbacks into orbax's closed loop: no orbax frame to recognise
+  # them by, so they are dropped only inside a Checkpointer call or after one failed
+  return ((_orbax_failed or _quiet_depth > 0) and unraisable.object is None
+          and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
 
 
 def _install_filters() -> None:
@@ -644,6 +649,7 @@ class Checkpointer:
 
   def _unreadable(self, path: str, step: int, e: BaseException,
                   names: list[str]) -> CheckpointCorruptError:
+    _failed_dirs.add(os.path.join(path, ""))
     key = _key_in_error(e, names)
     what = f"array {key} is unreadable" if key else "unreadable"
     cause = _first_line(_root_cause(e))
