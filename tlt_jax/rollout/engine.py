@@ -1,15 +1,20 @@
-"""The rollout engine: bucketed, jitted decode with live-row compaction.
+"""The rollout engine: bucketed, jitted decode with live-row compaction and growing caches.
 
 A request is split into chunks of at most ``max_batch`` prompts. Each chunk is prefilled at
-(batch bucket, prompt-length bucket), then decoded by a jitted ``lax.while_loop`` *segment*
-that runs until every row is finished or the live rows fit the next smaller batch bucket. The
-host then gathers the live rows (and their KV cache) into that bucket and continues. Every
-executable is keyed by its bucket and compiled once (``precompile`` compiles them all).
+(batch bucket, prompt-length bucket) into a KV cache of the smallest *length bucket* that holds
+the prompts, then decoded by a jitted ``lax.while_loop`` *segment* that runs until every row is
+finished, the live rows fit the next smaller batch bucket, or a live row is about to outgrow the
+cache. The host then gathers the live rows into the smaller batch bucket (compaction) and/or
+re-lays the cache into the next length bucket (growth), and continues. So every decode step
+attends over (and every cache holds) about as many slots as the longest live row needs, not the
+capacity ``max_prompt_len + max_new_tokens``. Every executable is keyed by its buckets and
+compiled once (``precompile`` compiles them all).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -43,6 +48,10 @@ class EngineConfig:
   max_stop_ids: int = 8
   pad_token_id: int = 0
   spec: SpecConfig | None = None  # speculative decoding strategy (needs a drafter)
+  # KV-cache length buckets below the capacity ``cache_len`` (which is always the last bucket):
+  # None = 128, 256, 512, ...; () = a single cache of the full capacity (decode steps then pay
+  # for the capacity, not for the live lengths).
+  kv_buckets: tuple[int, ...] | None = None
   # Speculative steps report draft vs verify time, read by host callbacks at the phase
   # boundaries (one host round trip per phase: leave off when measuring throughput).
   time_phases: bool = False
@@ -62,6 +71,13 @@ class EngineConfig:
             f"EngineConfig.{name} must be strictly increasing positive sizes ending at {limit}, "
             f"got {value!r}")
       object.__setattr__(self, name, value)
+    if self.kv_buckets is not None:
+      value = tuple(self.kv_buckets)
+      if (any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 for v in value)
+          or list(value) != sorted(set(value))):
+        raise ValueError(f"EngineConfig.kv_buckets must be strictly increasing positive ints "
+                         f"(or None for the default ladder), got {self.kv_buckets!r}")
+      object.__setattr__(self, "kv_buckets", tuple(int(v) for v in value))
 
   @property
   def slack(self) -> int:
@@ -74,6 +90,30 @@ class EngineConfig:
   def cache_len(self) -> int:
     """KV-cache slots per row: the longest prompt plus the longest completion (plus slack)."""
     return self.max_prompt_len + self.max_new_tokens + self.slack
+
+  @property
+  def step_slots(self) -> int:
+    """Cache slots past a live row's committed length that one decode step may write."""
+    return 1 if self.spec is None else self.slack
+
+  @property
+  def kv_lengths(self) -> tuple[int, ...]:
+    """The KV-cache length buckets, ending at the capacity ``cache_len``."""
+    cap = self.cache_len
+    if self.kv_buckets is None:
+      below = bk.powers_of_two_up_to(cap, start=min(128, cap))[:-1]
+    else:
+      below = tuple(v for v in self.kv_buckets if v < cap)
+    return below + (cap,)
+
+  def prefill_kv_len(self, prompt_bucket: int) -> int:
+    """The cache length a chunk prefilled at ``prompt_bucket`` starts with."""
+    return bk.bucket_for(prompt_bucket + self.step_slots, self.kv_lengths)
+
+  def tokens_len(self, kv_len: int) -> int:
+    """Width of the generated-token buffers that go with a cache of ``kv_len`` slots (a row never
+    has more generated tokens than cache slots)."""
+    return min(kv_len, self.max_new_tokens + (self.spec.max_emit if self.spec else 0))
 
 
 @jax.tree_util.register_dataclass
@@ -190,17 +230,17 @@ class RolloutEngine:
       counters["accept_hist"] = jnp.zeros((self.spec.max_emit,), jnp.int32)
     return counters
 
-  def _prefill_fn(self, weights, ids, prompt_lens, row_id, group_id, args: SamplerArgs
-                  ) -> DecodeState:
+  def _prefill_fn(self, weights, ids, prompt_lens, row_id, group_id, args: SamplerArgs, *,
+                  kv_len: int) -> DecodeState:
     target, drafter = self._merge(weights)
     batch = ids.shape[0]
-    cache = KVCache.create(self.model_config, batch, self.config.cache_len)
+    cache = KVCache.create(self.model_config, batch, kv_len)
     out = target.forward(ids, cache=cache, return_hidden=drafter is not None)
     last_logits = sd.pick_positions(out.logits, prompt_lens - 1)
     keys = row_keys(args.seed, row_id, jnp.zeros_like(row_id))
     tok, logp = sample_tokens(last_logits, keys, args)
     padding = row_id < 0
-    n = self.config.max_new_tokens + (self.spec.max_emit if self.spec else 0)
+    n = self.config.tokens_len(kv_len)
     tokens = jnp.zeros((batch, n), jnp.int32).at[:, 0].set(tok)
     logprobs = jnp.zeros((batch, n), jnp.float32).at[:, 0].set(logp)
     done = padding | _is_stop(tok, args.stop_ids) | (args.max_new_tokens <= 1)
@@ -209,7 +249,7 @@ class RolloutEngine:
       # The drafter reads pairs (h_t, x_{t+1}): the prompt gives t = 0 .. len-2; the pair
       # (h_{len-1}, first sampled token) stays pending for the first speculative step.
       shifted = jnp.concatenate([ids[:, 1:], jnp.zeros((batch, 1), ids.dtype)], axis=1)
-      dcache = drafter.init_cache(batch, self.config.cache_len)
+      dcache = drafter.init_cache(batch, kv_len)
       dout = drafter.forward(target, shifted, out.hidden, cache=dcache)
       width = self.spec.max_emit
       pend_tokens = jnp.zeros((batch, width), jnp.int32).at[:, 0].set(tok)
@@ -327,13 +367,38 @@ class RolloutEngine:
                       pend_count=jnp.where(live, count, state.pend_count))
 
   def _segment_fn(self, weights, state: DecodeState, args: SamplerArgs, *, stop_at: int):
-    """Decodes until at most ``stop_at`` rows are live (0: until all rows finish)."""
+    """Decodes until at most ``stop_at`` rows are live (0: until all rows finish), or, below the
+    largest length bucket, until a live row could write past the cache in its next step."""
     target, drafter = self._merge(weights)
     if self.spec is None:
       body = lambda s: self._decode_step(target, s, args)
     else:
       body = lambda s: self._spec_step(target, drafter, s, args)
-    return lax.while_loop(lambda s: jnp.sum(~s.done) > stop_at, body, state)
+    kv_len, need = state.cache.max_len, self.config.step_slots
+
+    def go_on(s):
+      live = ~s.done
+      go = jnp.sum(live) > stop_at
+      if kv_len < self.config.cache_len:
+        go &= ~jnp.any(live & (s.cache.lengths + need > kv_len))
+      return go
+
+    return lax.while_loop(go_on, body, state)
+
+  def _grow_fn(self, state: DecodeState, *, kv_len: int) -> DecodeState:
+    """The same rows with their caches (and token buffers) re-laid into ``kv_len`` slots."""
+    def pad(x, n):
+      return jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+    def grow(cache):
+      if cache is None:
+        return None
+      return KVCache(tuple(pad(k, kv_len) for k in cache.k), tuple(pad(v, kv_len) for v in cache.v),
+                     cache.lengths)
+
+    n = self.config.tokens_len(kv_len)
+    return dataclasses.replace(state, cache=grow(state.cache), dcache=grow(state.dcache),
+                               tokens=pad(state.tokens, n), logprobs=pad(state.logprobs, n))
 
   @staticmethod
   def _compact_fn(state: DecodeState, index: jax.Array) -> DecodeState:
@@ -353,10 +418,11 @@ class RolloutEngine:
     return jax.eval_shape(lambda: SamplerArgs.from_params(
         SamplingParams(), (), self.config.max_stop_ids))
 
-  def _state_spec(self, batch: int):
-    ids = jax.ShapeDtypeStruct((batch, self.config.prefill_buckets[0]), jnp.int32)
+  def _state_spec(self, batch: int, kv_len: int):
+    ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return jax.eval_shape(self._prefill_fn, self._weights(), ids, vec, vec, vec, self._args_spec())
+    fn = functools.partial(self._prefill_fn, kv_len=kv_len)
+    return jax.eval_shape(fn, self._weights(), ids, vec, vec, vec, self._args_spec())
 
   def _executable(self, key: tuple):
     """The compiled executable for ``key`` (compiled on first use, then reused)."""
@@ -365,33 +431,69 @@ class RolloutEngine:
     t0 = time.perf_counter()
     kind, batch = key[0], key[1]
     args = self._args_spec()
-    if kind == "prefill":
+    if kind == "prefill":  # ("prefill", batch, prompt bucket)
       ids = jax.ShapeDtypeStruct((batch, key[2]), jnp.int32)
       vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
-      lowered = jax.jit(self._prefill_fn).lower(self._weights(), ids, vec, vec, vec, args)
-    elif kind == "segment":
-      fn = jax.jit(lambda p, s, a: self._segment_fn(p, s, a, stop_at=key[2]), donate_argnums=1)
-      lowered = fn.lower(self._weights(), self._state_spec(batch), args)
-    elif kind == "compact":
+      fn = functools.partial(self._prefill_fn, kv_len=self.config.prefill_kv_len(key[2]))
+      lowered = jax.jit(fn).lower(self._weights(), ids, vec, vec, vec, args)
+    elif kind == "segment":  # ("segment", batch, kv length, stop_at)
+      fn = jax.jit(lambda p, s, a: self._segment_fn(p, s, a, stop_at=key[3]), donate_argnums=1)
+      lowered = fn.lower(self._weights(), self._state_spec(batch, key[2]), args)
+    elif kind == "compact":  # ("compact", batch, smaller batch, kv length)
       index = jax.ShapeDtypeStruct((key[2],), jnp.int32)
-      lowered = jax.jit(self._compact_fn).lower(self._state_spec(batch), index)
+      lowered = jax.jit(self._compact_fn).lower(self._state_spec(batch, key[3]), index)
+    elif kind == "grow":  # ("grow", batch, kv length, next kv length)
+      fn = jax.jit(functools.partial(self._grow_fn, kv_len=key[3]))  # new shapes: no donation
+      lowered = fn.lower(self._state_spec(batch, key[2]))
     else:
       raise KeyError(key)
     self._executables[key] = lowered.compile()
     self._compile_seconds += time.perf_counter() - t0
     return self._executables[key]
 
+  @staticmethod
+  def _cache_bytes(state: DecodeState) -> int:
+    """Bytes held by the decode state's KV caches (target and drafter)."""
+    caches = [c for c in (state.cache, state.dcache) if c is not None]
+    return sum(x.size * x.dtype.itemsize for c in caches for x in c.k + c.v)
+
   def _stop_at(self, batch: int) -> int:
     return bk.next_smaller(batch, self.config.batch_buckets) if self.config.compaction else 0
 
+  def _kv_lengths_used(self) -> tuple[int, ...]:
+    """The length buckets a chunk can be in: from the shortest prefill's onwards."""
+    first = self.config.prefill_kv_len(self.config.prefill_buckets[0])
+    return tuple(n for n in self.config.kv_lengths if n >= first)
+
   def executable_keys(self) -> list[tuple]:
-    """Every executable the engine may need: prefill and segment per bucket, compaction per pair."""
+    """Every executable the engine may need: prefill per (batch, prompt) bucket; segment per
+    (batch, length) bucket; compaction per (batch pair, length); growth per (batch, length)."""
     cfg = self.config
+    lengths = self._kv_lengths_used()
     keys = [("prefill", b, p) for b in cfg.batch_buckets for p in cfg.prefill_buckets]
-    keys += [("segment", b, self._stop_at(b)) for b in cfg.batch_buckets]
+    keys += [("segment", b, n, self._stop_at(b)) for b in cfg.batch_buckets for n in lengths]
     if cfg.compaction:
-      keys += [("compact", b, s) for b in cfg.batch_buckets for s in cfg.batch_buckets if s < b]
+      keys += [("compact", b, s, n) for b in cfg.batch_buckets for s in cfg.batch_buckets if s < b
+               for n in lengths]
+    keys += [("grow", b, n, m) for b in cfg.batch_buckets for n, m in zip(lengths, lengths[1:])]
     return keys
+
+  def pool_stats(self) -> dict[str, Any]:
+    """The compiled pool: executables per kind, compile seconds, and the device memory each
+    needs where the backend reports it (``compiled.memory_analysis()``)."""
+    kinds: dict[str, int] = {}
+    memory = {}
+    for key, compiled in self._executables.items():
+      kinds[key[0]] = kinds.get(key[0], 0) + 1
+      try:
+        m = compiled.memory_analysis()
+        memory[key] = int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+                          - m.alias_size_in_bytes)
+      except Exception:  # pylint: disable=broad-except  # not every backend reports it
+        pass
+    return dict(executables=len(self._executables), by_kind=kinds,
+                compile_s=self._compile_seconds, kv_lengths=list(self._kv_lengths_used()),
+                memory_bytes_max=max(memory.values(), default=None), memory_bytes=memory)
 
   def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
     """Compiles every bucket's executables now; returns how many were compiled.
@@ -464,8 +566,9 @@ class RolloutEngine:
     stop_ids = (self.model_config.eos_token_ids if params.stop_token_ids is None
                 else params.stop_token_ids)
     args = SamplerArgs.from_params(params, stop_ids, self.config.max_stop_ids)
-    stats = dict(prefill_s=0.0, decode_s=0.0, compact_s=0.0, compile_s=0.0, decode_steps=0,
-                 row_steps=0, live_row_steps=0, segments=[], tokens=0)
+    stats = dict(prefill_s=0.0, decode_s=0.0, compact_s=0.0, grow_s=0.0, compile_s=0.0,
+                 decode_steps=0, row_steps=0, live_row_steps=0, segments=[], segment_kv_lens=[],
+                 grows=0, cache_bytes_peak=0, tokens=0)
     compiles0, compile_s0 = compile_count(), self._compile_seconds
     self._phase_marks.clear()
     t_start = time.perf_counter()
@@ -511,6 +614,7 @@ class RolloutEngine:
       lens[slot], row_id[slot] = len(prompts[i]), i
       group_id[slot] = groups.setdefault(tuple(prompts[i]), len(groups))  # same prompt, same group
     prefill = self._executable(("prefill", batch, plen))
+    kv_len = cfg.prefill_kv_len(plen)
     t0 = time.perf_counter()
     state = prefill(self._weights(), ids, lens, row_id, group_id, args)
     jax.block_until_ready(state)
@@ -518,15 +622,17 @@ class RolloutEngine:
     stop_set = set(stop_ids)
     steps_before = 0
     while True:
-      segment = self._executable(("segment", batch, self._stop_at(batch)))
+      segment = self._executable(("segment", batch, kv_len, self._stop_at(batch)))
       t0 = time.perf_counter()
       state = segment(self._weights(), state, args)
-      done, n_gen, rows, counters = jax.device_get((state.done, state.num_generated, state.row_id,
-                                                    state.counters))
+      done, n_gen, rows, counters, cache_lens = jax.device_get(
+          (state.done, state.num_generated, state.row_id, state.counters, state.cache.lengths))
       seconds = time.perf_counter() - t0
       stats["decode_s"] += seconds
       run, steps_before = int(counters["steps"]) - steps_before, int(counters["steps"])
       stats["segments"].append((batch, run, seconds))
+      stats["segment_kv_lens"].append(kv_len)
+      stats["cache_bytes_peak"] = max(stats["cache_bytes_peak"], self._cache_bytes(state))
       stats["decode_steps"] += run
       stats["row_steps"] += run * batch
       finished = [s for s in range(batch) if done[s] and rows[s] >= 0]
@@ -546,11 +652,21 @@ class RolloutEngine:
           stats["accept_hist"] = stats.get("accept_hist", 0) + counters["accept_hist"]
         return
       smaller = bk.bucket_for(live.size, cfg.batch_buckets)
-      index = np.full((smaller,), -1, np.int32)
-      index[:live.size] = live
-      compact = self._executable(("compact", batch, smaller))
-      t0 = time.perf_counter()
-      state = compact(state, index)
-      jax.block_until_ready(state)
-      stats["compact_s"] += time.perf_counter() - t0
-      batch = smaller
+      if smaller < batch:
+        index = np.full((smaller,), -1, np.int32)
+        index[:live.size] = live
+        compact = self._executable(("compact", batch, smaller, kv_len))
+        t0 = time.perf_counter()
+        state = compact(state, index)
+        jax.block_until_ready(state)
+        stats["compact_s"] += time.perf_counter() - t0
+        batch = smaller
+      while int(cache_lens[live].max()) + cfg.step_slots > kv_len:  # a live row needs more room
+        bigger = cfg.kv_lengths[cfg.kv_lengths.index(kv_len) + 1]
+        grow = self._executable(("grow", batch, kv_len, bigger))
+        t0 = time.perf_counter()
+        state = grow(state)
+        jax.block_until_ready(state)
+        stats["grow_s"] += time.perf_counter() - t0
+        stats["grows"] += 1
+        kv_len = bigger
