@@ -187,6 +187,42 @@ def test_kl_requires_ref():
                 GRPOConfig(group_size=2, kl_coef=0.1))
 
 
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_shares_of_row_parts_sum_to_the_whole_batch(agg, kl_coef):
+  """Given the whole batch's counts (total_tokens, total_seqs), each part of its rows (cut to
+  fewer columns where its rows are shorter) gives its share: loss, metrics and gradient summed
+  over the parts equal the whole batch's, padding rows (row 3) included or not."""
+  cfg = GRPOConfig(group_size=2, kl_coef=kl_coef, loss_agg=agg)
+  lp, old, adv, ref = map(jnp.asarray, make_batch())
+  mask = jnp.asarray(MASK)
+
+  def loss(x, rows, cols, **totals):
+    return policy_loss(x, old[rows, :cols], adv[rows], mask[rows, :cols], cfg, ref[rows, :cols],
+                       **totals)
+
+  (whole, want), want_grad = jax.value_and_grad(
+      lambda x: loss(x, slice(None), 5), has_aux=True)(lp)
+  totals = dict(total_tokens=jnp.sum(mask), total_seqs=jnp.sum(jnp.sum(mask, 1) > 0))
+  got, got_grad = {}, np.zeros(MASK.shape, np.float32)
+  for rows, cols in (([0, 3], 5), ([1], 3), ([2, 3], 1)):
+    rows = np.array(rows)
+    (_, part), grad = jax.value_and_grad(
+        lambda x, rows=rows, cols=cols: loss(x, rows, cols, **totals), has_aux=True)(lp[rows, :cols])
+    got = {k: got.get(k, 0.0) + float(v) for k, v in part.items()}
+    got_grad[rows, :cols] += np.asarray(grad)
+  assert set(got) == set(want)
+  np.testing.assert_allclose(got["loss"], float(whole), rtol=1e-5)
+  for k in want:
+    np.testing.assert_allclose(got[k], float(want[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+  np.testing.assert_allclose(got_grad, np.asarray(want_grad), rtol=1e-5, atol=1e-7)
+  # without the whole batch's counts a part is its own batch: its loss is not a share
+  one = np.array([1])
+  alone, _ = loss(lp[one, :3], one, 3)
+  share, _ = loss(lp[one, :3], one, 3, **totals)
+  assert abs(float(alone) - float(share)) > 1e-3
+
+
 # ---------------------------------------------------------------------------- gradients
 
 

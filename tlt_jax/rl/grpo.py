@@ -3,7 +3,8 @@
 Rollout rows are laid out group by group: rows ``g*G .. g*G+G-1`` are the ``G`` completions of
 one prompt. ``group_advantages`` turns their scalar rewards into per-row advantages;
 ``policy_loss`` is the PPO-style clipped surrogate (optionally DAPO-style asymmetric clipping and
-a k3 KL penalty to a reference policy) aggregated over the valid tokens of a padded batch.
+a k3 KL penalty to a reference policy) aggregated over the valid tokens of a padded batch, or,
+given the whole batch's counts, one micro-batch's additive share of it (gradient accumulation).
 
 Masked (padding) tokens never reach an ``exp``: their log-prob differences are zeroed first, so
 garbage values there cannot produce NaNs, and their gradients are exactly zero.
@@ -90,19 +91,23 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
-def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-  """Mean of x over the positions where mask is 1 (0 when there are none)."""
-  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+def _masked_mean(x: jax.Array, mask: jax.Array, count: Optional[jax.Array] = None) -> jax.Array:
+  """Mean of x over the positions where mask is 1 (0 when there are none); ``count`` replaces
+  ``sum(mask)`` as the denominator (a micro-batch's share of a bigger batch's mean)."""
+  count = jnp.sum(mask) if count is None else count
+  return jnp.sum(x * mask) / jnp.maximum(count, 1.0)
 
 
-def _aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> jax.Array:
+def _aggregate(per_token: jax.Array, mask: jax.Array, mode: str,
+               seqs: Optional[jax.Array] = None, tokens: Optional[jax.Array] = None) -> jax.Array:
   """Reduce a per-token loss [B, T] to a scalar by ``mode`` over the valid tokens.
 
   Sequence-level modes average over the rows with at least one valid token (all-padding rows,
-  e.g. bucket filler, do not dilute the mean).
+  e.g. bucket filler, do not dilute the mean). ``tokens`` / ``seqs`` replace this batch's own
+  counts of valid tokens / non-empty rows as the denominators.
   """
   if mode == "token-mean":
-    return _masked_mean(per_token, mask)
+    return _masked_mean(per_token, mask, tokens)
   counts = jnp.sum(mask, axis=1)
   seq = jnp.sum(per_token * mask, axis=1)
   if mode == "seq-mean-token-mean":
@@ -110,15 +115,24 @@ def _aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> jax.Array:
   elif mode != "seq-mean-token-sum":
     raise ValueError(f"unknown loss_agg {mode!r}")
   nonempty = (counts > 0).astype(per_token.dtype)
-  return jnp.sum(seq * nonempty) / jnp.maximum(jnp.sum(nonempty), 1.0)
+  seqs = jnp.sum(nonempty) if seqs is None else seqs
+  return jnp.sum(seq * nonempty) / jnp.maximum(seqs, 1.0)
 
 
 def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
                 mask: jax.Array, config: GRPOConfig,
-                ref_logprobs: Optional[jax.Array] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                ref_logprobs: Optional[jax.Array] = None, *,
+                total_tokens: Optional[jax.Array] = None,
+                total_seqs: Optional[jax.Array] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped GRPO surrogate (+ k3 KL to ref when ``kl_coef > 0``) and metrics, from [B, T] inputs.
 
   Metrics: loss, pg_loss, clip_fraction, ratio_mean, approx_kl (to old), and kl_to_ref when given.
+
+  Every value is a sum over valid tokens (or non-empty rows) divided by a count of them. By
+  default the counts are this batch's own. ``total_tokens`` (valid tokens) and ``total_seqs``
+  (rows with at least one valid token) give the counts of a bigger batch this one is a part of
+  instead: then the loss, its gradient and every metric are this part's additive share, and
+  their sums over disjoint parts (micro-batches) equal the values of the whole batch.
   """
   if logprobs.ndim != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
     raise ValueError(f"logprobs {logprobs.shape}, old_logprobs {old_logprobs.shape} and mask "
@@ -130,6 +144,8 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
 
   valid = mask.astype(bool)
   m = valid.astype(jnp.float32)
+  tokens = None if total_tokens is None else jnp.asarray(total_tokens, jnp.float32)
+  seqs = None if total_seqs is None else jnp.asarray(total_seqs, jnp.float32)
   logprobs = logprobs.astype(jnp.float32)
   adv = advantages.astype(jnp.float32)[:, None]
 
@@ -147,16 +163,16 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
   if ref_logprobs is not None:
     ref_diff = jnp.where(valid, ref_logprobs.astype(jnp.float32) - logprobs, 0.0)
     k3 = jnp.exp(ref_diff) - ref_diff - 1.0
-    metrics["kl_to_ref"] = _masked_mean(k3, m)
+    metrics["kl_to_ref"] = _masked_mean(k3, m, tokens)
     if config.kl_coef > 0:
       per_token = pg + config.kl_coef * k3
 
-  loss = _aggregate(per_token, m, config.loss_agg)
+  loss = _aggregate(per_token, m, config.loss_agg, seqs, tokens)
   metrics.update(
       loss=loss,
-      pg_loss=_aggregate(pg, m, config.loss_agg),
-      clip_fraction=_masked_mean(clip_active.astype(jnp.float32), m),
-      ratio_mean=_masked_mean(ratio, m),
-      approx_kl=_masked_mean((ratio - 1.0) - log_ratio, m),
+      pg_loss=_aggregate(pg, m, config.loss_agg, seqs, tokens),
+      clip_fraction=_masked_mean(clip_active.astype(jnp.float32), m, tokens),
+      ratio_mean=_masked_mean(ratio, m, tokens),
+      approx_kl=_masked_mean((ratio - 1.0) - log_ratio, m, tokens),
   )
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

@@ -6,6 +6,14 @@ engine, scores the completions with the task's verifiable reward, and takes ``mi
 clipped policy-gradient steps per epoch. Updates run data-parallel over a 1-D ``Mesh`` (batch
 rows sharded over ``data``, params replicated; XLA inserts the gradient all-reduce). An update
 whose loss, gradient or new params are not finite is never applied (``on_nonfinite``).
+
+Each update's cost follows the rows' live lengths, not the rollout capacity
+(``TrainerConfig.update_tokens``): the minibatch's rows, longest first, are cut into micro-batches
+padded only up to the next length of a fixed ladder (``update_buckets``), each holding about
+``update_tokens`` tokens; their gradients (of the loss as each one's share of the minibatch's
+means) are summed into one optimizer step equal to that of the full-length update. Every
+micro-batch shape is static, so there is one executable per length, all compiled before the
+first update (``GRPOTrainer.precompile_update``).
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils import require_positive_ints
 
 
+UPDATE_BUCKET_MIN = 16  # the shortest micro-batch length of a bucketed policy update
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
   """How much to sample and how to update per RL step."""
@@ -52,6 +63,14 @@ class TrainerConfig:
   # ("stop" with several updates per step holds a device copy of params + optimizer state
   # through the step's updates, to restore them.)
   on_nonfinite: str = "stop"
+  # Token budget (rows x length) of one policy-update micro-batch. Each minibatch's rows, sorted
+  # by length, are cut into micro-batches at the lengths of a power-of-two ladder (16, 32, ...,
+  # ending at max_prompt_len + max_new_tokens); one of length T holds update_tokens // T rows
+  # (at most the minibatch, a multiple of the mesh devices and at least one row per device, so a
+  # length above the budget still runs). Their gradients are summed into one optimizer step equal
+  # to the full-length update's. Bounds update memory; the cost follows the live lengths.
+  # 0: pad every row to the full length and update each minibatch in one pass.
+  update_tokens: int = 8192
 
   def __post_init__(self):
     require_positive_ints(self, "steps", "prompts_per_step", "minibatches", "epochs",
@@ -66,6 +85,12 @@ class TrainerConfig:
     if self.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"TrainerConfig.on_nonfinite must be 'stop' or 'skip', got "
                        f"{self.on_nonfinite!r}")
+    budget = self.update_tokens
+    if (not isinstance(budget, int) or isinstance(budget, bool)
+        or not (budget == 0 or budget >= UPDATE_BUCKET_MIN)):
+      raise ValueError(f"TrainerConfig.update_tokens must be an int >= {UPDATE_BUCKET_MIN} "
+                       f"(tokens per update micro-batch) or 0 (full-length updates), got "
+                       f"{budget!r}")
 
 
 class NonFiniteUpdateError(FloatingPointError):
@@ -81,9 +106,68 @@ def learning_rate_schedule(config: TrainerConfig) -> optax.Schedule:
                                config.learning_rate, config.warmup_steps)
 
 
+def _make_loss_fn(graphdef: nnx.GraphDef, config: grpo.GRPOConfig, temperature: float):
+  """``loss_fn(params, ref_params, batch, totals=None) -> (loss, metrics)`` of a padded batch.
+
+  ``totals`` (``{"tokens", "seqs"}``: the valid tokens and non-empty rows of the minibatch that
+  ``batch`` is a micro-batch of) makes the loss and metrics that micro-batch's additive share.
+  """
+
+  def logprobs_of(params, ids):
+    logits = nnx.merge(graphdef, params)(ids)[:, :-1]
+    return grpo.token_logprobs(logits / temperature, ids[:, 1:])
+
+  def loss_fn(params, ref_params, batch, totals=None):
+    ref = None
+    if config.kl_coef > 0:  # KL to the frozen reference policy (k3 estimator in policy_loss)
+      ref = jax.lax.stop_gradient(logprobs_of(ref_params, batch["ids"]))
+    counts = {} if totals is None else dict(total_tokens=totals["tokens"],
+                                            total_seqs=totals["seqs"])
+    return grpo.policy_loss(logprobs_of(params, batch["ids"]), batch["old_logprobs"],
+                            batch["advantages"], batch["mask"], config, ref_logprobs=ref, **counts)
+
+  return loss_fn
+
+
+def _guarded_step(optimizer: optax.GradientTransformation, params, opt_state, grads, loss,
+                  metrics):
+  """One optimizer step from ``grads``, kept only if the loss, the gradient norm and every new
+  param are finite (else the old params and optimizer state come back): in-graph, no host trip."""
+  updates, new_opt_state = optimizer.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  for leaf in jax.tree.leaves(new_params):
+    finite &= jnp.all(jnp.isfinite(leaf))
+  keep = lambda new, old: jnp.where(finite, new, old)  # in-graph: no host round trip
+  metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite)
+  return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt_state, opt_state),
+          metrics)
+
+
+def _batch_sharding(mesh: Mesh) -> dict[str, NamedSharding]:
+  rows = NamedSharding(mesh, P("data"))
+  return {"ids": rows, "old_logprobs": rows, "advantages": rows, "mask": rows}
+
+
+def _jit_padded_update(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                       config: grpo.GRPOConfig, mesh: Mesh, temperature: float):
+  """The jitted full-length ``update(params, opt_state, batch, ref_params)`` (see make_update_fn)."""
+  loss_fn = _make_loss_fn(graphdef, config, temperature)
+
+  def update(params, opt_state, batch, ref_params):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, batch)
+    return _guarded_step(optimizer, params, opt_state, grads, loss, metrics)
+
+  replicated = NamedSharding(mesh, P())
+  return jax.jit(update, in_shardings=(replicated, replicated, _batch_sharding(mesh), replicated),
+                 out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
+
+
 def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                    config: grpo.GRPOConfig, mesh: Mesh, temperature: float = 1.0):
-  """A jitted ``update(params, opt_state, batch) -> (params, opt_state, metrics)`` over ``mesh``.
+  """A jitted ``update(params, opt_state, batch) -> (params, opt_state, metrics)`` over ``mesh``:
+  one full-length pass over a padded batch (``GRPOTrainer.make_batch``).
 
   Log-probs are of the sampling distribution, ``softmax(logits / temperature)``, as the rollout's
   old log-probs are: the first update of a step then has ratio 1 whatever the temperature.
@@ -91,38 +175,118 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
   ``metrics["finite"]`` says whether the update was applied: when the loss, the gradient norm or
   any new param is not finite, the old params and optimizer state come back unchanged.
   """
-
-  def logprobs_of(params, ids):
-    logits = nnx.merge(graphdef, params)(ids)[:, :-1]
-    return grpo.token_logprobs(logits / temperature, ids[:, 1:])
-
-  def loss_fn(params, ref_params, batch):
-    ref = None
-    if config.kl_coef > 0:  # KL to the frozen reference policy (k3 estimator in policy_loss)
-      ref = jax.lax.stop_gradient(logprobs_of(ref_params, batch["ids"]))
-    return grpo.policy_loss(logprobs_of(params, batch["ids"]), batch["old_logprobs"],
-                            batch["advantages"], batch["mask"], config, ref_logprobs=ref)
-
-  def update(params, opt_state, batch, ref_params):
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, batch)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    for leaf in jax.tree.leaves(new_params):
-      finite &= jnp.all(jnp.isfinite(leaf))
-    keep = lambda new, old: jnp.where(finite, new, old)  # in-graph: no host round trip
-    metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite)
-    return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt_state, opt_state),
-            metrics)
-
-  replicated = NamedSharding(mesh, P())
-  rows = NamedSharding(mesh, P("data"))
-  batch_sharding = {"ids": rows, "old_logprobs": rows, "advantages": rows, "mask": rows}
-  jitted = jax.jit(update, in_shardings=(replicated, replicated, batch_sharding, replicated),
-                   out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
+  jitted = _jit_padded_update(graphdef, optimizer, config, mesh, temperature)
   return lambda params, opt_state, batch, ref_params=None: jitted(params, opt_state, batch,
                                                                   ref_params)
+
+
+def make_bucketed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                             config: grpo.GRPOConfig, mesh: Mesh,
+                             temperature: float = 1.0) -> dict[str, Any]:
+  """Jitted pieces of a gradient-accumulated update over ``mesh``, equal to ``make_update_fn``'s:
+
+  * ``zeros(params) -> acc``: an empty accumulator, ``(grads, metric sums)``;
+  * ``accumulate(params, ref_params, acc, micro, totals) -> acc``: adds one micro-batch's
+    gradient and metrics, each its share of the minibatch's (``totals``: ``{"tokens": valid
+    tokens, "seqs": non-empty rows}`` of the whole minibatch, float32 scalars); ``acc`` is donated;
+  * ``apply(params, opt_state, acc) -> (params, opt_state, metrics)``: one optimizer step from the
+    summed gradient, guarded like the full-length update (``metrics["finite"]``);
+  * ``copy(tree) -> tree``: a device copy of replicated state.
+  """
+  loss_fn = _make_loss_fn(graphdef, config, temperature)
+  replicated = NamedSharding(mesh, P())
+  one = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+  _, shapes = jax.eval_shape(lambda x: grpo.policy_loss(
+      x, x, x[:, 0], x, config, ref_logprobs=x if config.kl_coef > 0 else None,
+      total_tokens=1.0, total_seqs=1.0), one)
+  names = sorted(shapes)
+
+  def zeros(params):
+    return (jax.tree.map(jnp.zeros_like, params),
+            {k: jnp.zeros((), jnp.float32) for k in names})
+
+  def accumulate(params, ref_params, acc, micro, totals):
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, micro,
+                                                                    totals)
+    return jax.tree.map(jnp.add, acc, (grads, metrics))
+
+  def apply(params, opt_state, acc):
+    grads, sums = acc
+    return _guarded_step(optimizer, params, opt_state, grads, sums["loss"], sums)
+
+  return {
+      "zeros": jax.jit(zeros, in_shardings=(replicated,), out_shardings=replicated),
+      "accumulate": jax.jit(
+          accumulate, in_shardings=(replicated, replicated, replicated, _batch_sharding(mesh),
+                                    replicated),
+          out_shardings=replicated, donate_argnums=(2,)),
+      "apply": jax.jit(apply, in_shardings=(replicated, replicated, replicated),
+                       out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1)),
+      "copy": jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), in_shardings=(replicated,),
+                      out_shardings=replicated),
+  }
+
+
+def update_buckets(seq_len: int, smallest: int = UPDATE_BUCKET_MIN) -> tuple[int, ...]:
+  """Micro-batch lengths of a bucketed update: the powers of two from ``smallest`` that are below
+  ``seq_len``, then ``seq_len`` itself (the longest row a step can hold)."""
+  if seq_len < 2 or smallest < 2:
+    raise ValueError(f"update buckets need seq_len >= 2 and smallest >= 2, got {seq_len}, "
+                     f"{smallest}")
+  ladder, length = [], smallest
+  while length < seq_len:
+    ladder.append(length)
+    length *= 2
+  return tuple(ladder) + (seq_len,)
+
+
+def bucket_rows(length: int, update_tokens: int, minibatch_rows: int, devices: int) -> int:
+  """Rows of a micro-batch of ``length`` tokens: ``update_tokens // length``, at most the
+  minibatch, rounded down to a multiple of ``devices`` and at least ``devices``."""
+  rows = min(minibatch_rows, max(devices, update_tokens // length))
+  return max(devices, rows - rows % devices)
+
+
+def needed_lengths(mask: np.ndarray) -> np.ndarray:
+  """Per row of a padded batch, how many leading tokens its loss needs: its last trained
+  position + 2 (prompt + completion length), 0 for a row with nothing to train on."""
+  valid = np.asarray(mask) > 0
+  last = valid.shape[1] - 1 - np.argmax(valid[:, ::-1], axis=1)
+  return np.where(valid.any(axis=1), last + 2, 0)
+
+
+def plan_microbatches(lengths: np.ndarray, buckets: tuple[int, ...],
+                      rows_of: dict[int, int]) -> list[tuple[int, np.ndarray]]:
+  """Cuts rows into ``(length, row indices)`` micro-batches, greedily: the longest remaining row
+  picks the shortest bucket holding it, which takes up to ``rows_of[length]`` of the longest
+  remaining rows. Every row lands in exactly one micro-batch, with all its needed tokens."""
+  order = np.argsort(-np.asarray(lengths), kind="stable")
+  plan, i = [], 0
+  while i < len(order):
+    longest = lengths[order[i]]
+    fits = [b for b in buckets if b >= longest]
+    if not fits:
+      raise ValueError(f"a row of {longest} tokens exceeds the longest update bucket {buckets[-1]}")
+    length = fits[0]
+    plan.append((length, order[i:i + rows_of[length]]))
+    i += rows_of[length]
+  return plan
+
+
+def microbatch(batch: dict[str, np.ndarray], rows: np.ndarray, length: int, size: int,
+               pad_token_id: int = 0) -> dict[str, np.ndarray]:
+  """``batch``'s ``rows`` cut to ``length`` tokens and padded with empty rows (mask 0, advantage
+  0, contributing nothing) to ``size`` rows: the static shape of that bucket's executable."""
+  k = len(rows)
+  out = dict(ids=np.full((size, length), pad_token_id, np.int32),
+             mask=np.zeros((size, length - 1), np.float32),
+             old_logprobs=np.zeros((size, length - 1), np.float32),
+             advantages=np.zeros(size, np.float32))
+  out["ids"][:k] = batch["ids"][rows, :length]
+  out["mask"][:k] = batch["mask"][rows, :length - 1]
+  out["old_logprobs"][:k] = batch["old_logprobs"][rows, :length - 1]
+  out["advantages"][:k] = batch["advantages"][rows]
+  return out
 
 
 def check_update_layout(config: TrainerConfig, grpo_config: grpo.GRPOConfig, devices: int) -> None:
@@ -158,11 +322,22 @@ class GRPOTrainer:
     self.params = jax.device_put(params, replicated)
     self.opt_state = jax.device_put(self.optimizer.init(params), replicated)
     self._sync_engine()  # before anything compiles: the engine's executables take these arrays
-    self.update_fn = make_update_fn(self.graphdef, self.optimizer, grpo_config, self.mesh,
-                                    temperature=config.temperature)
+    self._padded_update = _jit_padded_update(self.graphdef, self.optimizer, grpo_config,
+                                             self.mesh, config.temperature)
+    # the full-length update (what the trainer runs with update_tokens=0), callable directly
+    self.update_fn = lambda params, opt_state, batch, ref_params=None: self._padded_update(
+        params, opt_state, batch, ref_params)
+    self._bucketed = make_bucketed_update_fns(self.graphdef, self.optimizer, grpo_config,
+                                              self.mesh, temperature=config.temperature)
+    self._executables: dict[tuple, Any] = {}  # ahead-of-time compiled update pieces
     # the reference policy for the KL term: the starting (warm-started) weights, kept frozen
     self.ref_params = (jax.tree.map(jnp.copy, self.params) if grpo_config.kl_coef > 0 else None)
     self.seq_len = engine_config.max_prompt_len + config.max_new_tokens
+    self.minibatch_rows = config.prompts_per_step * grpo_config.group_size // config.minibatches
+    # micro-batch lengths and their rows (static shapes: one executable per length)
+    self.update_buckets = update_buckets(self.seq_len) if config.update_tokens else ()
+    self.update_rows = {t: bucket_rows(t, config.update_tokens, self.minibatch_rows,
+                                       self.mesh.size) for t in self.update_buckets}
     self.step_count = 0
     self.last_lengths = np.zeros(0, np.int64)  # completion lengths of the latest step
 
@@ -221,23 +396,52 @@ class GRPOTrainer:
                                                   self.grpo_config.eps))
     batch = self.make_batch(prompts, result.tokens, result.logprobs, advantages)
     t1 = time.perf_counter()
-    metrics = []
-    n = len(prompts)
+    out = self.policy_update(batch)
+    t_update = time.perf_counter() - t1
+    self.step_count += 1
+    lengths = np.array([len(t) for t in result.tokens])
+    self.last_lengths = lengths
+    out.update(step=self.step_count, reward=float(rewards.mean()),
+               len_p50=float(np.percentile(lengths, 50)), len_p90=float(np.percentile(lengths, 90)),
+               len_p99=float(np.percentile(lengths, 99)), len_max=int(lengths.max()),
+               rollout_s=t_rollout, update_s=t_update, step_s=time.perf_counter() - t0,
+               tail_s=tail_seconds(result.stats), compiles=result.stats["compiles"])
+    return out
+
+  # ---- policy updates -------------------------------------------------------------------------
+  def policy_update(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """``epochs`` x ``minibatches`` policy updates on one step's batch (``make_batch``'s arrays),
+    in a random order that depends on (seed, step). Returns the mean of each update metric over
+    the applied updates, ``skipped_updates``, and the tokens the updates ran through the model:
+    ``update_tokens_padded`` (rows x length of every pass) and ``update_tokens_valid`` (the prompt
+    + completion tokens of the rows with a completion), summed over the updates."""
+    cfg = self.config
+    self.precompile_update()  # a no-op after the first call
+    n = len(batch["advantages"])
     size = n // cfg.minibatches
+    lengths = needed_lengths(batch["mask"])
     order_rng = np.random.default_rng([cfg.seed, self.step_count, 1])
     # "stop" restores the state from before the step; the update donates its inputs, so keep a
     # device copy (a single update needs none: a rejected update already returns its inputs)
     before = None
-    if cfg.on_nonfinite == "stop" and cfg.epochs * cfg.minibatches > 1:
-      before = jax.tree.map(jnp.copy, (self.params, self.opt_state))
+    if self._keeps_copy():
+      before = self._compiled(("copy",))((self.params, self.opt_state))
+    metrics, padded, valid, passes = [], 0, 0, 0
     for _ in range(cfg.epochs):
       order = order_rng.permutation(n)
       for m in range(cfg.minibatches):
         picked = order[m * size:(m + 1) * size]
-        mini = {k: v[picked] for k, v in batch.items()}
-        self.params, self.opt_state, mm = self.update_fn(self.params, self.opt_state, mini,
-                                                         self.ref_params)
+        valid += int(lengths[picked].sum())
+        if cfg.update_tokens:
+          mm, tokens, calls = self._bucketed_update(batch, picked, lengths[picked])
+        else:
+          mini = {k: v[picked] for k, v in batch.items()}
+          self.params, self.opt_state, mm = self._compiled(("padded",))(
+              self.params, self.opt_state, mini, self.ref_params)
+          tokens, calls = size * self.seq_len, 1
         metrics.append(mm)
+        padded += tokens
+        passes += calls
     metrics = jax.device_get(metrics)
     self._sync_engine()
     finite = [bool(m.pop("finite")) for m in metrics]
@@ -251,19 +455,89 @@ class GRPOTrainer:
           f"were not finite (first: loss {float(bad['loss'])}, grad_norm "
           f"{float(bad['grad_norm'])}); params and optimizer state are back to before the step. "
           f"Set TrainerConfig.on_nonfinite='skip' to drop such updates instead")
-    t_update = time.perf_counter() - t1
-    self.step_count += 1
-    lengths = np.array([len(t) for t in result.tokens])
-    self.last_lengths = lengths
     applied = [m for m, ok in zip(metrics, finite) if ok] or metrics  # all skipped: report NaNs
     out = {k: float(np.mean([m[k] for m in applied])) for k in applied[0]}
-    out.update(step=self.step_count, skipped_updates=finite.count(False),
-               reward=float(rewards.mean()),
-               len_p50=float(np.percentile(lengths, 50)), len_p90=float(np.percentile(lengths, 90)),
-               len_p99=float(np.percentile(lengths, 99)), len_max=int(lengths.max()),
-               rollout_s=t_rollout, update_s=t_update, step_s=time.perf_counter() - t0,
-               tail_s=tail_seconds(result.stats), compiles=result.stats["compiles"])
+    out.update(skipped_updates=finite.count(False), update_tokens_padded=padded,
+               update_tokens_valid=valid, update_passes=passes)
     return out
+
+  def _bucketed_update(self, batch, picked, lengths):
+    """One minibatch's update as gradient-accumulated micro-batches; (metrics, tokens run, passes)."""
+    counts = batch["mask"][picked].sum(axis=1)
+    totals = {"tokens": np.asarray(counts.sum(), np.float32),
+              "seqs": np.asarray((counts > 0).sum(), np.float32)}
+    acc = self._compiled(("zeros",))(self.params)
+    plan = plan_microbatches(lengths, self.update_buckets, self.update_rows)
+    tokens = 0
+    for length, rows in plan:
+      size = self.update_rows[length]
+      micro = microbatch(batch, picked[rows], length, size, self.tokenizer.pad_token_id)
+      acc = self._compiled(("accumulate", length))(self.params, self.ref_params, acc, micro,
+                                                   totals)
+      tokens += size * length
+    self.params, self.opt_state, metrics = self._compiled(("apply",))(self.params,
+                                                                       self.opt_state, acc)
+    return metrics, tokens, len(plan)
+
+  def _keeps_copy(self) -> bool:
+    return self.config.on_nonfinite == "stop" and self.config.epochs * self.config.minibatches > 1
+
+  def _update_keys(self) -> list[tuple]:
+    keys = ([("zeros",)] + [("accumulate", t) for t in self.update_buckets] + [("apply",)]
+            if self.config.update_tokens else [("padded",)])
+    return keys + ([("copy",)] if self._keeps_copy() else [])
+
+  def precompile_update(self) -> int:
+    """Compiles, ahead of time, every executable the policy updates use (each micro-batch
+    length's gradient step, the optimizer step; or the full-length update), so that no update
+    compiles whatever the completion lengths. Returns how many it compiled now (0 once done)."""
+    todo = [key for key in self._update_keys() if key not in self._executables]
+    for key in todo:
+      self._compiled(key)
+    return len(todo)
+
+  def update_temp_bytes(self) -> dict[str, int | None]:
+    """XLA's scratch memory (beyond arguments and outputs) of each update executable compiled so
+    far, by name ("accumulate 256", "apply", "padded", ...); None where the backend won't say."""
+    out = {}
+    for key, exe in self._executables.items():
+      stats = exe.memory_analysis()
+      out[" ".join(map(str, key))] = getattr(stats, "temp_size_in_bytes", None)
+    return out
+
+  def _compiled(self, key: tuple):
+    """The executable of an update piece (``key``), compiled on first use for its static shapes."""
+    exe = self._executables.get(key)
+    if exe is None:
+      replicated = NamedSharding(self.mesh, P())
+      rows = NamedSharding(self.mesh, P("data"))
+
+      def micro_spec(n, length):
+        spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+        return dict(ids=spec((n, length), jnp.int32), mask=spec((n, length - 1), jnp.float32),
+                    old_logprobs=spec((n, length - 1), jnp.float32),
+                    advantages=spec((n,), jnp.float32))
+
+      fns = self._bucketed
+      acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                         jax.eval_shape(fns["zeros"], self.params))
+      scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+      if key[0] == "padded":
+        lowered = self._padded_update.lower(self.params, self.opt_state,
+                                            micro_spec(self.minibatch_rows, self.seq_len),
+                                            self.ref_params)
+      elif key[0] == "accumulate":
+        lowered = fns["accumulate"].lower(self.params, self.ref_params, acc,
+                                          micro_spec(self.update_rows[key[1]], key[1]),
+                                          {"tokens": scalar, "seqs": scalar})
+      elif key[0] == "apply":
+        lowered = fns["apply"].lower(self.params, self.opt_state, acc)
+      elif key[0] == "zeros":
+        lowered = fns["zeros"].lower(self.params)
+      else:
+        lowered = fns["copy"].lower((self.params, self.opt_state))
+      exe = self._executables[key] = lowered.compile()
+    return exe
 
   # ---- checkpoints ----------------------------------------------------------------------------
   def _checkpoint_state(self) -> dict:
