@@ -72,9 +72,18 @@ def test_growing_caches_change_nothing(target, kind, temperature):
   assert grown.stats["cache_bytes_peak"] <= full.stats["cache_bytes_peak"]
 
 
+def test_without_compaction_a_chunk_keeps_its_batch_while_it_grows(target):
+  _, result = run(target, "vanilla", LADDER, 1.0, compaction=False)
+  assert result.stats["grows"] >= 2
+  assert result.stats["compact_s"] == 0.0  # no chunk was compacted
+
+
 def test_default_ladder_and_capacity(target):
   config = EngineConfig(max_batch=2, max_prompt_len=32, max_new_tokens=4096)
-  assert config.kv_lengths == (128, 256, 512, 1024, 2048, 4096, 32 + 4096)
+  # 4096 would sit next to the capacity 4128: one of them is enough
+  assert config.kv_lengths == (128, 256, 512, 1024, 2048, 32 + 4096)
+  assert EngineConfig(max_prompt_len=32, max_new_tokens=4096 + 2048).kv_lengths[-2:] == (
+      4096, 32 + 4096 + 2048)
   assert EngineConfig(max_prompt_len=32, max_new_tokens=32, kv_buckets=()).kv_lengths == (64,)
   # buckets at or above the capacity are dropped; the capacity is always the last one
   assert EngineConfig(max_prompt_len=8, max_new_tokens=8, kv_buckets=(4, 16, 32)).kv_lengths == (

@@ -49,8 +49,8 @@ class EngineConfig:
   pad_token_id: int = 0
   spec: SpecConfig | None = None  # speculative decoding strategy (needs a drafter)
   # KV-cache length buckets below the capacity ``cache_len`` (which is always the last bucket):
-  # None = 128, 256, 512, ...; () = a single cache of the full capacity (decode steps then pay
-  # for the capacity, not for the live lengths).
+  # None = 128, 256, 512, ... (a power of two within 25% of the capacity is left out); () = a
+  # single cache of the full capacity (decode steps then pay for the capacity, not the lengths).
   kv_buckets: tuple[int, ...] | None = None
   # Speculative steps report draft vs verify time, read by host callbacks at the phase
   # boundaries (one host round trip per phase: leave off when measuring throughput).
@@ -102,6 +102,8 @@ class EngineConfig:
     cap = self.cache_len
     if self.kv_buckets is None:
       below = bk.powers_of_two_up_to(cap, start=min(128, cap))[:-1]
+      if below and cap < 1.25 * below[-1]:  # e.g. 4096 next to a capacity of 4128: one is enough
+        below = below[:-1]
     else:
       below = tuple(v for v in self.kv_buckets if v < cap)
     return below + (cap,)
@@ -652,7 +654,7 @@ class RolloutEngine:
           stats["accept_hist"] = stats.get("accept_hist", 0) + counters["accept_hist"]
         return
       smaller = bk.bucket_for(live.size, cfg.batch_buckets)
-      if smaller < batch:
+      if cfg.compaction and smaller < batch:
         index = np.full((smaller,), -1, np.int32)
         index[:live.size] = live
         compact = self._executable(("compact", batch, smaller, kv_len))
