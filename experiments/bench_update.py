@@ -1,21 +1,27 @@
-"""Full-length vs length-bucketed GRPO policy updates on a long-tail batch, measured in one run.
+"""Full-length vs packed GRPO policy updates on a long-tail batch, measured in one run.
 
   python experiments/bench_update.py [--repeats 3] [--max-new-tokens 128,1024]
                                      [--out experiments/out/bench_update.json]
 
 Both updates go through the trainer (``GRPOTrainer.policy_update``) on the same batch:
 ``TrainerConfig.update_tokens=0`` pads every row to ``max_prompt_len + max_new_tokens`` and runs
-each minibatch in one pass (the update before bucketing); ``update_tokens=N`` cuts each minibatch
-into micro-batches of about N tokens at the lengths of a power-of-two ladder and sums their
-gradients into one optimizer step. Both trainers start from the same weights, so their first
-updates must agree (checked).
+each minibatch in one pass (the update before packing); ``update_tokens=N`` packs each
+minibatch's sequences first-fit decreasing into rows of the shortest ladder length that holds
+the longest one, runs them in micro-batches of about N tokens and sums their gradients into one
+optimizer step. Both trainers start from the same weights, so their first updates must agree
+(checked).
 
 Workload (the issue's): a random 4-layer, hidden-256 Qwen2-style policy, 64 rows (8 prompts x 8
 samples) of 32-token prompts, completions geometric with mean ``--mean-length`` plus
 ``--tail-rows`` rows of 200-300 tokens, capped at ``max_new_tokens``. Each length setting is
 timed after ``precompile_update()`` and one warm-up update, repeats interleaved (alternating
 which goes first), asserting that no timed update compiles; the median is reported, with the
-seconds per generated (completion) token and the speedup (full-length / bucketed seconds).
+seconds per valid generated (completion) token and the speedup (full-length / packed seconds).
+
+Before any model is built, the tokens each update would run are counted offline (the trainer's
+own minibatch order and packing, no model) for ``--offline-max-new-tokens`` and the budgets
+``--offline-budgets``: padded / packed tokens is the most packing can save in compute. The
+measured runs check their token counts against the offline ones.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.trainer import (GRPOTrainer, TrainerConfig, bucket_rows, pack_length, pack_rows,
+                                update_buckets)
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.utils import compile_count
 
@@ -43,6 +50,24 @@ def completion_lengths(rng, rows, mean, tail_rows, max_new):
   lengths = rng.geometric(1.0 / mean, rows)
   lengths[rng.choice(rows, tail_rows, replace=False)] = rng.integers(200, 301, tail_rows)
   return np.minimum(lengths, max_new)
+
+
+def offline_tokens(a, max_new, update_tokens, devices=1):
+  """(padded, packed, valid) tokens of one update pass over the workload's batch, as the trainer
+  plans them (its first step's minibatch order, ``TrainerConfig.seed=0``), without a model."""
+  rows = a.prompts * a.group
+  lengths = completion_lengths(np.random.default_rng(0), rows, a.mean_length, a.tail_rows, max_new)
+  needed = np.where(lengths > 0, a.prompt_len + lengths, 0)  # prompt + completion, or nothing
+  seq_len = a.prompt_len + max_new
+  size = rows // a.minibatches
+  order = np.random.default_rng([0, 0, 1]).permutation(rows)  # GRPOTrainer.policy_update's
+  packed = 0
+  for m in range(a.minibatches):
+    mini = needed[order[m * size:(m + 1) * size]]
+    length = pack_length(mini, update_buckets(seq_len))
+    per_micro = bucket_rows(length, update_tokens, size, devices)
+    packed += -(-len(pack_rows(mini, length)) // per_micro) * per_micro * length
+  return rows * seq_len, packed, int(needed.sum())
 
 
 def build(a, model_config, max_new, update_tokens):
@@ -67,7 +92,7 @@ def measure(a, model_config, max_new):
   old = [rng.normal(-np.log(vocab), 0.3, len(c)) for c in comps]
   advantages = np.asarray(grpo.group_advantages(rng.normal(size=rows).astype(np.float32), a.group))
   trainers = {"padded": build(a, model_config, max_new, 0),
-              "bucketed": build(a, model_config, max_new, a.update_tokens)}
+              "packed": build(a, model_config, max_new, a.update_tokens)}
   batch = trainers["padded"].make_batch(prompts, comps, old, advantages)
   info = {}
   for name, trainer in trainers.items():
@@ -75,7 +100,7 @@ def measure(a, model_config, max_new):
     compiled = trainer.precompile_update()
     info[name] = {"compiled": compiled, "compile_s": time.perf_counter() - t0}
   first = {name: trainer.policy_update(batch) for name, trainer in trainers.items()}  # warm-up
-  loss_diff = abs(first["padded"]["loss"] - first["bucketed"]["loss"])
+  loss_diff = abs(first["padded"]["loss"] - first["packed"]["loss"])
   assert loss_diff <= 1e-4 * max(1.0, abs(first["padded"]["loss"])), first
   seconds = {name: [] for name in trainers}
   metrics = {}
@@ -87,23 +112,28 @@ def measure(a, model_config, max_new):
       seconds[name].append(time.perf_counter() - t0)
   assert compile_count() == before, "a timed update compiled"
   generated = int(lengths.sum())
+  padded, packed, valid = offline_tokens(a, max_new, a.update_tokens)
+  for name, tokens in (("padded", padded), ("packed", packed)):  # per update, x epochs (1)
+    assert metrics[name]["update_tokens_padded"] == tokens, (name, metrics[name], tokens)
+    assert metrics[name]["update_tokens_valid"] == valid, (name, metrics[name], valid)
   out = {"max_new_tokens": max_new, "seq_len": trainers["padded"].seq_len,
          "generated_tokens": generated,
          "length_p50": float(np.median(lengths)), "length_p90": float(np.percentile(lengths, 90)),
          "length_max": int(lengths.max()),
-         "buckets": list(trainers["bucketed"].update_buckets),
-         "rows_per_bucket": {str(k): v for k, v in trainers["bucketed"].update_rows.items()},
+         "buckets": list(trainers["packed"].update_buckets),
+         "rows_per_bucket": {str(k): v for k, v in trainers["packed"].update_rows.items()},
          "first_update_loss_abs_diff": loss_diff}
   for name, trainer in trainers.items():
     median = statistics.median(seconds[name])
     temp = [v for v in trainer.update_temp_bytes().values() if v is not None]
     out[name] = dict(info[name], update_s=median, update_s_all=seconds[name],
-                     s_per_generated_token=median / generated,
+                     s_per_valid_generated_token=median / generated,
                      tokens_padded=metrics[name]["update_tokens_padded"],
                      tokens_valid=metrics[name]["update_tokens_valid"],
                      passes=metrics[name]["update_passes"],
                      max_temp_bytes=max(temp) if temp else None)
-  out["speedup"] = out["padded"]["update_s"] / out["bucketed"]["update_s"]
+  out["speedup"] = out["padded"]["update_s"] / out["packed"]["update_s"]
+  out["tokens_ratio"] = out["padded"]["tokens_padded"] / out["packed"]["tokens_padded"]
   return out
 
 
@@ -112,7 +142,12 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--max-new-tokens", default="128,1024",
                       help="comma-separated rollout capacities to measure")
-  parser.add_argument("--update-tokens", type=int, default=8192, help="the bucketed token budget")
+  parser.add_argument("--update-tokens", type=int, default=8192, help="the packed token budget")
+  parser.add_argument("--offline-max-new-tokens", default="128,1024",
+                      help="comma-separated rollout capacities to count tokens at, offline")
+  parser.add_argument("--offline-budgets", default="2048,4096,8192",
+                      help="comma-separated update_tokens budgets to count tokens at, offline")
+  parser.add_argument("--offline-only", action="store_true", help="count tokens, time nothing")
   parser.add_argument("--prompts", type=int, default=8)
   parser.add_argument("--group", type=int, default=8)
   parser.add_argument("--prompt-len", type=int, default=32)
@@ -131,17 +166,29 @@ def main():
                              num_kv_heads=4, architecture="qwen2", attention_bias=True,
                              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                              max_position_embeddings=4096)
+  offline = []
+  for max_new in (int(v) for v in a.offline_max_new_tokens.split(",")):
+    for budget in sorted({a.update_tokens} | {int(v) for v in a.offline_budgets.split(",")}):
+      padded, packed, valid = offline_tokens(a, max_new, budget)
+      offline.append(dict(max_new_tokens=max_new, update_tokens=budget, padded=padded,
+                          packed=packed, valid=valid, ratio=padded / packed,
+                          ideal_ratio=padded / valid))
+      print(f"offline max_new_tokens={max_new} update_tokens={budget}: padded / packed tokens "
+            f"{padded}/{packed} = {padded / packed:.2f}x (padded / valid {padded / valid:.2f}x)",
+            flush=True)
   results = []
-  for max_new in (int(v) for v in a.max_new_tokens.split(",")):
+  for max_new in ([] if a.offline_only else (int(v) for v in a.max_new_tokens.split(","))):
     result = measure(a, model_config, max_new)
     results.append(result)
-    print(f"max_new_tokens={max_new}: full length {result['padded']['update_s']:.3f}s, bucketed "
-          f"{result['bucketed']['update_s']:.3f}s per step's update, speedup "
-          f"{result['speedup']:.2f}x (tokens run {result['padded']['tokens_padded']} vs "
-          f"{result['bucketed']['tokens_padded']}, valid {result['bucketed']['tokens_valid']})",
-          flush=True)
+    padded, packed = result["padded"], result["packed"]
+    print(f"max_new_tokens={max_new}: full length {padded['update_s']:.3f}s, packed "
+          f"{packed['update_s']:.3f}s per step's update, speedup {result['speedup']:.2f}x; "
+          f"s per valid generated token {padded['s_per_valid_generated_token']:.2e} vs "
+          f"{packed['s_per_valid_generated_token']:.2e}; tokens run {padded['tokens_padded']} vs "
+          f"{packed['tokens_padded']} ({result['tokens_ratio']:.2f}x), valid "
+          f"{packed['tokens_valid']}", flush=True)
   summary = {"workload": {k: v for k, v in vars(a).items() if k != "out"},
-             "results": results, "cpu_count": os.cpu_count()}
+             "offline_tokens": offline, "results": results, "cpu_count": os.cpu_count()}
   out = pathlib.Path(a.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(summary, indent=2))

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.rl.grpo import GRPOConfig, group_advantages, policy_loss, token_logprobs
+from tlt_jax.rl.grpo import (GRPOConfig, group_advantages, loss_weights, policy_loss,
+                             token_logprobs)
 
 # A ragged batch: row 2 has a single token, row 3 is all padding.
 MASK = np.array([
@@ -187,40 +188,82 @@ def test_kl_requires_ref():
                 GRPOConfig(group_size=2, kl_coef=0.1))
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_loss_weights_spell_out_each_aggregation(agg):
+  """Per-token weights: NumPy (host) and JAX agree, they sum to 1 over the valid tokens (the
+  mean of a constant is the constant), and zero off the mask and on empty rows."""
+  host = loss_weights(MASK, agg)
+  assert isinstance(host, np.ndarray) and host.dtype == np.float32
+  np.testing.assert_allclose(host, np.asarray(loss_weights(jnp.asarray(MASK), agg)), rtol=1e-6)
+  assert np.all(host[MASK == 0] == 0) and np.all(host[MASK > 0] > 0)
+  seqs, counts = 3, MASK.sum(1)  # row 3 is empty
+  want = {"token-mean": MASK / MASK.sum(),
+          "seq-mean-token-mean": MASK / (np.maximum(counts, 1)[:, None] * seqs),
+          "seq-mean-token-sum": MASK / seqs}[agg]
+  np.testing.assert_allclose(host, want, rtol=1e-6)
+  if agg != "seq-mean-token-sum":
+    np.testing.assert_allclose(host.sum(), 1.0, rtol=1e-6)
+  with pytest.raises(ValueError, match="loss_agg"):
+    loss_weights(MASK, "mean")
+
+
 @pytest.mark.parametrize("kl_coef", [0.0, 0.1])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_shares_of_row_parts_sum_to_the_whole_batch(agg, kl_coef):
-  """Given the whole batch's counts (total_tokens, total_seqs), each part of its rows (cut to
-  fewer columns where its rows are shorter) gives its share: loss, metrics and gradient summed
-  over the parts equal the whole batch's, padding rows (row 3) included or not."""
+def test_shares_of_parts_sum_to_the_whole_batch(agg, kl_coef):
+  """Given the whole batch's per-token weights and valid-token count, each part of its tokens
+  gives its share: loss, metrics and gradient summed over the parts equal the whole batch's.
+  Parts: rows cut to fewer columns (a padding row, row 3, included or not), and rows 1 and 2
+  packed back to back into one row with per-token advantages (a packed micro-batch)."""
   cfg = GRPOConfig(group_size=2, kl_coef=kl_coef, loss_agg=agg)
   lp, old, adv, ref = map(jnp.asarray, make_batch())
   mask = jnp.asarray(MASK)
-
-  def loss(x, rows, cols, **totals):
-    return policy_loss(x, old[rows, :cols], adv[rows], mask[rows, :cols], cfg, ref[rows, :cols],
-                       **totals)
+  weights = jnp.asarray(loss_weights(MASK, agg))
+  total = jnp.sum(mask)
 
   (whole, want), want_grad = jax.value_and_grad(
-      lambda x: loss(x, slice(None), 5), has_aux=True)(lp)
-  totals = dict(total_tokens=jnp.sum(mask), total_seqs=jnp.sum(jnp.sum(mask, 1) > 0))
-  got, got_grad = {}, np.zeros(MASK.shape, np.float32)
-  for rows, cols in (([0, 3], 5), ([1], 3), ([2, 3], 1)):
-    rows = np.array(rows)
-    (_, part), grad = jax.value_and_grad(
-        lambda x, rows=rows, cols=cols: loss(x, rows, cols, **totals), has_aux=True)(lp[rows, :cols])
-    got = {k: got.get(k, 0.0) + float(v) for k, v in part.items()}
-    got_grad[rows, :cols] += np.asarray(grad)
+      lambda x: policy_loss(x, old, adv, mask, cfg, ref), has_aux=True)(lp)
+  got_grad = np.zeros(MASK.shape, np.float32)
+  rows, cols = np.array([0, 3]), 5
+  (_, part), grad = jax.value_and_grad(lambda x: policy_loss(
+      x, old[rows, :cols], adv[rows], mask[rows, :cols], cfg, ref[rows, :cols],
+      token_weights=weights[rows, :cols], total_tokens=total), has_aux=True)(lp[rows, :cols])
+  got = {k: float(v) for k, v in part.items()}
+  got_grad[rows, :cols] += np.asarray(grad)
+  # rows 1 (3 tokens) and 2 (1 token) in one packed row of 5, the last column padding
+  take = lambda a: jnp.concatenate([a[1, :3], a[2, :1], jnp.zeros(1, a.dtype)])[None]
+  packed_adv = take(jnp.broadcast_to(adv[:, None], MASK.shape))
+  (_, part), grad = jax.value_and_grad(lambda x: policy_loss(
+      x, take(old), packed_adv, take(mask), cfg, take(ref), token_weights=take(weights),
+      total_tokens=total), has_aux=True)(take(lp))
+  got = {k: got[k] + float(v) for k, v in part.items()}
+  grad = np.asarray(grad)[0]
+  got_grad[1, :3] += grad[:3]
+  got_grad[2, :1] += grad[3:4]
+  assert grad[4] == 0
+
   assert set(got) == set(want)
   np.testing.assert_allclose(got["loss"], float(whole), rtol=1e-5)
   for k in want:
     np.testing.assert_allclose(got[k], float(want[k]), rtol=1e-5, atol=1e-7, err_msg=k)
   np.testing.assert_allclose(got_grad, np.asarray(want_grad), rtol=1e-5, atol=1e-7)
-  # without the whole batch's counts a part is its own batch: its loss is not a share
-  one = np.array([1])
-  alone, _ = loss(lp[one, :3], one, 3)
-  share, _ = loss(lp[one, :3], one, 3, **totals)
+  # without the whole batch's weights a part is its own batch: its loss is not a share
+  alone, _ = policy_loss(lp[1:2, :3], old[1:2, :3], adv[1:2], mask[1:2, :3], cfg, ref[1:2, :3])
+  share, _ = policy_loss(lp[1:2, :3], old[1:2, :3], adv[1:2], mask[1:2, :3], cfg, ref[1:2, :3],
+                         token_weights=weights[1:2, :3], total_tokens=total)
   assert abs(float(alone) - float(share)) > 1e-3
+
+
+def test_per_token_advantages_equal_per_row_ones():
+  cfg = GRPOConfig(group_size=2, kl_coef=0.1, loss_agg="seq-mean-token-mean")
+  lp, old, adv, ref = map(jnp.asarray, make_batch())
+  mask = jnp.asarray(MASK)
+  loss, m = policy_loss(lp, old, adv, mask, cfg, ref)
+  loss2, m2 = policy_loss(lp, old, jnp.broadcast_to(adv[:, None], MASK.shape), mask, cfg, ref)
+  assert float(loss) == float(loss2) and all(float(m[k]) == float(m2[k]) for k in m)
+  with pytest.raises(ValueError, match="advantages"):
+    policy_loss(lp, old, adv[:2], mask, cfg, ref)
+  with pytest.raises(ValueError, match="token_weights"):
+    policy_loss(lp, old, adv, mask, cfg, ref, token_weights=mask[:, :2])
 
 
 # ---------------------------------------------------------------------------- gradients

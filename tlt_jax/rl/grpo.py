@@ -3,8 +3,9 @@
 Rollout rows are laid out group by group: rows ``g*G .. g*G+G-1`` are the ``G`` completions of
 one prompt. ``group_advantages`` turns their scalar rewards into per-row advantages;
 ``policy_loss`` is the PPO-style clipped surrogate (optionally DAPO-style asymmetric clipping and
-a k3 KL penalty to a reference policy) aggregated over the valid tokens of a padded batch, or,
-given the whole batch's counts, one micro-batch's additive share of it (gradient accumulation).
+a k3 KL penalty to a reference policy) aggregated over the valid tokens of a padded batch as a
+weighted sum (``loss_weights``), or, given the whole batch's per-token weights and token count,
+one micro-batch's additive share of it (gradient accumulation over packed micro-batches).
 
 Masked (padding) tokens never reach an ``exp``: their log-prob differences are zeroed first, so
 garbage values there cannot produce NaNs, and their gradients are exactly zero.
@@ -18,6 +19,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -91,63 +93,73 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
-def _masked_mean(x: jax.Array, mask: jax.Array, count: Optional[jax.Array] = None) -> jax.Array:
-  """Mean of x over the positions where mask is 1 (0 when there are none); ``count`` replaces
-  ``sum(mask)`` as the denominator (a micro-batch's share of a bigger batch's mean)."""
-  count = jnp.sum(mask) if count is None else count
-  return jnp.sum(x * mask) / jnp.maximum(count, 1.0)
+def loss_weights(mask, mode: str):
+  """Per-token weights ``[B, T]`` of the loss aggregation ``mode`` over ``mask [B, T]``: the
+  aggregated loss is ``sum(per_token * weights)``, so a sum over any part of the tokens is that
+  part's additive share of it.
 
-
-def _aggregate(per_token: jax.Array, mask: jax.Array, mode: str,
-               seqs: Optional[jax.Array] = None, tokens: Optional[jax.Array] = None) -> jax.Array:
-  """Reduce a per-token loss [B, T] to a scalar by ``mode`` over the valid tokens.
-
-  Sequence-level modes average over the rows with at least one valid token (all-padding rows,
-  e.g. bucket filler, do not dilute the mean). ``tokens`` / ``seqs`` replace this batch's own
-  counts of valid tokens / non-empty rows as the denominators.
+  token-mean: ``1 / valid tokens``; seq-mean-token-mean: ``1 / (the row's valid tokens x rows
+  with a valid token)``; seq-mean-token-sum: ``1 / rows with a valid token``; 0 off the mask.
+  Rows with no valid token (padding, bucket filler) do not count. NumPy in, NumPy out (for the
+  host side of packed updates); JAX arrays or tracers in, JAX out.
   """
+  xp = np if isinstance(mask, np.ndarray) else jnp
+  m = (xp.asarray(mask) > 0).astype(xp.float32)
+  counts = m.sum(axis=1, keepdims=True)
   if mode == "token-mean":
-    return _masked_mean(per_token, mask, tokens)
-  counts = jnp.sum(mask, axis=1)
-  seq = jnp.sum(per_token * mask, axis=1)
-  if mode == "seq-mean-token-mean":
-    seq = seq / jnp.maximum(counts, 1.0)
-  elif mode != "seq-mean-token-sum":
+    weights = m / xp.maximum(m.sum(), 1.0)
+  elif mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+    seqs = xp.maximum((counts > 0).sum(), 1.0)
+    per_row = xp.maximum(counts, 1.0) if mode == "seq-mean-token-mean" else 1.0
+    weights = m / (per_row * seqs)
+  else:
     raise ValueError(f"unknown loss_agg {mode!r}")
-  nonempty = (counts > 0).astype(per_token.dtype)
-  seqs = jnp.sum(nonempty) if seqs is None else seqs
-  return jnp.sum(seq * nonempty) / jnp.maximum(seqs, 1.0)
+  return weights.astype(xp.float32)
 
 
 def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
                 mask: jax.Array, config: GRPOConfig,
                 ref_logprobs: Optional[jax.Array] = None, *,
-                total_tokens: Optional[jax.Array] = None,
-                total_seqs: Optional[jax.Array] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                token_weights: Optional[jax.Array] = None,
+                total_tokens: Optional[jax.Array] = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped GRPO surrogate (+ k3 KL to ref when ``kl_coef > 0``) and metrics, from [B, T] inputs.
 
   Metrics: loss, pg_loss, clip_fraction, ratio_mean, approx_kl (to old), and kl_to_ref when given.
+  ``advantages`` are per row ``[B]`` or per token ``[B, T]`` (packed rows hold several sequences).
 
-  Every value is a sum over valid tokens (or non-empty rows) divided by a count of them. By
-  default the counts are this batch's own. ``total_tokens`` (valid tokens) and ``total_seqs``
-  (rows with at least one valid token) give the counts of a bigger batch this one is a part of
-  instead: then the loss, its gradient and every metric are this part's additive share, and
-  their sums over disjoint parts (micro-batches) equal the values of the whole batch.
+  The loss and pg_loss are ``sum(per_token * token_weights)`` over the valid tokens, the other
+  metrics token means: sums over valid tokens divided by ``total_tokens``. By default the weights
+  are ``loss_weights(mask, config.loss_agg)`` and the count is ``sum(mask)``: this batch's own.
+  Given those of a bigger batch this one holds a part of (``loss_weights`` of the whole batch,
+  moved along with its tokens, and its valid-token count), the loss, its gradient and every
+  metric are this part's additive share: their sums over disjoint parts (micro-batches, packed
+  or not) equal the values of the whole batch.
   """
   if logprobs.ndim != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
     raise ValueError(f"logprobs {logprobs.shape}, old_logprobs {old_logprobs.shape} and mask "
                      f"{mask.shape} must all be the same [B, T]")
-  if advantages.shape != logprobs.shape[:1]:
-    raise ValueError(f"advantages {advantages.shape} must be [B] for logprobs {logprobs.shape}")
+  if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+    raise ValueError(f"advantages {advantages.shape} must be [B] or [B, T] for logprobs "
+                     f"{logprobs.shape}")
+  if token_weights is not None and token_weights.shape != logprobs.shape:
+    raise ValueError(f"token_weights {token_weights.shape} must be [B, T] like logprobs "
+                     f"{logprobs.shape}")
   if config.kl_coef > 0 and ref_logprobs is None:
     raise ValueError("GRPOConfig.kl_coef > 0 needs ref_logprobs")
 
   valid = mask.astype(bool)
-  m = valid.astype(jnp.float32)
-  tokens = None if total_tokens is None else jnp.asarray(total_tokens, jnp.float32)
-  seqs = None if total_seqs is None else jnp.asarray(total_seqs, jnp.float32)
+  if token_weights is None:
+    token_weights = loss_weights(mask, config.loss_agg)
+  count = jnp.sum(valid.astype(jnp.float32)) if total_tokens is None else total_tokens
+  count = jnp.maximum(jnp.asarray(count, jnp.float32), 1.0)
+  weights = token_weights.astype(jnp.float32)
   logprobs = logprobs.astype(jnp.float32)
-  adv = advantages.astype(jnp.float32)[:, None]
+  adv = advantages.astype(jnp.float32)
+  adv = adv[:, None] if adv.ndim == 1 else adv
+
+  # whatever sits on the padding (garbage, NaN) never reaches a sum, nor a gradient
+  weighted = lambda x: jnp.sum(jnp.where(valid, x * weights, 0.0))
+  token_mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) / count
 
   log_ratio = jnp.where(valid, logprobs - old_logprobs.astype(jnp.float32), 0.0)
   ratio = jnp.exp(log_ratio)
@@ -163,16 +175,16 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
   if ref_logprobs is not None:
     ref_diff = jnp.where(valid, ref_logprobs.astype(jnp.float32) - logprobs, 0.0)
     k3 = jnp.exp(ref_diff) - ref_diff - 1.0
-    metrics["kl_to_ref"] = _masked_mean(k3, m, tokens)
+    metrics["kl_to_ref"] = token_mean(k3)
     if config.kl_coef > 0:
       per_token = pg + config.kl_coef * k3
 
-  loss = _aggregate(per_token, m, config.loss_agg, seqs, tokens)
+  loss = weighted(per_token)
   metrics.update(
       loss=loss,
-      pg_loss=_aggregate(pg, m, config.loss_agg, seqs, tokens),
-      clip_fraction=_masked_mean(clip_active.astype(jnp.float32), m, tokens),
-      ratio_mean=_masked_mean(ratio, m, tokens),
-      approx_kl=_masked_mean((ratio - 1.0) - log_ratio, m, tokens),
+      pg_loss=weighted(pg),
+      clip_fraction=token_mean(clip_active.astype(jnp.float32)),
+      ratio_mean=token_mean(ratio),
+      approx_kl=token_mean((ratio - 1.0) - log_ratio),
   )
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)

@@ -8,12 +8,14 @@ rows sharded over ``data``, params replicated; XLA inserts the gradient all-redu
 whose loss, gradient or new params are not finite is never applied (``on_nonfinite``).
 
 Each update's cost follows the rows' live lengths, not the rollout capacity
-(``TrainerConfig.update_tokens``): the minibatch's rows, longest first, are cut into micro-batches
-padded only up to the next length of a fixed ladder (``update_buckets``), each holding about
-``update_tokens`` tokens; their gradients (of the loss as each one's share of the minibatch's
-means) are summed into one optimizer step equal to that of the full-length update. Every
-micro-batch shape is static, so there is one executable per length, all compiled before the
-first update (``GRPOTrainer.precompile_update``).
+(``TrainerConfig.update_tokens``): each minibatch's sequences (prompt + completion) are packed
+back to back, first-fit decreasing, into rows of the shortest length of a fixed ladder
+(``update_buckets``) that holds the longest one, each sequence attending only to itself
+(block-diagonal causal attention, positions restarting at 0). Micro-batches of about
+``update_tokens`` tokens of such rows are run and their gradients (of the loss as each one's
+share of the minibatch's, through per-token loss weights) summed into one optimizer step equal to
+that of the full-length update. Every micro-batch shape is static, so there is one executable per
+length, all compiled before the first update (``GRPOTrainer.precompile_update``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils import require_positive_ints
 
 
-UPDATE_BUCKET_MIN = 16  # the shortest micro-batch length of a bucketed policy update
+UPDATE_BUCKET_MIN = 16  # the shortest packed-row length of a packed policy update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +65,14 @@ class TrainerConfig:
   # ("stop" with several updates per step holds a device copy of params + optimizer state
   # through the step's updates, to restore them.)
   on_nonfinite: str = "stop"
-  # Token budget (rows x length) of one policy-update micro-batch. Each minibatch's rows, sorted
-  # by length, are cut into micro-batches at the lengths of a power-of-two ladder (16, 32, ...,
-  # ending at max_prompt_len + max_new_tokens); one of length T holds update_tokens // T rows
-  # (at most the minibatch, a multiple of the mesh devices and at least one row per device, so a
-  # length above the budget still runs). Their gradients are summed into one optimizer step equal
-  # to the full-length update's. Bounds update memory; the cost follows the live lengths.
+  # Token budget (rows x length) of one policy-update micro-batch. Each minibatch's sequences
+  # (rows with a completion) are packed back to back, first-fit decreasing, into rows of the
+  # shortest length of a power-of-two ladder (16, 32, ..., ending at max_prompt_len +
+  # max_new_tokens) that holds the longest one; a micro-batch of length T holds
+  # update_tokens // T packed rows (at most the minibatch, a multiple of the mesh devices and at
+  # least one row per device, so a length above the budget still runs). Their gradients are
+  # summed into one optimizer step equal to the full-length update's. Bounds update memory; the
+  # cost follows the live lengths.
   # 0: pad every row to the full length and update each minibatch in one pass.
   update_tokens: int = 8192
 
@@ -106,25 +110,48 @@ def learning_rate_schedule(config: TrainerConfig) -> optax.Schedule:
                                config.learning_rate, config.warmup_steps)
 
 
-def _make_loss_fn(graphdef: nnx.GraphDef, config: grpo.GRPOConfig, temperature: float):
-  """``loss_fn(params, ref_params, batch, totals=None) -> (loss, metrics)`` of a padded batch.
+def packed_attention_mask(segments: jax.Array) -> jax.Array:
+  """``[B, T, T]`` visibility of packed rows from their ``segments [B, T]`` (which sequence each
+  token belongs to): block-diagonal causal, token i sees token j iff they are of the same
+  sequence and j <= i, so no sequence sees another packed into the same row."""
+  t = segments.shape[-1]
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  return (segments[:, :, None] == segments[:, None, :]) & causal[None]
 
-  ``totals`` (``{"tokens", "seqs"}``: the valid tokens and non-empty rows of the minibatch that
-  ``batch`` is a micro-batch of) makes the loss and metrics that micro-batch's additive share.
-  """
 
-  def logprobs_of(params, ids):
-    logits = nnx.merge(graphdef, params)(ids)[:, :-1]
+def make_logprobs_fn(graphdef: nnx.GraphDef, temperature: float = 1.0):
+  """``logprobs(params, batch) -> [B, L-1]``: each next token's log-prob under
+  ``softmax(logits / temperature)``, for a padded batch (``GRPOTrainer.make_batch``: one sequence
+  per row from position 0, causal) or a packed one (``packed_microbatches``: several sequences
+  per row, at their ``positions``, each seeing only itself through ``segments``)."""
+
+  def logprobs(params, batch):
+    ids, positions, attn_mask = batch["ids"], None, None
+    if "segments" in batch:
+      positions, attn_mask = batch["positions"], packed_attention_mask(batch["segments"])
+    logits = nnx.merge(graphdef, params).forward(ids, positions, attn_mask=attn_mask).logits
+    logits = logits[:, :-1]
     return grpo.token_logprobs(logits / temperature, ids[:, 1:])
 
-  def loss_fn(params, ref_params, batch, totals=None):
+  return logprobs
+
+
+def _make_loss_fn(graphdef: nnx.GraphDef, config: grpo.GRPOConfig, temperature: float):
+  """``loss_fn(params, ref_params, batch, total_tokens=None) -> (loss, metrics)`` of a padded
+  batch, or of a packed micro-batch (``packed_microbatches``; ``total_tokens``: its minibatch's
+  valid tokens): then the loss and metrics are that micro-batch's additive share of its
+  minibatch's, through the per-token loss ``weights`` it carries."""
+  logprobs_of = make_logprobs_fn(graphdef, temperature)
+
+  def loss_fn(params, ref_params, batch, total_tokens=None):
     ref = None
     if config.kl_coef > 0:  # KL to the frozen reference policy (k3 estimator in policy_loss)
-      ref = jax.lax.stop_gradient(logprobs_of(ref_params, batch["ids"]))
-    counts = {} if totals is None else dict(total_tokens=totals["tokens"],
-                                            total_seqs=totals["seqs"])
-    return grpo.policy_loss(logprobs_of(params, batch["ids"]), batch["old_logprobs"],
-                            batch["advantages"], batch["mask"], config, ref_logprobs=ref, **counts)
+      ref = jax.lax.stop_gradient(logprobs_of(ref_params, batch))
+    share = {}
+    if "weights" in batch:
+      share = dict(token_weights=batch["weights"], total_tokens=total_tokens)
+    return grpo.policy_loss(logprobs_of(params, batch), batch["old_logprobs"],
+                            batch["advantages"], batch["mask"], config, ref_logprobs=ref, **share)
 
   return loss_fn
 
@@ -145,9 +172,13 @@ def _guarded_step(optimizer: optax.GradientTransformation, params, opt_state, gr
           metrics)
 
 
-def _batch_sharding(mesh: Mesh) -> dict[str, NamedSharding]:
+PADDED_KEYS = ("ids", "mask", "old_logprobs", "advantages")
+PACKED_KEYS = PADDED_KEYS + ("positions", "segments", "weights")
+
+
+def _rows_sharding(mesh: Mesh, keys: tuple[str, ...]) -> dict[str, NamedSharding]:
   rows = NamedSharding(mesh, P("data"))
-  return {"ids": rows, "old_logprobs": rows, "advantages": rows, "mask": rows}
+  return {k: rows for k in keys}
 
 
 def _jit_padded_update(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
@@ -160,7 +191,8 @@ def _jit_padded_update(graphdef: nnx.GraphDef, optimizer: optax.GradientTransfor
     return _guarded_step(optimizer, params, opt_state, grads, loss, metrics)
 
   replicated = NamedSharding(mesh, P())
-  return jax.jit(update, in_shardings=(replicated, replicated, _batch_sharding(mesh), replicated),
+  return jax.jit(update, in_shardings=(replicated, replicated, _rows_sharding(mesh, PADDED_KEYS),
+                                       replicated),
                  out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
 
 
@@ -180,15 +212,16 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
                                                                   ref_params)
 
 
-def make_bucketed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                             config: grpo.GRPOConfig, mesh: Mesh,
-                             temperature: float = 1.0) -> dict[str, Any]:
+def make_packed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                           config: grpo.GRPOConfig, mesh: Mesh,
+                           temperature: float = 1.0) -> dict[str, Any]:
   """Jitted pieces of a gradient-accumulated update over ``mesh``, equal to ``make_update_fn``'s:
 
   * ``zeros(params) -> acc``: an empty accumulator, ``(grads, metric sums)``;
-  * ``accumulate(params, ref_params, acc, micro, totals) -> acc``: adds one micro-batch's
-    gradient and metrics, each its share of the minibatch's (``totals``: ``{"tokens": valid
-    tokens, "seqs": non-empty rows}`` of the whole minibatch, float32 scalars); ``acc`` is donated;
+  * ``accumulate(params, ref_params, acc, micro, total_tokens) -> acc``: adds one packed
+    micro-batch's (``packed_microbatches``) gradient and metrics, each its share of the
+    minibatch's (``total_tokens``: the minibatch's valid tokens, a float32 scalar); ``acc`` is
+    donated;
   * ``apply(params, opt_state, acc) -> (params, opt_state, metrics)``: one optimizer step from the
     summed gradient, guarded like the full-length update (``metrics["finite"]``);
   * ``copy(tree) -> tree``: a device copy of replicated state.
@@ -197,17 +230,16 @@ def make_bucketed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTr
   replicated = NamedSharding(mesh, P())
   one = jax.ShapeDtypeStruct((1, 1), jnp.float32)
   _, shapes = jax.eval_shape(lambda x: grpo.policy_loss(
-      x, x, x[:, 0], x, config, ref_logprobs=x if config.kl_coef > 0 else None,
-      total_tokens=1.0, total_seqs=1.0), one)
+      x, x, x, x, config, ref_logprobs=x if config.kl_coef > 0 else None), one)
   names = sorted(shapes)
 
   def zeros(params):
     return (jax.tree.map(jnp.zeros_like, params),
             {k: jnp.zeros((), jnp.float32) for k in names})
 
-  def accumulate(params, ref_params, acc, micro, totals):
+  def accumulate(params, ref_params, acc, micro, total_tokens):
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, micro,
-                                                                    totals)
+                                                                    total_tokens)
     return jax.tree.map(jnp.add, acc, (grads, metrics))
 
   def apply(params, opt_state, acc):
@@ -217,8 +249,8 @@ def make_bucketed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTr
   return {
       "zeros": jax.jit(zeros, in_shardings=(replicated,), out_shardings=replicated),
       "accumulate": jax.jit(
-          accumulate, in_shardings=(replicated, replicated, replicated, _batch_sharding(mesh),
-                                    replicated),
+          accumulate, in_shardings=(replicated, replicated, replicated,
+                                    _rows_sharding(mesh, PACKED_KEYS), replicated),
           out_shardings=replicated, donate_argnums=(2,)),
       "apply": jax.jit(apply, in_shardings=(replicated, replicated, replicated),
                        out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1)),
@@ -228,7 +260,7 @@ def make_bucketed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTr
 
 
 def update_buckets(seq_len: int, smallest: int = UPDATE_BUCKET_MIN) -> tuple[int, ...]:
-  """Micro-batch lengths of a bucketed update: the powers of two from ``smallest`` that are below
+  """Packed-row lengths of a packed update: the powers of two from ``smallest`` that are below
   ``seq_len``, then ``seq_len`` itself (the longest row a step can hold)."""
   if seq_len < 2 or smallest < 2:
     raise ValueError(f"update buckets need seq_len >= 2 and smallest >= 2, got {seq_len}, "
@@ -255,38 +287,76 @@ def needed_lengths(mask: np.ndarray) -> np.ndarray:
   return np.where(valid.any(axis=1), last + 2, 0)
 
 
-def plan_microbatches(lengths: np.ndarray, buckets: tuple[int, ...],
-                      rows_of: dict[int, int]) -> list[tuple[int, np.ndarray]]:
-  """Cuts rows into ``(length, row indices)`` micro-batches, greedily: the longest remaining row
-  picks the shortest bucket holding it, which takes up to ``rows_of[length]`` of the longest
-  remaining rows. Every row lands in exactly one micro-batch, with all its needed tokens."""
-  order = np.argsort(-np.asarray(lengths), kind="stable")
-  plan, i = [], 0
-  while i < len(order):
-    longest = lengths[order[i]]
-    fits = [b for b in buckets if b >= longest]
-    if not fits:
-      raise ValueError(f"a row of {longest} tokens exceeds the longest update bucket {buckets[-1]}")
-    length = fits[0]
-    plan.append((length, order[i:i + rows_of[length]]))
-    i += rows_of[length]
-  return plan
+def pack_length(lengths: np.ndarray, buckets: tuple[int, ...]) -> int:
+  """The packed-row length of a minibatch: the shortest bucket that holds its longest row (the
+  shortest bucket when no row has anything to train on)."""
+  longest = int(np.max(lengths, initial=0))
+  fits = [b for b in buckets if b >= longest]
+  if not fits:
+    raise ValueError(f"a row of {longest} tokens exceeds the longest update bucket {buckets[-1]}")
+  return fits[0]
 
 
-def microbatch(batch: dict[str, np.ndarray], rows: np.ndarray, length: int, size: int,
-               pad_token_id: int = 0) -> dict[str, np.ndarray]:
-  """``batch``'s ``rows`` cut to ``length`` tokens and padded with empty rows (mask 0, advantage
-  0, contributing nothing) to ``size`` rows: the static shape of that bucket's executable."""
-  k = len(rows)
-  out = dict(ids=np.full((size, length), pad_token_id, np.int32),
-             mask=np.zeros((size, length - 1), np.float32),
-             old_logprobs=np.zeros((size, length - 1), np.float32),
-             advantages=np.zeros(size, np.float32))
-  out["ids"][:k] = batch["ids"][rows, :length]
-  out["mask"][:k] = batch["mask"][rows, :length - 1]
-  out["old_logprobs"][:k] = batch["old_logprobs"][rows, :length - 1]
-  out["advantages"][:k] = batch["advantages"][rows]
-  return out
+def pack_rows(lengths: np.ndarray, length: int) -> list[list[int]]:
+  """Packs rows into packed rows of ``length`` tokens by first-fit decreasing: each row, longest
+  first, goes into the first packed row with room for it, else opens a new one. Returns each
+  packed row's row indices, in placement order (its sequences lie back to back in that order).
+  Rows of length 0 (nothing to train on) are left out; every other row is in exactly one."""
+  lengths = np.asarray(lengths)
+  packs: list[list[int]] = []
+  free: list[int] = []
+  for i in np.argsort(-lengths, kind="stable"):
+    n = int(lengths[i])
+    if n <= 0:
+      break  # the rest are empty too
+    if n > length:
+      raise ValueError(f"a row of {n} tokens does not fit in a packed row of {length}")
+    for k, room in enumerate(free):
+      if room >= n:
+        packs[k].append(int(i))
+        free[k] -= n
+        break
+    else:
+      packs.append([int(i)])
+      free.append(length - n)
+  return packs
+
+
+def packed_microbatches(mini: dict[str, np.ndarray], packs: list[list[int]], length: int,
+                        size: int, loss_agg: str,
+                        pad_token_id: int = 0) -> list[dict[str, np.ndarray]]:
+  """A minibatch (``make_batch``'s arrays of its rows) laid out as packed micro-batches of
+  ``size`` packed rows of ``length`` tokens, ``packs`` (``pack_rows``) in order, the last
+  micro-batch filled up with empty packed rows (mask 0: they contribute nothing).
+
+  Per token: ``ids``, ``positions`` (from 0 in each sequence) and ``segments`` (the sequence's
+  row in ``mini``; -1 on padding). Per predicted token (``[size, length - 1]``; the logit at t
+  predicts token t + 1): ``mask`` (1 where t + 1 is a completion token of the same sequence),
+  ``old_logprobs``, ``advantages`` (the sequence's) and ``weights`` (the token's weight in the
+  minibatch's loss, ``grpo.loss_weights`` of the whole minibatch).
+  """
+  lengths = needed_lengths(mini["mask"])
+  weights = grpo.loss_weights(mini["mask"], loss_agg)
+  count = -(-len(packs) // size)
+  shape, pred = (count * size, length), (count * size, length - 1)
+  out = dict(ids=np.full(shape, pad_token_id, np.int32), positions=np.zeros(shape, np.int32),
+             segments=np.full(shape, -1, np.int32), mask=np.zeros(pred, np.float32),
+             old_logprobs=np.zeros(pred, np.float32), advantages=np.zeros(pred, np.float32),
+             weights=np.zeros(pred, np.float32))
+  for r, pack in enumerate(packs):
+    at = 0
+    for i in pack:
+      n = int(lengths[i])
+      tok, prd = np.s_[r, at:at + n], np.s_[r, at:at + n - 1]
+      out["ids"][tok] = mini["ids"][i, :n]
+      out["positions"][tok] = np.arange(n)
+      out["segments"][tok] = i
+      out["mask"][prd] = mini["mask"][i, :n - 1]
+      out["old_logprobs"][prd] = mini["old_logprobs"][i, :n - 1]
+      out["advantages"][prd] = mini["advantages"][i]
+      out["weights"][prd] = weights[i, :n - 1]
+      at += n
+  return [{k: v[j * size:(j + 1) * size] for k, v in out.items()} for j in range(count)]
 
 
 def check_update_layout(config: TrainerConfig, grpo_config: grpo.GRPOConfig, devices: int) -> None:
@@ -327,14 +397,14 @@ class GRPOTrainer:
     # the full-length update (what the trainer runs with update_tokens=0), callable directly
     self.update_fn = lambda params, opt_state, batch, ref_params=None: self._padded_update(
         params, opt_state, batch, ref_params)
-    self._bucketed = make_bucketed_update_fns(self.graphdef, self.optimizer, grpo_config,
-                                              self.mesh, temperature=config.temperature)
+    self._packed = make_packed_update_fns(self.graphdef, self.optimizer, grpo_config,
+                                          self.mesh, temperature=config.temperature)
     self._executables: dict[tuple, Any] = {}  # ahead-of-time compiled update pieces
     # the reference policy for the KL term: the starting (warm-started) weights, kept frozen
     self.ref_params = (jax.tree.map(jnp.copy, self.params) if grpo_config.kl_coef > 0 else None)
     self.seq_len = engine_config.max_prompt_len + config.max_new_tokens
     self.minibatch_rows = config.prompts_per_step * grpo_config.group_size // config.minibatches
-    # micro-batch lengths and their rows (static shapes: one executable per length)
+    # packed-row lengths and packed rows per micro-batch (static shapes: one executable each)
     self.update_buckets = update_buckets(self.seq_len) if config.update_tokens else ()
     self.update_rows = {t: bucket_rows(t, config.update_tokens, self.minibatch_rows,
                                        self.mesh.size) for t in self.update_buckets}
@@ -433,7 +503,7 @@ class GRPOTrainer:
         picked = order[m * size:(m + 1) * size]
         valid += int(lengths[picked].sum())
         if cfg.update_tokens:
-          mm, tokens, calls = self._bucketed_update(batch, picked, lengths[picked])
+          mm, tokens, calls = self._packed_update(batch, picked, lengths[picked])
         else:
           mini = {k: v[picked] for k, v in batch.items()}
           self.params, self.opt_state, mm = self._compiled(("padded",))(
@@ -461,23 +531,23 @@ class GRPOTrainer:
                update_tokens_valid=valid, update_passes=passes)
     return out
 
-  def _bucketed_update(self, batch, picked, lengths):
-    """One minibatch's update as gradient-accumulated micro-batches; (metrics, tokens run, passes)."""
-    counts = batch["mask"][picked].sum(axis=1)
-    totals = {"tokens": np.asarray(counts.sum(), np.float32),
-              "seqs": np.asarray((counts > 0).sum(), np.float32)}
+  def _packed_update(self, batch, picked, lengths):
+    """One minibatch's update as gradient-accumulated packed micro-batches: its rows packed by
+    first-fit decreasing into rows of the shortest bucket that holds the longest.
+    Returns (metrics, tokens run, passes)."""
+    mini = {k: v[picked] for k, v in batch.items()}
+    length = pack_length(lengths, self.update_buckets)
+    size = self.update_rows[length]
+    micros = packed_microbatches(mini, pack_rows(lengths, length), length, size,
+                                 self.grpo_config.loss_agg, self.tokenizer.pad_token_id)
+    total_tokens = np.asarray(mini["mask"].sum(), np.float32)
     acc = self._compiled(("zeros",))(self.params)
-    plan = plan_microbatches(lengths, self.update_buckets, self.update_rows)
-    tokens = 0
-    for length, rows in plan:
-      size = self.update_rows[length]
-      micro = microbatch(batch, picked[rows], length, size, self.tokenizer.pad_token_id)
-      acc = self._compiled(("accumulate", length))(self.params, self.ref_params, acc, micro,
-                                                   totals)
-      tokens += size * length
+    accumulate = self._compiled(("accumulate", length))
+    for micro in micros:
+      acc = accumulate(self.params, self.ref_params, acc, micro, total_tokens)
     self.params, self.opt_state, metrics = self._compiled(("apply",))(self.params,
                                                                        self.opt_state, acc)
-    return metrics, tokens, len(plan)
+    return metrics, len(micros) * size * length, len(micros)
 
   def _keeps_copy(self) -> bool:
     return self.config.on_nonfinite == "stop" and self.config.epochs * self.config.minibatches > 1
@@ -512,24 +582,30 @@ class GRPOTrainer:
       replicated = NamedSharding(self.mesh, P())
       rows = NamedSharding(self.mesh, P("data"))
 
-      def micro_spec(n, length):
-        spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+      spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+
+      def padded_spec(n, length):
         return dict(ids=spec((n, length), jnp.int32), mask=spec((n, length - 1), jnp.float32),
                     old_logprobs=spec((n, length - 1), jnp.float32),
                     advantages=spec((n,), jnp.float32))
 
-      fns = self._bucketed
+      def packed_spec(n, length):
+        tokens = {k: spec((n, length), jnp.int32) for k in ("ids", "positions", "segments")}
+        return dict(tokens, **{k: spec((n, length - 1), jnp.float32)
+                               for k in ("mask", "old_logprobs", "advantages", "weights")})
+
+      fns = self._packed
       acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          jax.eval_shape(fns["zeros"], self.params))
       scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
       if key[0] == "padded":
         lowered = self._padded_update.lower(self.params, self.opt_state,
-                                            micro_spec(self.minibatch_rows, self.seq_len),
+                                            padded_spec(self.minibatch_rows, self.seq_len),
                                             self.ref_params)
       elif key[0] == "accumulate":
         lowered = fns["accumulate"].lower(self.params, self.ref_params, acc,
-                                          micro_spec(self.update_rows[key[1]], key[1]),
-                                          {"tokens": scalar, "seqs": scalar})
+                                          packed_spec(self.update_rows[key[1]], key[1]),
+                                          scalar)
       elif key[0] == "apply":
         lowered = fns["apply"].lower(self.params, self.opt_state, acc)
       elif key[0] == "zeros":
