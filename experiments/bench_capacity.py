@@ -16,9 +16,7 @@ bytes, and how often caches grew.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import pathlib
 import resource
 import statistics
 
@@ -28,6 +26,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.utils import write_report
 
 
 def main():
@@ -101,10 +100,7 @@ def main():
   for name, s in summary.items():
     print(f"{name:>12}: {s['tokens_per_s']:8.0f} tok/s, {s['slowdown_vs_base']:.2f}x slower than "
           f"{base}, peak cache {s['cache_bytes_peak'] / 2**20:.1f} MiB, kv lengths {s['kv_lens']}")
-  path = pathlib.Path(a.out)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(out, indent=2))
-  print(f"wrote {path}")
+  write_report(a.out, out)
 
 
 if __name__ == "__main__":

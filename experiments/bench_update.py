@@ -40,8 +40,7 @@ from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import (GRPOTrainer, TrainerConfig, bucket_rows, pack_length, pack_rows,
-                                update_buckets)
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, bucket_rows, plan_packs, update_buckets
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.utils import compile_count
 
@@ -64,9 +63,9 @@ def offline_tokens(a, max_new, update_tokens, devices=1):
   packed = 0
   for m in range(a.minibatches):
     mini = needed[order[m * size:(m + 1) * size]]
-    length = pack_length(mini, update_buckets(seq_len))
-    per_micro = bucket_rows(length, update_tokens, size, devices)
-    packed += -(-len(pack_rows(mini, length)) // per_micro) * per_micro * length
+    buckets = update_buckets(seq_len)
+    rows_of = {t: bucket_rows(t, update_tokens, size, devices) for t in buckets}
+    packed += sum(len(packs) * length for length, packs in plan_packs(mini, buckets, rows_of))
   return rows * seq_len, packed, int(needed.sum())
 
 
@@ -142,7 +141,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--max-new-tokens", default="128,1024",
                       help="comma-separated rollout capacities to measure")
-  parser.add_argument("--update-tokens", type=int, default=8192, help="the packed token budget")
+  parser.add_argument("--update-tokens", type=int, default=2048, help="the packed token budget")
   parser.add_argument("--offline-max-new-tokens", default="128,1024",
                       help="comma-separated rollout capacities to count tokens at, offline")
   parser.add_argument("--offline-budgets", default="2048,4096,8192",
@@ -153,7 +152,7 @@ def main():
   parser.add_argument("--prompt-len", type=int, default=32)
   parser.add_argument("--mean-length", type=float, default=55.0)
   parser.add_argument("--tail-rows", type=int, default=3)
-  parser.add_argument("--minibatches", type=int, default=2)
+  parser.add_argument("--minibatches", type=int, default=1)
   parser.add_argument("--kl-coef", type=float, default=0.0)
   parser.add_argument("--vocab", type=int, default=512)
   parser.add_argument("--hidden", type=int, default=256)

@@ -63,7 +63,7 @@ import jax  # pylint: disable=wrong-import-position
 from tlt_jax.models import hf  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.sampling import SamplingParams  # pylint: disable=wrong-import-position
-from tlt_jax.utils import compile_count  # pylint: disable=wrong-import-position
+from tlt_jax.utils import compile_count, write_report  # pylint: disable=wrong-import-position
 
 # The checkpoint: 4 layers, hidden 256, 8 heads / 4 KV heads (head dim 32), SwiGLU 768, vocab 512.
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -307,10 +307,8 @@ def main():
                tunix=importlib.metadata.version("google-tunix"), backend=jax.default_backend(),
                devices=[str(d) for d in jax.devices()], python=platform.python_version(),
                cpu_count=os.cpu_count(), loadavg_end=list(os.getloadavg())))
-  out = pathlib.Path(a.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(summary, indent=1))
-  print(f"ratio ours/tunix: {json.dumps(summary['ratio_ours_over_tunix'])}  -> {out}")
+  print(f"ratio ours/tunix: {json.dumps(summary['ratio_ours_over_tunix'])}")
+  write_report(a.out, summary)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ import glob
 import gzip
 import json
 import os
-import pathlib
 import re
 import statistics
 import tempfile
@@ -66,6 +65,7 @@ from tlt_jax.models.transformer import init_model
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import (SamplerArgs, SamplingParams, filtered_logprobs, row_keys,
                                       sample_tokens)
+from tlt_jax.utils import write_report
 
 
 def make_engine(batch: int, prompt_len: int, new_tokens: int, seed: int):
@@ -468,10 +468,7 @@ def main():
       print("top ops:")
       for name, us, where in tr_out["top_ops"]:
         print(f"  {us:8.1f}  {name:28s} {where}")
-  out = pathlib.Path(a.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(summary, indent=1))
-  print(f"-> {out}")
+  write_report(a.out, summary)
 
 
 if __name__ == "__main__":

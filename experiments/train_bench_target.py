@@ -20,7 +20,6 @@ import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx

@@ -325,7 +325,10 @@ def _precompile(trainer: GRPOTrainer) -> None:
       bar.update(done - bar.n)
 
     n = trainer.engine.precompile(progress=progress)
-  _say(f"compiled {n} rollout executables in {time.perf_counter() - t0:.0f}s")
+  t1 = time.perf_counter()
+  m = trainer.precompile_update()
+  _say(f"compiled {n} rollout executables in {t1 - t0:.0f}s, {m} policy-update executables in "
+       f"{time.perf_counter() - t1:.0f}s")
 
 
 def _evaluate(trainer: GRPOTrainer) -> tuple[float, float]:

@@ -1,7 +1,9 @@
-"""Small shared utilities: a global XLA compile counter, config checks, progress bars."""
+"""Small shared utilities: a global XLA compile counter, config checks, progress bars, reports."""
 
 from __future__ import annotations
 
+import json
+import pathlib
 import sys
 import threading
 
@@ -44,3 +46,12 @@ def progress_bar(total: int, desc: str, unit: str):
   interactive = sys.stderr.isatty()
   return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False,
               mininterval=0.5 if interactive else 10.0, dynamic_ncols=True)
+
+
+def write_report(path, report: dict) -> pathlib.Path:
+  """Writes ``report`` as indented JSON to ``path`` (making its folder) and says where."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(report, indent=2))
+  print(f"wrote {path}")
+  return path

@@ -29,11 +29,12 @@ def get_config() -> ml_collections.ConfigDict:
       group_size=8, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, loss_agg="token-mean",
       normalize_std=True))
   # TrainerConfig: RL steps, prompts per step, AdamW, updates per step, rollout length, tokens
-  # per update micro-batch (rows are cut at their live lengths; 0: every row at full length)
+  # per update micro-batch (sequences are packed into rows of about their live length; 0: every
+  # row padded to the full length)
   c.trainer = ml_collections.ConfigDict(dict(
       steps=80, prompts_per_step=8, learning_rate=2e-5, warmup_steps=2, grad_clip=1.0,
       minibatches=2, epochs=1, max_new_tokens=96, temperature=1.0, eval_problems=128,
-      update_tokens=8192))
+      update_tokens=2048))
   # EngineConfig of the rollout engine (batch buckets up to max_batch rows)
   c.rollout = ml_collections.ConfigDict(dict(max_batch=64, max_prompt_len=32))
   return c
