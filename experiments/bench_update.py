@@ -29,10 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import statistics
 import time
 
+import jax
 import numpy as np
 
 from tlt_jax.models.config import ModelConfig
@@ -42,7 +42,7 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, bucket_rows, plan_packs, update_buckets
 from tlt_jax.rollout.engine import EngineConfig
-from tlt_jax.utils import compile_count
+from tlt_jax.utils import compile_count, write_report
 
 
 def completion_lengths(rng, rows, mean, tail_rows, max_new):
@@ -98,9 +98,20 @@ def measure(a, model_config, max_new):
     t0 = time.perf_counter()
     compiled = trainer.precompile_update()
     info[name] = {"compiled": compiled, "compile_s": time.perf_counter() - t0}
-  first = {name: trainer.policy_update(batch) for name, trainer in trainers.items()}  # warm-up
-  loss_diff = abs(first["padded"]["loss"] - first["packed"]["loss"])
-  assert loss_diff <= 1e-4 * max(1.0, abs(first["padded"]["loss"])), first
+  first, failed = {}, {}
+  for name, trainer in list(trainers.items()):  # warm-up
+    try:
+      first[name] = trainer.policy_update(batch)
+    except jax.errors.JaxRuntimeError as e:  # the padded update at a large capacity
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      failed[name] = str(e).splitlines()[0]
+      print(f"max_new_tokens={max_new}: the {name} update failed: {failed[name]}", flush=True)
+      del trainers[name]
+  loss_diff = None
+  if not failed:
+    loss_diff = abs(first["padded"]["loss"] - first["packed"]["loss"])
+    assert loss_diff <= 1e-4 * max(1.0, abs(first["padded"]["loss"])), first
   seconds = {name: [] for name in trainers}
   metrics = {}
   before = compile_count()
@@ -113,9 +124,11 @@ def measure(a, model_config, max_new):
   generated = int(lengths.sum())
   padded, packed, valid = offline_tokens(a, max_new, a.update_tokens)
   for name, tokens in (("padded", padded), ("packed", packed)):  # per update, x epochs (1)
+    if name in failed:
+      continue
     assert metrics[name]["update_tokens_padded"] == tokens, (name, metrics[name], tokens)
     assert metrics[name]["update_tokens_valid"] == valid, (name, metrics[name], valid)
-  out = {"max_new_tokens": max_new, "seq_len": trainers["padded"].seq_len,
+  out = {"max_new_tokens": max_new, "seq_len": a.prompt_len + max_new,
          "generated_tokens": generated,
          "length_p50": float(np.median(lengths)), "length_p90": float(np.percentile(lengths, 90)),
          "length_max": int(lengths.max()),
@@ -131,8 +144,11 @@ def measure(a, model_config, max_new):
                      tokens_valid=metrics[name]["update_tokens_valid"],
                      passes=metrics[name]["update_passes"],
                      max_temp_bytes=max(temp) if temp else None)
-  out["speedup"] = out["padded"]["update_s"] / out["packed"]["update_s"]
-  out["tokens_ratio"] = out["padded"]["tokens_padded"] / out["packed"]["tokens_padded"]
+  for name, error in failed.items():
+    out[name] = dict(info[name], error=error, tokens_padded=padded if name == "padded" else packed)
+  out["tokens_ratio"] = padded / packed
+  if not failed:
+    out["speedup"] = out["padded"]["update_s"] / out["packed"]["update_s"]
   return out
 
 
@@ -180,6 +196,11 @@ def main():
     result = measure(a, model_config, max_new)
     results.append(result)
     padded, packed = result["padded"], result["packed"]
+    if "speedup" not in result:
+      print(f"max_new_tokens={max_new}: packed {packed['update_s']:.3f}s per step's update, "
+            f"{packed['s_per_valid_generated_token']:.2e} s per valid generated token; the "
+            f"full-length update failed ({padded['error']})", flush=True)
+      continue
     print(f"max_new_tokens={max_new}: full length {padded['update_s']:.3f}s, packed "
           f"{packed['update_s']:.3f}s per step's update, speedup {result['speedup']:.2f}x; "
           f"s per valid generated token {padded['s_per_valid_generated_token']:.2e} vs "
@@ -188,10 +209,8 @@ def main():
           f"{packed['tokens_valid']}", flush=True)
   summary = {"workload": {k: v for k, v in vars(a).items() if k != "out"},
              "offline_tokens": offline, "results": results, "cpu_count": os.cpu_count()}
-  out = pathlib.Path(a.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(summary, indent=2))
   print(json.dumps(summary, indent=2))
+  write_report(a.out, summary)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,21 @@ MUTANTS = [
            "  if False:",
            ("tests/rl/test_rewards.py", "-k", "math_verify"),
            "the installed math_verify is never used"),
+    Mutant("cache_outgrown_before_growing", "tlt_jax/rollout/engine.py",
+           "go &= ~jnp.any(live & (s.cache.lengths + need > kv_len))",
+           "go &= ~jnp.any(live & (s.cache.lengths > kv_len))",
+           ("tests/rollout/test_kv_buckets.py", "-k", "change_nothing and vanilla"),
+           "a segment keeps decoding until a row has already run past its length bucket"),
+    Mutant("compaction_off_still_compacts", "tlt_jax/rollout/engine.py",
+           "      if cfg.compaction and smaller < batch:",
+           "      if smaller < batch:",
+           ("tests/rollout/test_kv_buckets.py", "-k", "without_compaction"),
+           "compaction=False compacts a chunk that stopped to grow its cache"),
+    Mutant("packed_sequences_see_each_other", "tlt_jax/rl/trainer.py",
+           "return (segments[:, :, None] == segments[:, None, :]) & causal[None]",
+           "return jnp.broadcast_to(causal[None], segments.shape + (t,))",
+           ("tests/rl/test_update_buckets.py", "-k", "packed_logprobs_equal or sum_to_the_full"),
+           "packed sequences attend across their boundaries"),
 ]
 
 

@@ -379,6 +379,7 @@ def test_after_precompile_updates_of_any_lengths_compile_nothing():
 def test_steps_report_update_tokens_and_do_not_recompile():
   """Through trainer.step(): the default budget; the second step compiles nothing."""
   trainer = make_trainer(update_tokens=8192, minibatches=2)
+  trainer.precompile_update()
   first = trainer.step()
   before = compile_count()
   second = trainer.step()
@@ -394,13 +395,14 @@ def test_steps_report_update_tokens_and_do_not_recompile():
 def two_device_check():
   """Run in a fresh process with 2 simulated CPU devices (``XLA_FLAGS`` from the caller): the
   packed update on a 2-device mesh equals the full-length one on 1 device, compiling nothing
-  after the first update."""
+  after ``precompile_update()``."""
   assert jax.device_count() == 2, jax.devices()
   kw = dict(kl_coef=0.1, loss_agg="seq-mean-token-sum", minibatches=2, epochs=1)
   padded = make_trainer(update_tokens=0, mesh=Mesh(np.array(jax.devices()[:1]), ("data",)), **kw)
   packed = make_trainer(mesh=Mesh(np.array(jax.devices()), ("data",)), **kw)
   assert all(r % 2 == 0 for r in packed.update_rows.values()), packed.update_rows
   batches = [ragged_batch(padded, LONG_TAIL, seed=4), ragged_batch(padded, LONG_TAIL[::-1], seed=5)]
+  packed.precompile_update()
   want_params, want_opt, want = trained_params(padded, batches[:1])
   got_params, got_opt, got = trained_params(packed, batches[:1])
   assert_close_params(got_params, want_params)

@@ -15,7 +15,8 @@ back to back, first-fit decreasing, into rows of the shortest length of a fixed 
 ``update_tokens`` tokens of such rows are run and their gradients (of the loss as each one's
 share of the minibatch's, through per-token loss weights) summed into one optimizer step equal to
 that of the full-length update. Every micro-batch shape is static, so there is one executable per
-length, all compiled before the first update (``GRPOTrainer.precompile_update``).
+length, compiled on first use or all at once by ``GRPOTrainer.precompile_update`` (after which no
+update compiles, whatever the lengths).
 """
 
 from __future__ import annotations
@@ -526,7 +527,6 @@ class GRPOTrainer:
     ``update_tokens_padded`` (rows x length of every pass) and ``update_tokens_valid`` (the prompt
     + completion tokens of the rows with a completion), summed over the updates."""
     cfg = self.config
-    self.precompile_update()  # a no-op after the first call
     n = len(batch["advantages"])
     size = n // cfg.minibatches
     lengths = needed_lengths(batch["mask"])
