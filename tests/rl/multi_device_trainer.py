@@ -1,5 +1,6 @@
 """Run by test_trainer in a fresh process with 4 simulated CPU devices: GRPO steps on a 4-device
-mesh roll out on one device, update data-parallel, compile nothing after the first step, and a
+mesh roll out on one device, update data-parallel, compile nothing after the first step (update
+executables precompiled), and a
 non-finite update restores the (mesh-replicated) state from before the step."""
 
 import os
@@ -19,6 +20,7 @@ from tlt_jax.utils import compile_count  # pylint: disable=wrong-import-position
 assert jax.device_count() == 4, jax.devices()
 trainer = make_trainer(mesh=Mesh(np.array(jax.devices()), ("data",)))  # 8 rows, 2 minibatches
 varied_rewards(trainer)
+trainer.precompile_update()  # as the main job does: every update length, ahead of time
 start = jax.tree.map(np.asarray, trainer.params)
 first = trainer.step()
 compiles = compile_count()

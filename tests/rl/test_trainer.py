@@ -93,6 +93,7 @@ def test_batch_aligns_old_logprobs_with_predicted_tokens():
 
 def test_short_run_is_finite_and_does_not_recompile():
   trainer = make_trainer()
+  trainer.precompile_update()  # as the main job does: every update length, ahead of time
   before = jax.tree.map(np.asarray, trainer.params)
   first = trainer.step()
   assert np.isfinite(first["loss"]) and 0.0 <= first["reward"] <= 1.0
