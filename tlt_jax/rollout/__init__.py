@@ -1,0 +1,14 @@
+"""Rollouts: the bucketed engine, sampling parameters and speculative decoding strategies.
+
+The names most code needs are importable from here::
+
+  from tlt_jax.rollout import RolloutEngine, EngineConfig, SamplingParams, SpecConfig, NgramConfig
+"""
+
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
+from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import SpecConfig
+
+__all__ = ["EngineConfig", "NgramConfig", "RolloutEngine", "RolloutResult", "SamplingParams",
+           "SpecConfig"]

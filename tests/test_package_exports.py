@@ -1,0 +1,34 @@
+"""The names users reach for are importable at the package level and are the real objects."""
+
+import subprocess
+import sys
+
+from tlt_jax import models, rollout
+from tlt_jax.models import drafter, hf, transformer
+from tlt_jax.rollout import engine, ngram, sampling, speculative
+
+
+def test_models_exports_are_the_implementations():
+  assert models.from_pretrained is hf.from_pretrained
+  assert models.save_pretrained is hf.save_pretrained
+  assert models.Transformer is transformer.Transformer
+  assert models.load_drafter is drafter.load_drafter
+  assert set(models.__all__) <= set(dir(models))
+
+
+def test_rollout_exports_are_the_implementations():
+  assert rollout.RolloutEngine is engine.RolloutEngine
+  assert rollout.EngineConfig is engine.EngineConfig
+  assert rollout.SamplingParams is sampling.SamplingParams
+  assert rollout.SpecConfig is speculative.SpecConfig
+  assert rollout.NgramConfig is ngram.NgramConfig
+  assert set(rollout.__all__) <= set(dir(rollout))
+
+
+def test_each_package_imports_first_in_a_fresh_process():
+  """No circular import, whichever package a user imports first."""
+  for first in ("tlt_jax.rollout", "tlt_jax.models", "tlt_jax.rl.trainer", "tlt_jax.train"):
+    code = f"import {first}; from tlt_jax.rollout import RolloutEngine; " \
+           f"from tlt_jax.models import from_pretrained"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
