@@ -98,21 +98,13 @@ def make_checkpoint(path: pathlib.Path, seed: int) -> bool:
   except ImportError as e:
     sys.exit(f"Creating the checkpoint needs torch and transformers ({e}); "
              "pip install transformers torch==2.13.0 (the CPU wheel)")
-  transformers.utils.logging.set_verbosity_error()
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo's tests/
+  from tests.hf_fixtures import randomize_parameters  # pylint: disable=import-outside-toplevel
   torch.manual_seed(seed)
   config = transformers.Qwen2Config(**MODEL, rope_theta=ROPE_THETA, bos_token_id=1,
                                     eos_token_id=2, dtype="float32")
   model = transformers.Qwen2ForCausalLM(config)
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, param in model.named_parameters():
-      noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-      if "norm" in name:
-        param.copy_(1.0 + 0.1 * noise)
-      elif name.endswith(".bias"):
-        param.copy_(0.1 * noise)
-      else:
-        param.copy_(WEIGHT_SCALE * noise)
+  randomize_parameters(model, seed, scale=WEIGHT_SCALE)
   model.eval()
   path.mkdir(parents=True, exist_ok=True)
   model.save_pretrained(str(path))

@@ -341,17 +341,15 @@ def plan_packs(lengths: np.ndarray, buckets: tuple[int, ...],
   plan = []
   while remaining:
     length = own[remaining[0]]
+    group = [i for i in remaining if own[i] == length]
     mine = np.zeros_like(lengths)
-    mine[[i for i in remaining if own[i] == length]] = lengths[[i for i in remaining
-                                                                if own[i] == length]]
+    mine[group] = lengths[group]
     packs = pack_rows(mine, length)
     size = rows_of[length]
     packs += [[] for _ in range(-len(packs) % size)]
     free = [length - int(sum(lengths[i] for i in pack)) for pack in packs]
     left = []
-    for i in remaining:
-      if own[i] == length:
-        continue
+    for i in remaining[len(group):]:  # sorted longest first: the group leads
       k = next((k for k, room in enumerate(free) if room >= lengths[i]), None)
       if k is None:
         left.append(i)

@@ -601,6 +601,15 @@ class RolloutEngine:
         stats["draft_s"], stats["verify_s"] = spans[1], spans[2]
     return RolloutResult(tokens, logprobs, reasons, stats)
 
+  def _run_timed(self, stats: dict, stat: str, key: tuple, *args) -> DecodeState:
+    """Runs executable ``key`` on ``args`` to completion, adding its seconds to ``stats[stat]``
+    (compiling first, untimed, if it is not in the pool yet)."""
+    executable = self._executable(key)
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(executable(*args))
+    stats[stat] += time.perf_counter() - t0
+    return state
+
   def _run_chunk(self, prompts, chunk, args, stop_ids, tokens, logprobs, reasons, stats,
                  progress=None):
     cfg = self.config
@@ -615,12 +624,9 @@ class RolloutEngine:
       ids[slot, :len(prompts[i])] = prompts[i]
       lens[slot], row_id[slot] = len(prompts[i]), i
       group_id[slot] = groups.setdefault(tuple(prompts[i]), len(groups))  # same prompt, same group
-    prefill = self._executable(("prefill", batch, plen))
     kv_len = cfg.prefill_kv_len(plen)
-    t0 = time.perf_counter()
-    state = prefill(self._weights(), ids, lens, row_id, group_id, args)
-    jax.block_until_ready(state)
-    stats["prefill_s"] += time.perf_counter() - t0
+    state = self._run_timed(stats, "prefill_s", ("prefill", batch, plen), self._weights(), ids,
+                            lens, row_id, group_id, args)
     stop_set = set(stop_ids)
     steps_before = 0
     while True:
@@ -657,18 +663,11 @@ class RolloutEngine:
       if cfg.compaction and smaller < batch:
         index = np.full((smaller,), -1, np.int32)
         index[:live.size] = live
-        compact = self._executable(("compact", batch, smaller, kv_len))
-        t0 = time.perf_counter()
-        state = compact(state, index)
-        jax.block_until_ready(state)
-        stats["compact_s"] += time.perf_counter() - t0
+        state = self._run_timed(stats, "compact_s", ("compact", batch, smaller, kv_len), state,
+                                index)
         batch = smaller
       while int(cache_lens[live].max()) + cfg.step_slots > kv_len:  # a live row needs more room
         bigger = cfg.kv_lengths[cfg.kv_lengths.index(kv_len) + 1]
-        grow = self._executable(("grow", batch, kv_len, bigger))
-        t0 = time.perf_counter()
-        state = grow(state)
-        jax.block_until_ready(state)
-        stats["grow_s"] += time.perf_counter() - t0
+        state = self._run_timed(stats, "grow_s", ("grow", batch, kv_len, bigger), state)
         stats["grows"] += 1
         kv_len = bigger
