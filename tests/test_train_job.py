@@ -202,6 +202,7 @@ def test_help_lists_the_config_fields():
 
 @pytest.mark.parametrize("args, message", [
     (["--config.trainer.stepz=3"], "no such config field 'stepz'. Did you mean \"steps\""),
+    (["--config.rollout.kv_buckets=(64,)"], "no such config field 'kv_buckets'"),  # no close one
     (["--config.sft.steps=-5"], "config.sft: SFTConfig.steps must be an int >= 0"),
     (["--config=missing.py"], "no config file at missing.py"),
 ])

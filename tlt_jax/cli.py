@@ -8,6 +8,7 @@ traceback. Ctrl-C exits 130 with the message the job left (e.g. how to resume).
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 from typing import Callable
 
@@ -78,7 +79,10 @@ def main(doc: str, run: Callable, default_config: pathlib.Path, argv: list[str],
     message = " ".join(str(e).replace("\\'", "'").replace('\\"', '"').replace("\\n", " ").split())
     if len(message) > 1 and message[0] == message[-1] and message[0] in "'\"":
       message = message[1:-1]
-    if "Did you mean" in message:
+    # ml_collections names an unknown field, with a suggestion when one is close ("'stepz'. Did
+    # you mean ...") or alone ("'kv_buckets'")
+    unknown = isinstance(e, AttributeError) and re.fullmatch(r"'[\w.]+'", message)
+    if "Did you mean" in message or unknown:
       message = "no such config field " + message.replace(" Did", ". Did")
     _error(f"bad command line: {message}\n(--help lists the config fields)")
     return 2
