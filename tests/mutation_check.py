@@ -126,6 +126,17 @@ MUTANTS = [
            "return jnp.broadcast_to(causal[None], segments.shape + (t,))",
            ("tests/rl/test_update_buckets.py", "-k", "packed_logprobs_equal or sum_to_the_full"),
            "packed sequences attend across their boundaries"),
+    Mutant("reduced_vocab_draft_index_not_mapped", "tlt_jax/rollout/speculative.py",
+           "      return drafter.to_target_ids(index), jnp.exp(logq)",
+           "      return index.astype(jnp.int32), jnp.exp(logq)",
+           ("tests/rollout/test_lossless_deep.py", "-k", "chain-reduced"),
+           "a sampled draft from a reduced vocabulary is used as a target id without mapping"),
+    Mutant("reduced_vocab_loss_on_the_first_k_logits", "tlt_jax/drafter/train.py",
+           "    target_next_logits = jnp.take(target_next_logits, jnp.asarray(drafter.vocab_ids), "
+           "axis=-1)",
+           "    target_next_logits = target_next_logits[..., :len(drafter.vocab_ids)]",
+           ("tests/drafter/test_reduced_vocab.py", "-k", "renormalised"),
+           "the reduced drafter learns the target's first K logits instead of its subset's"),
 ]
 
 

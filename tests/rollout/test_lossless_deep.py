@@ -27,7 +27,11 @@ VOCAB, PROMPT, HORIZON, SAMPLES = 8, [1, 5, 2], 6, 32768
 WIDTHS = (1, 2, 3)  # windows of adjacent positions tested: 6 + 5 + 4 = 15 per case
 ALPHA = 1e-3  # false-alarm rate of one case (Bonferroni over its windows)
 STOP = 3  # ends about 45% of the rows within HORIZON tokens, never the prefill token
-STRATEGIES = {"chain": SpecConfig(3, 1, 4), "tree": SpecConfig(3, 2, 11)}
+STRATEGIES = {"chain": SpecConfig(3, 1, 4), "tree": SpecConfig(3, 2, 11),
+              "chain-reduced": SpecConfig(3, 1, 4), "tree-reduced": SpecConfig(3, 2, 11)}
+# A reduced draft vocabulary (EAGLE-3 / FR-Spec): the drafter never proposes tokens 0 and 7
+# (q = 0 there), yet the output law must stay the target's.
+DRAFT_VOCAB = (1, 2, 3, 4, 5, 6)
 CASES = {  # strategy, SamplingParams fields (none of which recompiles)
     "chain-plain": ("chain", dict(temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=())),
     "chain-topk-topp-stop": ("chain", dict(temperature=0.8, top_k=5, top_p=0.9,
@@ -35,6 +39,10 @@ CASES = {  # strategy, SamplingParams fields (none of which recompiles)
     "tree-plain": ("tree", dict(temperature=0.7, top_k=0, top_p=1.0, stop_token_ids=())),
     "tree-topk-topp-stop": ("tree", dict(temperature=0.8, top_k=5, top_p=0.9,
                                          stop_token_ids=(STOP,))),
+    "chain-reduced-stop": ("chain-reduced", dict(temperature=1.0, top_k=0, top_p=1.0,
+                                                 stop_token_ids=(STOP,))),
+    "tree-reduced-topk-topp": ("tree-reduced", dict(temperature=0.8, top_k=5, top_p=0.9,
+                                                    stop_token_ids=())),
 }
 
 
@@ -59,7 +67,9 @@ def setup():
 def engine_for(setup, strategy):
   target, _, engines = setup
   if strategy not in engines:
-    drafter = noisy_mirror(target) if strategy == "chain" else mirror_drafter(target)
+    drafter = noisy_mirror(target) if strategy.startswith("chain") else mirror_drafter(target)
+    if strategy.endswith("reduced"):
+      drafter.set_draft_vocab(target, DRAFT_VOCAB)
     engines[strategy] = RolloutEngine(target, drafter=drafter, config=EngineConfig(
         max_batch=4096, batch_buckets=(512, 4096), max_prompt_len=4, max_new_tokens=HORIZON,
         prefill_buckets=(4,), compaction=True, spec=STRATEGIES[strategy]))

@@ -90,11 +90,15 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: jax.Array, featu
   """The EAGLE loss of ``drafter`` on one aligned batch (see the module docstring).
 
   ``target_next_logits=None`` recomputes them with the target's LM head from the next features.
+  A drafter with a reduced vocabulary learns the target's distribution restricted to (and
+  renormalised over) its ``vocab_ids``; its top-1 agreement is measured within that subset.
   """
   attn_mask = None if segment_ids is None else segment_mask(segment_ids)
   out = drafter.forward(target, tokens, features, positions, attn_mask=attn_mask)
   if target_next_logits is None:
-    target_next_logits = target.lm_logits(target_next_features)
+    target_next_logits = drafter.target_logits(target, target_next_features)
+  elif drafter.vocab_ids is not None and target_next_logits.shape[-1] != len(drafter.vocab_ids):
+    target_next_logits = jnp.take(target_next_logits, jnp.asarray(drafter.vocab_ids), axis=-1)
   target_next_logits = jax.lax.stop_gradient(target_next_logits)
   target_next_features = jax.lax.stop_gradient(target_next_features)
   return eagle_loss(out.hidden, out.logits, target_next_features, target_next_logits, mask,

@@ -5,6 +5,13 @@ target's last hidden state (after its final norm) and ``embed`` the target's own
 decoder layer turns that into a prediction of ``h_{t+1}``, and the target's LM head turns the
 prediction into next-token logits. Embedding and LM head stay the target's (frozen, shared), so
 the drafter's trainable params are only ``fc`` and ``layer``. It keeps a one-layer KV cache.
+
+Reduced draft vocabulary (EAGLE-3 / FR-Spec): with ``draft_vocab_size=K`` the drafter has a head
+of its own over K target token ids (``vocab_ids``, typically the K most frequent tokens of the
+target's generations), initialised from the target's LM head rows of those tokens and trained
+with the rest. Drafting then costs ``H x K`` per position instead of ``H x V``. Its
+distribution ``q`` is zero outside the subset; verification still uses the target's full
+distribution, so decoding stays exact (a token outside the subset is simply never drafted).
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ from tlt_jax.models.transformer import (DecoderLayer, KVCache, Transformer, posi
 
 PARAMS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter_config.json"
+VOCAB_IDS_TENSOR = "vocab_ids"
+DRAFT_VOCAB_KEY = "draft_vocab_size"
 
 
 class DrafterOutput(NamedTuple):
-  logits: jax.Array  # [B, T, V] float32, through the target's LM head
+  logits: jax.Array  # [B, T, V] float32 via the target's LM head, or [B, T, K] over vocab_ids
   hidden: jax.Array  # [B, T, H] predicted next target feature
   cache: KVCache | None  # the drafter's one-layer cache with the new keys written
 
@@ -35,17 +44,74 @@ class DrafterOutput(NamedTuple):
 class Drafter(nnx.Module):
   """One decoder layer fed with ``fc(concat(embed(token), target_feature))``."""
 
-  def __init__(self, target_config: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, target_config: ModelConfig, *, rngs: nnx.Rngs,
+               draft_vocab_size: int | None = None):
     self.config = target_config
     h, dt = target_config.hidden_size, target_config.jnp_dtype
     self.fc = nnx.Linear(2 * h, h, use_bias=True, dtype=dt, param_dtype=dt,
                          kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
     self.layer = DecoderLayer(target_config, rngs)
+    self.head = nnx.data(None)
+    # The reduced vocabulary's target ids: static (part of the graph definition, a compile-time
+    # constant), so the drafter's state stays trainable params only.
+    self.vocab_ids: tuple[int, ...] | None = None
+    if draft_vocab_size is not None:
+      k = int(draft_vocab_size)
+      if not 1 <= k <= target_config.vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {target_config.vocab_size}] (the "
+                         f"target's vocabulary), got {draft_vocab_size}")
+      self.head = nnx.Linear(h, k, use_bias=False, dtype=dt, param_dtype=dt,
+                             kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+      self.vocab_ids = tuple(range(k))
 
   @classmethod
-  def create(cls, target_config: ModelConfig, seed: int = 0) -> "Drafter":
-    """A randomly initialised drafter sized for ``target_config``."""
-    return cls(target_config, rngs=nnx.Rngs(seed))
+  def create(cls, target_config: ModelConfig, seed: int = 0,
+             draft_vocab_size: int | None = None) -> "Drafter":
+    """A randomly initialised drafter sized for ``target_config`` (full or reduced vocab)."""
+    return cls(target_config, rngs=nnx.Rngs(seed), draft_vocab_size=draft_vocab_size)
+
+  @property
+  def draft_vocab_size(self) -> int | None:
+    """K when the drafter has a reduced vocabulary, else None (it drafts over the full one)."""
+    return None if self.vocab_ids is None else len(self.vocab_ids)
+
+  def set_draft_vocab(self, target: Transformer, token_ids) -> None:
+    """Reduces the drafter's vocabulary to ``token_ids`` (distinct target ids), its head
+    initialised from the target's LM head rows of those tokens."""
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    v = self.config.vocab_size
+    if ids.size == 0 or len(np.unique(ids)) != ids.size or ids.min() < 0 or ids.max() >= v:
+      raise ValueError(f"draft vocabulary must be distinct target ids in [0, {v}), got "
+                       f"{ids.size} ids (distinct: {len(np.unique(ids))}, range "
+                       f"{ids.min() if ids.size else None}..{ids.max() if ids.size else None})")
+    rows = target_head_rows(target, jnp.asarray(ids, jnp.int32))  # [K, H]
+    dt = self.config.jnp_dtype
+    self.head = nnx.Linear(self.config.hidden_size, ids.size, use_bias=False, dtype=dt,
+                           param_dtype=dt, rngs=nnx.Rngs(0))
+    self.head.kernel.set_value(jnp.asarray(rows.T, dt))
+    self.vocab_ids = tuple(int(i) for i in ids)
+
+  def to_target_ids(self, index: jax.Array) -> jax.Array:
+    """Target token ids of draft-vocabulary indices (the identity for a full-vocab drafter)."""
+    if self.vocab_ids is None:
+      return index.astype(jnp.int32)
+    return jnp.take(jnp.asarray(self.vocab_ids, jnp.int32), index)
+
+  def to_target_probs(self, probs: jax.Array) -> jax.Array:
+    """``[..., K]`` draft-vocabulary probabilities as ``[..., V]`` over target ids (zero outside
+    the subset); the identity for a full-vocab drafter."""
+    if self.vocab_ids is None:
+      return probs
+    full = jnp.zeros(probs.shape[:-1] + (self.config.vocab_size,), probs.dtype)
+    return full.at[..., jnp.asarray(self.vocab_ids, jnp.int32)].set(probs)
+
+  def target_logits(self, target: Transformer, hidden: jax.Array) -> jax.Array:
+    """The target's LM head on ``hidden`` over the drafter's vocabulary (float32): the full
+    vocabulary, or only the ``vocab_ids`` columns (the training signal of a reduced head)."""
+    if self.vocab_ids is None:
+      return target.lm_logits(hidden)
+    rows = target_head_rows(target, jnp.asarray(self.vocab_ids, jnp.int32))  # [K, H]
+    return jnp.einsum("...h,kh->...k", hidden.astype(rows.dtype), rows).astype(jnp.float32)
 
   @classmethod
   def from_target_layer(cls, target: Transformer, layer: int = 0, seed: int = 0) -> "Drafter":
@@ -75,7 +141,31 @@ class Drafter(nnx.Module):
     kv = (cache.k[0], cache.v[0]) if cache is not None else None
     x, (k, v) = self.layer(x, positions, rope_inv_freq(self.config), mask, kv, lengths)
     new_cache = KVCache((k,), (v,), cache.lengths) if cache is not None else None
-    return DrafterOutput(target.lm_logits(x), x, new_cache)
+    logits = target.lm_logits(x) if self.head is None else self.head(x).astype(jnp.float32)
+    return DrafterOutput(logits, x, new_cache)
+
+
+def target_head_rows(target: Transformer, ids: jax.Array) -> jax.Array:
+  """Rows ``[K, H]`` of the target's LM head (the embedding when tied) for token ``ids``."""
+  if target.config.tie_word_embeddings:
+    return jnp.take(target.embed_tokens.embedding.get_value(), ids, axis=0)
+  return jnp.take(target.lm_head.kernel.get_value(), ids, axis=1).T
+
+
+def token_frequencies(sequences, vocab_size: int) -> np.ndarray:
+  """Counts ``[V]`` of each token id over ``sequences`` (lists of ids)."""
+  counts = np.zeros(vocab_size, np.int64)
+  for seq in sequences:
+    np.add.at(counts, np.asarray(seq, np.int64), 1)
+  return counts
+
+
+def most_frequent_ids(counts: np.ndarray, k: int, always=()) -> np.ndarray:
+  """The ``k`` most frequent ids (ties by lower id), with ``always`` (e.g. stop ids) included."""
+  always = [int(i) for i in always if i is not None]
+  order = np.lexsort((np.arange(counts.size), -counts))
+  chosen = list(dict.fromkeys(always + [int(i) for i in order]))[:k]
+  return np.asarray(sorted(chosen), np.int32)
 
 
 def save_drafter(drafter: Drafter, path: str | Path) -> None:
@@ -86,8 +176,12 @@ def save_drafter(drafter: Drafter, path: str | Path) -> None:
   path.mkdir(parents=True, exist_ok=True)
   flat = nnx.to_flat_state(nnx.state(drafter, nnx.Param))
   tensors = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in flat}
+  config = hf.config_to_hf(drafter.config)
+  if drafter.vocab_ids is not None:
+    tensors[VOCAB_IDS_TENSOR] = np.asarray(drafter.vocab_ids, np.int32)
+    config[DRAFT_VOCAB_KEY] = drafter.draft_vocab_size
   save_file(tensors, str(path / PARAMS_FILE))
-  (path / CONFIG_FILE).write_text(json.dumps(hf.config_to_hf(drafter.config), indent=2))
+  (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
 
 def load_drafter(path: str | Path, target_config: ModelConfig | None = None) -> Drafter:
@@ -98,15 +192,28 @@ def load_drafter(path: str | Path, target_config: ModelConfig | None = None) -> 
   for name in (PARAMS_FILE, CONFIG_FILE):
     if not (path / name).is_file():
       raise FileNotFoundError(f"No {name} in {path}: not a drafter saved by save_drafter")
-  config = hf.config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
+  raw_config = json.loads((path / CONFIG_FILE).read_text())
+  draft_vocab_size = raw_config.get(DRAFT_VOCAB_KEY)
+  config = hf.config_from_hf(raw_config)
   if target_config is not None:
     for field in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim"):
       if getattr(config, field) != getattr(target_config, field):
         raise ValueError(f"drafter at {path} was made for {field}={getattr(config, field)}, "
                          f"but the target has {field}={getattr(target_config, field)}")
     config = target_config
-  drafter = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))
+  drafter = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0),
+                                           draft_vocab_size=draft_vocab_size))
   tensors = load_file(str(path / PARAMS_FILE))
+  if draft_vocab_size is not None:
+    ids = tensors.get(VOCAB_IDS_TENSOR)
+    if ids is None or ids.shape != (draft_vocab_size,):
+      raise ValueError(f"drafter checkpoint {path} declares {DRAFT_VOCAB_KEY}="
+                       f"{draft_vocab_size} but its {VOCAB_IDS_TENSOR!r} tensor is "
+                       f"{'missing' if ids is None else f'of shape {ids.shape}'}")
+    if ids.min() < 0 or ids.max() >= config.vocab_size or len(np.unique(ids)) != ids.size:
+      raise ValueError(f"drafter checkpoint {path}: {VOCAB_IDS_TENSOR!r} must hold distinct "
+                       f"ids in [0, {config.vocab_size})")
+    drafter.vocab_ids = tuple(int(i) for i in ids)
   flat = nnx.to_flat_state(nnx.state(drafter, nnx.Param))
   for p, var in flat:
     name = ".".join(map(str, p))

@@ -93,8 +93,19 @@ class Draft(NamedTuple):
   depth: jax.Array  # [B, N] 0 for the root
   parent: jax.Array  # [B, N] node index of the parent (root: 0)
   children: jax.Array  # [B, N, topk] node indices of the children, -1 where none
-  draft_probs: jax.Array | None  # chain only: [B, depth, V] the distributions drafts came from
+  draft_probs: jax.Array | None  # chain only: [B, depth, K] the distributions drafts came from
   draft_len: jax.Array  # [B] usable draft levels (a chain may propose fewer than depth)
+  # [K] target ids of draft_probs' last axis (a reduced draft vocabulary); None: K = V, identity
+  vocab_ids: jax.Array | None = None
+
+
+def draft_probs_over_target(draft: Draft, level: int, vocab_size: int) -> jax.Array:
+  """The chain's level-``level`` draft distribution ``[B, V]`` over target ids (zero outside a
+  reduced draft vocabulary)."""
+  q = draft.draft_probs[:, level]
+  if draft.vocab_ids is None:
+    return q
+  return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[:, draft.vocab_ids].set(q)
 
 
 def pick_positions(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -109,7 +120,8 @@ def _keys(args: SamplerArgs, rows, positions, tag: int):
   return jax.vmap(fold)(rows, positions)
 
 
-def chain_tree(tokens: jax.Array, root: jax.Array, draft_probs, draft_len) -> Draft:
+def chain_tree(tokens: jax.Array, root: jax.Array, draft_probs, draft_len,
+               vocab_ids: jax.Array | None = None) -> Draft:
   """Wraps a chain of drafts ``[B, D]`` after ``root [B]`` as a (linear) ``Draft``."""
   b, d = tokens.shape
   n = d + 1
@@ -119,22 +131,23 @@ def chain_tree(tokens: jax.Array, root: jax.Array, draft_probs, draft_len) -> Dr
                depth=jnp.broadcast_to(idx, (b, n)),
                parent=jnp.broadcast_to(jnp.maximum(idx - 1, 0), (b, n)),
                children=jnp.broadcast_to(children, (b, n, 1)),
-               draft_probs=draft_probs, draft_len=draft_len)
+               draft_probs=draft_probs, draft_len=draft_len, vocab_ids=vocab_ids)
 
 
 def draft_chain(target: Transformer, drafter: Drafter, dcache: KVCache, feature, logits,
                 root, args: SamplerArgs, rows, gen_pos, depth: int) -> Draft:
   """Drafts ``depth`` tokens one at a time; sampled from the filtered drafter distribution,
-  or its argmax when greedy. ``feature``/``logits`` are the drafter outputs for the root."""
+  or its argmax when greedy. ``feature``/``logits`` are the drafter outputs for the root (over
+  its draft vocabulary; drafted tokens are mapped to target ids)."""
   dl = dcache.lengths
 
   def run(greedy: bool):
     def pick(lg, i):
       if greedy:
-        return jnp.argmax(lg, -1).astype(jnp.int32), jnp.zeros_like(lg)
+        return drafter.to_target_ids(jnp.argmax(lg, -1)), jnp.zeros_like(lg)
       logq = filtered_logprobs(lg, args.temperature, args.top_k, args.top_p)
-      tok = jax.vmap(jax.random.categorical)(_keys(args, rows, gen_pos + i, _DRAFT), logq)
-      return tok.astype(jnp.int32), jnp.exp(logq)
+      index = jax.vmap(jax.random.categorical)(_keys(args, rows, gen_pos + i, _DRAFT), logq)
+      return drafter.to_target_ids(index), jnp.exp(logq)
 
     def step(carry, i):
       feat, lg, cache = carry
@@ -151,7 +164,8 @@ def draft_chain(target: Transformer, drafter: Drafter, dcache: KVCache, feature,
     return toks, probs
 
   toks, probs = lax.cond(args.temperature <= 0, lambda: run(True), lambda: run(False))
-  return chain_tree(toks, root, probs, jnp.full(root.shape, depth, jnp.int32))
+  vocab_ids = None if drafter.vocab_ids is None else jnp.asarray(drafter.vocab_ids, jnp.int32)
+  return chain_tree(toks, root, probs, jnp.full(root.shape, depth, jnp.int32), vocab_ids)
 
 
 def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, logits, root,
@@ -165,6 +179,7 @@ def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, 
   slot = jnp.arange(dcache.max_len)[None, :]
 
   lp, tok = lax.top_k(jax.nn.log_softmax(logits, -1), k)  # [B, k]
+  tok = drafter.to_target_ids(tok)
   cand_tok, cand_score = [tok], [lp]
   cand_parent = [jnp.full((b, k), -1, jnp.int32)]
   cand_depth = [jnp.ones((b, k), jnp.int32)]
@@ -184,6 +199,7 @@ def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, 
                           cache=cache.with_lengths(dl + (level - 1) * k), cache_mask=mask)
     cache = out.cache
     child_lp, child_tok = lax.top_k(jax.nn.log_softmax(out.logits, -1), k)  # [B, k, k]
+    child_tok = drafter.to_target_ids(child_tok)
     child_score = (f_score[:, :, None] + child_lp).reshape(b, k * k)
     cand_tok.append(child_tok.reshape(b, k * k))
     cand_score.append(child_score)
@@ -279,7 +295,7 @@ def _walk(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, spe
         chosen = jnp.where(ok & (tok == argmax_here), child, chosen)
         continue
       if draft.draft_probs is not None:  # chain: rejection against the drafter's q
-        q = draft.draft_probs[:, level]
+        q = draft_probs_over_target(draft, level, residual.shape[-1])
         q_tok = jnp.take_along_axis(q, tok[:, None], 1)[:, 0]
         p_tok = jnp.take_along_axis(residual, tok[:, None], 1)[:, 0]
         accept_prob = jnp.minimum(1.0, p_tok / jnp.maximum(q_tok, 1e-30))
