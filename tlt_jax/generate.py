@@ -1,12 +1,14 @@
 """Generation: completes prompts with the rollout engine and prints completions and statistics.
 
   python -m tlt_jax.generate [--config=CONFIG_FILE] [--config.<field>=VALUE ...]
-                             [--prompt TEXT [--prompt TEXT ...]] [--verbose]
+                             [--prompt TEXT [--prompt TEXT ...]] [--chat] [--verbose]
 
-The model is a local checkpoint directory (``--config.model.path``: an HF directory, or a
-trained main job's ``<logdir>/final_model``, whose tokenizer is saved beside the weights) or,
-by default, an embedded tiny preset with random weights. Without ``--prompt``, small arithmetic
-questions are generated. The tokenizer's BOS id, if it has one, starts every prompt.
+The model is a local checkpoint (``--config.model.path``: an HF directory, a trained main job's
+``<logdir>/final_model``, whose tokenizer is saved beside the weights, or a ``.gguf`` file, which
+holds its tokenizer) or, by default, an embedded tiny preset with random weights. Without
+``--prompt``, small arithmetic questions are generated. The tokenizer's BOS id, if it has one,
+starts every prompt; with ``--chat`` each prompt is instead a user message rendered with the
+tokenizer's chat template.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ def build_model(cfg):
   if model_cfg.path:
     from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
     path = pathlib.Path(model_cfg.path)
-    if not path.is_dir():
-      raise ConfigError(f"config.model.path {path} is not a directory (expected a checkpoint "
-                        "directory with config.json and *.safetensors)")
+    is_gguf = path.suffix.lower() == ".gguf"
+    if not (path.is_dir() or (is_gguf and path.is_file())):
+      raise ConfigError(f"config.model.path {path} is not a directory or a .gguf file (expected "
+                        "a checkpoint directory with config.json and *.safetensors, or a GGUF "
+                        "file)")
     model, _ = hf.from_pretrained(path, dtype=model_cfg.dtype)
     try:
       tokenizer = load_tokenizer(path)
@@ -60,17 +64,24 @@ def demo_prompts(n: int, seed: int) -> list[str]:
   return [f"{rng.integers(1, 10**rng.integers(1, 5))}+{rng.integers(1, 999)}=?" for _ in range(n)]
 
 
-def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
-  """Token ids of each text, after the tokenizer's BOS id when it has one."""
+def encode_prompts(tokenizer, texts: list[str], chat: bool = False) -> list[list[int]]:
+  """Token ids of each text, after the tokenizer's BOS id when it has one; with ``chat``, each
+  text is a user message rendered with the chat template (which writes its own BOS, if any)."""
   if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
     raise TypeError(f"prompts must be a list of strings, got {texts!r:.80}")
+  if chat:
+    if not hasattr(tokenizer, "apply_chat_template"):
+      raise ValueError(f"--chat needs a tokenizer with a chat template; {type(tokenizer).__name__} "
+                       "has none")
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]))
+            for t in texts]
   bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
   return [bos + tokenizer.encode(t) for t in texts]
 
 
-def run(cfg, overrides=None, prompts: list[str] | None = None) -> dict:
-  """Generates for ``prompts`` (default: ``cfg.num_prompts`` demo questions); returns the engine
-  statistics plus the completions (``texts``)."""
+def run(cfg, overrides=None, prompts: list[str] | None = None, chat: bool = False) -> dict:
+  """Generates for ``prompts`` (default: ``cfg.num_prompts`` demo questions; ``chat``: as user
+  messages in the chat template); returns the engine statistics plus the completions (``texts``)."""
   del overrides  # generation has no saved run to resume
   check_keys(cfg, {"seed", "num_prompts", "model", "rollout", "sampling"}, "")
   model, tokenizer = build_model(cfg)
@@ -80,7 +91,7 @@ def run(cfg, overrides=None, prompts: list[str] | None = None) -> dict:
                                pad_token_id=tokenizer.pad_token_id or 0)
   sampling = to_dataclass(SamplingParams, section(cfg, "sampling"), "sampling", seed=cfg.seed)
   texts = list(prompts) if prompts else demo_prompts(cfg.num_prompts, cfg.seed)
-  ids = encode_prompts(tokenizer, texts)
+  ids = encode_prompts(tokenizer, texts, chat=chat)
   engine = RolloutEngine(model, config=engine_config)
   if precompile:
     n = engine.precompile()
@@ -102,7 +113,9 @@ def run(cfg, overrides=None, prompts: list[str] | None = None) -> dict:
 
 def _prompt_flag() -> dict:
   from absl import flags  # pylint: disable=import-outside-toplevel
-  return {"prompts": flags.DEFINE_multi_string("prompt", None, "a prompt text (repeatable)")}
+  return {"prompts": flags.DEFINE_multi_string("prompt", None, "a prompt text (repeatable)"),
+          "chat": flags.DEFINE_bool("chat", False, "send each prompt as a user message in the "
+                                    "tokenizer's chat template")}
 
 
 if __name__ == "__main__":

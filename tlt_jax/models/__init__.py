@@ -1,14 +1,15 @@
-"""Models: the Qwen2/Llama-family transformer, its config, HF checkpoints, tokenizers, drafter.
+"""Models: the Qwen2/Llama-family transformer, its config, HF / GGUF checkpoints, tokenizers, drafter.
 
 The names most code needs are importable from here::
 
-  from tlt_jax.models import from_pretrained, save_pretrained, ModelConfig, Transformer
+  from tlt_jax.models import from_pretrained, load_tokenizer, ModelConfig, Transformer
 """
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter, load_drafter, save_drafter
 from tlt_jax.models.hf import from_pretrained, save_pretrained
+from tlt_jax.models.tokenizer import load_tokenizer
 from tlt_jax.models.transformer import KVCache, Transformer, init_model
 
 __all__ = ["Drafter", "KVCache", "ModelConfig", "Transformer", "from_pretrained", "init_model",
-           "load_drafter", "save_drafter", "save_pretrained"]
+           "load_drafter", "load_tokenizer", "save_drafter", "save_pretrained"]

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint I/O: ``config.json`` <-> ``ModelConfig`` and safetensors <-> NNX params.
 
 Reads local Qwen2 / Llama directories (one ``model.safetensors`` or shards listed in
-``model.safetensors.index.json``) and writes directories that ``transformers`` loads.
+``model.safetensors.index.json``), or ``.gguf`` files (via ``tlt_jax.models.gguf``), and writes
+directories that ``transformers`` loads.
 Torch is never needed: tensors go through ``safetensors`` with numpy (bf16 via ``ml_dtypes``).
 """
 
@@ -287,9 +288,14 @@ def from_pretrained(path: str | Path, dtype: str | None = None, *,
                     strict: bool = True) -> tuple[Transformer, ModelConfig]:
   """Loads a local HF Qwen2/Llama directory as a ``Transformer``; ``dtype`` overrides the config's.
 
+  A ``.gguf`` file (llama.cpp's format) is loaded by :func:`tlt_jax.models.gguf.load_gguf`
+  instead: dequantized to ``dtype`` (default float32).
   Every param is set from the checkpoint; ``strict`` rejects unknown (non-harmless) tensors.
   """
   path = Path(path)
+  if path.suffix.lower() == ".gguf" and not path.is_dir():
+    from tlt_jax.models.gguf import load_gguf  # pylint: disable=import-outside-toplevel
+    return load_gguf(path, dtype=dtype, strict=strict)
   hf_config = read_hf_config(path)  # its own errors name the file
   try:
     config = config_from_hf(hf_config, dtype=dtype)
