@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import pathlib
+import sys
 import statistics
 import time
 
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # experiments.*
 from experiments.bench_sd import (forward_cost, heatmap, ints, measure, phase_split,
                                   tree_for)
 from experiments.train_drafter_smollm2 import chat_prompts, default_model, task_questions

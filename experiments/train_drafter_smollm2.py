@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import time
 
 import jax
@@ -33,6 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # experiments.*
 from experiments.train_drafter_offline import evaluate
 from tlt_jax.drafter.train import (DrafterBatch, make_batch_from_sequences, make_eval_step,
                                    make_optimizer, make_train_step, split_drafter)
@@ -98,15 +100,15 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default=None, help="a .gguf file or HF dir (default: SmolLM2)")
   parser.add_argument("--out", default="experiments/out/smollm2_drafter")
-  parser.add_argument("--prompts", type=int, default=640)
+  parser.add_argument("--prompts", type=int, default=384)
   parser.add_argument("--eval-prompts", type=int, default=64)
   parser.add_argument("--max-new-tokens", type=int, default=256)
   parser.add_argument("--temperature", type=float, default=0.7,
                       help="a third of the training prompts are sampled at this temperature")
-  parser.add_argument("--draft-vocab", type=int, default=8192, help="0: the full vocabulary")
+  parser.add_argument("--draft-vocab", type=int, default=4096, help="0: the full vocabulary")
   parser.add_argument("--row-len", type=int, default=512)
   parser.add_argument("--batch-rows", type=int, default=4)
-  parser.add_argument("--steps", type=int, default=1200)
+  parser.add_argument("--steps", type=int, default=600)
   parser.add_argument("--lr", type=float, default=1e-3)
   parser.add_argument("--log-every", type=int, default=100)
   parser.add_argument("--seed", type=int, default=0)
@@ -124,12 +126,27 @@ def main():
       max_batch=32, max_prompt_len=longest, max_new_tokens=a.max_new_tokens,
       pad_token_id=tokenizer.pad_token_id or 0))
   t0 = time.perf_counter()
-  print(f"generating {len(train_prompts)} train + {len(eval_prompts)} held-out completions "
-        f"(prompts up to {longest} tokens)", flush=True)
-  train_seqs, train_plens, gen_stats = generate(
-      engine, train_prompts, a.max_new_tokens, (0.0, 0.0, a.temperature), a.seed, stop_ids)
-  eval_seqs, eval_plens, eval_stats = generate(
-      engine, eval_prompts, a.max_new_tokens, (0.0,), a.seed + 1, stop_ids)
+  data_file = pathlib.Path(a.out) / "generations.json"  # reused by a rerun with the same args
+  data_key = dict(model=str(model_path), prompts=a.prompts, eval_prompts=a.eval_prompts,
+                  max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
+  cached = json.loads(data_file.read_text()) if data_file.is_file() else None
+  if cached is not None and cached["key"] == data_key:
+    print(f"reusing the generations in {data_file}", flush=True)
+    train_seqs, train_plens, gen_stats = (cached["train"], cached["train_prompt_lens"],
+                                          cached["stats"])
+    eval_seqs, eval_plens, eval_stats = (cached["eval"], cached["eval_prompt_lens"],
+                                         cached["eval_stats"])
+  else:
+    print(f"generating {len(train_prompts)} train + {len(eval_prompts)} held-out completions "
+          f"(prompts up to {longest} tokens)", flush=True)
+    train_seqs, train_plens, gen_stats = generate(
+        engine, train_prompts, a.max_new_tokens, (0.0, 0.0, a.temperature), a.seed, stop_ids)
+    eval_seqs, eval_plens, eval_stats = generate(
+        engine, eval_prompts, a.max_new_tokens, (0.0,), a.seed + 1, stop_ids)
+    data_file.parent.mkdir(parents=True, exist_ok=True)
+    data_file.write_text(json.dumps(dict(
+        key=data_key, train=train_seqs, train_prompt_lens=train_plens, stats=gen_stats,
+        eval=eval_seqs, eval_prompt_lens=eval_plens, eval_stats=eval_stats)))
   generate_s = time.perf_counter() - t0
 
   vocab_ids = None

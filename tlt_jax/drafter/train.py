@@ -162,19 +162,24 @@ def layout_rows(sequences: Sequence[Sequence[int]], seq_len: int, *, pack: bool 
   return ids, positions, segments, trained
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=(0, 5))
 def _target_features(graphdef: nnx.GraphDef, params: nnx.State, ids: jax.Array,
-                     positions: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The target's last-layer features and logits over rows of (packed) sequences."""
+                     positions: jax.Array, segment_ids: jax.Array, with_logits: bool = True
+                     ) -> tuple[jax.Array, jax.Array | None]:
+  """The target's last-layer features (and logits) over rows of (packed) sequences."""
   target = nnx.merge(graphdef, params)
   out = target.forward(ids, positions, attn_mask=segment_mask(segment_ids), return_hidden=True)
-  return out.hidden, out.logits
+  return out.hidden, (out.logits if with_logits else None)  # unused logits are never computed
 
 
 def target_features(target: Transformer, ids: np.ndarray, positions: np.ndarray,
-                    segment_ids: np.ndarray, rows_per_call: int = 16
-                    ) -> tuple[np.ndarray, np.ndarray]:
-  """Runs the frozen target over rows in fixed-size chunks (one compile per row length)."""
+                    segment_ids: np.ndarray, rows_per_call: int = 16, *, with_logits: bool = True
+                    ) -> tuple[np.ndarray, np.ndarray | None]:
+  """Runs the frozen target over rows in fixed-size chunks (one compile per row length).
+
+  ``with_logits=False`` never computes the ``[rows, T, V]`` logits: on a real vocabulary they
+  are ~200 KB a token (SmolLM2), far more than the features.
+  """
   graphdef, params = nnx.split(target)
   n = ids.shape[0]
   chunk = min(rows_per_call, n)
@@ -184,10 +189,11 @@ def target_features(target: Transformer, ids: np.ndarray, positions: np.ndarray,
     pad = chunk - (stop - start)
     part = [np.concatenate([x[start:stop], np.zeros((pad,) + x.shape[1:], x.dtype)])
             for x in (ids, positions, segment_ids)]
-    h, z = jax.device_get(_target_features(graphdef, params, *part))
+    h, z = jax.device_get(_target_features(graphdef, params, *part, with_logits))
     hidden.append(h[:stop - start])
-    logits.append(z[:stop - start])
-  return np.concatenate(hidden), np.concatenate(logits)
+    if with_logits:
+      logits.append(z[:stop - start])
+  return np.concatenate(hidden), (np.concatenate(logits) if with_logits else None)
 
 
 def make_batch_from_sequences(target: Transformer, sequences: Sequence[Sequence[int]],
@@ -205,7 +211,8 @@ def make_batch_from_sequences(target: Transformer, sequences: Sequence[Sequence[
     raise ValueError(f"{len(prompt_lens)} prompt_lens for {len(sequences)} sequences")
   ids, positions, segments, trained = layout_rows(sequences, seq_len, pack=pack,
                                                   prompt_lens=prompt_lens)
-  hidden, logits = target_features(target, ids, positions, segments, rows_per_call)
+  hidden, logits = target_features(target, ids, positions, segments, rows_per_call,
+                                   with_logits=with_logits)
   shift = lambda x: np.concatenate([x[:, 1:], np.zeros_like(x[:, :1])], axis=1)
   next_segments = shift(segments)
   mask = (segments > 0) & (next_segments == segments) & trained
