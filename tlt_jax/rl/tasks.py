@@ -50,6 +50,18 @@ class Task(Protocol):
   def reward(self, problem: Problem, completion: str) -> float: ...
 
 
+def chat_prompt(tokenizer, text: str) -> str:
+  """``text`` as one user message in the tokenizer's chat template, ending in the generation
+  prompt (where the assistant's answer starts); encode the result with ``tokenizer.encode``,
+  without a BOS of its own (the template writes whatever the model expects)."""
+  render = getattr(tokenizer, "apply_chat_template", None)
+  if not callable(render):
+    raise ValueError(f"a {type(tokenizer).__name__} has no chat template; chat-formatted prompts "
+                     "need a model's own tokenizer (an HF directory or a .gguf file), or set "
+                     "task.chat_template=False")
+  return render([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
 def extract_answer(completion: str) -> str | None:
   """The text after the last answer mark (``#``), stripped; None if there is no mark."""
   at = completion.rfind(ANSWER_MARK)

@@ -33,10 +33,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax import checkpoint as ckpt
-from tlt_jax.models.tokenizer import CharTokenizer
+from tlt_jax.models.tokenizer import Tokenizer
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rl import grpo
-from tlt_jax.rl.tasks import Problem
+from tlt_jax.rl.tasks import Problem, chat_prompt
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils import require_positive_ints
@@ -411,12 +411,15 @@ def check_update_layout(config: TrainerConfig, grpo_config: grpo.GRPOConfig, dev
 class GRPOTrainer:
   """Owns the policy params, optimizer state and rollout engine; ``step()`` runs one RL step."""
 
-  def __init__(self, model: Transformer, tokenizer: CharTokenizer, task, engine_config: EngineConfig,
+  def __init__(self, model: Transformer, tokenizer: Tokenizer, task, engine_config: EngineConfig,
                grpo_config: grpo.GRPOConfig, config: TrainerConfig, mesh: Mesh | None = None,
-               drafter=None):
+               drafter=None, chat_template: bool = False):
     """``drafter`` (a ``Drafter`` or ``NgramConfig``) makes rollouts speculative; being lossless,
-    it changes their speed, never what is sampled."""
+    it changes their speed, never what is sampled. ``chat_template``: prompts are the task's
+    prompt text as a user message in the tokenizer's chat template (``tasks.chat_prompt``)
+    instead of ``<bos> + text``."""
     self.tokenizer, self.task, self.config, self.grpo_config = tokenizer, task, config, grpo_config
+    self.chat_template = chat_template
     self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("data",))
     check_update_layout(config, grpo_config, self.mesh.size)
     if config.max_new_tokens > engine_config.max_new_tokens:
@@ -468,12 +471,17 @@ class GRPOTrainer:
                             self.config.prompts_per_step)
 
   def encode_prompt(self, problem: Problem) -> list[int]:
-    return [self.tokenizer.bos_token_id] + self.tokenizer.encode(problem.prompt)
+    """The prompt's ids: its chat-formatted text (``chat_template``), else BOS (if the tokenizer
+    has one) and its text."""
+    if self.chat_template:
+      return self.tokenizer.encode(chat_prompt(self.tokenizer, problem.prompt))
+    bos = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
+    return bos + self.tokenizer.encode(problem.prompt)
 
   def make_batch(self, prompts, completions, logprobs, advantages) -> dict[str, np.ndarray]:
     """Fixed-shape arrays: ids ``[N, L]``, and per predicted token ``[N, L-1]`` mask/old logprobs."""
     n, length = len(prompts), self.seq_len
-    ids = np.full((n, length), self.tokenizer.pad_token_id, np.int32)
+    ids = np.full((n, length), self.engine.config.pad_token_id, np.int32)
     mask = np.zeros((n, length - 1), np.float32)
     old = np.zeros((n, length - 1), np.float32)
     for i, (prompt, comp, lp) in enumerate(zip(prompts, completions, logprobs)):
@@ -580,7 +588,7 @@ class GRPOTrainer:
       size = self.update_rows[length]
       accumulate = self._compiled(("accumulate", length))
       for micro in packed_microbatches(mini, packs, length, size, self.grpo_config.loss_agg,
-                                       self.tokenizer.pad_token_id):
+                                       self.engine.config.pad_token_id):
         acc = accumulate(self.params, self.ref_params, acc, micro, total_tokens)
         tokens, passes = tokens + size * length, passes + 1
     self.params, self.opt_state, metrics = self._compiled(("apply",))(self.params,

