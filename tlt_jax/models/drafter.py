@@ -111,7 +111,8 @@ class Drafter(nnx.Module):
     if self.vocab_ids is None:
       return target.lm_logits(hidden)
     rows = target_head_rows(target, jnp.asarray(self.vocab_ids, jnp.int32))  # [K, H]
-    return jnp.einsum("...h,kh->...k", hidden.astype(rows.dtype), rows).astype(jnp.float32)
+    return jnp.einsum("...h,kh->...k", hidden.astype(rows.dtype), rows,
+                      preferred_element_type=jnp.float32)
 
   @classmethod
   def from_target_layer(cls, target: Transformer, layer: int = 0, seed: int = 0) -> "Drafter":
@@ -141,7 +142,11 @@ class Drafter(nnx.Module):
     kv = (cache.k[0], cache.v[0]) if cache is not None else None
     x, (k, v) = self.layer(x, positions, rope_inv_freq(self.config), mask, kv, lengths)
     new_cache = KVCache((k,), (v,), cache.lengths) if cache is not None else None
-    logits = target.lm_logits(x) if self.head is None else self.head(x).astype(jnp.float32)
+    if self.head is None:
+      logits = target.lm_logits(x)
+    else:  # accumulated in float32, like the target's head
+      logits = jnp.einsum("...h,hk->...k", x, self.head.kernel.get_value(),
+                          preferred_element_type=jnp.float32)
     return DrafterOutput(logits, x, new_cache)
 
 

@@ -238,12 +238,13 @@ class Transformer(nnx.Module):
     return self.embed_tokens(input_ids)
 
   def lm_logits(self, hidden: jax.Array) -> jax.Array:
-    """The LM head on final-normed hidden states, in float32."""
+    """The LM head on final-normed hidden states, accumulated and returned in float32 (a bf16
+    model would otherwise round its logits to bf16, whose ties can flip a greedy argmax)."""
     if self.config.tie_word_embeddings:
-      logits = self.embed_tokens.attend(hidden)
-    else:
-      logits = self.lm_head(hidden)
-    return logits.astype(jnp.float32)
+      return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens.embedding.get_value(),
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel.get_value(),
+                      preferred_element_type=jnp.float32)
 
   def forward(self, input_ids: jax.Array, positions: jax.Array | None = None, *,
               cache: KVCache | None = None, attn_mask: jax.Array | None = None,
