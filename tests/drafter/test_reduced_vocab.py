@@ -138,17 +138,27 @@ def test_training_a_reduced_drafter_learns_without_recompiling(target):
   assert history[-1]["top1"] > history[0]["top1"] + 0.2
 
 
+GREEDY_BASE = dict(max_batch=4, max_prompt_len=8, max_new_tokens=24, prefill_buckets=(8,),
+                   batch_buckets=(4,))
+GREEDY_PARAMS = SamplingParams(max_new_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def greedy_case(target):
+  prompts = np.random.default_rng(2).integers(1, VOCAB, (4, 6)).tolist()
+  return prompts, RolloutEngine(target, config=EngineConfig(**GREEDY_BASE)).generate(
+      prompts, GREEDY_PARAMS)
+
+
 @pytest.mark.parametrize("spec", [SpecConfig(4, 1, 5), SpecConfig(4, 3, 12)],
                          ids=["chain", "tree"])
-def test_greedy_sd_with_a_reduced_vocabulary_equals_vanilla(target, spec):
+def test_greedy_sd_with_a_reduced_vocabulary_equals_vanilla(target, greedy_case, spec):
   """Greedy SD with a reduced draft vocabulary emits vanilla's tokens, including tokens the
   drafter can never propose (they arrive as bonus tokens)."""
-  base = dict(max_batch=4, max_prompt_len=8, max_new_tokens=32, prefill_buckets=(8,))
-  prompts = np.random.default_rng(2).integers(1, VOCAB, (4, 6)).tolist()
-  params = SamplingParams(max_new_tokens=32, temperature=0.0)
-  want = RolloutEngine(target, config=EngineConfig(**base)).generate(prompts, params)
+  prompts, want = greedy_case
   got = RolloutEngine(target, drafter=reduced_mirror(target),
-                      config=EngineConfig(**base, spec=spec)).generate(prompts, params)
+                      config=EngineConfig(**GREEDY_BASE, spec=spec)).generate(prompts,
+                                                                              GREEDY_PARAMS)
   assert got.tokens == want.tokens
   emitted = np.concatenate(want.tokens)
   assert np.isin(emitted, SUBSET, invert=True).any(), "the case must need tokens outside"
