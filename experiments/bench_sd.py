@@ -52,10 +52,26 @@ def tree_for(verify: int, depth: int, topk: int) -> SpecConfig:
   return SpecConfig(depth=depth, topk=topk, verify_tokens=verify)
 
 
+def combined_stats(results) -> dict:
+  """One stats dict for several ``generate`` calls run one after another (sums; tokens/s and
+  mean accepted length over all of them)."""
+  stats = {key: sum(r.stats[key] for r in results)
+           for key in ("tokens", "wall_s", "compile_s", "decode_s", "compiles")}
+  stats["tokens_per_s"] = stats["tokens"] / max(stats["wall_s"] - stats["compile_s"], 1e-9)
+  hists = [np.asarray(r.stats["accept_hist"]) for r in results if "accept_hist" in r.stats]
+  if hists:
+    hist = np.sum(hists, axis=0)
+    stats["mean_accept_len"] = float((hist * np.arange(1, hist.size + 1)).sum() /
+                                     max(hist.sum(), 1))
+  return stats
+
+
 def measure(target, drafter, prompts, strategies: dict[str, SpecConfig], params, max_new,
-            repeats: int) -> dict:
-  """tokens/s of vanilla and each strategy on ``prompts`` in one static batch; median ratios."""
-  bs = len(prompts)
+            repeats: int, batch: int | None = None) -> dict:
+  """tokens/s of vanilla and each strategy on ``prompts`` in static batches of ``batch`` rows
+  (default: all in one), run one after another; median ratios over the repeats."""
+  bs = batch or len(prompts)
+  groups = [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
   plen = max(len(p) for p in prompts)
   base = dict(max_batch=bs, batch_buckets=(bs,), max_prompt_len=plen, prefill_buckets=(plen,),
               max_new_tokens=max_new, compaction=False)
@@ -64,18 +80,20 @@ def measure(target, drafter, prompts, strategies: dict[str, SpecConfig], params,
     engines[name] = RolloutEngine(target, drafter=drafter, config=EngineConfig(**base, spec=spec))
   for engine in engines.values():
     engine.precompile()
-    engine.generate(prompts, params)  # warm-up run
+    engine.generate(groups[0], params)  # warm-up run
   runs = {name: [] for name in engines}
   reference = None
   for _ in range(repeats):
     for name, engine in engines.items():
-      result = engine.generate(prompts, params)
-      assert result.stats["compiles"] == 0
+      results = [engine.generate(group, params) for group in groups]
+      tokens = [t for r in results for t in r.tokens]
+      stats = combined_stats(results)
+      assert stats["compiles"] == 0
       if name == "vanilla":
-        reference = result.tokens
+        reference = tokens
       elif params.temperature == 0:
-        assert result.tokens == reference, f"{name}: greedy SD differs from vanilla"
-      runs[name].append(result.stats)
+        assert tokens == reference, f"{name}: greedy SD differs from vanilla"
+      runs[name].append(stats)
   # Decode phase only (tokens after each row's first, over the decode segments' seconds): the
   # prefill is the same for both and, with short answers, a large share of the wall time.
   decode_rate = lambda s: (s["tokens"] - len(prompts)) / s["decode_s"]
@@ -92,14 +110,14 @@ def measure(target, drafter, prompts, strategies: dict[str, SpecConfig], params,
 
 
 def depth_table(target, drafter, prompts, depths, widths_for, topk: int, params, max_new,
-                repeats: int) -> dict:
+                repeats: int, batch: int | None = None) -> dict:
   """Fig. 13's shape: for each draft depth, ``measure`` over the verify widths
   ``widths_for(depth)`` that a depth-``depth``, top-``topk`` tree can fill."""
   table = {}
   for depth in depths:
     strategies = {f"verify={v}": tree_for(v, depth, topk) for v in widths_for(depth)
                   if v <= 1 + topk + (depth - 1) * topk ** 2}
-    table[depth] = measure(target, drafter, prompts, strategies, params, max_new, repeats)
+    table[depth] = measure(target, drafter, prompts, strategies, params, max_new, repeats, batch)
     print(f"depth {depth}: " + " | ".join(
         f"{k} {v['speedup']:.2f}x, decode {v['decode_speedup']:.2f}x "
         f"(accept {v['mean_accept_len']:.2f})"

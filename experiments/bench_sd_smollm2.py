@@ -90,7 +90,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default=None, help="a .gguf file or HF dir (default: SmolLM2)")
   parser.add_argument("--drafter", default="experiments/out/smollm2_drafter")
-  parser.add_argument("--batches", type=ints, default=[1, 2, 4, 8])
+  parser.add_argument("--batches", type=ints, default=[1, 4, 8])
+  parser.add_argument("--prompts", type=int, default=8,
+                      help="held-out prompts each table cell decodes (batch at a time)")
   parser.add_argument("--depth", type=int, default=5, help="draft depth of the batch table")
   parser.add_argument("--verify", type=ints, default=[4, 6, 8, 16],
                       help="tokens to verify; depth + 1 is a chain, others trees")
@@ -115,8 +117,8 @@ def main():
   tokenizer = load_tokenizer(model_path)
   drafter = load_drafter(a.drafter, config)
   stop = (tokenizer.eos_token_id,)
-  prompts = chat_prompts(tokenizer, task_questions(max(a.batches), seed=5000 + a.seed,
-                                                   gsm_share=1.0))
+  prompts = chat_prompts(tokenizer, task_questions(max(a.prompts, *a.batches),
+                                                   seed=5000 + a.seed, gsm_share=1.0))
   params = SamplingParams(max_new_tokens=a.max_new, temperature=a.temperature, seed=a.seed,
                           stop_token_ids=stop)
   t0 = time.time()
@@ -137,8 +139,9 @@ def main():
     table = {}
     for bs in a.batches:
       strategies = {f"verify={v}": tree_for(v, a.depth, a.topk) for v in a.verify}
-      table[bs] = measure(target, drafter, prompts[:bs], strategies, params, a.max_new,
-                          a.repeats)
+      # every batch size decodes the same --prompts prompts, bs at a time
+      table[bs] = measure(target, drafter, prompts[:a.prompts], strategies, params, a.max_new,
+                          a.repeats, batch=bs)
       print(f"batch {bs:>3}: vanilla {table[bs]['vanilla_tokens_per_s']:.1f} tok/s | " +
             " | ".join(f"{k} {v['speedup']:.2f}x, decode {v['decode_speedup']:.2f}x "
                        f"(accept {v['mean_accept_len']:.2f})"
@@ -151,9 +154,9 @@ def main():
 
   if "fig13" not in skip:
     fig13 = depth_table(  # each depth's chain (depth + 1) and the wider trees
-        target, drafter, prompts[:a.fig13_batch], a.fig13_depths,
+        target, drafter, prompts[:a.prompts], a.fig13_depths,
         lambda depth: sorted({depth + 1, *[v for v in a.verify if v > depth + 1]}), a.topk,
-        params, a.max_new, a.repeats)
+        params, a.max_new, a.repeats, batch=a.fig13_batch)
     summary["depth_by_verify"] = fig13
     cols = sorted({int(k.split("=")[1]) for d in fig13.values() for k in d if "=" in k})
     heatmap(pathlib.Path(a.out_dir) / "bench_sd_smollm2_depth.png", a.fig13_depths, cols,
