@@ -17,7 +17,7 @@ from tlt_jax.drafter.train import (drafter_loss, make_batch_from_sequences, make
                                    make_train_step, split_drafter)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import (Drafter, load_drafter, most_frequent_ids, save_drafter,
-                                    token_frequencies)
+                                    spread_to_vocab, token_frequencies)
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import SpecConfig
@@ -50,7 +50,7 @@ def test_head_starts_as_the_targets_rows_and_maps_back_to_target_ids(target):
   index = jnp.array([[0, 3, 13]])
   np.testing.assert_array_equal(np.asarray(drafter.to_target_ids(index)), SUBSET[[[0, 3, 13]]])
   probs = jax.nn.softmax(jnp.arange(len(SUBSET), dtype=jnp.float32))[None]
-  spread = np.asarray(drafter.to_target_probs(probs))[0]
+  spread = np.asarray(spread_to_vocab(probs, jnp.asarray(drafter.vocab_ids), VOCAB))[0]
   assert spread.shape == (VOCAB,)
   np.testing.assert_allclose(spread[SUBSET], np.asarray(probs[0]), rtol=1e-6)
   outside = np.setdiff1d(np.arange(VOCAB), SUBSET)

@@ -97,14 +97,6 @@ class Drafter(nnx.Module):
       return index.astype(jnp.int32)
     return jnp.take(jnp.asarray(self.vocab_ids, jnp.int32), index)
 
-  def to_target_probs(self, probs: jax.Array) -> jax.Array:
-    """``[..., K]`` draft-vocabulary probabilities as ``[..., V]`` over target ids (zero outside
-    the subset); the identity for a full-vocab drafter."""
-    if self.vocab_ids is None:
-      return probs
-    full = jnp.zeros(probs.shape[:-1] + (self.config.vocab_size,), probs.dtype)
-    return full.at[..., jnp.asarray(self.vocab_ids, jnp.int32)].set(probs)
-
   def target_logits(self, target: Transformer, hidden: jax.Array) -> jax.Array:
     """The target's LM head on ``hidden`` over the drafter's vocabulary (float32): the full
     vocabulary, or only the ``vocab_ids`` columns (the training signal of a reduced head)."""
@@ -155,6 +147,15 @@ def target_head_rows(target: Transformer, ids: jax.Array) -> jax.Array:
   if target.config.tie_word_embeddings:
     return jnp.take(target.embed_tokens.embedding.get_value(), ids, axis=0)
   return jnp.take(target.lm_head.kernel.get_value(), ids, axis=1).T
+
+
+def spread_to_vocab(probs: jax.Array, vocab_ids: jax.Array | None, vocab_size: int) -> jax.Array:
+  """``[..., K]`` probabilities over a draft vocabulary's ``vocab_ids`` as ``[..., V]`` over
+  target ids (zero outside the subset); ``vocab_ids=None`` (a full-vocab drafter): unchanged."""
+  if vocab_ids is None:
+    return probs
+  full = jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype)
+  return full.at[..., vocab_ids].set(probs)
 
 
 def token_frequencies(sequences, vocab_size: int) -> np.ndarray:

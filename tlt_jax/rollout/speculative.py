@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.drafter import Drafter, spread_to_vocab
 from tlt_jax.models.transformer import KVCache, Transformer
 from tlt_jax.rollout.sampling import SamplerArgs, filtered_logprobs
 from tlt_jax.utils import require_positive_ints
@@ -102,10 +102,7 @@ class Draft(NamedTuple):
 def draft_probs_over_target(draft: Draft, level: int, vocab_size: int) -> jax.Array:
   """The chain's level-``level`` draft distribution ``[B, V]`` over target ids (zero outside a
   reduced draft vocabulary)."""
-  q = draft.draft_probs[:, level]
-  if draft.vocab_ids is None:
-    return q
-  return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[:, draft.vocab_ids].set(q)
+  return spread_to_vocab(draft.draft_probs[:, level], draft.vocab_ids, vocab_size)
 
 
 def pick_positions(x: jax.Array, index: jax.Array) -> jax.Array:
