@@ -12,7 +12,7 @@ decode segment runs (so per-call dispatch is amortised and nothing is hoisted ou
 and timed per step; variants are interleaved across ``--repeats``; min and median are reported
 and differences are taken of the minima.
 
-  step          ``RolloutEngine._decode_step`` as is (forward + row_keys + sample_tokens + _emit)
+  step          ``StepFunctions.vanilla_step`` as is (forward + row_keys + sample_tokens + _emit)
   segment       the engine's own compiled segment executable (``lax.while_loop``), per step
   fwd           forward + argmax feedback + ``cache.advance`` (the minimum a step must do)
   fwd_nowrite   fwd, with the per-row KV write (vmapped dynamic_update_slice) made a no-op
@@ -179,12 +179,12 @@ def build_variants(engine: RolloutEngine, args: SamplerArgs, steps: int):
 
   def loop(body):
     def run(weights, state):
-      target, _ = engine._merge(weights)  # pylint: disable=protected-access
+      target, _ = engine.steps.merge(weights)  # pylint: disable=protected-access
       return lax.fori_loop(0, steps, lambda i, s: body(target, s), state)
     return jax.jit(run, donate_argnums=1)
 
   def step(target, s):
-    return engine._decode_step(target, s, args)  # pylint: disable=protected-access
+    return engine.steps.vanilla_step(target, s, args)  # pylint: disable=protected-access
 
   def fwd(target, s):
     out, tok = fwd_body(target, s)
@@ -193,7 +193,7 @@ def build_variants(engine: RolloutEngine, args: SamplerArgs, steps: int):
   def fwd_emit(target, s):
     out, tok = fwd_body(target, s)
     logp = jnp.take_along_axis(out.logits[:, 0], tok[:, None], axis=-1)
-    return engine._emit(s, ~s.done, tok[:, None], logp, jnp.ones_like(tok),  # pylint: disable=protected-access
+    return engine.steps.emit(s, ~s.done, tok[:, None], logp, jnp.ones_like(tok),  # pylint: disable=protected-access
                         out.cache.advance(1), tok, args)
 
   def fwd_sample(target, s):
@@ -218,7 +218,7 @@ def build_variants(engine: RolloutEngine, args: SamplerArgs, steps: int):
   def emit(target, s):
     del target
     tok = (s.last_token * 7 + 1) % vocab
-    return engine._emit(s, ~s.done, tok[:, None], tok[:, None].astype(jnp.float32) * -0.01,  # pylint: disable=protected-access
+    return engine.steps.emit(s, ~s.done, tok[:, None], tok[:, None].astype(jnp.float32) * -0.01,  # pylint: disable=protected-access
                         jnp.ones_like(tok), s.cache.advance(1), tok, args)
 
   # pieces on [B, V] logits carried through the loop (so nothing is loop-invariant)
@@ -285,10 +285,10 @@ _CATEGORIES = (  # (innermost function prefix, category); first match wins
     ("Embed", "embedding lookup"), ("Transformer.", "transformer glue"),
     ("row_keys", "row_keys PRNG folding"), ("sample_tokens", "sample_tokens (categorical, argmax)"),
     ("filtered_logprobs", "filtered_logprobs (log_softmax; sort behind lax.cond)"),
-    ("RolloutEngine._emit", "_emit (stop check, scatter into [B, N])"),
+    ("StepFunctions.emit", "_emit (stop check, scatter into [B, N])"),
     ("_is_stop", "_emit (stop check, scatter into [B, N])"),
-    ("KVCache", "cache bookkeeping"), ("RolloutEngine._segment_fn", "while_loop condition"),
-    ("RolloutEngine._decode_step", "_decode_step glue"),
+    ("KVCache", "cache bookkeeping"), ("StepFunctions.segment", "while_loop condition"),
+    ("StepFunctions.vanilla_step", "_decode_step glue"),
 )
 
 
@@ -373,13 +373,13 @@ def main():
   pos = jnp.ones((a.batch,), jnp.int32)
 
   # the engine's own segment (while_loop until every row finishes), per step
-  segment = engine._executable(("segment", a.batch, kv_len, 0))  # pylint: disable=protected-access
+  segment = engine._executable(("segment", a.batch, kv_len, 0, "vanilla"))  # pylint: disable=protected-access
 
   def run_segment():
     st = fresh_state()
     jax.block_until_ready(st)
     t0 = time.perf_counter()
-    out = segment(weights, st, args)
+    out = segment(weights, st, args, np.int32(0))
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / int(out.counters["steps"])
 

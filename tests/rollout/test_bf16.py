@@ -64,9 +64,9 @@ def test_bf16_model_and_caches_really_are_bf16(target, engines):
   assert params and all(p.dtype == jnp.bfloat16 for p in params)
   drafter_params = jax.tree.leaves(engines["chain"].drafter_params)
   assert drafter_params and all(p.dtype == jnp.bfloat16 for p in drafter_params)
-  state = engines["tree"]._state_spec(4, engines["tree"].config.cache_len)
+  state = engines["tree"].pool.state_spec(4, engines["tree"].config.cache_len)
   assert state.cache.k[0].dtype == jnp.bfloat16 and state.dcache.k[0].dtype == jnp.bfloat16
-  assert state.pend_feats.dtype == jnp.bfloat16  # target features the drafter reads
+  assert state.feats.dtype == jnp.bfloat16  # target features the drafter reads
   assert state.logprobs.dtype == jnp.float32  # log-probs are reported in fp32 whatever the model
   assert logits(target, [[3, 4, 5]]).dtype == np.float32  # logits too
 

@@ -106,12 +106,26 @@ def row_keys(seed: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Arra
   return jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(base, r), p))(rows, positions)
 
 
+def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
+  """Standard Gumbel noise ``[B, V]``, one row per key: the noise of a Gumbel-max sample."""
+  return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+
+
+def gumbel_argmax(logp: jax.Array, keys: jax.Array) -> jax.Array:
+  """``argmax(logp + Gumbel noise of keys)`` per row: an exact sample of ``softmax(logp [B, V])``.
+
+  Vanilla sampling and drafter-invariant ("coupled") speculative decoding both draw every token
+  this way, from the same per-row, per-position keys, which is what makes them emit the same
+  tokens.
+  """
+  return jnp.argmax(logp + gumbel_noise(keys, logp.shape[-1]), axis=-1).astype(jnp.int32)
+
+
 def sample_tokens(logits: jax.Array, keys: jax.Array, args: SamplerArgs):
   """Samples one token per row from ``logits [B, V]``; returns (tokens [B], logprobs [B])."""
   logp = filtered_logprobs(logits, args.temperature, args.top_k, args.top_p)
   # greedy skips the random draw (a Gumbel sample over the vocabulary per row: ~7% of a decode
   # step at batch 32 on CPU), so a greedy step costs no PRNG work
-  tokens = jax.lax.cond(args.temperature > 0,
-                        lambda: jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32),
+  tokens = jax.lax.cond(args.temperature > 0, lambda: gumbel_argmax(logp, keys),
                         lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

@@ -34,6 +34,17 @@ positions it would have in a plain decode.
 
 All random draws come from per-row keys folded with the position of the token they decide,
 so results depend on neither the batch nor the bucket a row runs in.
+
+Drafter-invariant ("coupled") verification
+------------------------------------------
+Vanilla sampling draws the token at generated position ``g`` as ``argmax(log p + G_g)``, with
+``G_g`` the Gumbel noise of the row's key for ``g`` (``sampling.gumbel_argmax``). In coupled mode
+the drafter drafts with the same noise on its own log-probs, and the walk is the greedy walk on
+the *perturbed* target log-probs ``log p_c + G_{g + depth(c)}``: a child is accepted iff its
+token is the target's Gumbel-argmax at that node, and the bonus is that argmax. Every emitted
+token is therefore exactly the token vanilla sampling draws with the same seed, whatever the
+drafter, strategy or batch (Daliri, Musco, Suresh 2024). Acceptance is a little lower than with
+rejection sampling (per token at least ``(1 - TV) / (1 + TV)`` instead of ``1 - TV``).
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ from jax import lax
 
 from tlt_jax.models.drafter import Drafter, spread_to_vocab
 from tlt_jax.models.transformer import KVCache, Transformer
-from tlt_jax.rollout.sampling import SamplerArgs, filtered_logprobs
+from tlt_jax.rollout.sampling import SamplerArgs, filtered_logprobs, gumbel_noise, row_keys
 from tlt_jax.utils import require_positive_ints
 
 # Tags folded into a row's position key, one independent stream per use.
@@ -117,6 +128,18 @@ def _keys(args: SamplerArgs, rows, positions, tag: int):
   return jax.vmap(fold)(rows, positions)
 
 
+def coupled_noise(args: SamplerArgs, rows, gen_pos, levels: int, vocab: int) -> jax.Array:
+  """Gumbel noise ``[B, levels, V]`` of generated positions ``gen_pos + 0 .. levels-1``: the noise
+  vanilla sampling uses for those tokens (``row_keys``), shared by drafting and verification."""
+  return jnp.stack([gumbel_noise(row_keys(args.seed, rows, gen_pos + i), vocab)
+                    for i in range(levels)], axis=1)
+
+
+def perturb_draft(noise: jax.Array, vocab_ids) -> jax.Array:
+  """Target-vocabulary noise ``[..., V]`` restricted to a reduced draft vocabulary's ids."""
+  return noise if vocab_ids is None else jnp.take(noise, jnp.asarray(vocab_ids), axis=-1)
+
+
 def chain_tree(tokens: jax.Array, root: jax.Array, draft_probs, draft_len,
                vocab_ids: jax.Array | None = None) -> Draft:
   """Wraps a chain of drafts ``[B, D]`` after ``root [B]`` as a (linear) ``Draft``."""
@@ -132,17 +155,24 @@ def chain_tree(tokens: jax.Array, root: jax.Array, draft_probs, draft_len,
 
 
 def draft_chain(target: Transformer, drafter: Drafter, dcache: KVCache, feature, logits,
-                root, args: SamplerArgs, rows, gen_pos, depth: int) -> Draft:
+                root, args: SamplerArgs, rows, gen_pos, depth: int,
+                coupled: bool = False) -> Draft:
   """Drafts ``depth`` tokens one at a time; sampled from the filtered drafter distribution,
-  or its argmax when greedy. ``feature``/``logits`` are the drafter outputs for the root (over
-  its draft vocabulary; drafted tokens are mapped to target ids)."""
+  or its argmax when greedy (``coupled``: the argmax under the vanilla sampler's Gumbel noise).
+  ``feature``/``logits`` are the drafter outputs for the root (over its draft vocabulary;
+  drafted tokens are mapped to target ids)."""
   dl = dcache.lengths
+  vocab = target.config.vocab_size
 
   def run(greedy: bool):
     def pick(lg, i):
       if greedy:
         return drafter.to_target_ids(jnp.argmax(lg, -1)), jnp.zeros_like(lg)
       logq = filtered_logprobs(lg, args.temperature, args.top_k, args.top_p)
+      if coupled:
+        noise = gumbel_noise(row_keys(args.seed, rows, gen_pos + i), vocab)
+        index = jnp.argmax(logq + perturb_draft(noise, drafter.vocab_ids), -1)
+        return drafter.to_target_ids(index), jnp.zeros_like(lg)
       index = jax.vmap(jax.random.categorical)(_keys(args, rows, gen_pos + i, _DRAFT), logq)
       return drafter.to_target_ids(index), jnp.exp(logq)
 
@@ -166,16 +196,22 @@ def draft_chain(target: Transformer, drafter: Drafter, dcache: KVCache, feature,
 
 
 def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, logits, root,
-               spec: SpecConfig) -> Draft:
+               spec: SpecConfig, noise: jax.Array | None = None) -> Draft:
   """EAGLE-2 style: expand the top-k children of the k best frontier nodes per level, then keep
-  the ``verify_tokens - 1`` candidates with the highest cumulative draft log-probability."""
+  the ``verify_tokens - 1`` candidates with the highest cumulative draft log-probability.
+
+  ``noise [B, depth, Kd]`` (coupled mode) perturbs each level's log-probs by the Gumbel noise of
+  the position it drafts, so the best child is the drafter's guess of the target's sample."""
   k, depth = spec.topk, spec.depth
+  shake = (lambda lp, level: lp) if noise is None else (
+      lambda lp, level: lp + noise[:, level].reshape(
+          (lp.shape[0],) + (1,) * (lp.ndim - 2) + (lp.shape[-1],)))
   b = root.shape[0]
   dl = dcache.lengths
   width = depth * k  # uncommitted drafter slots used by the frontier nodes
   slot = jnp.arange(dcache.max_len)[None, :]
 
-  lp, tok = lax.top_k(jax.nn.log_softmax(logits, -1), k)  # [B, k]
+  lp, tok = lax.top_k(shake(jax.nn.log_softmax(logits, -1), 0), k)  # [B, k]
   tok = drafter.to_target_ids(tok)
   cand_tok, cand_score = [tok], [lp]
   cand_parent = [jnp.full((b, k), -1, jnp.int32)]
@@ -195,7 +231,7 @@ def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, 
     out = drafter.forward(target, f_tok, f_feat, positions,
                           cache=cache.with_lengths(dl + (level - 1) * k), cache_mask=mask)
     cache = out.cache
-    child_lp, child_tok = lax.top_k(jax.nn.log_softmax(out.logits, -1), k)  # [B, k, k]
+    child_lp, child_tok = lax.top_k(shake(jax.nn.log_softmax(out.logits, -1), level), k)
     child_tok = drafter.to_target_ids(child_tok)
     child_score = (f_score[:, :, None] + child_lp).reshape(b, k * k)
     cand_tok.append(child_tok.reshape(b, k * k))
@@ -259,10 +295,20 @@ class Verdict(NamedTuple):
   bonus: jax.Array  # [B] the token drawn from the target after the accepted path
 
 
-def verify(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, spec: SpecConfig
-           ) -> Verdict:
-  """Walks the draft against the target ``logits [B, N, V]``; exact for greedy and sampling."""
+def verify(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, spec: SpecConfig,
+           coupled: bool = False) -> Verdict:
+  """Walks the draft against the target ``logits [B, N, V]``; exact for greedy and sampling.
+
+  ``coupled``: sampled rows take the greedy walk on the Gumbel-perturbed target log-probs (the
+  noise of each node's position), so the emitted tokens are vanilla sampling's."""
   walk = lambda greedy: lambda: _walk(draft, logits, args, rows, gen_pos, spec, greedy)
+  if coupled:
+    def perturbed_walk():
+      logp = filtered_logprobs(logits, args.temperature, args.top_k, args.top_p)
+      noise = coupled_noise(args, rows, gen_pos, spec.depth + 1, logits.shape[-1])
+      logp = logp + jnp.take_along_axis(noise, draft.depth[:, :, None], axis=1)
+      return _walk(draft, logp, args, rows, gen_pos, spec, True)
+    return lax.cond(args.temperature <= 0, walk(True), perturbed_walk)
   return lax.cond(args.temperature <= 0, walk(True), walk(False))
 
 

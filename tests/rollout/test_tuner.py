@@ -1,0 +1,402 @@
+"""The host-side strategy tuner on synthetic bandits: convergence, median, window, state, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tlt_jax.rollout.tuner import Arm, BegMab, FixedMapping, TunerConfig, Ucb1, make_tuner
+
+ARMS = [Arm("vanilla", 1), Arm("chain d4", 5), Arm("tree d4 k4 v16", 16), Arm("tree d6 k8 v64", 64)]
+NAMES = [a.name for a in ARMS]
+SD_PAYS = (100.0, 160.0, 250.0, 60.0)  # tokens/s per arm: the v16 tree is best
+SD_DOES_NOT_PAY = (250.0, 160.0, 100.0, 60.0)  # vanilla is best
+
+
+def run_bandit(tuner, means, steps, env_seed=123, bucket=4, noise=0.15):
+  """Plays ``steps`` segments with Gaussian rewards around ``means``; returns chosen arm indices."""
+  env = np.random.default_rng(env_seed)
+  chosen = []
+  for _ in range(steps):
+    name = tuner.choose(bucket, ARMS)
+    k = NAMES.index(name)
+    chosen.append(k)
+    reward = max(0.0, env.normal(means[k], noise * means[k]))
+    tuner.update(bucket, name, tokens=reward * 0.05, seconds=0.05)
+  return np.array(chosen)
+
+
+def feed(tuner, bucket, name, rewards):
+  """Reports each of ``rewards`` (tokens per second) for ``name`` in ``bucket`` over 1 s."""
+  for r in rewards:
+    tuner.update(bucket, name, tokens=r, seconds=1.0)
+
+
+def rng_state(tuner):
+  """The tuner's RNG state as saved in its state dict."""
+  return json.dumps(tuner.state_dict()["rng"], sort_keys=True)
+
+
+# ---------------------------------------------------------------- beg_mab
+
+
+def test_make_tuner_builds_each_kind():
+  assert type(make_tuner(TunerConfig())) is BegMab
+  assert type(make_tuner(TunerConfig(kind="ucb1"))) is Ucb1
+  assert type(make_tuner(TunerConfig(kind="fixed", fixed=((8, "vanilla"),)))) is FixedMapping
+
+
+def test_beg_mab_converges_to_best_arm():
+  chosen = run_bandit(make_tuner(TunerConfig(seed=0)), SD_PAYS, steps=1000)
+  assert np.mean(chosen[-200:] == 2) >= 0.85
+
+
+def test_beg_mab_converges_to_vanilla_when_sd_does_not_pay():
+  cfg = TunerConfig(seed=0)
+  steps = 1000
+  chosen = run_bandit(make_tuner(cfg), SD_DOES_NOT_PAY, steps=steps)
+  assert np.mean(chosen[-200:] == 0) >= 0.85
+  # after the 4 initial pulls every bad pull is an exploration (or a noisy greedy slip); the
+  # decaying epsilon explores about sum_n eps_n times, where a constant 0.1 would explore ~100
+  n_arms = len(ARMS)
+  expected = sum(max(cfg.epsilon_min, cfg.epsilon / math.sqrt(1 + n / n_arms))
+                 for n in range(n_arms, steps))
+  assert expected < 20
+  bad_pulls = int(np.sum(chosen != 0))
+  assert bad_pulls <= (n_arms - 1) + 2 * expected, (bad_pulls, expected)
+
+
+def explore_counts(tuner, steps, bucket=4):
+  """Makes ``steps`` choices without rewards (so the greedy arm stays put); counts per arm."""
+  counts = np.zeros(len(ARMS), int)
+  for _ in range(steps):
+    counts[NAMES.index(tuner.choose(bucket, ARMS))] += 1
+  return counts
+
+
+@pytest.mark.parametrize("cfg", [
+    TunerConfig(epsilon=1.0, epsilon_min=0.0, seed=1),  # the decay law itself
+    TunerConfig(epsilon=0.5, epsilon_min=0.2, seed=2),  # the floor
+    TunerConfig(epsilon=0.5, epsilon_min=0.2, decay=False, seed=3),
+], ids=["decay", "floor", "no_decay"])
+def test_beg_mab_exploration_rate_follows_the_formula(cfg):
+  decay = cfg.decay
+  tuner = make_tuner(cfg)
+  for k in range(len(ARMS)):
+    name = tuner.choose(4, ARMS)
+    feed(tuner, 4, name, [100.0 if k == 0 else 10.0])  # vanilla is the greedy arm
+  n_arms = len(ARMS)
+  decided = n_arms
+  for steps in (100, 900, 4000):
+    eps = [max(cfg.epsilon_min, cfg.epsilon / math.sqrt(1 + n / n_arms)) if decay else
+           cfg.epsilon for n in range(decided, decided + steps)]
+    counts = explore_counts(tuner, steps)
+    decided += steps
+    mean = sum(eps)
+    sd = math.sqrt(sum(e * (1 - e) for e in eps))
+    explored = steps - counts[0]
+    assert abs(explored - mean) <= 4 * sd + 1, (steps, explored, mean, sd)
+    # exploration picks uniformly among the non-greedy arms
+    per_arm = explored / (n_arms - 1)
+    assert np.all(np.abs(counts[1:] - per_arm) <= 4 * math.sqrt(per_arm) + 1), counts
+
+
+def test_median_not_mean_decides():
+  tuner = make_tuner(TunerConfig(epsilon=0.0, epsilon_min=0.0))
+  arms = [Arm("vanilla", 1), Arm("chain d4", 5)]
+  assert tuner.choose(1, arms) == "vanilla"
+  feed(tuner, 1, "vanilla", [100.0, 101.0, 99.0])
+  assert tuner.choose(1, arms) == "chain d4"
+  feed(tuner, 1, "chain d4", [50.0, 1e6, 51.0])  # one segment timed wrong: a huge outlier
+  for _ in range(5):
+    choice = tuner.choose(1, arms)
+    assert choice == "vanilla"
+    feed(tuner, 1, choice, [100.0])
+  assert tuner.summary()["1"]["chain d4"]["median_reward"] == pytest.approx(51.0)
+
+
+@pytest.mark.parametrize("kind", ["beg_mab", "ucb1"])
+def test_ties_go_to_the_arm_offered_first(kind):
+  tuner = make_tuner(TunerConfig(kind=kind, epsilon=0.0, epsilon_min=0.0))
+  arms = [Arm("chain d4", 5), Arm("vanilla", 1), Arm("tree d4 k4 v16", 16)]
+  for _ in arms:
+    name = tuner.choose(2, arms)
+    feed(tuner, 2, name, [10.0 if name == "chain d4" else 80.0])
+  assert tuner.choose(2, arms) == "vanilla"
+  assert tuner.choose(2, arms[::-1]) == "tree d4 k4 v16"
+
+
+def test_sliding_window_follows_a_change():
+  cfg = TunerConfig(epsilon=0.0, epsilon_min=0.0, window=16)
+  tuner = make_tuner(cfg)
+  arms = [Arm("a", 1), Arm("b", 4), Arm("c", 8)]
+  means = {"a": 300.0, "b": 200.0, "c": 100.0}
+  for _ in range(100):
+    name = tuner.choose(2, arms)
+    feed(tuner, 2, name, [means[name]])
+  assert tuner.choose(2, arms) == "a"
+  means["a"] = 50.0  # the best arm becomes the worst
+  feed(tuner, 2, "a", [means["a"]])
+  after = []
+  for _ in range(50):
+    name = tuner.choose(2, arms)
+    after.append(name)
+    feed(tuner, 2, name, [means[name]])
+  switch = after.index("b")
+  # a's median drops once more than half its window holds the new rewards
+  assert switch <= cfg.window // 2 + 1, after
+  assert set(after[switch:]) == {"b"}
+
+
+def test_every_arm_is_tried_first_in_the_given_order():
+  tuner = make_tuner(TunerConfig(epsilon=1.0, epsilon_min=1.0, seed=3))
+  state = rng_state(tuner)
+  arms = ARMS + [Arm("ngram d8", 9)]
+  first = []
+  for _ in arms:
+    name = tuner.choose(16, arms)
+    first.append(name)
+    feed(tuner, 16, name, [1000.0 if name == "vanilla" else 1.0])  # vanilla looks unbeatable
+  assert first == [a.name for a in arms]
+  assert rng_state(tuner) == state  # the initial pulls draw nothing
+  # a newly offered arm is pulled before anything else is exploited or explored
+  arms.append(Arm("late", 2))
+  assert tuner.choose(16, arms) == "late"
+
+
+def test_buckets_are_independent():
+  tuner = make_tuner(TunerConfig(epsilon=0.0, epsilon_min=0.0))
+  for _ in range(len(ARMS)):
+    name = tuner.choose(1, ARMS)
+    feed(tuner, 1, name, [500.0 if name == "tree d6 k8 v64" else 10.0])
+  assert tuner.choose(1, ARMS) == "tree d6 k8 v64"
+  # bucket 8 starts from scratch: all arms in order, then its own best
+  first = []
+  for _ in range(len(ARMS)):
+    name = tuner.choose(8, ARMS)
+    first.append(name)
+    feed(tuner, 8, name, [500.0 if name == "vanilla" else 10.0])
+  assert first == NAMES
+  assert tuner.choose(8, ARMS) == "vanilla"
+  assert tuner.choose(1, ARMS) == "tree d6 k8 v64"
+  summary = tuner.summary()
+  assert summary["1"]["best"] == "tree d6 k8 v64" and summary["8"]["best"] == "vanilla"
+  assert summary["8"]["tree d6 k8 v64"] == {"pulls": 1, "median_reward": 10.0}
+
+
+@pytest.mark.parametrize("kind", ["beg_mab", "ucb1", "fixed"])
+def test_single_arm_is_returned_without_randomness(kind):
+  tuner = make_tuner(TunerConfig(kind=kind, epsilon=1.0, fixed=((8, "chain d4"),)))
+  state = rng_state(tuner)
+  for _ in range(5):
+    assert tuner.choose(64, [Arm("vanilla", 1)]) == "vanilla"
+    feed(tuner, 64, "vanilla", [10.0])
+  assert rng_state(tuner) == state
+  assert tuner.summary()["64"] == {"vanilla": {"pulls": 5, "median_reward": 10.0},
+                                   "best": "vanilla"}
+
+
+# ---------------------------------------------------------------- ucb1
+
+
+def test_ucb1_converges():
+  # UCB1 keeps exploring at a log rate: with ucb_c=1 it still spends 10-25% of decisions 800-1000
+  # on runners-up here, so the convergence check uses a smaller constant
+  cfg = TunerConfig(kind="ucb1", ucb_c=0.3)
+  chosen = run_bandit(make_tuner(cfg), SD_PAYS, steps=1000)
+  assert np.mean(chosen[-200:] == 2) >= 0.85
+  chosen = run_bandit(make_tuner(cfg), SD_DOES_NOT_PAY, steps=1000)
+  assert np.mean(chosen[-200:] == 0) >= 0.85
+
+
+def reference_ucb1_choices(means, steps, window, c, env_seed=5):
+  """UCB1 exactly as specified, written out with plain lists; returns the chosen names."""
+  env = np.random.default_rng(env_seed)
+  history = {name: [] for name in NAMES}  # every reward ever, per arm
+  chosen = []
+  for _ in range(steps):
+    unpulled = [name for name in NAMES if not history[name]]
+    if unpulled:
+      name = unpulled[0]
+    else:
+      total = sum(len(h) for h in history.values())
+      top = max(max(h) for h in history.values()) or 1.0
+      scores = [sum(history[n][-window:]) / len(history[n][-window:]) / top
+                + c * math.sqrt(2 * math.log(total) / len(history[n])) for n in NAMES]
+      name = NAMES[int(np.argmax(scores))]
+    chosen.append(name)
+    k = NAMES.index(name)
+    history[name].append(max(0.0, float(env.normal(means[k], 0.3 * means[k]))))
+  return chosen
+
+
+def test_ucb1_matches_a_reference():
+  tuner = make_tuner(TunerConfig(kind="ucb1", window=3, ucb_c=0.7))
+  env = np.random.default_rng(5)
+  chosen = []
+  for _ in range(400):
+    name = tuner.choose(4, ARMS)
+    chosen.append(name)
+    k = NAMES.index(name)
+    feed(tuner, 4, name, [max(0.0, float(env.normal(SD_PAYS[k], 0.3 * SD_PAYS[k])))])
+  assert chosen == reference_ucb1_choices(SD_PAYS, 400, window=3, c=0.7)
+
+
+def test_ucb1_is_scale_free():
+  # rewards are normalized by the bucket's largest one, so tokens/s vs tokens/ms cannot matter
+  def play(scale):
+    tuner = make_tuner(TunerConfig(kind="ucb1"))
+    env = np.random.default_rng(7)
+    out = []
+    for _ in range(300):
+      name = tuner.choose(4, ARMS)
+      out.append(name)
+      k = NAMES.index(name)
+      feed(tuner, 4, name, [scale * max(0.0, env.normal(SD_PAYS[k], 0.15 * SD_PAYS[k]))])
+    return out
+
+  small = play(1e-3)
+  assert small == play(1e3)
+  assert len(set(small[-100:])) > 1  # the bonus still matters at both scales
+
+
+def test_ucb1_pulls_each_arm_once_first():
+  tuner = make_tuner(TunerConfig(kind="ucb1"))
+  first = []
+  for _ in ARMS:
+    name = tuner.choose(2, ARMS)
+    first.append(name)
+    feed(tuner, 2, name, [5.0])
+  assert first == NAMES
+
+
+# ---------------------------------------------------------------- fixed
+
+
+def test_fixed_mapping():
+  cfg = TunerConfig(kind="fixed", fixed=[[32, "chain d4"], [4, "tree d6 k8 v64"], [256, "vanilla"]])
+  assert cfg.fixed == ((4, "tree d6 k8 v64"), (32, "chain d4"), (256, "vanilla"))
+  tuner = make_tuner(cfg)
+  assert tuner.choose(1, ARMS) == "tree d6 k8 v64"
+  assert tuner.choose(4, ARMS) == "tree d6 k8 v64"
+  assert tuner.choose(5, ARMS) == "chain d4"
+  assert tuner.choose(32, ARMS) == "chain d4"
+  assert tuner.choose(33, ARMS) == "vanilla"
+  for _ in range(3):  # rewards are recorded but change nothing
+    feed(tuner, 5, "vanilla", [1e6])
+    assert tuner.choose(5, ARMS) == "chain d4"
+  summary = tuner.summary()
+  assert summary["5"]["vanilla"] == {"pulls": 3, "median_reward": 1e6}
+  assert summary["5"]["best"] == "vanilla"
+  json.dumps(summary)
+  with pytest.raises(ValueError, match=r"bucket 512.*max_bucket >= 512"):
+    tuner.choose(512, ARMS)
+  offered = r"'chain d4'.*offered arms: \['vanilla', 'tree d4 k4 v16'\]"
+  with pytest.raises(ValueError, match=offered):
+    tuner.choose(8, [Arm("vanilla", 1), Arm("tree d4 k4 v16", 16)])
+
+
+def test_fixed_mapping_must_not_be_empty():
+  with pytest.raises(ValueError, match=r"TunerConfig\.fixed is empty"):
+    TunerConfig(kind="fixed")
+
+
+# ---------------------------------------------------------------- state
+
+
+@pytest.mark.parametrize("cfg", [
+    TunerConfig(kind="beg_mab", epsilon=0.5, epsilon_min=0.5, window=4, seed=11),
+    TunerConfig(kind="beg_mab", seed=5),
+    TunerConfig(kind="ucb1", window=4),
+], ids=["beg_mab_explorative", "beg_mab_default", "ucb1"])
+def test_state_dict_round_trip_continues_identically(cfg):
+  def reward(name, step):
+    k = NAMES.index(name)
+    return SD_PAYS[k] * (1.0 + 0.3 * math.sin(step * (k + 1.7)))
+
+  def play(tuner, steps, start):
+    out = []
+    for step in range(start, start + steps):
+      bucket = (1, 4, 16)[step % 3]
+      name = tuner.choose(bucket, ARMS if bucket < 16 else ARMS[:2])
+      out.append((bucket, name))
+      tuner.update(bucket, name, tokens=int(reward(name, step) * 10), seconds=10.0)
+    return out
+
+  uninterrupted = make_tuner(cfg)
+  play(uninterrupted, 120, 0)
+  saved = json.loads(json.dumps(uninterrupted.state_dict()))
+  restored = make_tuner(cfg)
+  restored.load_state_dict(saved)
+  assert restored.summary() == uninterrupted.summary()
+  expected = play(uninterrupted, 50, 120)
+  assert play(restored, 50, 120) == expected
+  assert len({name for _, name in expected}) > 1
+
+
+def test_load_state_dict_rejects_another_kind():
+  state = make_tuner(TunerConfig(kind="ucb1")).state_dict()
+  with pytest.raises(ValueError, match=r"saved by a 'ucb1' tuner.*'beg_mab'"):
+    make_tuner(TunerConfig()).load_state_dict(state)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_choose_and_update_errors():
+  tuner = make_tuner(TunerConfig())
+  with pytest.raises(ValueError, match="no arms"):
+    tuner.choose(4, [])
+  with pytest.raises(ValueError, match="repeated arm names"):
+    tuner.choose(4, [Arm("vanilla", 1), Arm("vanilla", 1)])
+  with pytest.raises(ValueError, match="bucket must be a positive int"):
+    tuner.choose(0, ARMS)
+  with pytest.raises(ValueError, match=r"'tree' was never offered in bucket 8"):
+    tuner.update(8, "tree", tokens=10, seconds=1.0)
+  tuner.choose(4, ARMS)
+  with pytest.raises(ValueError, match=r"'tree' was never offered in bucket 4.*'vanilla'"):
+    tuner.update(4, "tree", tokens=10, seconds=1.0)
+  for seconds in (0.0, -1.0, float("nan")):
+    with pytest.raises(ValueError, match="seconds must be"):
+      tuner.update(4, "vanilla", tokens=10, seconds=seconds)
+  with pytest.raises(ValueError, match="tokens must be"):
+    tuner.update(4, "vanilla", tokens=-1, seconds=1.0)
+  tuner.update(4, "vanilla", tokens=0, seconds=1.0)  # a segment that emitted nothing is fine
+  assert tuner.summary()["4"]["vanilla"] == {"pulls": 1, "median_reward": 0.0}
+
+
+def test_arm_validation():
+  with pytest.raises(ValueError, match=r"Arm\.verify_width"):
+    Arm("chain d4", 0)
+  with pytest.raises(ValueError, match=r"Arm\.name"):
+    Arm("", 1)
+  with pytest.raises(ValueError, match="reserved"):
+    Arm("best", 1)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(kind="greedy"), r"TunerConfig\.kind must be one of 'beg_mab', 'ucb1', 'fixed'"),
+    (dict(epsilon=1.5), r"TunerConfig\.epsilon must be in \[0, 1\]"),
+    (dict(epsilon=-0.1, epsilon_min=0.0), r"TunerConfig\.epsilon must be in \[0, 1\]"),
+    (dict(epsilon=float("nan")), r"TunerConfig\.epsilon must be a finite number"),
+    (dict(epsilon=0.1, epsilon_min=0.2), r"TunerConfig\.epsilon_min must be in \[0, epsilon"),
+    (dict(epsilon_min=-0.01), r"TunerConfig\.epsilon_min"),
+    (dict(decay="yes"), r"TunerConfig\.decay must be a bool"),
+    (dict(window=0), r"TunerConfig\.window must be a positive int"),
+    (dict(window=2.5), r"TunerConfig\.window must be a positive int"),
+    (dict(ucb_c=-1.0), r"TunerConfig\.ucb_c must be >= 0"),
+    (dict(seed=-1), r"TunerConfig\.seed"),
+    (dict(fixed="vanilla"), r"TunerConfig\.fixed must be a sequence"),
+    (dict(fixed=((0, "vanilla"),)), r"TunerConfig\.fixed entries"),
+    (dict(fixed=(("32", "vanilla"),)), r"TunerConfig\.fixed entries"),
+    (dict(fixed=((32,),)), r"TunerConfig\.fixed entries"),
+    (dict(fixed=((32, ""),)), r"TunerConfig\.fixed entries"),
+    (dict(fixed=((32, 7),)), r"TunerConfig\.fixed entries"),
+    (dict(fixed=((32, "a"), (32, "b"))), r"TunerConfig\.fixed has a repeated max_bucket"),
+])
+def test_config_validation(kwargs, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    TunerConfig(**kwargs)

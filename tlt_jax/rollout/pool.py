@@ -1,0 +1,150 @@
+"""The compiled executable pool: every jitted piece of the engine, compiled once per shape bucket.
+
+Keys are tuples whose first entry is the kind:
+
+* ``("prefill", batch, prompt bucket)``
+* ``("segment", batch, kv length, stop_at, group)``: a decode segment of one strategy group
+  (vanilla, a chain, or the trees of one verify width, which share the verify pass); compiled
+  only for the batch buckets the group may serve
+* ``("catchup", batch, kv length)``: the drafter's catch-up at a vanilla -> SD switch
+* ``("compact", batch, smaller batch, kv length)`` and ``("grow", batch, kv length, next)``
+
+Prefill, catch-up, compaction and growth are shared by every strategy, because the decode state
+has one layout for all of them (``steps.DecodeState``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tlt_jax.rollout import buckets as bk
+from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
+from tlt_jax.rollout.steps import StepFunctions
+
+
+class ExecutablePool:
+  """Compiles and holds the engine's executables; reports their count, compile time and memory."""
+
+  def __init__(self, steps: StepFunctions, weights: Callable[[], Any],
+               groups_for: Callable[[int], Sequence[str]], needs_catchup: Callable[[int], bool]):
+    """``weights()`` gives arrays of the right shapes; ``groups_for(batch)`` names the strategy
+    groups that may decode that batch bucket; ``needs_catchup(batch)``: whether SD may follow
+    vanilla there."""
+    self.steps = steps
+    self.config = steps.config
+    self.weights = weights
+    self.groups_for = groups_for
+    self.needs_catchup = needs_catchup
+    self.executables: dict[tuple, Any] = {}
+    self.compile_seconds = 0.0
+    self.compile_seconds_by_key: dict[tuple, float] = {}
+
+  def args_spec(self):
+    return jax.eval_shape(lambda: SamplerArgs.from_params(
+        SamplingParams(), (), self.config.max_stop_ids))
+
+  def state_spec(self, batch: int, kv_len: int):
+    """Shapes of a decode state of ``batch`` rows with ``kv_len`` cache slots."""
+    ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    fn = functools.partial(self.steps.prefill, kv_len=kv_len)
+    return jax.eval_shape(fn, self.weights(), ids, vec, vec, vec, self.args_spec())
+
+  def get(self, key: tuple):
+    """The compiled executable for ``key`` (compiled on first use, then reused)."""
+    if key in self.executables:
+      return self.executables[key]
+    t0 = time.perf_counter()
+    kind, batch = key[0], key[1]
+    args = self.args_spec()
+    steps = self.steps
+    if kind == "prefill":
+      ids = jax.ShapeDtypeStruct((batch, key[2]), jnp.int32)
+      vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+      fn = functools.partial(steps.prefill, kv_len=self.config.prefill_kv_len(key[2]))
+      lowered = jax.jit(fn).lower(self.weights(), ids, vec, vec, vec, args)
+    elif kind == "segment":
+      fn = functools.partial(steps.segment, stop_at=key[3], group=key[4])
+      choice = jax.ShapeDtypeStruct((), jnp.int32)
+      lowered = jax.jit(fn, donate_argnums=1).lower(self.weights(),
+                                                     self.state_spec(batch, key[2]), args, choice)
+    elif kind == "catchup":
+      lowered = jax.jit(steps.catch_up, donate_argnums=1).lower(self.weights(),
+                                                                self.state_spec(batch, key[2]))
+    elif kind == "compact":
+      index = jax.ShapeDtypeStruct((key[2],), jnp.int32)
+      lowered = jax.jit(steps.compact).lower(self.state_spec(batch, key[3]), index)
+    elif kind == "grow":
+      fn = jax.jit(functools.partial(steps.grow, kv_len=key[3]))  # new shapes: no donation
+      lowered = fn.lower(self.state_spec(batch, key[2]))
+    else:
+      raise KeyError(key)
+    self.executables[key] = lowered.compile()
+    seconds = time.perf_counter() - t0
+    self.compile_seconds += seconds
+    self.compile_seconds_by_key[key] = seconds
+    return self.executables[key]
+
+  def stop_at(self, batch: int) -> int:
+    """Live rows at which a segment of ``batch`` rows ends to compact (0: never)."""
+    return bk.next_smaller(batch, self.config.batch_buckets) if self.config.compaction else 0
+
+  def kv_lengths_used(self) -> tuple[int, ...]:
+    """The length buckets a chunk can be in: from the shortest prefill's onwards."""
+    first = self.config.prefill_kv_len(self.config.prefill_buckets[0])
+    return tuple(n for n in self.config.kv_lengths if n >= first)
+
+  def keys(self) -> list[tuple]:
+    """Every executable the engine may need: prefill per (batch, prompt) bucket; a segment per
+    (batch, length) bucket and group that may serve the batch; catch-up where SD may follow
+    vanilla; compaction per (batch pair, length); growth per (batch, length)."""
+    cfg = self.config
+    lengths = self.kv_lengths_used()
+    keys = [("prefill", b, p) for b in cfg.batch_buckets for p in cfg.prefill_buckets]
+    keys += [("segment", b, n, self.stop_at(b), g) for b in cfg.batch_buckets
+             for g in self.groups_for(b) for n in lengths]
+    keys += [("catchup", b, n) for b in cfg.batch_buckets if self.needs_catchup(b)
+             for n in lengths]
+    if cfg.compaction:
+      keys += [("compact", b, s, n) for b in cfg.batch_buckets for s in cfg.batch_buckets if s < b
+               for n in lengths]
+    keys += [("grow", b, n, m) for b in cfg.batch_buckets for n, m in zip(lengths, lengths[1:])]
+    return keys
+
+  def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
+    """Compiles every key now; returns how many were compiled (``progress(done, total)`` after
+    each)."""
+    missing = [key for key in self.keys() if key not in self.executables]
+    for done, key in enumerate(missing, 1):
+      self.get(key)
+      if progress is not None:
+        progress(done, len(missing))
+    return len(missing)
+
+  def stats(self) -> dict[str, Any]:
+    """Executables per kind (and per strategy group), compile seconds, and the device memory each
+    needs where the backend reports it (``compiled.memory_analysis()``)."""
+    kinds: dict[str, int] = {}
+    groups: dict[str, int] = {}
+    memory = {}
+    for key, compiled in self.executables.items():
+      kinds[key[0]] = kinds.get(key[0], 0) + 1
+      if key[0] == "segment":
+        groups[key[4]] = groups.get(key[4], 0) + 1
+      try:
+        m = compiled.memory_analysis()
+        memory[key] = int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+                          - m.alias_size_in_bytes)
+      except Exception:  # pylint: disable=broad-except  # not every backend reports it
+        pass
+    return dict(executables=len(self.executables), by_kind=kinds, segments_by_group=groups,
+                compile_s=self.compile_seconds, kv_lengths=list(self.kv_lengths_used()),
+                memory_bytes_max=max(memory.values(), default=None),
+                memory_bytes_total=int(np.sum(list(memory.values()))) if memory else None,
+                memory_bytes=memory)

@@ -1,0 +1,175 @@
+"""The host side of a rollout: chunks, segments, compaction, cache growth and strategy choice.
+
+A chunk of at most ``max_batch`` prompts is prefilled, then decoded segment by segment. At every
+segment boundary (where the host reads the finished rows anyway) the scheduler
+
+1. asks the tuner which strategy decodes the next segment (when the bucket offers more than one);
+   switching from vanilla to a learned drafter first runs the drafter's catch-up (timed as the
+   switch cost, and charged to the segment's reward);
+2. runs the segment and rewards the strategy with the tokens it emitted per second;
+3. gathers the live rows into the next smaller batch bucket and/or grows the caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from tlt_jax.rollout import buckets as bk
+from tlt_jax.rollout.pool import ExecutablePool
+from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.tuner import Arm, Tuner
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """A decoding strategy as the scheduler sees it: its name, its executable group and its index
+  in that group, and the spec (None: vanilla)."""
+
+  name: str
+  group: str
+  choice: int
+  spec: SpecConfig | None
+
+  @property
+  def arm(self) -> Arm:
+    return Arm(self.name, 1 if self.spec is None else self.spec.verify_tokens)
+
+
+def new_stats() -> dict[str, Any]:
+  """The per-call statistics a rollout fills in."""
+  return dict(prefill_s=0.0, decode_s=0.0, compact_s=0.0, grow_s=0.0, compile_s=0.0,
+              switch_s=0.0, switches=0, decode_steps=0, row_steps=0, live_row_steps=0,
+              segments=[], segment_kv_lens=[], grows=0, cache_bytes_peak=0, tokens=0, arms={})
+
+
+def _arm_stats(stats: dict, batch: int, name: str) -> dict:
+  per_bucket = stats["arms"].setdefault(str(batch), {})
+  return per_bucket.setdefault(name, dict(segments=0, steps=0, tokens=0, row_steps=0,
+                                          seconds=0.0))
+
+
+class Scheduler:
+  """Drives the pool's executables for one request, one chunk at a time."""
+
+  def __init__(self, pool: ExecutablePool, strategies_for: Callable[[int], Sequence[Strategy]],
+               tuner: Tuner | None, weights: Callable[[], Any], learned_drafter: bool):
+    self.pool = pool
+    self.config = pool.config
+    self.strategies_for = strategies_for
+    self.tuner = tuner
+    self.weights = weights
+    self.learned = learned_drafter
+
+  def _run_timed(self, stats: dict, stat: str, key: tuple, *args):
+    """Runs executable ``key`` on ``args`` to completion, adding its seconds to ``stats[stat]``
+    (compiling first, untimed, if it is not in the pool yet)."""
+    executable = self.pool.get(key)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(executable(*args))
+    seconds = time.perf_counter() - t0
+    stats[stat] += seconds
+    return out, seconds
+
+  def _choose(self, batch: int) -> tuple[Strategy, bool]:
+    """The strategy for the next segment at ``batch``, and whether the tuner chose it."""
+    options = list(self.strategies_for(batch))
+    if len(options) == 1 or self.tuner is None:
+      return options[0], False
+    name = self.tuner.choose(batch, [s.arm for s in options])
+    return next(s for s in options if s.name == name), True
+
+  def run_chunk(self, prompts, chunk: range, args, stop_ids, tokens, logprobs, reasons,
+                stats: dict, progress=None) -> None:
+    """Prefills and decodes ``prompts[chunk]``, writing each row's results into ``tokens``,
+    ``logprobs`` and ``reasons`` as it finishes."""
+    cfg = self.config
+    batch = bk.bucket_for(len(chunk), cfg.batch_buckets)
+    plen = bk.bucket_for(max(len(prompts[i]) for i in chunk), cfg.prefill_buckets)
+    ids = np.full((batch, plen), cfg.pad_token_id, np.int32)
+    lens = np.ones((batch,), np.int32)
+    row_id = np.full((batch,), -1, np.int32)
+    group_id = np.full((batch,), -1, np.int32)
+    groups: dict[tuple, int] = {}
+    for slot, i in enumerate(chunk):
+      ids[slot, :len(prompts[i])] = prompts[i]
+      lens[slot], row_id[slot] = len(prompts[i]), i
+      group_id[slot] = groups.setdefault(tuple(prompts[i]), len(groups))  # same prompt, same group
+    kv_len = cfg.prefill_kv_len(plen)
+    state, _ = self._run_timed(stats, "prefill_s", ("prefill", batch, plen), self.weights(), ids,
+                               lens, row_id, group_id, args)
+    stop_set = set(stop_ids)
+    before = dict(steps=0, tokens=0, row_steps=0)
+    lagging = False  # the drafter may be more than one step's pairs behind (after vanilla)
+    while True:
+      strategy, tuned = self._choose(batch)
+      switch_s = 0.0
+      if strategy.spec is not None and lagging:
+        state, switch_s = self._run_timed(stats, "switch_s", ("catchup", batch, kv_len),
+                                          self.weights(), state)
+        stats["switches"] += 1
+        lagging = False
+      segment = self.pool.get(("segment", batch, kv_len, self.pool.stop_at(batch),
+                               strategy.group))
+      t0 = time.perf_counter()
+      state = segment(self.weights(), state, args, np.int32(strategy.choice))
+      done, n_gen, rows, counters, cache_lens = jax.device_get(
+          (state.done, state.num_generated, state.row_id, state.counters, state.cache.lengths))
+      seconds = time.perf_counter() - t0
+      lagging |= strategy.spec is None and self.learned
+      delta = {k: int(counters[k]) - before[k] for k in before}
+      before = {k: int(counters[k]) for k in before}
+      if tuned and delta["steps"] > 0:
+        self.tuner.update(batch, strategy.name, delta["tokens"], seconds + switch_s)
+      arm = _arm_stats(stats, batch, strategy.name)
+      arm["segments"] += 1
+      arm["seconds"] += seconds + switch_s
+      for k in ("steps", "tokens", "row_steps"):
+        arm[k] += delta[k]
+      stats["decode_s"] += seconds
+      stats["segments"].append((batch, delta["steps"], seconds, strategy.name))
+      stats["segment_kv_lens"].append(kv_len)
+      stats["cache_bytes_peak"] = max(stats["cache_bytes_peak"], self.pool.steps.cache_bytes(state))
+      stats["decode_steps"] += delta["steps"]
+      stats["row_steps"] += delta["steps"] * batch
+      finished = [s for s in range(batch) if done[s] and rows[s] >= 0]
+      if finished:
+        toks, lps = jax.device_get((state.tokens, state.logprobs))
+        for s in finished:
+          n = int(n_gen[s])
+          tokens[rows[s]] = toks[s, :n].tolist()
+          logprobs[rows[s]] = lps[s, :n]
+          reasons[rows[s]] = "stop" if n and tokens[rows[s]][-1] in stop_set else "length"
+      live = np.flatnonzero(~done)
+      if progress is not None:  # rows of earlier chunks are all done
+        progress(chunk.start + len(chunk) - live.size, len(prompts))
+      if live.size == 0:
+        stats["live_row_steps"] += int(counters["row_steps"])
+        if "accept_hist" in counters:
+          stats["accept_hist"] = stats.get("accept_hist", 0) + counters["accept_hist"]
+        return
+      smaller = bk.bucket_for(live.size, cfg.batch_buckets)
+      if cfg.compaction and smaller < batch:
+        index = np.full((smaller,), -1, np.int32)
+        index[:live.size] = live
+        state, _ = self._run_timed(stats, "compact_s", ("compact", batch, smaller, kv_len), state,
+                                   index)
+        batch = smaller
+      while int(cache_lens[live].max()) + cfg.step_slots > kv_len:  # a live row needs more room
+        bigger = cfg.kv_lengths[cfg.kv_lengths.index(kv_len) + 1]
+        state, _ = self._run_timed(stats, "grow_s", ("grow", batch, kv_len, bigger), state)
+        stats["grows"] += 1
+        kv_len = bigger
+
+
+def finish_arm_stats(stats: dict) -> None:
+  """Adds each arm's mean tokens per live row-step (its mean accepted length; vanilla: 1) and
+  throughput to ``stats["arms"]``."""
+  for per_bucket in stats["arms"].values():
+    for arm in per_bucket.values():
+      arm["mean_accept_len"] = arm["tokens"] / arm["row_steps"] if arm["row_steps"] else None
+      arm["tokens_per_s"] = arm["tokens"] / arm["seconds"] if arm["seconds"] > 0 else None
