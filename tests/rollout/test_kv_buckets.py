@@ -75,7 +75,7 @@ def check_same(engine, full, grown):
   assert set(full.stats["segment_kv_lens"]) == {engine.config.cache_len}
   # cache slots attended over, summed over decode steps and rows: fewer than at capacity
   def slot_steps(stats):
-    return sum(b * n * kv for (b, n, _), kv in zip(stats["segments"], stats["segment_kv_lens"]))
+    return sum(b * n * kv for (b, n, *_), kv in zip(stats["segments"], stats["segment_kv_lens"]))
   assert slot_steps(grown.stats) < slot_steps(full.stats)
   assert grown.stats["cache_bytes_peak"] <= full.stats["cache_bytes_peak"]
 

@@ -712,8 +712,8 @@ class GRPOTrainer:
 
 def tail_seconds(stats: dict) -> float:
   """Decode time spent in segments where fewer than half of the chunk's rows were live."""
-  segments = stats["segments"]  # (bucket, steps, seconds), in order
+  segments = stats["segments"]  # (bucket, steps, seconds, strategy), in order
   if not segments:
     return 0.0
   first = segments[0][0]
-  return float(sum(seconds for bucket, _, seconds in segments if bucket < first / 2))
+  return float(sum(seconds for bucket, _, seconds, *_ in segments if bucket < first / 2))

@@ -201,17 +201,24 @@ def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, 
   the ``verify_tokens - 1`` candidates with the highest cumulative draft log-probability.
 
   ``noise [B, depth, Kd]`` (coupled mode) perturbs each level's log-probs by the Gumbel noise of
-  the position it drafts, so the best child is the drafter's guess of the target's sample."""
+  the position it drafts when picking the children, so the first child is the drafter's guess of
+  the target's sample; scores stay the unperturbed log-probs (a child never outscores its
+  parent, so the kept candidates always form a tree)."""
   k, depth = spec.topk, spec.depth
-  shake = (lambda lp, level: lp) if noise is None else (
-      lambda lp, level: lp + noise[:, level].reshape(
-          (lp.shape[0],) + (1,) * (lp.ndim - 2) + (lp.shape[-1],)))
+
+  def top_children(logits, level):
+    lp = jax.nn.log_softmax(logits, -1)
+    if noise is None:
+      return lax.top_k(lp, k)
+    shaken = lp + noise[:, level].reshape((lp.shape[0],) + (1,) * (lp.ndim - 2) + (lp.shape[-1],))
+    _, index = lax.top_k(shaken, k)
+    return jnp.take_along_axis(lp, index, -1), index
   b = root.shape[0]
   dl = dcache.lengths
   width = depth * k  # uncommitted drafter slots used by the frontier nodes
   slot = jnp.arange(dcache.max_len)[None, :]
 
-  lp, tok = lax.top_k(shake(jax.nn.log_softmax(logits, -1), 0), k)  # [B, k]
+  lp, tok = top_children(logits, 0)  # [B, k]
   tok = drafter.to_target_ids(tok)
   cand_tok, cand_score = [tok], [lp]
   cand_parent = [jnp.full((b, k), -1, jnp.int32)]
@@ -231,7 +238,7 @@ def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, 
     out = drafter.forward(target, f_tok, f_feat, positions,
                           cache=cache.with_lengths(dl + (level - 1) * k), cache_mask=mask)
     cache = out.cache
-    child_lp, child_tok = lax.top_k(shake(jax.nn.log_softmax(out.logits, -1), level), k)
+    child_lp, child_tok = top_children(out.logits, level)  # [B, k, k]
     child_tok = drafter.to_target_ids(child_tok)
     child_score = (f_score[:, :, None] + child_lp).reshape(b, k * k)
     cand_tok.append(child_tok.reshape(b, k * k))

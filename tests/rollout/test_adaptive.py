@@ -1,0 +1,262 @@
+"""The adaptive engine: strategies chosen per segment (vanilla included), switching both ways
+mid-generation, the shared executable pool, and drafter-invariant ("coupled") verification."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.helpers import mirror_drafter, sharp_random_model
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
+from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.tuner import TunerConfig
+
+STOPS = (3, 4, 5, 6)
+# Two trees of verify width 6 share one executable group; the chain is a group of its own.
+STRATEGIES = (SpecConfig(4, 1, 5), SpecConfig(3, 2, 6), SpecConfig(4, 3, 6))
+BASE = dict(max_batch=4, max_prompt_len=16, max_new_tokens=40, prefill_buckets=(16,))
+
+
+class RoundRobin:
+  """A scripted tuner: every bucket cycles through its arms, one segment each."""
+
+  def __init__(self):
+    self.turn = itertools.count()
+    self.calls = []
+
+  def choose(self, bucket, arms):
+    arm = arms[next(self.turn) % len(arms)].name
+    self.calls.append((bucket, arm))
+    return arm
+
+  def update(self, bucket, arm, tokens, seconds):
+    assert tokens >= 0 and seconds > 0
+
+  def summary(self):
+    return {}
+
+
+def prompts_of(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(7, 32, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def models():
+  """(target, drafter): a 2-layer target with a random drafter, a 1-layer one with a mirror."""
+  deep = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=1)
+  shallow = sharp_random_model(ModelConfig.tiny(vocab_size=32, num_layers=1), seed=1)
+  return {"random": (deep, Drafter.create(deep.config, seed=5)),
+          "mirror": (shallow, mirror_drafter(shallow))}
+
+
+def adaptive(target, drafter, tuner=None, **kw):
+  cfg = dict(BASE, strategies=STRATEGIES, segment_steps=3)
+  cfg.update(kw)
+  return RolloutEngine(target, drafter=drafter, config=EngineConfig(**cfg),
+                       tuner=tuner if tuner is not None else RoundRobin())
+
+
+@pytest.mark.parametrize("kind", ["random", "mirror"])
+def test_greedy_with_switching_every_segment_equals_vanilla(models, kind):
+  target, drafter = models[kind]
+  params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
+  vanilla = RolloutEngine(target, config=EngineConfig(**BASE))
+  engine = adaptive(target, drafter)
+  prompts = prompts_of([9, 2, 14, 5, 7, 1, 11], seed=3)
+  got, want = engine.generate(prompts, params), vanilla.generate(prompts, params)
+  assert got.tokens == want.tokens
+  assert got.finish_reasons == want.finish_reasons
+  for a, b in zip(got.logprobs, want.logprobs):
+    np.testing.assert_allclose(a, b, atol=1e-4)
+  stats = got.stats
+  used = {name for per_bucket in stats["arms"].values() for name in per_bucket}
+  assert used == {"vanilla", "chain d4", "tree d3 k2 v6", "tree d4 k3 v6"}, used
+  assert stats["switches"] > 2 and stats["switch_s"] > 0  # vanilla -> SD, several times
+  assert len({b for b, *_ in stats["segments"]}) > 1, "rows must move buckets"
+  if kind == "mirror":  # a good drafter stays good after catching up
+    chain = [a for per_bucket in stats["arms"].values() for n, a in per_bucket.items()
+             if n == "chain d4"]
+    assert sum(a["tokens"] for a in chain) / sum(a["row_steps"] for a in chain) > 3.0
+
+
+def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models):
+  """After vanilla segments, the drafter's cache after catch-up equals a drafter pass over the
+  whole (prompt + generated) sequence's pairs: fails on any off-by-one in the feature history."""
+  target, drafter = models["random"]
+  engine = adaptive(target, drafter, segment_steps=12, max_batch=2)
+  pool, cfg = engine.pool, engine.config
+  prompts = prompts_of([5, 11], seed=4)
+  kv_len = cfg.prefill_kv_len(16)
+  ids = np.zeros((2, 16), np.int32)
+  for i, p in enumerate(prompts):
+    ids[i, :len(p)] = p
+  lens = np.array([len(p) for p in prompts], np.int32)
+  args = SamplerArgs.from_params(SamplingParams(max_new_tokens=40, temperature=0.0,
+                                                stop_token_ids=()), (), cfg.max_stop_ids)
+  weights = engine._weights()
+  state = pool.get(("prefill", 2, 16))(weights, ids, lens, np.arange(2, dtype=np.int32),
+                                       np.arange(2, dtype=np.int32), args)
+  state = pool.get(("segment", 2, kv_len, 0, "vanilla"))(weights, state, args, np.int32(0))
+  lag = np.asarray(state.cache.lengths - state.dcache.lengths)
+  assert (lag > cfg.pending_width).all(), lag  # far behind after 12 vanilla steps
+  state = pool.get(("catchup", 2, kv_len))(weights, state)
+  dl = np.asarray(state.dcache.lengths)
+  lag = np.asarray(state.cache.lengths) - dl
+  assert ((lag >= 1) & (lag <= cfg.pending_width)).all(), lag
+  gen = np.asarray(state.tokens)
+  for b, p in enumerate(prompts):
+    seq = np.array(p + gen[b, :int(state.num_generated[b])].tolist())
+    hidden = target.forward(jnp.asarray(seq[None]), return_hidden=True).hidden
+    cache = drafter.init_cache(1, kv_len)
+    out = drafter.forward(target, jnp.asarray(seq[None, 1:]), hidden[:, :-1], cache=cache)
+    np.testing.assert_allclose(np.asarray(state.dcache.k[0][b, :dl[b]]),
+                               np.asarray(out.cache.k[0][0, :dl[b]]), atol=2e-5)
+    # and the pending pairs' features are the target's hidden states at their positions
+    first = dl[b] - (len(p) - 1)
+    n = int(state.num_generated[b])
+    np.testing.assert_allclose(np.asarray(state.feats[b, first:n]),
+                               np.asarray(hidden[0, len(p) - 1 + first:len(p) - 1 + n]),
+                               atol=2e-5)
+
+
+SAMPLED = {"plain": dict(temperature=1.0), "topk": dict(temperature=0.7, top_k=5),
+           "topp": dict(temperature=0.9, top_p=0.8)}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLED))
+@pytest.mark.parametrize("mode", ["chain", "tree", "adaptive"])
+def test_coupled_speculative_emits_vanillas_sampled_tokens(models, sampling, mode):
+  target, drafter = models["mirror"]
+  params = SamplingParams(max_new_tokens=40, seed=5, stop_token_ids=STOPS, **SAMPLED[sampling])
+  vanilla = RolloutEngine(target, config=EngineConfig(**BASE))
+  if mode == "adaptive":
+    engine = adaptive(target, drafter, verify="coupled")
+  else:
+    spec = STRATEGIES[0] if mode == "chain" else STRATEGIES[2]
+    engine = RolloutEngine(target, drafter=drafter,
+                           config=EngineConfig(**BASE, spec=spec, verify="coupled"))
+  prompts = prompts_of([9, 2, 14, 5, 7, 1, 11], seed=6)
+  got, want = engine.generate(prompts, params), vanilla.generate(prompts, params)
+  assert got.tokens == want.tokens
+  for a, b in zip(got.logprobs, want.logprobs):
+    np.testing.assert_allclose(a, b, atol=1e-4)
+  assert "stop" in got.finish_reasons  # rows stop, many inside accepted drafts
+  assert got.stats["mean_accept_len"] > 1.5  # drafts were really accepted, not just bonuses
+
+
+def test_rejection_sampling_does_not_reproduce_vanillas_tokens(models):
+  """The coupled test above bites: rejection sampling (lossless in law) draws other tokens."""
+  target, drafter = models["mirror"]
+  params = SamplingParams(max_new_tokens=40, seed=5, temperature=1.0, stop_token_ids=())
+  vanilla = RolloutEngine(target, config=EngineConfig(**BASE))
+  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(**BASE, spec=STRATEGIES[0]))
+  prompts = prompts_of([9, 2, 14, 5], seed=6)
+  assert engine.generate(prompts, params).tokens != vanilla.generate(prompts, params).tokens
+
+
+def test_coupled_tokens_do_not_depend_on_the_drafter_or_the_batch(models):
+  target, drafter = models["mirror"]
+  params = SamplingParams(max_new_tokens=30, seed=9, temperature=1.0, stop_token_ids=STOPS)
+  prompts = prompts_of([3, 8, 12, 4, 6], seed=2)
+  runs = []
+  for d, max_batch in ((drafter, 4), (Drafter.create(target.config, seed=3), 2),
+                       (NgramConfig(max_ngram=2, depth=4), 4)):
+    cfg = dict(BASE, max_batch=max_batch, spec=None if isinstance(d, NgramConfig) else
+               STRATEGIES[1], verify="coupled")
+    runs.append(RolloutEngine(target, drafter=d, config=EngineConfig(**cfg)).generate(
+        prompts, params).tokens)
+  assert runs[0] == runs[1] == runs[2]
+
+
+def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(models):
+  target, drafter = models["mirror"]
+  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(
+      **BASE, strategies=STRATEGIES, segment_steps=4, tuner=TunerConfig(epsilon=0.5)))
+  n = engine.precompile()
+  assert n == len(engine.executable_keys())
+  for seed in range(3):
+    result = engine.generate(prompts_of([9, 2, 14, 5, 7, 1, 11], seed=seed), SamplingParams(
+        max_new_tokens=40, temperature=1.0, seed=seed, stop_token_ids=STOPS))
+    assert result.stats["compiles"] == 0
+  summary = result.stats["tuner"]
+  pulls = sum(arm["pulls"] for per_bucket in summary.values() for name, arm in per_bucket.items()
+              if name != "best")
+  assert pulls > 10 and engine.tuner.state_dict()  # the tuner was really consulted and learned
+
+
+def test_pool_compiles_only_what_each_bucket_may_use_and_shares_verify_groups(models):
+  target, drafter = models["random"]
+  cfg = dict(max_batch=8, max_prompt_len=16, max_new_tokens=40, prefill_buckets=(16,),
+             kv_buckets=())
+  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(
+      **cfg, strategies=STRATEGIES, sd_max_batch=4, verify_budget=20))
+  keys = engine.executable_keys()
+  segments = {(k[1], k[4]) for k in keys if k[0] == "segment"}
+  # vanilla everywhere; SD only up to sd_max_batch = 4, and the verify-6 trees only where
+  # batch * 6 <= 20; the two trees share one group
+  assert segments == {(1, "vanilla"), (2, "vanilla"), (4, "vanilla"), (8, "vanilla"),
+                      (1, "chain d4"), (2, "chain d4"), (4, "chain d4"),
+                      (1, "tree v6"), (2, "tree v6")}
+  assert {k[1] for k in keys if k[0] == "catchup"} == {1, 2, 4}
+  assert [s.name for s in engine.strategies_for(2)] == [
+      "vanilla", "chain d4", "tree d3 k2 v6", "tree d4 k3 v6"]
+  assert [s.name for s in engine.strategies_for(8)] == ["vanilla"]
+  # A naive pool (every strategy its own engine at every bucket) compiles more executables.
+  naive = sum(len(RolloutEngine(target, drafter=drafter, config=EngineConfig(
+      **cfg, spec=s)).executable_keys()) for s in STRATEGIES)
+  naive += len(RolloutEngine(target, config=EngineConfig(**cfg)).executable_keys())
+  assert len(keys) < naive
+
+
+def test_a_shared_group_runs_each_member_strategy(models):
+  """Both trees of the verify-6 group decode through one executable, and each really drafts
+  its own tree: forcing one or the other changes acceptance, never the greedy tokens."""
+  target, drafter = models["mirror"]
+  params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=())
+  prompts = prompts_of([9, 2, 14, 5], seed=8)
+  accept = {}
+  for name in ("tree d3 k2 v6", "tree d4 k3 v6"):
+    tuner_cfg = TunerConfig(kind="fixed", fixed=((4, name),))
+    engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(
+        **BASE, strategies=STRATEGIES, tuner=tuner_cfg))
+    result = engine.generate(prompts, params)
+    assert set(result.stats["arms"]["4"]) == {name}
+    accept[name] = result.stats["accept_hist"]  # [i]: steps that emitted i + 1 tokens
+    if name == "tree d3 k2 v6":
+      first = result.tokens
+    else:
+      assert result.tokens == first
+  # the members drafted different trees (a depth-3 tree never emits 5 tokens in a step)
+  assert accept["tree d3 k2 v6"] != accept["tree d4 k3 v6"], accept
+  assert accept["tree d3 k2 v6"][4] == 0, accept
+
+
+def test_config_errors_say_what_to_do(models):
+  target, drafter = models["random"]
+  with pytest.raises(ValueError, match="either EngineConfig.spec"):
+    EngineConfig(spec=SpecConfig(), strategies=(SpecConfig(2, 1, 3),))
+  with pytest.raises(ValueError, match="no drafter"):
+    RolloutEngine(target, config=EngineConfig(strategies=(SpecConfig(2, 1, 3),)))
+  with pytest.raises(ValueError, match="verify must be one of"):
+    EngineConfig(verify="gumbel")
+  with pytest.raises(ValueError, match="duplicates"):
+    EngineConfig(strategies=(SpecConfig(2, 1, 3), SpecConfig(2, 1, 3)))
+  with pytest.raises(ValueError, match="segment_steps"):
+    EngineConfig(segment_steps=-1)
+  with pytest.raises(ValueError, match="topk=1"):
+    RolloutEngine(target, drafter=NgramConfig(), config=EngineConfig(
+        strategies=(SpecConfig(3, 2, 6),)))
+  with pytest.raises(ValueError, match="tuner"):
+    EngineConfig(strategies=(SpecConfig(2, 1, 3),), tuner=dict(kind="thompson"))
+  # strategies and the tuner may come from a config file as plain lists / dicts
+  cfg = EngineConfig(strategies=[[2, 1, 3], dict(depth=3, topk=2, verify_tokens=6)],
+                     tuner=dict(kind="ucb1"))
+  assert cfg.strategies == (SpecConfig(2, 1, 3), SpecConfig(3, 2, 6))
+  assert cfg.tuner.kind == "ucb1" and cfg.segment_steps == 32 and cfg.adaptive
