@@ -1,5 +1,6 @@
 """Test helpers shared across test modules."""
 
+import itertools
 import os
 
 import jax
@@ -47,3 +48,22 @@ def garble(step_dir) -> None:
     f.seek(size // 2)
     f.write(bytes(b ^ 0xFF for b in chunk))
   assert os.path.getsize(path) == size
+
+
+class RoundRobin:
+  """A scripted tuner: every bucket cycles through its arms, one segment each."""
+
+  def __init__(self):
+    self.turn = itertools.count()
+    self.calls = []
+
+  def choose(self, bucket, arms):
+    arm = arms[next(self.turn) % len(arms)].name
+    self.calls.append((bucket, arm))
+    return arm
+
+  def update(self, bucket, arm, tokens, seconds):
+    assert tokens >= 0 and seconds > 0
+
+  def summary(self):
+    return {}

@@ -5,7 +5,7 @@ import sys
 
 from tlt_jax import models, rollout
 from tlt_jax.models import drafter, hf, transformer
-from tlt_jax.rollout import engine, ngram, sampling, speculative
+from tlt_jax.rollout import engine, ngram, sampling, speculative, tuner
 
 
 def test_models_exports_are_the_implementations():
@@ -22,6 +22,7 @@ def test_rollout_exports_are_the_implementations():
   assert rollout.SamplingParams is sampling.SamplingParams
   assert rollout.SpecConfig is speculative.SpecConfig
   assert rollout.NgramConfig is ngram.NgramConfig
+  assert rollout.TunerConfig is tuner.TunerConfig
   assert set(rollout.__all__) <= set(dir(rollout))
 
 

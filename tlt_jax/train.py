@@ -37,6 +37,7 @@ from tlt_jax.checkpoint import Checkpointer, count_nonfinite
 from tlt_jax.config import ConfigError, check_keys, section, to_dataclass
 from tlt_jax.models import hf
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import Drafter, load_drafter
 from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import grpo
@@ -46,6 +47,8 @@ from tlt_jax.rl.trainer import GRPOTrainer, NonFiniteUpdateError, TrainerConfig,
     check_update_layout
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.tuner import TunerConfig
 from tlt_jax.utils import progress_bar
 
 _DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "tiny_grpo.py"
@@ -161,6 +164,106 @@ def _pretrained_parts(model_cfg: ml_collections.ConfigDict) -> tuple[pathlib.Pat
   return path, model_config, tokenizer
 
 
+_DRAFTER_CHOICES = ("'none', 'ngram' or the directory of a drafter saved by "
+                   "tlt_jax.models.drafter.save_drafter")
+
+
+def check_drafter(value) -> None:
+  """Rejects a ``config.drafter`` that is neither a known kind nor an existing directory."""
+  if value in ("none", "ngram"):
+    return
+  if not isinstance(value, str) or not value:
+    raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}, got {value!r}")
+  if not pathlib.Path(value).is_dir():
+    raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}; {value!r} is not an "
+                      "existing directory")
+
+
+def build_drafter(value, model_config: ModelConfig) -> Drafter | NgramConfig | None:
+  """``config.drafter``: none, the n-gram drafter, or a learned drafter loaded for the policy."""
+  check_drafter(value)
+  if value == "none":
+    return None
+  if value == "ngram":
+    return NgramConfig()
+  try:
+    return load_drafter(value, model_config)
+  except Exception as e:  # pylint: disable=broad-except  # missing/garbled files, a misfit
+    raise ConfigError(f"config.drafter {value} does not load as a drafter of this policy: {e} "
+                      f"(config.drafter takes {_DRAFTER_CHOICES})") from None
+
+
+_ENGINE_SCALARS = ("verify", "sd_max_batch", "verify_budget", "segment_steps")
+_STRATEGY_HINT = "a list of [depth, topk, verify_tokens] triples, e.g. ((4, 1, 5), (4, 2, 8))"
+
+
+def _strategies(value) -> tuple[SpecConfig, ...]:
+  """``config.rollout.strategies`` as SpecConfigs; errors name the entry."""
+  if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+    raise ConfigError(f"config.rollout.strategies must be {_STRATEGY_HINT}, got {value!r}")
+  if value and all(isinstance(v, int) for v in value):
+    raise ConfigError(f"config.rollout.strategies must be {_STRATEGY_HINT}, got the flat "
+                      f"{tuple(value)!r}; one strategy is written ({tuple(value)!r},)")
+  specs = []
+  for i, entry in enumerate(value):
+    where = f"config.rollout.strategies[{i}]"
+    if isinstance(entry, SpecConfig):
+      specs.append(entry)
+      continue
+    if isinstance(entry, (dict, ml_collections.ConfigDict)):
+      args, kwargs = (), dict(entry)
+    elif isinstance(entry, (list, tuple)) and len(entry) == 3:
+      args, kwargs = tuple(entry), {}
+    else:
+      raise ConfigError(f"{where} must be a [depth, topk, verify_tokens] triple, got {entry!r}")
+    try:
+      spec = SpecConfig(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"{where} = {entry!r}: {e}") from None
+    specs.append(spec)
+  if len(set(specs)) != len(specs):
+    raise ConfigError(f"config.rollout.strategies lists a strategy twice: {value!r}")
+  return tuple(specs)
+
+
+def _tuner(value) -> TunerConfig:
+  """``config.rollout.tuner`` (a section of TunerConfig fields) as a TunerConfig."""
+  if isinstance(value, TunerConfig):
+    return value
+  if not isinstance(value, (dict, ml_collections.ConfigDict)):
+    raise ConfigError(f"config.rollout.tuner must be a section of TunerConfig fields (kind, "
+                      f"epsilon, window, ...), got {value!r}")
+  fields = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else dict(value)
+  check_keys(fields, {f.name for f in dataclasses.fields(TunerConfig)}, "rollout.tuner")
+  try:
+    return TunerConfig(**fields)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(str(e).replace("TunerConfig.", "config.rollout.tuner.")) from None
+
+
+def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
+                        **extra) -> EngineConfig:
+  """``config.rollout`` as an ``EngineConfig`` (``extra``: fields set by the job); a bad value of
+  the adaptive engine's fields names ``config.rollout.<field>``."""
+  fields = dict(rollout.items())
+  if "strategies" in fields:
+    fields["strategies"] = _strategies(fields["strategies"])
+  if fields.get("tuner") is not None:
+    fields["tuner"] = _tuner(fields["tuner"])
+  try:  # the engine's own checks of these fields, named as config fields
+    EngineConfig(**{k: fields[k] for k in _ENGINE_SCALARS if k in fields})
+  except (TypeError, ValueError) as e:
+    raise ConfigError(str(e).replace("EngineConfig.", "config.rollout.")) from None
+  engine = to_dataclass(EngineConfig, fields, "rollout", **extra)
+  if engine.strategies and drafter is None:
+    raise ConfigError("config.rollout.strategies needs a drafter: set config.drafter to 'ngram' "
+                      "or a saved drafter's directory, or leave strategies empty (vanilla)")
+  if isinstance(drafter, NgramConfig) and any(not s.is_chain for s in engine.strategies):
+    raise ConfigError(f"config.rollout.strategies {engine.strategies} has tree strategies "
+                      "(topk > 1) but the n-gram drafter drafts chains: use topk=1 entries")
+  return engine
+
+
 def build_job(cfg: ml_collections.ConfigDict) -> Job:
   """Checks every section of ``cfg`` (unknown keys and bad values name the field)."""
   check_keys(cfg, _TOP_LEVEL, "")
@@ -168,9 +271,7 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
   if missing:
     raise ConfigError(f"config lacks the fields {missing}; start from "
                       f"{_DEFAULT_CONFIG} and change what you need")
-  drafter = {"none": None, "ngram": NgramConfig()}.get(cfg.drafter, "bad")
-  if drafter == "bad":
-    raise ConfigError(f"config.drafter must be 'none' or 'ngram', got {cfg.drafter!r}")
+  check_drafter(cfg.drafter)
   for name in ("checkpoint_every", "mesh_devices", "seed"):
     value = cfg[name]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -200,8 +301,10 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
   grpo_config = to_dataclass(grpo.GRPOConfig, section(cfg, "grpo"), "grpo")
   trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=cfg.seed)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-  engine_config = to_dataclass(EngineConfig, section(cfg, "rollout"), "rollout",
-                               max_new_tokens=trainer_config.max_new_tokens, pad_token_id=pad)
+  drafter = build_drafter(cfg.drafter, model_config)
+  engine_config = build_engine_config(section(cfg, "rollout"), drafter,
+                                      max_new_tokens=trainer_config.max_new_tokens,
+                                      pad_token_id=pad)
   return Job(cfg=cfg, logdir=pathlib.Path(cfg.logdir), task=task, tokenizer=tokenizer,
              model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
              engine=engine_config, drafter=drafter, model_path=model_path, chat_template=chat)

@@ -1,14 +1,12 @@
 """The adaptive engine: strategies chosen per segment (vanilla included), switching both ways
 mid-generation, the shared executable pool, and drafter-invariant ("coupled") verification."""
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import mirror_drafter, sharp_random_model
+from tests.helpers import RoundRobin, mirror_drafter, sharp_random_model
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
@@ -21,25 +19,6 @@ STOPS = (3, 4, 5, 6)
 # Two trees of verify width 6 share one executable group; the chain is a group of its own.
 STRATEGIES = (SpecConfig(4, 1, 5), SpecConfig(3, 2, 6), SpecConfig(4, 3, 6))
 BASE = dict(max_batch=4, max_prompt_len=16, max_new_tokens=40, prefill_buckets=(16,))
-
-
-class RoundRobin:
-  """A scripted tuner: every bucket cycles through its arms, one segment each."""
-
-  def __init__(self):
-    self.turn = itertools.count()
-    self.calls = []
-
-  def choose(self, bucket, arms):
-    arm = arms[next(self.turn) % len(arms)].name
-    self.calls.append((bucket, arm))
-    return arm
-
-  def update(self, bucket, arm, tokens, seconds):
-    assert tokens >= 0 and seconds > 0
-
-  def summary(self):
-    return {}
 
 
 def prompts_of(lengths, seed=0):

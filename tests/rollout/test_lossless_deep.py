@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import mirror_drafter, sharp_random_model
+from tests.helpers import RoundRobin, mirror_drafter, sharp_random_model
 from tests.stats import (exact_logprobs, exact_sequences, padded, prefix_logits,
                          sampled_logprobs_error, window_pvalues)
 from tlt_jax.models.config import ModelConfig
@@ -43,6 +43,9 @@ CASES = {  # strategy, SamplingParams fields (none of which recompiles)
                                                  stop_token_ids=(STOP,))),
     "tree-reduced-topk-topp": ("tree-reduced", dict(temperature=0.8, top_k=5, top_p=0.9,
                                                     stop_token_ids=())),
+    # the adaptive engine switching strategy every step: vanilla, the chain, the tree, ...
+    "adaptive-switching-stop": ("adaptive", dict(temperature=0.9, top_k=0, top_p=1.0,
+                                                 stop_token_ids=(STOP,))),
 }
 
 
@@ -70,9 +73,15 @@ def engine_for(setup, strategy):
     drafter = noisy_mirror(target) if strategy.startswith("chain") else mirror_drafter(target)
     if strategy.endswith("reduced"):
       drafter.set_draft_vocab(target, DRAFT_VOCAB)
-    engines[strategy] = RolloutEngine(target, drafter=drafter, config=EngineConfig(
-        max_batch=4096, batch_buckets=(512, 4096), max_prompt_len=4, max_new_tokens=HORIZON,
-        prefill_buckets=(4,), compaction=True, spec=STRATEGIES[strategy]))
+    shape = dict(max_batch=4096, batch_buckets=(512, 4096), max_prompt_len=4,
+                 max_new_tokens=HORIZON, prefill_buckets=(4,), compaction=True)
+    if strategy == "adaptive":  # one step per segment; round robin over vanilla and SD
+      engines[strategy] = RolloutEngine(target, drafter=noisy_mirror(target), config=EngineConfig(
+          **shape, strategies=(STRATEGIES["chain"], STRATEGIES["tree"]), segment_steps=1,
+          sd_max_batch=4096), tuner=RoundRobin())
+    else:
+      engines[strategy] = RolloutEngine(target, drafter=drafter, config=EngineConfig(
+          **shape, spec=STRATEGIES[strategy]))
   return engines[strategy]
 
 
@@ -119,6 +128,10 @@ def test_every_draft_level_and_bonus_keep_the_target_law(setup, case):
   # accepted drafts: many of the stop ids sampled in the stop cases end a row inside a draft.
   assert 1 - s["live_row_steps"] / (s["tokens"] - SAMPLES) > 0.33, s
   assert {batch for batch, *_ in s["segments"]} == {512, 4096}  # rows were compacted
+  if strategy == "adaptive":  # every strategy decoded, and SD followed vanilla many times
+    assert {name for *_, name in s["segments"]} == {"vanilla", "chain d3", "tree d3 k2 v11"}
+    assert s["switches"] >= 8
+    return  # the strategy sequence differs between calls: no row-by-row comparison below
   if kw["stop_token_ids"]:
     assert 0.3 < result.finish_reasons.count("stop") / SAMPLES < 0.7
     # Every draw is keyed by (row, position), so without stop ids the first rows sample the

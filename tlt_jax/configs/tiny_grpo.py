@@ -4,6 +4,7 @@
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -13,7 +14,9 @@ def get_config() -> ml_collections.ConfigDict:
   #               "" = runs/<timestamp>
   c.resume = False  # True: continue the run in <logdir> with its saved config.json
   c.checkpoint_every = 5  # RL steps between checkpoints (0: only at the end)
-  c.drafter = "none"  # "ngram": lossless speculative rollouts drafted from sibling responses
+  # "ngram": lossless speculative rollouts drafted from sibling responses; a directory written by
+  # tlt_jax.models.drafter.save_drafter: an EAGLE-style drafter made for this policy
+  c.drafter = "none"
   c.mesh_devices = 0  # devices of the data-parallel update mesh (0: every device)
   c.distributed = False  # True: jax.distributed.initialize() (multi-host, from the environment)
 
@@ -35,6 +38,21 @@ def get_config() -> ml_collections.ConfigDict:
       steps=80, prompts_per_step=8, learning_rate=2e-5, warmup_steps=2, grad_clip=1.0,
       minibatches=2, epochs=1, max_new_tokens=96, temperature=1.0, eval_problems=128,
       update_tokens=2048))
-  # EngineConfig of the rollout engine (batch buckets up to max_batch rows)
-  c.rollout = ml_collections.ConfigDict(dict(max_batch=64, max_prompt_len=32))
+  # EngineConfig of the rollout engine (batch buckets up to max_batch rows). The adaptive
+  # engine (needs a drafter): strategies lists [depth, topk, verify_tokens] triples, e.g.
+  #   --config.drafter=ngram --config.rollout.strategies="((4, 1, 5), (8, 1, 9))"
+  # and the tuner picks vanilla or one of them per decode segment of at most segment_steps
+  # steps (None: 32 when adaptive, else unbounded), in every batch bucket <= sd_max_batch (and,
+  # with verify_budget > 0, bucket * verify_tokens <= verify_budget). verify: "rejection"
+  # (lossless rejection sampling) or "coupled" (SD emits exactly vanilla's tokens for a seed).
+  # () = vanilla decoding (with a drafter: one fixed speculative strategy for every segment).
+  c.rollout = ml_collections.ConfigDict(dict(
+      max_batch=64, max_prompt_len=32, strategies=(), sd_max_batch=32, verify_budget=0,
+      segment_steps=config_dict.placeholder(int), verify="rejection"))
+  # TunerConfig of the adaptive engine: kind "beg_mab" (epsilon-greedy on windowed medians of
+  # tokens/s), "ucb1" or "fixed" (fixed=((max_bucket, arm_name), ...), e.g. ((8, "chain d4"),
+  # (64, "vanilla"))); what it learned is saved in every checkpoint and restored on resume
+  c.rollout.tuner = ml_collections.ConfigDict(dict(
+      kind="beg_mab", epsilon=0.1, epsilon_min=0.01, decay=True, window=16, ucb_c=1.0, fixed=(),
+      seed=0))
   return c

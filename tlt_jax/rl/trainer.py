@@ -43,6 +43,7 @@ from tlt_jax.utils import require_positive_ints
 
 
 UPDATE_BUCKET_MIN = 16  # the shortest packed-row length of a packed policy update
+TUNER_KEY = "tuner"  # checkpoint metadata: the adaptive rollout tuner's state_dict()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,6 +524,11 @@ class GRPOTrainer:
                len_p99=float(np.percentile(lengths, 99)), len_max=int(lengths.max()),
                rollout_s=t_rollout, update_s=t_update, step_s=time.perf_counter() - t0,
                tail_s=tail_seconds(result.stats), compiles=result.stats["compiles"])
+    offered = None
+    if self.engine.tuner is not None:
+      offered = {b: [s.name for s in self.engine.strategies_for(b)]
+                 for b in self.engine.config.batch_buckets}
+    out.update(rollout_metrics(result.stats, offered))
     return out
 
   # ---- policy updates -------------------------------------------------------------------------
@@ -672,9 +678,12 @@ class GRPOTrainer:
     return state
 
   def save(self, checkpointer: ckpt.Checkpointer, metadata: dict | None = None) -> None:
-    """Saves params, optimizer state and the step (the data position is the step) atomically."""
-    checkpointer.save(self.step_count, self._checkpoint_state(),
-                      {"format": 1, "trainer": dataclasses.asdict(self.config), **(metadata or {})})
+    """Saves params, optimizer state and the step (the data position is the step) atomically;
+    the metadata holds what the adaptive engine's tuner learned (``"tuner"``), if it has one."""
+    metadata = {"format": 1, "trainer": dataclasses.asdict(self.config), **(metadata or {})}
+    if self.engine.tuner is not None:
+      metadata[TUNER_KEY] = self.engine.tuner.state_dict()
+    checkpointer.save(self.step_count, self._checkpoint_state(), metadata)
 
   def restore(self, checkpointer: ckpt.Checkpointer, step: int | None = None,
               report=print) -> dict:
@@ -694,7 +703,21 @@ class GRPOTrainer:
           ckpt.pure_dict_to_state(state["ref_params"], self.ref_params), replicated)
     self.step_count = int(state["step"])
     self._sync_engine()
+    self._restore_tuner(metadata.get(TUNER_KEY), report)
     return metadata
+
+  def _restore_tuner(self, saved: dict | None, report) -> None:
+    """Loads a checkpoint's tuner state into the engine's tuner. One of another kind (the run was
+    resumed with another ``tuner.kind``) is reported and left: the tuner starts fresh."""
+    tuner = self.engine.tuner
+    if saved is None or tuner is None:
+      return
+    if saved.get("kind") != tuner.config.kind:
+      report(f"the checkpoint's tuner state is of kind {saved.get('kind')!r} but this rollout "
+             f"engine's tuner is {tuner.config.kind!r}: the tuner starts fresh (resume with "
+             f"tuner.kind={saved.get('kind')!r} to keep what it learned)")
+      return
+    tuner.load_state_dict(saved)
 
   def evaluate(self, n: int | None = None, seed: int = 10_000, temperature: float = 0.0,
                progress=None) -> float:
@@ -708,6 +731,29 @@ class GRPOTrainer:
         progress=progress)
     texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     return float(np.mean([self.task.reward(p, t) for p, t in zip(problems, texts)]))
+
+
+def rollout_metrics(stats: dict, offered: dict[int, list[str]] | None = None) -> dict[str, float]:
+  """Scalar metrics of a rollout's ``RolloutResult.stats``: speculative-decoding switches and
+  their seconds, the mean accepted length (with SD) and, per batch bucket where ``offered``
+  (bucket -> arm names; the adaptive engine's) gives a choice, each arm's share of the bucket's
+  decode steps (``arm_steps/<bucket>/<arm>``) and tokens per second (``arm_tps/...``)."""
+  out = {"sd_switches": int(stats.get("switches", 0)),
+         "sd_switch_s": float(stats.get("switch_s", 0.0))}
+  if stats.get("mean_accept_len") is not None:
+    out["mean_accept_len"] = float(stats["mean_accept_len"])
+  for bucket, names in (offered or {}).items():
+    ran = stats.get("arms", {}).get(str(bucket), {})
+    steps = sum(arm["steps"] for arm in ran.values())
+    if len(names) < 2 or not steps:
+      continue  # no choice there, or the bucket was not decoded in this rollout
+    for name in names:
+      arm = ran.get(name, {})
+      key = f"{bucket}/{name.replace(' ', '_')}"
+      out[f"arm_steps/{key}"] = arm.get("steps", 0) / steps
+      if arm.get("tokens_per_s") is not None:
+        out[f"arm_tps/{key}"] = float(arm["tokens_per_s"])
+  return out
 
 
 def tail_seconds(stats: dict) -> float:

@@ -2,13 +2,15 @@
 
 The names most code needs are importable from here::
 
-  from tlt_jax.rollout import RolloutEngine, EngineConfig, SamplingParams, SpecConfig, NgramConfig
+  from tlt_jax.rollout import (RolloutEngine, EngineConfig, SamplingParams, SpecConfig,
+                               NgramConfig, TunerConfig)
 """
 
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.tuner import TunerConfig
 
 __all__ = ["EngineConfig", "NgramConfig", "RolloutEngine", "RolloutResult", "SamplingParams",
-           "SpecConfig"]
+           "SpecConfig", "TunerConfig"]

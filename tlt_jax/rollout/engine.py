@@ -300,6 +300,13 @@ class RolloutEngine:
   def _weights(self):
     return (self.params, self.drafter_params)
 
+  def set_tuner(self, tuner: Tuner | None = None) -> None:
+    """Replaces the adaptive engine's tuner (None: a fresh one from ``config.tuner``)."""
+    if not self.config.adaptive:
+      raise ValueError("set_tuner: this engine has no EngineConfig.strategies to tune")
+    self.tuner = self.scheduler.tuner = tuner if tuner is not None else make_tuner(
+        self.config.tuner)
+
   def strategies_for(self, batch: int) -> list[Strategy]:
     """The strategies that may decode a ``batch`` bucket (the first is the default)."""
     return self._strategies[batch]

@@ -1,0 +1,160 @@
+"""The adaptive engine's tuner vs every fixed strategy vs vanilla, whole-rollout time as ratios.
+
+  python experiments/train_bench_target.py      # once: the 3.6M bench target
+  python experiments/train_drafter_offline.py   # once: its EAGLE drafter
+  python experiments/ablate_tuner.py [--rounds 10] [--tuner beg_mab]
+
+Two drafters: the trained one and one of random weights (useless: SD with it only costs).
+Two workloads, each decoded greedily (so every engine must emit the same tokens, asserted):
+
+* ``sweep``: 32 additions of 1 to 12 digits in one batch. Rows finish at very different times,
+  so the live batch sweeps from 32 down to 1 (the long tail).
+* ``tail``: 12-digit additions one at a time (batch 1 all along: where SD pays most here).
+
+Every engine is compiled first (the tuner's whole pool included). Then ``--rounds`` rounds run
+each engine once on the same prompts, in rotating order; the tuner keeps what it learned from
+round to round, as it does over the RL steps of a run. Reported per workload: time per round,
+the median over the rounds of each engine's speed relative to vanilla, the same over the second
+half of the rounds (after learning), and the tuner's final choice per bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from experiments.bench_sd import long_prompts  # noqa: E402
+from tlt_jax.models import hf  # noqa: E402
+from tlt_jax.models.drafter import Drafter, load_drafter  # noqa: E402
+from tlt_jax.models.tokenizer import CharTokenizer  # noqa: E402
+from tlt_jax.rl.tasks import ArithmeticTask  # noqa: E402
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
+from tlt_jax.rollout.speculative import SpecConfig  # noqa: E402
+from tlt_jax.rollout.steps import strategy_name  # noqa: E402
+from tlt_jax.rollout.tuner import TunerConfig  # noqa: E402
+
+STRATEGIES = (SpecConfig(3, 1, 4), SpecConfig(7, 1, 8), SpecConfig(5, 4, 16), SpecConfig(7, 4, 16))
+
+
+def sweep_prompts(tokenizer: CharTokenizer, n: int, seed: int) -> list[list[int]]:
+  """``n`` additions of 1 .. 12 digits: solutions from a few to ~150 tokens."""
+  rng = np.random.default_rng(seed)
+  task = ArithmeticTask()
+  prompts = []
+  for i in range(n):
+    digits = 1 + i * 12 // n
+    lo, hi = 10 ** (digits - 1), 10 ** digits
+    p = task.make_problem(int(rng.integers(lo, hi)), int(rng.integers(lo, hi)))
+    prompts.append([tokenizer.bos_token_id] + tokenizer.encode(p.prompt))
+  return prompts
+
+
+def run_round(engines: dict, calls: list[list[list[int]]], params, order: list[str]) -> dict:
+  """Each engine decodes every call's prompts; returns seconds and tokens per engine."""
+  out = {}
+  for name in order:
+    seconds, tokens = 0.0, []
+    for prompts in calls:
+      t0 = time.perf_counter()
+      result = engines[name].generate(prompts, params)
+      seconds += time.perf_counter() - t0
+      assert result.stats["compiles"] == 0, (name, result.stats["compiles"])
+      tokens.append(result.tokens)
+      if "tuner" in name:
+        out.setdefault("switch_s", 0.0)
+        out["switch_s"] += result.stats["switch_s"]
+    out[name] = dict(seconds=seconds, tokens=tokens)
+  reference = out["vanilla"]["tokens"]
+  for name in order:
+    assert out[name]["tokens"] == reference, f"{name} emitted other tokens than vanilla"
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--target", default="experiments/out/bench_target")
+  parser.add_argument("--drafter", default="experiments/out/bench_drafter")
+  parser.add_argument("--rounds", type=int, default=10)
+  parser.add_argument("--tuner", default="beg_mab", choices=["beg_mab", "ucb1"])
+  parser.add_argument("--segment-steps", type=int, default=32)
+  parser.add_argument("--tail-prompts", type=int, default=4)
+  parser.add_argument("--max-new", type=int, default=160)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out", default="experiments/out/ablate_tuner.json")
+  a = parser.parse_args()
+  for path in (a.target, a.drafter):
+    if not pathlib.Path(path).is_dir():
+      raise SystemExit(f"{path} not found: run experiments/train_bench_target.py and "
+                       "experiments/train_drafter_offline.py first")
+  target, config = hf.from_pretrained(a.target)
+  trained = load_drafter(a.drafter, config)
+  useless = Drafter.create(config, seed=123)
+  tok = json.loads((pathlib.Path(a.target) / "char_tokenizer.json").read_text())
+  tokenizer = CharTokenizer(tok["alphabet"], tuple(tok["specials"]))
+  params = SamplingParams(max_new_tokens=a.max_new, temperature=0.0)
+  base = dict(max_batch=32, max_prompt_len=48, max_new_tokens=a.max_new, prefill_buckets=(48,))
+  t0 = time.perf_counter()
+  engines = {"vanilla": RolloutEngine(target, config=EngineConfig(**base))}
+  for spec in STRATEGIES:
+    engines[f"fixed {strategy_name(spec)}"] = RolloutEngine(
+        target, drafter=trained, config=EngineConfig(**base, spec=spec))
+  tuner_cfg = TunerConfig(kind=a.tuner, seed=a.seed)
+  engines["tuner"] = RolloutEngine(target, drafter=trained, config=EngineConfig(
+      **base, strategies=STRATEGIES, segment_steps=a.segment_steps, tuner=tuner_cfg))
+  compiled = {name: e.precompile() for name, e in engines.items()}
+  print(f"compiled {sum(compiled.values())} executables in {time.perf_counter() - t0:.0f}s",
+        flush=True)
+  workloads = {"sweep": [sweep_prompts(tokenizer, 32, a.seed)],
+               "tail": [[p] for p in long_prompts(tokenizer, a.tail_prompts, 12, a.seed)]}
+  report = dict(command=" ".join(sys.argv), strategies=[strategy_name(s) for s in STRATEGIES],
+                tuner=a.tuner, segment_steps=a.segment_steps, rounds=a.rounds, results={})
+  for drafter_name, drafter in (("trained", trained), ("random", useless)):
+    dparams = __import__("flax").nnx.split(drafter)[1]
+    for e in engines.values():
+      if e.drafter_params is not None:
+        e.update_params(e.params, dparams)
+    for workload, calls in workloads.items():
+      engines["tuner"].set_tuner()  # every (drafter, workload) starts with a fresh tuner
+      names = list(engines)
+      rounds = []
+      for r in range(a.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        rounds.append(run_round(engines, calls, params, order))
+        print(f"{drafter_name:8s} {workload:6s} round {r}: " + "  ".join(
+            f"{n} {rounds[-1][n]['seconds']:.2f}s" for n in names), flush=True)
+      speed = {n: [rd["vanilla"]["seconds"] / rd[n]["seconds"] for rd in rounds] for n in names}
+      late = a.rounds // 2
+      summary = {n: dict(median_vs_vanilla=statistics.median(v),
+                         median_vs_vanilla_after_learning=statistics.median(v[late:]),
+                         seconds=[rd[n]["seconds"] for rd in rounds]) for n, v in speed.items()}
+      fixed = [n for n in names if n.startswith("fixed")]
+      best = max(fixed, key=lambda n: summary[n]["median_vs_vanilla_after_learning"])
+      tuner_late = summary["tuner"]["median_vs_vanilla_after_learning"]
+      report["results"][f"{drafter_name}/{workload}"] = dict(
+          engines=summary, best_fixed=best,
+          tuner_vs_best_fixed=tuner_late / summary[best]["median_vs_vanilla_after_learning"],
+          tuner_vs_vanilla=tuner_late,
+          tuner_choice={b: v.get("best") for b, v in engines["tuner"].tuner.summary().items()},
+          tuner_summary=engines["tuner"].tuner.summary(),
+          switch_s=[rd.get("switch_s", 0.0) for rd in rounds])
+      line = report["results"][f"{drafter_name}/{workload}"]
+      print(f"== {drafter_name}/{workload}: tuner {tuner_late:.2f}x vanilla, "
+            f"{line['tuner_vs_best_fixed']:.2f}x best fixed ({best}); choices "
+            f"{line['tuner_choice']}", flush=True)
+  out = pathlib.Path(a.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(report, indent=2) + "\n")
+  print(f"wrote {out} in {time.perf_counter() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+  main()
