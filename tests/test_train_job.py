@@ -14,6 +14,7 @@ import pytest
 from tests.helpers import garble
 from tlt_jax import generate, train
 from tlt_jax.config import ConfigError, load_config_file
+from tlt_jax.models.drafter import Drafter, save_drafter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(task=dict(max_digits=3), model=dict(hidden_size=32, intermediate_size=64,
@@ -154,16 +155,103 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
     ("sft.learning_rate", -1.0, r"config.sft: SFTConfig.learning_rate must be > 0"),
     ("sft.rows", 0, r"config.sft: SFTConfig.rows"),
     ("mesh_devices", -1, r"config.mesh_devices must be an int >= 0"),
-    ("drafter", "eagle3", r"config.drafter must be 'none' or 'ngram'"),
+    ("drafter", "eagle3", (r"config.drafter must be 'none', 'ngram' or the directory of a drafter"
+                           r" saved by .*save_drafter; 'eagle3' is not an existing directory")),
+    ("rollout.strategies", ((2, 1, 3),), r"config.rollout.strategies needs a drafter"),
+    ("rollout.strategies", (2, 1, 3), (r"config.rollout.strategies must be a list of \[depth, "
+                                       r"topk, verify_tokens\] triples.*written \(\(2, 1, 3\),\)")),
+    ("rollout.strategies", ((2, 1, 4),), (r"config.rollout.strategies\[0\] = \(2, 1, 4\): "
+                                          r"SpecConfig.verify_tokens must be depth \+ 1")),
+    ("rollout.strategies", ((2, 1),), (r"config.rollout.strategies\[0\] must be a \[depth, "
+                                       r"topk, verify_tokens\] triple, got \(2, 1\)")),
+    ("rollout.tuner.kind", "greedy", (r"config.rollout.tuner.kind must be one of 'beg_mab', "
+                                      r"'ucb1', 'fixed', got 'greedy'")),
+    ("rollout.tuner.epsilon", 2.0, r"config.rollout.tuner.epsilon must be in \[0, 1\]"),
+    ("rollout.verify", "exact", r"config.rollout.verify must be one of"),
+    ("rollout.segment_steps", -1, r"config.rollout.segment_steps must be an int >= 0"),
+    ("rollout.sd_max_batch", 0, r"config.rollout.sd_max_batch must be a positive int"),
 ])
 def test_bad_values_are_rejected_before_work(tmp_path, no_work, field, value, match):
   cfg = tiny_config(tmp_path)
   *parents, key = field.split(".")
-  target = cfg[parents[0]] if parents else cfg
+  target = cfg
+  for part in parents:
+    target = target[part]
   with target.ignore_type():
     target[key] = value
   with pytest.raises(ConfigError, match=match):
     train.run(cfg)
+
+
+@pytest.fixture(scope="module")
+def saved_drafter(tmp_path_factory):
+  """A randomly initialised drafter, saved for the tiny config's policy."""
+  path = tmp_path_factory.mktemp("drafter") / "drafter"
+  job = train.build_job(tiny_config(path.parent / "unused"))
+  save_drafter(Drafter.create(job.model_config, seed=1), path)
+  return path
+
+
+def test_unusable_drafters_are_rejected_before_work(tmp_path, no_work, saved_drafter):
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(ConfigError, match=r"config.drafter .*empty does not load as a drafter of "
+                                        r"this policy: No drafter.safetensors"):
+    train.run(tiny_config(tmp_path / "a", drafter=str(empty)))
+  cfg = tiny_config(tmp_path / "b", drafter=str(saved_drafter))
+  cfg.model.hidden_size = 64  # another policy than the drafter was made for
+  with pytest.raises(ConfigError, match=r"config.drafter .* does not load .*hidden_size=32"):
+    train.run(cfg)
+  cfg = tiny_config(tmp_path / "c", drafter="ngram")
+  cfg.rollout.strategies = ((2, 2, 3),)  # a tree: the n-gram drafter drafts only chains
+  with pytest.raises(ConfigError, match=r"config.rollout.strategies .* n-gram drafter drafts "
+                                        r"chains"):
+    train.run(cfg)
+
+
+def checkpoint_tuner(logdir, step: int) -> dict:
+  """The tuner state in checkpoint ``step``'s metadata (orbax writes it as a JSON file)."""
+  metadata = pathlib.Path(logdir) / "checkpoints" / str(step) / "metadata" / "metadata"
+  return json.loads(metadata.read_text())["tuner"]
+
+
+def test_a_run_with_a_saved_drafter_and_strategies_resumes_them_and_the_tuner(
+    saved_drafter, tmp_path, capsys):
+  """The adaptive engine in the main job: SD and per-arm metrics in metrics.jsonl, the drafter,
+  strategies and tuner settings round-trip through config.json, and the resumed run's tuner goes
+  on from the checkpoint's (its reward windows extend the saved ones)."""
+  logdir = tmp_path / "run"
+  cfg = tiny_config(logdir, drafter=str(saved_drafter))
+  cfg.rollout.update(strategies=((2, 1, 3),), segment_steps=4,
+                     batch_buckets=(8,))  # one batch bucket: few executables to compile
+  cfg.rollout.tuner.window = 1000  # every reward stays in the windows
+  cfg.trainer.steps = 1
+  first = train.run(cfg)
+  saved = json.loads((logdir / "config.json").read_text())
+  assert saved["drafter"] == str(saved_drafter)
+  assert saved["rollout"]["strategies"] == [[2, 1, 3]] and saved["rollout"]["segment_steps"] == 4
+  assert saved["rollout"]["tuner"]["window"] == 1000
+  row = [json.loads(line) for line in (logdir / "metrics.jsonl").open()][1]
+  assert row == first["history"][0]
+  assert {"sd_switches", "sd_switch_s", "mean_accept_len", "arm_steps/8/vanilla",
+          "arm_steps/8/chain_d2"} <= set(row)
+  tuner_1 = checkpoint_tuner(logdir, 1)
+  assert tuner_1["kind"] == "beg_mab" and tuner_1["buckets"]["8"]["decisions"] > 0
+
+  capsys.readouterr()
+  cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")  # no drafter, no strategies
+  cfg.rollout.batch_buckets = (8,)  # (not a field of the default file: a user's file has it)
+  cfg.logdir, cfg.resume, cfg.trainer.steps = str(logdir), True, 2
+  summary = train.run(cfg, overrides=["trainer.steps"])
+  out = capsys.readouterr().out
+  assert "trainer.steps: 1 -> 2 (override)" in out and "rollout." not in out.split("config:")[0]
+  assert "arm_steps/8/chain_d2" in summary["history"][0]  # the adaptive engine is back
+  tuner_2 = checkpoint_tuner(logdir, 2)
+  arms_1 = {name: (pulls, rewards) for name, pulls, rewards in tuner_1["buckets"]["8"]["arms"]}
+  arms_2 = {name: (pulls, rewards) for name, pulls, rewards in tuner_2["buckets"]["8"]["arms"]}
+  assert tuner_2["buckets"]["8"]["decisions"] > tuner_1["buckets"]["8"]["decisions"]
+  for name, (pulls, rewards) in arms_1.items():
+    assert arms_2[name][0] >= pulls and arms_2[name][1][:len(rewards)] == rewards, name
 
 
 def test_a_logdir_that_is_a_file_is_rejected_before_work(tmp_path, no_work):
@@ -205,6 +293,11 @@ def test_help_lists_the_config_fields():
     (["--config.rollout.kv_buckets=(64,)"], "no such config field 'kv_buckets'"),  # no close one
     (["--config.sft.steps=-5"], "config.sft: SFTConfig.steps must be an int >= 0"),
     (["--config=missing.py"], "no config file at missing.py"),
+    (["--config.drafter=no/such/drafter"], ("config.drafter must be 'none', 'ngram' or the "
+                                            "directory of a drafter saved by")),
+    # the adaptive fields parse from the command line (the error is about the missing drafter)
+    (["--config.rollout.strategies=((4, 1, 5), (4, 2, 8))", "--config.rollout.tuner.kind=ucb1",
+      "--config.rollout.segment_steps=8"], "config.rollout.strategies needs a drafter"),
 ])
 def test_mistakes_are_one_line_errors_without_traceback(tmp_path, args, message):
   done = cli(f"--config.logdir={tmp_path / 'run'}", *args)

@@ -97,6 +97,9 @@ def test_short_run_is_finite_and_does_not_recompile():
   before = jax.tree.map(np.asarray, trainer.params)
   first = trainer.step()
   assert np.isfinite(first["loss"]) and 0.0 <= first["reward"] <= 1.0
+  # vanilla rollouts: no switches, no acceptance length, no per-arm metrics
+  assert first["sd_switches"] == 0 and first["sd_switch_s"] == 0.0
+  assert "mean_accept_len" not in first and not any(k.startswith("arm_") for k in first)
   compiles = compile_count()
   second = trainer.step()
   assert compile_count() == compiles, "the second RL step must not compile anything"
@@ -242,6 +245,9 @@ def test_trainer_runs_with_speculative_rollouts():
   second = trainer.step()
   assert second["compiles"] == 0
   assert all(0.0 <= m["reward"] <= 1.0 and np.isfinite(m["loss"]) for m in (first, second))
+  # one fixed strategy: its acceptance is reported, but there are no arms to compare
+  assert all(1.0 <= m["mean_accept_len"] <= 5.0 for m in (first, second))
+  assert not any(k.startswith("arm_") for k in first)
 
 
 def learning_trainer(**kw):
