@@ -688,7 +688,8 @@ class GRPOTrainer:
   def restore(self, checkpointer: ckpt.Checkpointer, step: int | None = None,
               report=print) -> dict:
     """Loads ``step``, or by default the newest checkpoint that passes verification (a corrupt
-    newer one is reported through ``report`` and moved aside); returns its metadata."""
+    newer one is reported through ``report`` and moved aside), and its tuner state into the
+    adaptive engine's tuner (see ``_restore_tuner``); returns its metadata."""
     like = self._checkpoint_state()
     if step is None:
       _, state, metadata = checkpointer.restore_latest_good(like=like, report=report)
@@ -714,8 +715,8 @@ class GRPOTrainer:
       return
     if saved.get("kind") != tuner.config.kind:
       report(f"the checkpoint's tuner state is of kind {saved.get('kind')!r} but this rollout "
-             f"engine's tuner is {tuner.config.kind!r}: the tuner starts fresh (resume with "
-             f"tuner.kind={saved.get('kind')!r} to keep what it learned)")
+             f"engine's tuner is {tuner.config.kind!r}: the tuner starts fresh (set the tuner's "
+             f"kind back to {saved.get('kind')!r} to keep what it learned)")
       return
     tuner.load_state_dict(saved)
 
