@@ -101,7 +101,10 @@ def main():
   tok = json.loads((pathlib.Path(a.target) / "char_tokenizer.json").read_text())
   tokenizer = CharTokenizer(tok["alphabet"], tuple(tok["specials"]))
   params = SamplingParams(max_new_tokens=a.max_new, temperature=0.0)
-  base = dict(max_batch=32, max_prompt_len=48, max_new_tokens=a.max_new, prefill_buckets=(48,))
+  # one cache length (kv_buckets=()): at these lengths growth buys little, and every executable
+  # costs XLA:CPU a few hundred memory maps (the default vm.max_map_count is 65530)
+  base = dict(max_batch=32, max_prompt_len=48, max_new_tokens=a.max_new, prefill_buckets=(48,),
+              kv_buckets=())
   t0 = time.perf_counter()
   engines = {"vanilla": RolloutEngine(target, config=EngineConfig(**base))}
   for spec in STRATEGIES:
