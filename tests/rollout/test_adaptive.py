@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.helpers import RoundRobin, mirror_drafter, sharp_random_model
 from tlt_jax.models.config import ModelConfig
@@ -13,7 +14,7 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
 from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.tuner import TunerConfig
+from tlt_jax.rollout.tuner import TunerConfig, make_tuner
 
 STOPS = (3, 4, 5, 6)
 # Two trees of verify width 6 share one executable group; the chain is a group of its own.
@@ -42,12 +43,34 @@ def adaptive(target, drafter, tuner=None, **kw):
                        tuner=tuner if tuner is not None else RoundRobin())
 
 
+@pytest.fixture(scope="module")
+def engines(models):
+  """Engines built (and compiled) once per module, by name; sampling parameters and tuners
+  change without recompiling, so the tests share them."""
+  cache = {}
+
+  def get(name):
+    if name not in cache:
+      kind, what = name.split("/")
+      target, drafter = models[kind]
+      if what == "vanilla":
+        cache[name] = RolloutEngine(target, config=EngineConfig(**BASE))
+      elif what.startswith("adaptive"):  # "adaptive" or "adaptive-coupled"
+        cache[name] = adaptive(target, drafter,
+                               verify="coupled" if what.endswith("coupled") else "rejection")
+      else:  # "chain-coupled" / "tree-coupled"
+        spec = STRATEGIES[0] if what.startswith("chain") else STRATEGIES[2]
+        cache[name] = RolloutEngine(target, drafter=drafter,
+                                    config=EngineConfig(**BASE, spec=spec, verify="coupled"))
+    return cache[name]
+  return get
+
+
 @pytest.mark.parametrize("kind", ["random", "mirror"])
-def test_greedy_with_switching_every_segment_equals_vanilla(models, kind):
-  target, drafter = models[kind]
+def test_greedy_with_switching_every_segment_equals_vanilla(engines, kind):
   params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
-  vanilla = RolloutEngine(target, config=EngineConfig(**BASE))
-  engine = adaptive(target, drafter)
+  vanilla, engine = engines(f"{kind}/vanilla"), engines(f"{kind}/adaptive")
+  engine.set_tuner(RoundRobin())
   prompts = prompts_of([9, 2, 14, 5, 7, 1, 11], seed=3)
   got, want = engine.generate(prompts, params), vanilla.generate(prompts, params)
   assert got.tokens == want.tokens
@@ -65,29 +88,31 @@ def test_greedy_with_switching_every_segment_equals_vanilla(models, kind):
     assert sum(a["tokens"] for a in chain) / sum(a["row_steps"] for a in chain) > 3.0
 
 
-def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models):
+def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models, engines):
   """After vanilla segments, the drafter's cache after catch-up equals a drafter pass over the
   whole (prompt + generated) sequence's pairs: fails on any off-by-one in the feature history."""
   target, drafter = models["random"]
-  engine = adaptive(target, drafter, segment_steps=12, max_batch=2)
+  engine = engines("random/adaptive")
   pool, cfg = engine.pool, engine.config
-  prompts = prompts_of([5, 11], seed=4)
+  prompts = prompts_of([5, 11, 8], seed=4)  # 3 live rows in the 4-row bucket
   kv_len = cfg.prefill_kv_len(16)
-  ids = np.zeros((2, 16), np.int32)
+  ids = np.zeros((4, 16), np.int32)
   for i, p in enumerate(prompts):
     ids[i, :len(p)] = p
-  lens = np.array([len(p) for p in prompts], np.int32)
+  lens = np.array([len(p) for p in prompts] + [1], np.int32)
+  rows = np.array([0, 1, 2, -1], np.int32)
   args = SamplerArgs.from_params(SamplingParams(max_new_tokens=40, temperature=0.0,
                                                 stop_token_ids=()), (), cfg.max_stop_ids)
   weights = engine._weights()
-  state = pool.get(("prefill", 2, 16))(weights, ids, lens, np.arange(2, dtype=np.int32),
-                                       np.arange(2, dtype=np.int32), args)
-  state = pool.get(("segment", 2, kv_len, 0, "vanilla"))(weights, state, args, np.int32(0))
-  lag = np.asarray(state.cache.lengths - state.dcache.lengths)
+  state = pool.get(("prefill", 4, 16))(weights, ids, lens, rows, rows, args)
+  vanilla = pool.get(("segment", 4, kv_len, pool.stop_at(4), "vanilla"))
+  for _ in range(4):  # 4 segments of segment_steps=3 vanilla steps
+    state = vanilla(weights, state, args, np.int32(0))
+  lag = np.asarray(state.cache.lengths - state.dcache.lengths)[:3]
   assert (lag > cfg.pending_width).all(), lag  # far behind after 12 vanilla steps
-  state = pool.get(("catchup", 2, kv_len))(weights, state)
+  state = pool.get(("catchup", 4, kv_len))(weights, state)
   dl = np.asarray(state.dcache.lengths)
-  lag = np.asarray(state.cache.lengths) - dl
+  lag = (np.asarray(state.cache.lengths) - dl)[:3]
   assert ((lag >= 1) & (lag <= cfg.pending_width)).all(), lag
   gen = np.asarray(state.tokens)
   for b, p in enumerate(prompts):
@@ -111,16 +136,9 @@ SAMPLED = {"plain": dict(temperature=1.0), "topk": dict(temperature=0.7, top_k=5
 
 @pytest.mark.parametrize("sampling", list(SAMPLED))
 @pytest.mark.parametrize("mode", ["chain", "tree", "adaptive"])
-def test_coupled_speculative_emits_vanillas_sampled_tokens(models, sampling, mode):
-  target, drafter = models["mirror"]
+def test_coupled_speculative_emits_vanillas_sampled_tokens(engines, sampling, mode):
   params = SamplingParams(max_new_tokens=40, seed=5, stop_token_ids=STOPS, **SAMPLED[sampling])
-  vanilla = RolloutEngine(target, config=EngineConfig(**BASE))
-  if mode == "adaptive":
-    engine = adaptive(target, drafter, verify="coupled")
-  else:
-    spec = STRATEGIES[0] if mode == "chain" else STRATEGIES[2]
-    engine = RolloutEngine(target, drafter=drafter,
-                           config=EngineConfig(**BASE, spec=spec, verify="coupled"))
+  vanilla, engine = engines("mirror/vanilla"), engines(f"mirror/{mode}-coupled")
   prompts = prompts_of([9, 2, 14, 5, 7, 1, 11], seed=6)
   got, want = engine.generate(prompts, params), vanilla.generate(prompts, params)
   assert got.tokens == want.tokens
@@ -130,36 +148,42 @@ def test_coupled_speculative_emits_vanillas_sampled_tokens(models, sampling, mod
   assert got.stats["mean_accept_len"] > 1.5  # drafts were really accepted, not just bonuses
 
 
-def test_rejection_sampling_does_not_reproduce_vanillas_tokens(models):
+def test_rejection_sampling_does_not_reproduce_vanillas_tokens(engines):
   """The coupled test above bites: rejection sampling (lossless in law) draws other tokens."""
-  target, drafter = models["mirror"]
   params = SamplingParams(max_new_tokens=40, seed=5, temperature=1.0, stop_token_ids=())
-  vanilla = RolloutEngine(target, config=EngineConfig(**BASE))
-  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(**BASE, spec=STRATEGIES[0]))
+  vanilla, engine = engines("mirror/vanilla"), engines("mirror/adaptive")
+  engine.set_tuner(make_tuner(TunerConfig(kind="fixed", fixed=((4, "chain d4"),))))
   prompts = prompts_of([9, 2, 14, 5], seed=6)
   assert engine.generate(prompts, params).tokens != vanilla.generate(prompts, params).tokens
 
 
-def test_coupled_tokens_do_not_depend_on_the_drafter_or_the_batch(models):
-  target, drafter = models["mirror"]
+def test_coupled_tokens_do_not_depend_on_the_drafter_or_the_batch(models, engines):
+  target, _ = models["mirror"]
   params = SamplingParams(max_new_tokens=30, seed=9, temperature=1.0, stop_token_ids=STOPS)
   prompts = prompts_of([3, 8, 12, 4, 6], seed=2)
-  runs = []
-  for d, max_batch in ((drafter, 4), (Drafter.create(target.config, seed=3), 2),
-                       (NgramConfig(max_ngram=2, depth=4), 4)):
-    cfg = dict(BASE, max_batch=max_batch, spec=None if isinstance(d, NgramConfig) else
-               STRATEGIES[1], verify="coupled")
-    runs.append(RolloutEngine(target, drafter=d, config=EngineConfig(**cfg)).generate(
-        prompts, params).tokens)
-  assert runs[0] == runs[1] == runs[2]
+  engine = engines("mirror/adaptive-coupled")
+  engine.set_tuner(RoundRobin())
+  good_run = engine.generate(prompts, params)
+  first = good_run.tokens
+  good = engine.drafter_params
+  try:  # a drafter of random weights: other drafts, other acceptances, the same tokens
+    engine.update_params(engine.params, nnx.split(Drafter.create(target.config, seed=3))[1])
+    engine.set_tuner(RoundRobin())
+    useless = engine.generate(prompts, params)
+  finally:
+    engine.update_params(engine.params, good)
+  ngram = RolloutEngine(target, drafter=NgramConfig(max_ngram=2, depth=4), config=EngineConfig(
+      **dict(BASE, max_batch=2), verify="coupled")).generate(prompts, params).tokens
+  assert first == useless.tokens == ngram
+  # the random drafter really drafted worse
+  assert useless.stats["mean_accept_len"] < good_run.stats["mean_accept_len"] - 0.5
 
 
-def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(models):
-  target, drafter = models["mirror"]
-  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(
-      **BASE, strategies=STRATEGIES, segment_steps=4, tuner=TunerConfig(epsilon=0.5)))
-  n = engine.precompile()
-  assert n == len(engine.executable_keys())
+def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(engines):
+  engine = engines("mirror/adaptive")
+  engine.set_tuner(make_tuner(TunerConfig(epsilon=0.5)))  # BEG-MAB, exploring a lot
+  engine.precompile()
+  assert set(engine.executable_keys()) <= set(engine._executables)
   for seed in range(3):
     result = engine.generate(prompts_of([9, 2, 14, 5, 7, 1, 11], seed=seed), SamplingParams(
         max_new_tokens=40, temperature=1.0, seed=seed, stop_token_ids=STOPS))
@@ -167,7 +191,7 @@ def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(models):
   summary = result.stats["tuner"]
   pulls = sum(arm["pulls"] for per_bucket in summary.values() for name, arm in per_bucket.items()
               if name != "best")
-  assert pulls > 10 and engine.tuner.state_dict()  # the tuner was really consulted and learned
+  assert pulls > 10 and result.stats["switches"] > 0  # the tuner was consulted and switched
 
 
 def test_pool_compiles_only_what_each_bucket_may_use_and_shares_verify_groups(models):
@@ -194,17 +218,15 @@ def test_pool_compiles_only_what_each_bucket_may_use_and_shares_verify_groups(mo
   assert len(keys) < naive
 
 
-def test_a_shared_group_runs_each_member_strategy(models):
+def test_a_shared_group_runs_each_member_strategy(engines):
   """Both trees of the verify-6 group decode through one executable, and each really drafts
   its own tree: forcing one or the other changes acceptance, never the greedy tokens."""
-  target, drafter = models["mirror"]
+  engine = engines("mirror/adaptive")
   params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=())
   prompts = prompts_of([9, 2, 14, 5], seed=8)
   accept = {}
   for name in ("tree d3 k2 v6", "tree d4 k3 v6"):
-    tuner_cfg = TunerConfig(kind="fixed", fixed=((4, name),))
-    engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(
-        **BASE, strategies=STRATEGIES, tuner=tuner_cfg))
+    engine.set_tuner(make_tuner(TunerConfig(kind="fixed", fixed=((4, name),))))
     result = engine.generate(prompts, params)
     assert set(result.stats["arms"]["4"]) == {name}
     accept[name] = result.stats["accept_hist"]  # [i]: steps that emitted i + 1 tokens
