@@ -47,7 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
   # (lossless rejection sampling) or "coupled" (SD emits exactly vanilla's tokens for a seed).
   # () = vanilla decoding (with a drafter: one fixed speculative strategy for every segment).
   c.rollout = ml_collections.ConfigDict(dict(
-      max_batch=64, max_prompt_len=32, strategies=(), sd_max_batch=32, verify_budget=0,
+      max_batch=64, max_prompt_len=32, strategies=(), sd_max_batch=8, verify_budget=0,
       segment_steps=config_dict.placeholder(int), verify="rejection"))
   # TunerConfig of the adaptive engine: kind "beg_mab" (epsilon-greedy on windowed medians of
   # tokens/s), "ucb1" or "fixed" (fixed=((max_bucket, arm_name), ...), e.g. ((8, "chain d4"),

@@ -76,7 +76,10 @@ class EngineConfig:
   spec: SpecConfig | None = None  # one speculative strategy for every segment (needs a drafter)
   # The adaptive engine: vanilla plus these strategies, chosen per segment by the tuner.
   strategies: tuple[SpecConfig, ...] = ()
-  sd_max_batch: int = 32  # buckets above this always decode vanilla (the paper's default: 32)
+  # Buckets above this always decode vanilla. The paper uses 32 (GPUs); 8 is from measurement on
+  # CPU, where SD never beat vanilla above batch 8 (docs/benchmarks.md) and every SD arm offered
+  # at a big bucket costs exploration there.
+  sd_max_batch: int = 8
   verify_budget: int = 0  # > 0: a strategy serves bucket b only if b * verify_tokens <= this
   segment_steps: int | None = None  # most steps per segment (0: unbounded; None: 32 if adaptive)
   tuner: TunerConfig | None = None  # None: TunerConfig() (BEG-MAB) when adaptive

@@ -7,7 +7,9 @@ segment boundary (where the host reads the finished rows anyway) the scheduler
    switching from vanilla to a learned drafter first runs the drafter's catch-up (timed as the
    switch cost, and charged to the segment's reward);
 2. runs the segment and rewards the strategy with the tokens it emitted per second;
-3. gathers the live rows into the next smaller batch bucket and/or grows the caches.
+3. gathers the live rows into the next smaller batch bucket, and grows the caches when the next
+   strategy's step could write past them (a vanilla step needs one slot, a speculative one the
+   widest strategy's slack).
 """
 
 from __future__ import annotations
@@ -105,8 +107,15 @@ class Scheduler:
     stop_set = set(stop_ids)
     before = dict(steps=0, tokens=0, row_steps=0)
     lagging = False  # the drafter may be more than one step's pairs behind (after vanilla)
+    live_len = int(lens[:len(chunk)].max())  # the longest live row's committed length
     while True:
       strategy, tuned = self._choose(batch)
+      need = 1 if strategy.spec is None else cfg.step_slots
+      while live_len + need > kv_len:  # a live row needs more room for this strategy's steps
+        bigger = cfg.kv_lengths[cfg.kv_lengths.index(kv_len) + 1]
+        state, _ = self._run_timed(stats, "grow_s", ("grow", batch, kv_len, bigger), state)
+        stats["grows"] += 1
+        kv_len = bigger
       switch_s = 0.0
       if strategy.spec is not None and lagging:
         state, switch_s = self._run_timed(stats, "switch_s", ("catchup", batch, kv_len),
@@ -159,11 +168,7 @@ class Scheduler:
         state, _ = self._run_timed(stats, "compact_s", ("compact", batch, smaller, kv_len), state,
                                    index)
         batch = smaller
-      while int(cache_lens[live].max()) + cfg.step_slots > kv_len:  # a live row needs more room
-        bigger = cfg.kv_lengths[cfg.kv_lengths.index(kv_len) + 1]
-        state, _ = self._run_timed(stats, "grow_s", ("grow", batch, kv_len, bigger), state)
-        stats["grows"] += 1
-        kv_len = bigger
+      live_len = int(cache_lens[live].max())
 
 
 def finish_arm_stats(stats: dict) -> None:

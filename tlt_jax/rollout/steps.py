@@ -342,7 +342,9 @@ class StepFunctions:
       body = lambda s: self.vanilla_step(target, s, args)
     else:
       body = lambda s: self.spec_step(target, drafter, s, args, g, choice)
-    kv_len, need = state.cache.max_len, self.config.step_slots
+    # a vanilla step writes one slot: vanilla segments may fill the cache that far (the host grows
+    # it before a speculative segment needs more)
+    kv_len, need = state.cache.max_len, 1 if g.is_vanilla else self.config.step_slots
     max_steps = self.config.segment_steps
 
     def go_on(carry):
