@@ -31,9 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from experiments.bench_sd import long_prompts  # noqa: E402
-from tlt_jax.models import hf  # noqa: E402
-from tlt_jax.models.drafter import Drafter, load_drafter  # noqa: E402
+from experiments.bench_sd import load_bench, long_prompts  # noqa: E402
+from tlt_jax.models.drafter import Drafter  # noqa: E402
 from tlt_jax.models.tokenizer import CharTokenizer  # noqa: E402
 from tlt_jax.rl.tasks import ArithmeticTask  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
@@ -92,15 +91,8 @@ def main():
   parser.add_argument("--kv-buckets", default="default", choices=["default", "none"])
   parser.add_argument("--out", default="experiments/out/ablate_tuner.json")
   a = parser.parse_args()
-  for path in (a.target, a.drafter):
-    if not pathlib.Path(path).is_dir():
-      raise SystemExit(f"{path} not found: run experiments/train_bench_target.py and "
-                       "experiments/train_drafter_offline.py first")
-  target, config = hf.from_pretrained(a.target)
-  trained = load_drafter(a.drafter, config)
+  target, config, trained, tokenizer = load_bench(a.target, a.drafter)
   useless = Drafter.create(config, seed=123)
-  tok = json.loads((pathlib.Path(a.target) / "char_tokenizer.json").read_text())
-  tokenizer = CharTokenizer(tok["alphabet"], tuple(tok["specials"]))
   params = SamplingParams(max_new_tokens=a.max_new, temperature=0.0)
   # --kv-buckets none: one cache length. Every step then attends over the capacity, which holds
   # the widest strategy's slack, so the adaptive engine's vanilla steps pay for it (measured:

@@ -45,6 +45,19 @@ def long_prompts(tokenizer: CharTokenizer, n: int, digits: int, seed: int) -> li
   return [[tokenizer.bos_token_id] + tokenizer.encode(p.prompt) for p in problems]
 
 
+def load_bench(target_dir: str, drafter_dir: str):
+  """The bench target, its config, its trained drafter and its char tokenizer (a clear exit if
+  the training scripts have not been run)."""
+  for path in (target_dir, drafter_dir):
+    if not pathlib.Path(path).is_dir():
+      raise SystemExit(f"{path} not found: run experiments/train_bench_target.py and "
+                       "experiments/train_drafter_offline.py first")
+  target, config = hf.from_pretrained(target_dir)
+  drafter = load_drafter(drafter_dir, config)
+  tok = json.loads((pathlib.Path(target_dir) / "char_tokenizer.json").read_text())
+  return target, config, drafter, CharTokenizer(tok["alphabet"], tuple(tok["specials"]))
+
+
 def tree_for(verify: int, depth: int, topk: int) -> SpecConfig:
   """A strategy verifying ``verify`` tokens: a chain when that is depth + 1, else a tree."""
   if verify == depth + 1:
@@ -214,14 +227,7 @@ def main():
                       help="only measure the draft/verify time split at batch 1")
   a = parser.parse_args()
 
-  for path in (a.target, a.drafter):
-    if not pathlib.Path(path).is_dir():
-      raise SystemExit(f"{path} not found: run experiments/train_bench_target.py and "
-                       "experiments/train_drafter_offline.py first")
-  target, config = hf.from_pretrained(a.target)
-  drafter = load_drafter(a.drafter, config)
-  tok = json.loads((pathlib.Path(a.target) / "char_tokenizer.json").read_text())
-  tokenizer = CharTokenizer(tok["alphabet"], tuple(tok["specials"]))
+  target, config, drafter, tokenizer = load_bench(a.target, a.drafter)
   params = SamplingParams(max_new_tokens=a.max_new, temperature=a.temperature, seed=a.seed)
   prompts = long_prompts(tokenizer, max(a.batches), a.digits, a.seed)
   t0 = time.time()

@@ -21,10 +21,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from experiments.bench_sd import long_prompts  # noqa: E402
-from tlt_jax.models import hf  # noqa: E402
-from tlt_jax.models.drafter import load_drafter  # noqa: E402
-from tlt_jax.models.tokenizer import CharTokenizer  # noqa: E402
+from experiments.bench_sd import load_bench, long_prompts  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 from tlt_jax.rollout.speculative import SpecConfig  # noqa: E402
@@ -48,14 +45,7 @@ def main():
   parser.add_argument("--max-new", type=int, default=160)
   parser.add_argument("--out", default="experiments/out/coupled_vs_rejection.json")
   a = parser.parse_args()
-  for path in (a.target, a.drafter):
-    if not pathlib.Path(path).is_dir():
-      raise SystemExit(f"{path} not found: run experiments/train_bench_target.py and "
-                       "experiments/train_drafter_offline.py first")
-  target, config = hf.from_pretrained(a.target)
-  drafter = load_drafter(a.drafter, config)
-  tok = json.loads((pathlib.Path(a.target) / "char_tokenizer.json").read_text())
-  tokenizer = CharTokenizer(tok["alphabet"], tuple(tok["specials"]))
+  target, config, drafter, tokenizer = load_bench(a.target, a.drafter)
   prompts = long_prompts(tokenizer, a.prompts, 10, 0)
   base = dict(max_batch=a.batch, max_prompt_len=48, max_new_tokens=a.max_new,
               prefill_buckets=(48,), compaction=False)
