@@ -211,6 +211,9 @@ class RolloutResult:
   logprobs: list[np.ndarray]
   finish_reasons: list[str]  # "stop" (a stop id was sampled; it is included) or "length"
   stats: dict[str, Any]
+  # generate(collect_hidden=...): per row, the target's last-layer hidden states [L - 1, H] at
+  # positions 0 .. L - 2 of prompt + completion (L tokens); None for rows not collected
+  hidden: list[np.ndarray | None] | None = None
 
 
 def _a(x) -> str:
@@ -387,14 +390,46 @@ class RolloutEngine:
     return checked
 
 
+  def _collect_mask(self, collect_hidden, n: int, seed: int) -> np.ndarray | None:
+    """Which of ``n`` rows return hidden states: all (True), none (False), a seeded random
+    fraction (a float in (0, 1]) or a per-row sequence of bools."""
+    if collect_hidden is False or collect_hidden is None:
+      return None
+    if self.steps.drafter_graphdef is None:
+      raise ValueError("collect_hidden needs a learned drafter on the engine (the hidden states "
+                       "are the feature history it decodes with); pass drafter=Drafter(...)")
+    if collect_hidden is True:
+      return np.ones(n, bool)
+    if isinstance(collect_hidden, float):
+      if not 0.0 < collect_hidden <= 1.0:
+        raise ValueError(f"collect_hidden as a fraction must be in (0, 1], got {collect_hidden}")
+      mask = np.zeros(n, bool)
+      picked = np.random.default_rng(seed).permutation(n)[:max(1, round(collect_hidden * n))]
+      mask[picked] = True
+      return mask
+    mask = np.asarray(collect_hidden)
+    if mask.dtype != bool or mask.shape != (n,):
+      raise ValueError(f"collect_hidden must be a bool, a fraction in (0, 1] or {n} bools (one "
+                       f"per prompt), got {collect_hidden!r}")
+    return mask
+
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
-               progress: Callable[[int, int], Any] | None = None) -> RolloutResult:
+               progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
+               collect_hidden: bool | float | Sequence[bool] = False) -> RolloutResult:
     """Completes every prompt; rows finish on a stop id or at ``params.max_new_tokens``.
 
     ``progress(rows_done, rows_total)``, if given, is called after every decode segment (where
     the host reads the finished rows anyway); the last call has ``rows_done == rows_total``.
+    Row ``i`` samples with the keys of row ``i + row_offset`` (a shard of a bigger request passes
+    its first row's index there). ``collect_hidden`` (needs a learned drafter) fills
+    ``RolloutResult.hidden`` for all rows (True), a seeded random fraction of them (a float) or
+    the rows given by one bool per prompt.
     """
     prompts = self._check_prompts(prompts)
+    if not _is_integer(row_offset) or int(row_offset) < 0:
+      raise ValueError(f"row_offset must be an int >= 0, got {row_offset!r}")
+    collect = self._collect_mask(collect_hidden, len(prompts), params.seed)
+    hidden = None if collect is None else [None] * len(prompts)
     if params.max_new_tokens > self.config.max_new_tokens:
       raise ValueError(
           f"SamplingParams.max_new_tokens={params.max_new_tokens} exceeds "
@@ -412,7 +447,8 @@ class RolloutEngine:
     for start in range(0, len(prompts), self.config.max_batch):
       chunk = range(start, min(start + self.config.max_batch, len(prompts)))
       self.scheduler.run_chunk(prompts, chunk, args, stop_ids, tokens, logprobs, reasons, stats,
-                               progress)
+                               progress, row_offset=int(row_offset), collect=collect,
+                               hidden=hidden)
     stats["compile_s"] = self._compile_seconds - compile_s0
     stats["compiles"] = compile_count() - compiles0
     stats["wall_s"] = time.perf_counter() - t_start
@@ -434,4 +470,4 @@ class RolloutEngine:
         stats["draft_s"], stats["verify_s"] = spans[1], spans[2]
     if self.tuner is not None:
       stats["tuner"] = self.tuner.summary()
-    return RolloutResult(tokens, logprobs, reasons, stats)
+    return RolloutResult(tokens, logprobs, reasons, stats, hidden)

@@ -54,7 +54,7 @@ class ExecutablePool:
     ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     fn = functools.partial(self.steps.prefill, kv_len=kv_len)
-    return jax.eval_shape(fn, self.weights(), ids, vec, vec, vec, self.args_spec())
+    return jax.eval_shape(fn, self.weights(), ids, vec, vec, vec, self.args_spec())[0]
 
   def get(self, key: tuple):
     """The compiled executable for ``key`` (compiled on first use, then reused)."""

@@ -86,9 +86,17 @@ class Scheduler:
     return next(s for s in options if s.name == name), True
 
   def run_chunk(self, prompts, chunk: range, args, stop_ids, tokens, logprobs, reasons,
-                stats: dict, progress=None) -> None:
+                stats: dict, progress=None, *, row_offset: int = 0,
+                collect: np.ndarray | None = None, hidden: list | None = None) -> None:
     """Prefills and decodes ``prompts[chunk]``, writing each row's results into ``tokens``,
-    ``logprobs`` and ``reasons`` as it finishes."""
+    ``logprobs`` and ``reasons`` as it finishes.
+
+    Row ``i``'s sampling keys derive from ``i + row_offset`` (a data-parallel shard passes its
+    first row's index in the whole request, so tokens do not depend on the split). Where
+    ``collect[i]``, ``hidden[i]`` receives the target's last-layer hidden states ``[L - 1, H]``
+    of the row's sequence (prompt + completion, ``L`` tokens) at positions ``0 .. L - 2``: the
+    prompt's from the prefill, the completion's from the decode state's feature history, so no
+    second forward pass."""
     cfg = self.config
     batch = bk.bucket_for(len(chunk), cfg.batch_buckets)
     plen = bk.bucket_for(max(len(prompts[i]) for i in chunk), cfg.prefill_buckets)
@@ -99,11 +107,18 @@ class Scheduler:
     groups: dict[tuple, int] = {}
     for slot, i in enumerate(chunk):
       ids[slot, :len(prompts[i])] = prompts[i]
-      lens[slot], row_id[slot] = len(prompts[i]), i
+      lens[slot], row_id[slot] = len(prompts[i]), i + row_offset
       group_id[slot] = groups.setdefault(tuple(prompts[i]), len(groups))  # same prompt, same group
     kv_len = cfg.prefill_kv_len(plen)
-    state, _ = self._run_timed(stats, "prefill_s", ("prefill", batch, plen), self.weights(), ids,
-                               lens, row_id, group_id, args)
+    (state, prompt_hidden), _ = self._run_timed(stats, "prefill_s", ("prefill", batch, plen),
+                                                self.weights(), ids, lens, row_id, group_id, args)
+    wanted = [] if collect is None else [slot for slot, i in enumerate(chunk) if collect[i]]
+    prompt_feats = {}
+    if wanted:
+      ph = np.asarray(jax.device_get(prompt_hidden[np.asarray(wanted)]))
+      for k, slot in enumerate(wanted):
+        prompt_feats[chunk[slot] + row_offset] = ph[k, :lens[slot] - 1]
+    del prompt_hidden
     stop_set = set(stop_ids)
     before = dict(steps=0, tokens=0, row_steps=0)
     lagging = False  # the drafter may be more than one step's pairs behind (after vanilla)
@@ -148,11 +163,15 @@ class Scheduler:
       finished = [s for s in range(batch) if done[s] and rows[s] >= 0]
       if finished:
         toks, lps = jax.device_get((state.tokens, state.logprobs))
+        keep = [s for s in finished if rows[s] in prompt_feats]
+        feats = (np.asarray(jax.device_get(state.feats[np.asarray(keep)])) if keep else None)
         for s in finished:
-          n = int(n_gen[s])
-          tokens[rows[s]] = toks[s, :n].tolist()
-          logprobs[rows[s]] = lps[s, :n]
-          reasons[rows[s]] = "stop" if n and tokens[rows[s]][-1] in stop_set else "length"
+          n, i = int(n_gen[s]), rows[s] - row_offset
+          tokens[i] = toks[s, :n].tolist()
+          logprobs[i] = lps[s, :n]
+          reasons[i] = "stop" if n and tokens[i][-1] in stop_set else "length"
+          if rows[s] in prompt_feats:
+            hidden[i] = np.concatenate([prompt_feats.pop(rows[s]), feats[keep.index(s), :n]])
       live = np.flatnonzero(~done)
       if progress is not None:  # rows of earlier chunks are all done
         progress(chunk.start + len(chunk) - live.size, len(prompts))

@@ -155,9 +155,13 @@ class StepFunctions:
 
   # ---- prefill -----------------------------------------------------------------------------
   def prefill(self, weights, ids, prompt_lens, row_id, group_id, args: SamplerArgs, *,
-              kv_len: int) -> DecodeState:
+              kv_len: int) -> tuple[DecodeState, jax.Array | None]:
     """Runs the prompts ``ids [B, P]``, samples each row's first token, and builds the state
-    (the drafter consumes the prompt's pairs; the last one stays pending)."""
+    (the drafter consumes the prompt's pairs; the last one stays pending).
+
+    Returns ``(state, hidden)``: with a learned drafter ``hidden [B, P, H]`` is the target's
+    last-layer hidden state over the prompts (computed for the drafter anyway; the host reads it
+    only when it collects hidden states for drafter training), else None."""
     target, drafter = self.merge(weights)
     batch = ids.shape[0]
     cache = KVCache.create(self.model_config, batch, kv_len)
@@ -183,9 +187,10 @@ class StepFunctions:
       pad = self.config.max_prompt_len - ids.shape[1]
       extra = dict(prompt_tokens=jnp.pad(ids, ((0, 0), (0, pad))), prompt_lens=prompt_lens,
                    group_id=jnp.where(padding, -1, group_id))
-    return DecodeState(cache=out.cache.with_lengths(prompt_lens), last_token=tok, tokens=tokens,
-                       logprobs=logprobs, num_generated=jnp.where(padding, 0, 1).astype(jnp.int32),
-                       done=done, row_id=row_id, counters=self._counters(), **extra)
+    state = DecodeState(cache=out.cache.with_lengths(prompt_lens), last_token=tok, tokens=tokens,
+                        logprobs=logprobs, num_generated=jnp.where(padding, 0, 1).astype(jnp.int32),
+                        done=done, row_id=row_id, counters=self._counters(), **extra)
+    return state, (out.hidden if drafter is not None else None)
 
   # ---- one decode step ---------------------------------------------------------------------
   def vanilla_step(self, target, state: DecodeState, args: SamplerArgs) -> DecodeState:
