@@ -49,12 +49,22 @@ class ExecutablePool:
     return jax.eval_shape(lambda: SamplerArgs.from_params(
         SamplingParams(), (), self.config.max_stop_ids))
 
+  def sharding(self):
+    """Where the weights live (a data-parallel rollout commits each engine to its own device):
+    executables that take no weights (compaction, growth) are compiled for the same device."""
+    leaf = jax.tree.leaves(self.weights()[0])[0]
+    return leaf.sharding if isinstance(leaf, jax.Array) else None
+
   def state_spec(self, batch: int, kv_len: int):
-    """Shapes of a decode state of ``batch`` rows with ``kv_len`` cache slots."""
+    """Shapes of a decode state of ``batch`` rows with ``kv_len`` cache slots (on the weights'
+    device)."""
     ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     fn = functools.partial(self.steps.prefill, kv_len=kv_len)
-    return jax.eval_shape(fn, self.weights(), ids, vec, vec, vec, self.args_spec())[0]
+    shapes = jax.eval_shape(fn, self.weights(), ids, vec, vec, vec, self.args_spec())[0]
+    sharding = self.sharding()
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        shapes)
 
   def get(self, key: tuple):
     """The compiled executable for ``key`` (compiled on first use, then reused)."""
@@ -78,7 +88,7 @@ class ExecutablePool:
       lowered = jax.jit(steps.catch_up, donate_argnums=1).lower(self.weights(),
                                                                 self.state_spec(batch, key[2]))
     elif kind == "compact":
-      index = jax.ShapeDtypeStruct((key[2],), jnp.int32)
+      index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self.sharding())
       lowered = jax.jit(steps.compact).lower(self.state_spec(batch, key[3]), index)
     elif kind == "grow":
       fn = jax.jit(functools.partial(steps.grow, kv_len=key[3]))  # new shapes: no donation

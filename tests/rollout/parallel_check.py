@@ -1,0 +1,123 @@
+"""Run by test_parallel in a fresh process with 2 simulated CPU devices: the data-parallel
+rollout gives the tokens of one device, decodes each shard on its own device, and idle devices
+really run work while the others decode (counted)."""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import threading  # pylint: disable=wrong-import-position
+
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+
+from tests.helpers import sharp_random_model  # pylint: disable=wrong-import-position
+from tlt_jax.models.config import ModelConfig  # pylint: disable=wrong-import-position
+from tlt_jax.models.drafter import Drafter  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.parallel import DataParallelRollout  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.sampling import SamplingParams  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.speculative import SpecConfig  # pylint: disable=wrong-import-position
+from tlt_jax.utils import compile_count  # pylint: disable=wrong-import-position
+
+assert jax.device_count() == 2, jax.devices()
+devices = jax.devices()
+target = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=2)
+drafter = Drafter.create(target.config, seed=3)
+base = dict(max_batch=4, max_prompt_len=16, max_new_tokens=24, prefill_buckets=(16,))
+rng = np.random.default_rng(0)
+prompts = [rng.integers(7, 32, n).tolist() for n in [3, 9, 16, 5, 12, 4, 7, 8]]
+stops = (3, 4, 5, 6)
+
+cases = [
+    ("vanilla sampled", None, EngineConfig(**base), 1.0),
+    ("adaptive coupled sampled", drafter, EngineConfig(
+        **base, strategies=(SpecConfig(3, 1, 4), SpecConfig(2, 2, 4)), segment_steps=2,
+        verify="coupled"), 1.0),
+]
+dps = {}
+for name, d, cfg, temperature in cases:
+  params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=5, stop_token_ids=stops)
+  one = RolloutEngine(target, d, cfg).generate(prompts, params)
+  dp = dps[name] = DataParallelRollout(target, d, cfg, devices=devices)
+  many = dp.generate(prompts, params, collect_hidden=d is not None)
+  assert many.tokens == one.tokens, (name, many.tokens, one.tokens)
+  assert many.finish_reasons == one.finish_reasons, name
+  for a, b in zip(many.logprobs, one.logprobs):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  assert [s["rows"] for s in many.stats["devices"]] == [4, 4], many.stats["devices"]
+  assert many.stats["tokens"] == sum(len(t) for t in one.tokens)
+  for k, engine in enumerate(dp.engines):  # each shard ran on its own device
+    assert engine.pool.executables, (name, k)
+    for leaf in jax.tree.leaves(engine.params):
+      assert leaf.devices() == {devices[k]}, (name, k, leaf.devices())
+  if d is not None:
+    assert len(many.hidden) == len(prompts) and all(h is not None for h in many.hidden)
+    for p, c, h in zip(prompts, many.tokens, many.hidden):
+      assert h.shape[0] == len(p) + len(c) - 1
+  print(f"{name}: same tokens on 2 devices as on one")
+
+# Idle devices work while the others decode: 1 prompt over 2 devices leaves device 1 with no
+# rows; its idle hook runs jitted steps on its own device until the last shard is done.
+dp = dps["vanilla sampled"]
+params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=1, stop_token_ids=())
+work = jax.jit(lambda x: jnp.tanh(x @ x) * 0.5)
+x2 = jax.device_put(jnp.ones((64, 64)), devices[1])
+jax.block_until_ready(work(x2))
+dp.generate(prompts[:1], params)  # warm-up: every executable this rollout needs
+steps_during = {}
+shard_seen = []
+
+
+def idle(k, stop):
+  n = 0
+  while not stop.is_set():
+    jax.block_until_ready(work(x2))
+    n += 1
+    if n == 5:
+      busy_done.set()
+  steps_during[k] = n
+  return {"steps": n}
+
+
+busy_done = threading.Event()  # set by the idle device after 5 steps
+
+
+def shard_done(k, first, result):
+  # holds device 0's shard open until the idle device has worked (the rollout itself takes a few
+  # milliseconds here): the idle hook must have been running while a shard was still open
+  shard_seen.append((k, first, len(result.tokens)))
+  assert busy_done.wait(60), "the idle device never ran"
+
+
+compiles = compile_count()
+out = dp.generate(prompts[:1], params, idle=idle, shard_done=shard_done)
+assert compile_count() == compiles, "warmed up: the rollout compiled nothing"
+assert shard_seen == [(0, 0, 1)], shard_seen
+assert steps_during.get(1, 0) >= 5 and 0 not in steps_during, steps_during
+assert out.stats["idle"][1] == {"steps": steps_during[1]}
+dev = out.stats["devices"]
+assert dev[1]["rows"] == 0 and dev[1]["idle_used_s"] > 0, dev
+assert dev[1]["idle_s"] >= 0.9 * out.stats["rollout_wall_s"], dev
+print(f"idle device ran {steps_during[1]} steps while device 0 decoded; devices: {dev}")
+
+# an error in a shard reaches the caller and stops the idle devices
+def bad_shard_done(k, first, result):
+  raise RuntimeError(f"shard {k} failed")
+
+stopped = threading.Event()
+
+
+def idle_until(k, stop):
+  stop.wait(60)
+  stopped.set()
+
+try:
+  dp.generate(prompts[:1], params, idle=idle_until, shard_done=bad_shard_done)
+  raise AssertionError("the shard's error was swallowed")
+except RuntimeError as e:
+  assert "failed" in str(e), e
+assert stopped.is_set()
+print("parallel rollout ok")

@@ -1,0 +1,47 @@
+"""The data-parallel rollout (``rollout/parallel.py``): one engine per device, host threads."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tlt_jax.rollout.parallel import shard_ranges
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_shard_ranges_split_rows_contiguously_and_evenly():
+  assert shard_ranges(8, 3) == [range(0, 3), range(3, 6), range(6, 8)]
+  assert shard_ranges(2, 3) == [range(0, 1), range(1, 2), range(2, 2)]
+  assert shard_ranges(5, 1) == [range(0, 5)]
+
+
+def test_one_device_is_the_plain_engine():
+  from tests.helpers import sharp_random_model
+  from tlt_jax.models.config import ModelConfig
+  from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+  from tlt_jax.rollout.parallel import DataParallelRollout
+  from tlt_jax.rollout.sampling import SamplingParams
+  target = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=2)
+  cfg = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, prefill_buckets=(8,))
+  params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
+  prompts = [[7, 8, 9], [10, 11], [12, 13, 14, 15], [16], [17, 18]]
+  dp = DataParallelRollout(target, None, cfg)
+  out = dp.generate(prompts, params)
+  assert out.tokens == RolloutEngine(target, None, cfg).generate(prompts, params).tokens
+  assert len(out.stats["devices"]) == 1 and out.stats["devices"][0]["idle_s"] == 0.0
+  with pytest.raises(ValueError, match="devices repeat"):
+    DataParallelRollout(target, None, cfg, devices=[dp.devices[0]] * 2)
+
+
+@pytest.mark.slow
+def test_two_devices_same_tokens_and_idle_devices_work():
+  """See parallel_check.py: same tokens as one device (vanilla sampled, adaptive coupled
+  sampled), each shard on its own device, idle devices run counted work while the
+  others decode, and a shard's error reaches the caller."""
+  proc = subprocess.run([sys.executable, str(ROOT / "tests" / "rollout" / "parallel_check.py")],
+                        capture_output=True, text=True, timeout=600, cwd=ROOT,
+                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "parallel rollout ok" in proc.stdout, proc.stdout

@@ -1,0 +1,324 @@
+"""Data-parallel rollout: one bucketed engine per device, each driven by a host thread of its own.
+
+A request's rows are split into contiguous shards, one per device. Every device has its own
+``RolloutEngine`` (executables compiled for that device, weights committed there) and decodes its
+shard with its own batch buckets, compaction and cache growth, so a device whose rows finish early
+is free while the others still decode: that is the tail the spot trainer uses
+(``idle(device_index, stop)`` is called in the freed device's thread and must return when
+``stop`` is set, which happens as soon as the last shard finishes).
+
+Why threads over one program per device rather than one SPMD program: an SPMD (``shard_map``)
+decode loop keeps every device in lockstep at each host round trip, so the batch bucket, the
+compaction and the segment boundaries would be those of the slowest shard, and a finished device
+could not run anything else until the whole call returned. JAX dispatch is thread-safe and
+releases the GIL while executables run, so one host thread per device is enough to keep every
+device busy with a different program. The cost is one executable pool per device (compiled once).
+
+Row ``i`` of the request samples with the keys of row ``i`` whatever shard it lands in
+(``generate(row_offset=...)``), so tokens do not depend on the number of devices (exactly with
+greedy decoding, vanilla sampling and coupled verification; rejection-sampled SD is lossless in
+distribution, and an adaptive tuner's choices depend on thread timing). One device is the plain
+engine's behaviour.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.transformer import Transformer
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
+from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.scheduler import finish_arm_stats
+from tlt_jax.rollout.tuner import Tuner, make_tuner
+
+__all__ = ["DataParallelRollout", "LockedTuner", "on_device", "shard_ranges"]
+
+
+class LockedTuner:
+  """A tuner shared by the engines of several threads: ``choose``/``update`` under one lock."""
+
+  def __init__(self, tuner: Tuner):
+    self.tuner = tuner
+    self._lock = threading.Lock()
+
+  def choose(self, bucket, arms):
+    with self._lock:
+      return self.tuner.choose(bucket, arms)
+
+  def update(self, bucket, arm, tokens, seconds):
+    with self._lock:
+      return self.tuner.update(bucket, arm, tokens, seconds)
+
+  def __getattr__(self, name):  # config, summary, state_dict, load_state_dict, ...
+    return getattr(self.tuner, name)
+
+
+def on_device(tree, device):
+  """``tree`` with every array on ``device``: an array that already has a full copy there (e.g. a
+  replicated array's shard) is used as is (zero-copy), anything else is copied with
+  ``device_put``."""
+  def put(x):
+    if isinstance(x, jax.Array):
+      for shard in x.addressable_shards:
+        if shard.device == device and shard.data.shape == x.shape:
+          return shard.data
+    return jax.device_put(x, device)
+  return jax.tree.map(put, tree)
+
+
+def shard_ranges(n: int, shards: int) -> list[range]:
+  """``n`` rows cut into ``shards`` contiguous ranges whose sizes differ by at most one (the
+  first ones are the bigger; some are empty when ``n < shards``)."""
+  base, extra = divmod(n, shards)
+  out, start = [], 0
+  for k in range(shards):
+    size = base + (k < extra)
+    out.append(range(start, start + size))
+    start += size
+  return out
+
+
+def _sum_into(total: dict, stats: dict) -> None:
+  for key, value in stats.items():
+    if isinstance(value, bool):
+      continue
+    if isinstance(value, (int, float, np.integer, np.floating)) and key not in (
+        "tokens_per_s", "mean_accept_len", "wall_s", "cache_bytes_peak"):
+      total[key] = total.get(key, 0) + value
+  total["cache_bytes_peak"] = max(total.get("cache_bytes_peak", 0),
+                                  stats.get("cache_bytes_peak", 0))
+
+
+def merge_stats(shard_stats: list[dict | None], wall_s: float) -> dict[str, Any]:
+  """One stats dict for a data-parallel rollout: counters and seconds summed over devices
+  (seconds are then device-seconds), segments and per-arm tallies concatenated/summed, and the
+  per-device stats under ``"devices"``."""
+  merged: dict[str, Any] = dict(segments=[], segment_kv_lens=[], arms={})
+  hist = None
+  for stats in shard_stats:
+    if stats is None:
+      continue
+    _sum_into(merged, stats)
+    merged["segments"] += stats["segments"]
+    merged["segment_kv_lens"] += stats["segment_kv_lens"]
+    for bucket, arms in stats["arms"].items():
+      for name, arm in arms.items():
+        into = merged["arms"].setdefault(bucket, {}).setdefault(
+            name, dict(segments=0, steps=0, tokens=0, row_steps=0, seconds=0.0))
+        for k in into:
+          into[k] += arm[k]
+    if "accept_hist" in stats:
+      h = np.asarray(stats["accept_hist"])
+      hist = h if hist is None else hist + h
+  finish_arm_stats(merged)
+  if hist is not None:
+    merged["accept_hist"] = hist.tolist()
+    merged["mean_accept_len"] = float((hist * np.arange(1, hist.size + 1)).sum()
+                                      / max(hist.sum(), 1))
+  merged["wall_s"] = wall_s
+  merged["tokens_per_s"] = merged.get("tokens", 0) / max(wall_s - merged.get("compile_s", 0.0)
+                                                         / max(len(shard_stats), 1), 1e-9)
+  return merged
+
+
+class DataParallelRollout:
+  """Rollouts over several devices: the rows split into one shard per device, each decoded by
+  that device's own engine in a host thread of its own (see the module docstring).
+
+  It offers the ``RolloutEngine`` API the trainer uses (``generate``, ``update_params``,
+  ``precompile``, ``config``, ``tuner``, ``strategies_for``), plus per-device stats and the
+  ``shard_done``/``idle`` hooks of ``generate``.
+  """
+
+  def __init__(self, model: Transformer, drafter: Drafter | NgramConfig | None = None,
+               config: EngineConfig = EngineConfig(), devices: Sequence[Any] | None = None,
+               tuner: Tuner | None = None):
+    self.devices = list(devices) if devices is not None else jax.local_devices()[:1]
+    if not self.devices:
+      raise ValueError("DataParallelRollout needs at least one device")
+    if len(set(self.devices)) != len(self.devices):
+      raise ValueError(f"DataParallelRollout: devices repeat in {self.devices}")
+    shared = None
+    if config.strategies:
+      shared = LockedTuner(tuner if tuner is not None else make_tuner(config.tuner))
+    self.engines = [RolloutEngine(model, drafter=drafter, config=config, tuner=shared)
+                    for _ in self.devices]
+    self.shared_tuner = shared
+    self.update_params(self.engines[0].params, self.engines[0].drafter_params)
+
+  # ---- the RolloutEngine API the trainer uses ----------------------------------------------------
+  @property
+  def config(self) -> EngineConfig:
+    return self.engines[0].config
+
+  @property
+  def tuner(self) -> Tuner | None:
+    return None if self.shared_tuner is None else self.shared_tuner.tuner
+
+  @property
+  def drafter_params(self) -> nnx.State | None:
+    return self.engines[0].drafter_params
+
+  def set_tuner(self, tuner: Tuner | None = None) -> None:
+    """Replaces the shared tuner (None: a fresh one from ``config.tuner``)."""
+    if self.shared_tuner is None:
+      raise ValueError("set_tuner: this engine has no EngineConfig.strategies to tune")
+    self.shared_tuner.tuner = tuner if tuner is not None else make_tuner(self.config.tuner)
+
+  def strategies_for(self, batch: int):
+    return self.engines[0].strategies_for(batch)
+
+  def update_params(self, params: nnx.State, drafter_params: nnx.State | None = None) -> None:
+    """Gives every device's engine the weights, on its device (zero-copy where ``params`` already
+    has a full copy there, e.g. a replicated array's shard). ``drafter_params`` are copied to the
+    other devices and used as they are on their own: do not donate them afterwards."""
+    for device, engine in zip(self.devices, self.engines):
+      engine.update_params(on_device(params, device),
+                           None if drafter_params is None else on_device(drafter_params, device))
+
+  def target_params(self, index: int) -> nnx.State:
+    """The target weights device ``index``'s engine decodes with (on that device)."""
+    return self.engines[index].params
+
+  def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
+    """Compiles every device's pool (one thread per device); returns how many were compiled."""
+    counts = [0] * len(self.engines)
+    done = [0]
+    lock = threading.Lock()
+    total = sum(len([k for k in e.executable_keys() if k not in e.pool.executables])
+                for e in self.engines)
+
+    def tick(*_):
+      with lock:
+        done[0] += 1
+        if progress is not None:
+          progress(done[0], total)
+
+    def work(k):
+      counts[k] = self.engines[k].precompile(tick)
+
+    self._run_threads(work, range(len(self.engines)))
+    return sum(counts)
+
+  def pool_stats(self) -> list[dict[str, Any]]:
+    return [e.pool_stats() for e in self.engines]
+
+  @staticmethod
+  def _run_threads(fn, items) -> None:
+    """Runs ``fn(item)`` for every item in a thread of its own; re-raises the first error."""
+    errors: list[BaseException] = []
+
+    def guarded(item):
+      try:
+        fn(item)
+      except BaseException as e:  # pylint: disable=broad-except  # re-raised below
+        errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in items]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    if errors:
+      raise errors[0]
+
+  # ---- generate ---------------------------------------------------------------------------------
+  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
+               progress: Callable[[int, int], Any] | None = None, *,
+               collect_hidden: bool | float | Sequence[bool] = False,
+               shard_done: Callable[[int, int, RolloutResult], Any] | None = None,
+               idle: Callable[[int, threading.Event], Any] | None = None) -> RolloutResult:
+    """Completes every prompt over the devices; the same result as one engine's ``generate``
+    (the tokens of row ``i`` do not depend on the split; see the module docstring).
+
+    ``shard_done(device_index, first_row, result)`` is called in a device's thread as soon as
+    its shard is complete (e.g. to hand its hidden states to the drafter's buffer);
+    ``idle(device_index, stop)`` is then called there while other devices still decode (and at
+    once for devices that got no rows), and must return soon after ``stop`` is set, which happens
+    when the last shard completes. Its return value is kept in ``stats["idle"]``.
+
+    Stats: counters and seconds summed over devices, ``wall_s`` the rollout's wall time, and
+    ``devices``: per device ``rows``, ``busy_s`` (its shard's wall time), ``idle_s`` (the rest of
+    the rollout, the tail it waited through) and ``idle_used_s`` (the time ``idle`` ran in it).
+    """
+    lead = self.engines[0]
+    prompts = lead._check_prompts(prompts)  # pylint: disable=protected-access
+    collect = lead._collect_mask(collect_hidden, len(prompts), params.seed)  # pylint: disable=protected-access
+    shards = shard_ranges(len(prompts), len(self.engines))
+    results: list[RolloutResult | None] = [None] * len(shards)
+    busy = [0.0] * len(shards)
+    idle_s = [0.0] * len(shards)
+    idle_out: list[Any] = [None] * len(shards)
+    remaining = [sum(1 for s in shards if len(s))]
+    lock = threading.Lock()
+    stop = threading.Event()
+    if remaining[0] == 0:
+      stop.set()
+    counts = [0] * len(shards)
+
+    def report(k):
+      def cb(done, _total):
+        with lock:
+          counts[k] = done
+          if progress is not None:
+            progress(sum(counts), len(prompts))
+      return cb
+
+    t0 = time.perf_counter()
+
+    def work(k):
+      rows = shards[k]
+      try:
+        if len(rows):
+          mask = False if collect is None else collect[rows.start:rows.stop]
+          results[k] = self.engines[k].generate(
+              prompts[rows.start:rows.stop], params, report(k), row_offset=rows.start,
+              collect_hidden=mask)
+          busy[k] = time.perf_counter() - t0
+          if shard_done is not None:
+            shard_done(k, rows.start, results[k])
+      finally:
+        with lock:
+          if len(rows):
+            remaining[0] -= 1
+          last = remaining[0] == 0
+        if last:
+          stop.set()
+      if idle is not None and not stop.is_set():
+        t1 = time.perf_counter()
+        idle_out[k] = idle(k, stop)
+        idle_s[k] = time.perf_counter() - t1
+
+    try:
+      self._run_threads(work, range(len(shards)))
+    finally:
+      stop.set()
+    wall = time.perf_counter() - t0
+    rollout_wall = max(busy)
+    tokens, logprobs, reasons, hidden = [], [], [], ([] if collect is not None else None)
+    for r in results:
+      if r is None:
+        continue
+      tokens += r.tokens
+      logprobs += r.logprobs
+      reasons += r.finish_reasons
+      if hidden is not None:
+        hidden += r.hidden
+    stats = merge_stats([r.stats if r else None for r in results], wall)
+    stats["rollout_wall_s"] = rollout_wall
+    stats["devices"] = [
+        dict(rows=len(shards[k]), busy_s=busy[k], idle_s=rollout_wall - busy[k],
+             idle_used_s=idle_s[k], tokens=(results[k].stats["tokens"] if results[k] else 0))
+        for k in range(len(shards))]
+    stats["idle"] = idle_out
+    if self.tuner is not None:
+      stats["tuner"] = self.tuner.summary()
+    return RolloutResult(tokens, logprobs, reasons, stats, hidden)
