@@ -37,13 +37,16 @@ from tlt_jax.models.tokenizer import Tokenizer
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import Problem, chat_prompt
+from tlt_jax.rl.online_drafter import DrafterTrainingConfig, OnlineDrafter, step_metrics
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.parallel import DataParallelRollout
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils import require_positive_ints
 
 
 UPDATE_BUCKET_MIN = 16  # the shortest packed-row length of a packed policy update
 TUNER_KEY = "tuner"  # checkpoint metadata: the adaptive rollout tuner's state_dict()
+BUFFER_KEY = "drafter_buffer_sha256"  # checkpoint metadata: the drafter buffer file's checksum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,11 +417,18 @@ class GRPOTrainer:
 
   def __init__(self, model: Transformer, tokenizer: Tokenizer, task, engine_config: EngineConfig,
                grpo_config: grpo.GRPOConfig, config: TrainerConfig, mesh: Mesh | None = None,
-               drafter=None, chat_template: bool = False):
+               drafter=None, chat_template: bool = False, rollout_devices: int = 1,
+               drafter_training: DrafterTrainingConfig | None = None):
     """``drafter`` (a ``Drafter`` or ``NgramConfig``) makes rollouts speculative; being lossless,
     it changes their speed, never what is sampled. ``chat_template``: prompts are the task's
     prompt text as a user message in the tokenizer's chat template (``tasks.chat_prompt``)
-    instead of ``<bos> + text``."""
+    instead of ``<bos> + text``.
+
+    ``rollout_devices``: how many of the mesh's devices roll out data-parallel, each with its own
+    engine (``rollout/parallel.py``; 0: all of them, 1: the mesh's first device, as before).
+    ``drafter_training``: train the (``Drafter``) drafter online from the rollouts' hidden
+    states (``rl/online_drafter.py``): on the devices the tail leaves idle, or with one rollout
+    device between rollout and update."""
     self.tokenizer, self.task, self.config, self.grpo_config = tokenizer, task, config, grpo_config
     self.chat_template = chat_template
     self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -426,7 +436,22 @@ class GRPOTrainer:
     if config.max_new_tokens > engine_config.max_new_tokens:
       raise ValueError(f"TrainerConfig.max_new_tokens={config.max_new_tokens} exceeds "
                        f"EngineConfig.max_new_tokens={engine_config.max_new_tokens}")
-    self.engine = RolloutEngine(model, drafter=drafter, config=engine_config)
+    devices = list(self.mesh.devices.flat)
+    if isinstance(rollout_devices, bool) or not isinstance(rollout_devices, int) or not (
+        0 <= rollout_devices <= len(devices)):
+      raise ValueError(f"rollout_devices must be an int in [0, {len(devices)}] (the mesh's "
+                       f"devices; 0: all of them), got {rollout_devices!r}")
+    self.rollout_devices = devices[:rollout_devices or len(devices)]
+    if len(self.rollout_devices) > 1:
+      self.engine = DataParallelRollout(model, drafter, engine_config, devices=self.rollout_devices)
+    else:
+      self.engine = RolloutEngine(model, drafter=drafter, config=engine_config)
+    self.online = None
+    if drafter_training is not None:
+      if getattr(drafter, "forward", None) is None or not hasattr(drafter, "init_cache"):
+        raise ValueError("drafter_training needs a learned (EAGLE) drafter, e.g. "
+                         "Drafter.create(model.config); the n-gram drafter has nothing to train")
+      self.online = OnlineDrafter(drafter, nnx.split(model)[0], drafter_training)
     self.graphdef, params = nnx.split(model)
     self.schedule = learning_rate_schedule(config)
     self.optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip),
@@ -463,7 +488,26 @@ class GRPOTrainer:
     replicated sharding instead would run every decode step redundantly on all devices.) The
     views die with the params they view, which the update donates: call this after every update.
     """
-    self.engine.update_params(jax.tree.map(lambda x: x.addressable_data(0), self.params))
+    if isinstance(self.engine, DataParallelRollout):  # each device's zero-copy shard
+      self.engine.update_params(self.params)
+    else:
+      self.engine.update_params(jax.tree.map(lambda x: x.addressable_data(0), self.params))
+
+  def _sync_drafter(self) -> None:
+    """Hands the engines a copy of the online drafter's current weights (no recompile)."""
+    if self.online is None:
+      return
+    drafter = self.online.engine_params(self.rollout_devices[0])
+    if isinstance(self.engine, DataParallelRollout):
+      self.engine.update_params(self.params, drafter)
+    else:
+      self.engine.update_params(self.engine.params, drafter)
+
+  def _rollout_target_params(self):
+    """The target weights on the first rollout device (what serial drafter steps train with)."""
+    if isinstance(self.engine, DataParallelRollout):
+      return self.engine.target_params(0)
+    return self.engine.params
 
   # ---- data ---------------------------------------------------------------------------------
   def problems_for(self, step: int) -> list[Problem]:
@@ -503,10 +547,28 @@ class GRPOTrainer:
     rows = [p for p in problems for _ in range(g)]  # each problem g times, group by group
     prompts = [self.encode_prompt(p) for p in rows]
     self._sync_engine()  # (cheap) in case the params were replaced from outside
-    result = self.engine.generate(prompts, SamplingParams(
-        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-        seed=(cfg.seed * 1_000_003 + self.step_count) % 2**32))
+    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              seed=(cfg.seed * 1_000_003 + self.step_count) % 2**32)
+    online, parallel = self.online, isinstance(self.engine, DataParallelRollout)
+    extra = {}
+    if online is not None:
+      extra["collect_hidden"] = online.collect_fraction()
+      if parallel:
+        extra["shard_done"], extra["idle"] = online.hooks(self.step_count, prompts, self.engine)
+    result = self.engine.generate(prompts, sampling, **extra)
     t_rollout = time.perf_counter() - t0
+    drafter_metrics = {}
+    if online is not None:
+      if not parallel:
+        online.add(self.step_count, prompts, result)
+      # one rollout device: nothing was idle, so the drafter trains now, under its budget
+      serial = online.serial(self._rollout_target_params()) if not parallel else None
+      evaluation = online.evaluate(self._rollout_target_params())
+      drafter_metrics = step_metrics(result.stats, online.spot_runs() if parallel else [],
+                                     serial, evaluation, t_rollout)
+      self._sync_drafter()
+    elif parallel:
+      drafter_metrics = step_metrics(result.stats, [], None, {}, t_rollout)
     texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     rewards = np.array([self.task.reward(p, t) for p, t in zip(rows, texts)], np.float32)
     advantages = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g,
@@ -529,6 +591,7 @@ class GRPOTrainer:
       offered = {b: [s.name for s in self.engine.strategies_for(b)]
                  for b in self.engine.config.batch_buckets}
     out.update(rollout_metrics(result.stats, offered))
+    out.update(drafter_metrics)
     return out
 
   # ---- policy updates -------------------------------------------------------------------------
@@ -675,6 +738,8 @@ class GRPOTrainer:
              "step": np.asarray(self.step_count, np.int64)}
     if self.ref_params is not None:
       state["ref_params"] = ckpt.state_to_pure_dict(self.ref_params)
+    if self.online is not None:
+      state["drafter"] = self.online.checkpoint_state()
     return state
 
   def save(self, checkpointer: ckpt.Checkpointer, metadata: dict | None = None) -> None:
@@ -683,7 +748,13 @@ class GRPOTrainer:
     metadata = {"format": 1, "trainer": dataclasses.asdict(self.config), **(metadata or {})}
     if self.engine.tuner is not None:
       metadata[TUNER_KEY] = self.engine.tuner.state_dict()
+    buffer = None
+    if self.online is not None:  # the drafter's data buffer: a file beside the step's arrays
+      buffer, metadata[BUFFER_KEY] = self.online.buffer_bytes()
     checkpointer.save(self.step_count, self._checkpoint_state(), metadata)
+    if buffer is not None:
+      checkpointer.wait()
+      self.online.write_buffer(checkpointer.step_dir(self.step_count), buffer)
 
   def restore(self, checkpointer: ckpt.Checkpointer, step: int | None = None,
               report=print) -> dict:
@@ -704,6 +775,13 @@ class GRPOTrainer:
           ckpt.pure_dict_to_state(state["ref_params"], self.ref_params), replicated)
     self.step_count = int(state["step"])
     self._sync_engine()
+    if self.online is not None:
+      self.online.load_checkpoint_state(state["drafter"])
+      problem = self.online.restore_buffer(checkpointer.step_dir(self.step_count),
+                                           metadata.get(BUFFER_KEY))
+      if problem:
+        report(problem)
+      self._sync_drafter()
     self._restore_tuner(metadata.get(TUNER_KEY), report)
     return metadata
 

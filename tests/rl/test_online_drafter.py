@@ -1,0 +1,115 @@
+"""The drafter trained online in the RL loop (``rl/online_drafter.py``): metrics, weights reaching
+the engine, and an exact resume of drafter + optimizer + buffer position from a checkpoint."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.tokenizer import CharTokenizer
+from tlt_jax.models.transformer import init_model
+from tlt_jax.rl import grpo
+from tlt_jax.rl.online_drafter import BUFFER_FILE, DrafterTrainingConfig
+from tlt_jax.rl.tasks import ArithmeticTask
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.utils import compile_count
+
+TRAINING = DrafterTrainingConfig(rows=4, seq_len=32, serial_steps=3, learning_rate=3e-3)
+
+
+def online_trainer(training=TRAINING) -> GRPOTrainer:
+  task = ArithmeticTask(max_digits=3)
+  tokenizer = CharTokenizer(task.alphabet)
+  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,
+                            bos_token_id=tokenizer.bos_token_id)
+  engine = EngineConfig(max_batch=8, max_prompt_len=16, max_new_tokens=24, prefill_buckets=(16,),
+                        batch_buckets=(4, 8), spec=(2, 1, 3))  # fixed: the rollout is
+  # deterministic for a seed (an adaptive tuner's choices follow timings, and with rejection
+  # sampling the tokens follow the choices), so a resumed step can be compared exactly
+  return GRPOTrainer(init_model(config, seed=0), tokenizer, task, engine,
+                     grpo.GRPOConfig(group_size=2),
+                     TrainerConfig(steps=4, prompts_per_step=4, max_new_tokens=24, minibatches=2,
+                                   eval_problems=4),
+                     drafter=Drafter.create(config, seed=1), drafter_training=training)
+
+
+def host(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def stepped():
+  trainer = online_trainer()
+  start = host(trainer.online.spot.params)
+  first = trainer.step()
+  return trainer, start, first
+
+
+def test_one_device_trains_the_drafter_between_rollout_and_update(stepped):
+  trainer, start, m = stepped
+  assert m["drafter_serial_steps"] == 3 and m["drafter_serial_s"] > 0
+  assert m["drafter_spot_steps"] == 0 and m["tail_idle_device_s"] == 0.0  # nothing was idle
+  assert np.isfinite(m["drafter_loss"]) and 0.0 <= m["drafter_top1"] <= 1.0
+  assert trainer.online.spot.steps == 3
+  assert trainer.online.buffer.num_samples == 8  # every row's hidden states (collect=1.0)
+  trained = host(trainer.online.spot.params)
+  assert any(not np.array_equal(a, b) for a, b in zip(start, trained))
+  # the engine decodes with the new drafter weights (a copy: the next drafter step donates its own)
+  for a, b in zip(trained, host(trainer.engine.drafter_params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_resume_restores_drafter_optimizer_and_buffer_position_exactly(stepped, tmp_path):
+  trainer, _, _ = stepped
+  with Checkpointer(tmp_path / "ckpt", keep=2) as checkpointer:
+    trainer.save(checkpointer)
+    step_dir = checkpointer.step_dir(trainer.step_count)
+  assert os.path.isfile(os.path.join(step_dir, BUFFER_FILE))
+  resumed = online_trainer()
+  with Checkpointer(tmp_path / "ckpt", keep=2) as checkpointer:
+    resumed.restore(checkpointer)
+  assert resumed.online.spot.steps == trainer.online.spot.steps
+  for a, b in zip(host(trainer.online.spot.opt_state), host(resumed.online.spot.opt_state)):
+    np.testing.assert_array_equal(a, b)
+  # the next step: the same drafter batches (buffer contents and RNG), so identical weights
+  compiles = compile_count()
+  m1, m2 = trainer.step(), resumed.step()
+  assert m1["drafter_serial_steps"] == m2["drafter_serial_steps"] == 3
+  assert m1["reward"] == m2["reward"] and m1["drafter_loss"] == m2["drafter_loss"]
+  for a, b in zip(host(trainer.online.spot.params), host(resumed.online.spot.params)):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(host(trainer.engine.drafter_params), host(resumed.engine.drafter_params)):
+    np.testing.assert_array_equal(a, b)
+  assert m1["compiles"] == 0  # the first trainer's second step: nothing new to compile
+  del compiles
+
+
+def test_a_damaged_buffer_file_is_reported_and_the_buffer_starts_empty(stepped, tmp_path):
+  trainer, _, _ = stepped
+  with Checkpointer(tmp_path / "ckpt", keep=2) as checkpointer:
+    trainer.save(checkpointer)
+    path = os.path.join(checkpointer.step_dir(trainer.step_count), BUFFER_FILE)
+  with open(path, "r+b") as f:
+    f.seek(100)
+    f.write(b"garbage!")
+  resumed = online_trainer()
+  said = []
+  with Checkpointer(tmp_path / "ckpt", keep=2) as checkpointer:
+    resumed.restore(checkpointer, report=said.append)
+  assert any("does not match its checksum" in s for s in said), said
+  assert resumed.online.buffer.num_samples == 0
+  assert resumed.online.spot.steps == trainer.online.spot.steps  # the drafter itself restored
+
+
+def test_drafter_training_config_errors():
+  with pytest.raises(ValueError, match="drafter_training.rows"):
+    DrafterTrainingConfig(rows=0)
+  with pytest.raises(ValueError, match=r"drafter_training.collect must be in \(0, 1\]"):
+    DrafterTrainingConfig(collect=0.0)
+  with pytest.raises(ValueError, match="learning_rate"):
+    DrafterTrainingConfig(learning_rate=float("nan"))

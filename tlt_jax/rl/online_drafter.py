@@ -1,0 +1,236 @@
+"""The adaptive drafter in the RL loop: the rollout's hidden states feed a ``DataBuffer``, and a
+``SpotTrainer`` trains the drafter on them where devices are idle, so the drafter follows the
+policy as it changes.
+
+Per RL step (``OnlineDrafter``):
+
+1. the rollout keeps the target's last-layer hidden states of (a fraction of) its rows, read from
+   the passes that produced the tokens (``generate(collect_hidden=...)``);
+2. with several rollout devices, each device's finished shard goes into the buffer at once, and a
+   device whose shard is done runs drafter steps on buffer batches until the last shard finishes
+   (one device at a time trains: the drafter has one copy of params and optimizer state; the
+   others wait). These steps use time the tail leaves idle: *spot* steps;
+3. with one rollout device nothing is idle, so the drafter trains between rollout and policy
+   update under a budget (``serial_steps``/``serial_seconds``): these *serial* steps cost wall
+   time and the metrics say so;
+4. every engine gets a copy of the new drafter weights before the next rollout (same shapes: no
+   recompile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import math
+import os
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tlt_jax.drafter.buffer import DataBuffer
+from tlt_jax.drafter.spot import SpotTrainer
+from tlt_jax.models.drafter import Drafter, save_drafter
+
+BUFFER_FILE = "drafter_buffer.npz"
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterTrainingConfig:
+  """How the drafter trains online during RL."""
+
+  learning_rate: float = 1e-3
+  rows: int = 8  # packed rows per drafter step
+  seq_len: int = 128  # (token, feature) pairs per packed row
+  buffer_mb: float = 64.0  # the DataBuffer's bound
+  keep_steps: int = 2  # RL steps the buffer keeps (2: the previous step's long responses too)
+  collect: float = 1.0  # fraction of each rollout's rows whose hidden states are kept
+  spot: bool = True  # with several rollout devices: train on the devices the tail leaves idle
+  serial_steps: int = 8  # with one rollout device: drafter steps between rollout and update
+  serial_seconds: float = 0.0  # ... and/or a time budget for them (0: none)
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("rows", "seq_len", "keep_steps"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"drafter_training.{name} must be a positive int, got {value!r}")
+    if isinstance(self.serial_steps, bool) or not isinstance(self.serial_steps, int) or \
+        self.serial_steps < 0:
+      raise ValueError(f"drafter_training.serial_steps must be an int >= 0, got "
+                       f"{self.serial_steps!r}")
+    for name, low in (("learning_rate", 0.0), ("buffer_mb", 0.0)):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+          value) or value <= low:
+        raise ValueError(f"drafter_training.{name} must be a positive number, got {value!r}")
+    if not isinstance(self.collect, (int, float)) or not 0.0 < self.collect <= 1.0:
+      raise ValueError(f"drafter_training.collect must be in (0, 1], got {self.collect!r}")
+    if not isinstance(self.serial_seconds, (int, float)) or self.serial_seconds < 0:
+      raise ValueError(f"drafter_training.serial_seconds must be >= 0, got "
+                       f"{self.serial_seconds!r}")
+
+
+class OnlineDrafter:
+  """Owns the drafter's buffer and spot trainer, and the hooks the rollout calls."""
+
+  def __init__(self, drafter: Drafter, target_graphdef: nnx.GraphDef,
+               config: DrafterTrainingConfig = DrafterTrainingConfig()):
+    self.config = config
+    self.drafter_graphdef = nnx.split(drafter)[0]
+    self.vocab_ids = drafter.vocab_ids
+    self.buffer = DataBuffer(rows=config.rows, seq_len=config.seq_len,
+                             max_bytes=int(config.buffer_mb * (1 << 20)),
+                             keep_steps=config.keep_steps, seed=config.seed)
+    self.spot = SpotTrainer(drafter, target_graphdef, self.buffer,
+                            learning_rate=config.learning_rate)
+    self._trainer_busy = threading.Lock()  # one idle device trains at a time
+    self._spot_runs: list[dict] = []
+
+  # ---- the rollout's hooks -----------------------------------------------------------------------
+  def collect_fraction(self) -> float | bool:
+    return True if self.config.collect >= 1.0 else float(self.config.collect)
+
+  def add(self, step: int, prompts, result, first_row: int = 0) -> int:
+    """Adds the rows of ``result`` (prompts ``prompts[first_row:]``) that carry hidden states."""
+    tokens, hidden, prompt_lens = [], [], []
+    for j, h in enumerate(result.hidden or []):
+      if h is None:
+        continue
+      prompt = prompts[first_row + j]
+      tokens.append(np.asarray(prompt + result.tokens[j], np.int32))
+      hidden.append(h)
+      prompt_lens.append(len(prompt))
+    if tokens:
+      # within a step, add short sequences first: eviction takes a step's rows in arrival order,
+      # so the long responses (the ones that finish last) are the last to go
+      order = np.argsort([len(t) for t in tokens], kind="stable")
+      self.buffer.add(step, [tokens[i] for i in order], [hidden[i] for i in order],
+                      [prompt_lens[i] for i in order])
+    return len(tokens)
+
+  def hooks(self, step: int, prompts, engine):
+    """``shard_done`` and ``idle`` for a ``DataParallelRollout.generate`` of RL step ``step``."""
+    self._spot_runs = []
+
+    def shard_done(k, first_row, result):
+      self.add(step, prompts, result, first_row)
+
+    def idle(k, stop):
+      if not self.config.spot or not self._trainer_busy.acquire(blocking=False):
+        return None  # another idle device is training the drafter
+      try:
+        if self.buffer.num_samples == 0:
+          return None
+        out = self.spot.run(engine.target_params(k), stop=stop, device=engine.devices[k])
+        out["device"] = k
+        self._spot_runs.append(out)
+        return out
+      finally:
+        self._trainer_busy.release()
+
+    return shard_done, idle
+
+  def serial(self, target_params) -> dict:
+    """Drafter steps between rollout and update, under the configured budget (one device)."""
+    c = self.config
+    if not c.serial_steps and not c.serial_seconds:
+      return dict(steps=0, seconds=0.0, loss=None, top1=None)
+    return self.spot.run(target_params, max_steps=c.serial_steps or None,
+                         max_seconds=c.serial_seconds or None)
+
+  def spot_runs(self) -> list[dict]:
+    return list(self._spot_runs)
+
+  def engine_params(self, device=None) -> nnx.State:
+    """A copy of the drafter weights for the engines (never donated by the trainer)."""
+    return self.spot.params_copy(device)
+
+  def evaluate(self, target_params) -> dict:
+    """Loss and top-1 agreement on the buffer's freshest step."""
+    batch = self.buffer.freshest_batch()
+    return self.spot.evaluate(target_params, batch) if batch is not None else {}
+
+  # ---- checkpoints -------------------------------------------------------------------------------
+  def checkpoint_state(self) -> dict:
+    """Drafter params, optimizer state (leaf list) and the spot trainer's step count."""
+    state = self.spot.state_dict()
+    return {"params": _pure(state["params"]), "opt_state": jax.tree.leaves(state["opt_state"]),
+            "steps": np.asarray(state["steps"], np.int64)}
+
+  def load_checkpoint_state(self, saved: dict) -> None:
+    like = self.spot.state_dict()
+    params = _unpure(saved["params"], like["params"])
+    opt_state = jax.tree.unflatten(jax.tree.structure(like["opt_state"]),
+                                   [np.asarray(x) for x in saved["opt_state"]])
+    self.spot.load_state_dict(dict(params=params, opt_state=opt_state,
+                                   steps=int(saved["steps"])))
+
+  def buffer_bytes(self) -> tuple[bytes, str]:
+    """The buffer as npz bytes and their sha256 (written next to a checkpoint)."""
+    stream = io.BytesIO()
+    np.savez(stream, **self.buffer.state_dict())
+    data = stream.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
+
+  def write_buffer(self, step_dir: str, data: bytes) -> str:
+    path = os.path.join(step_dir, BUFFER_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+  def restore_buffer(self, step_dir: str, sha256: str | None) -> str | None:
+    """Loads the buffer saved next to a checkpoint; returns a problem to report, or None."""
+    path = os.path.join(step_dir, BUFFER_FILE)
+    if not os.path.isfile(path):
+      return f"{path} is missing: the drafter's data buffer starts empty"
+    data = open(path, "rb").read()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+      return f"{path} does not match its checksum: the drafter's data buffer starts empty"
+    with np.load(io.BytesIO(data)) as z:
+      state = {k: z[k] for k in z.files}
+    self.buffer.load_state_dict(state)
+    return None
+
+  def export(self, path) -> None:
+    """Writes the current drafter with ``save_drafter`` (loads with ``load_drafter``)."""
+    drafter = nnx.merge(self.drafter_graphdef, jax.device_get(self.spot.params))
+    save_drafter(drafter, path)
+
+
+def _pure(params) -> dict:
+  return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
+def _unpure(pure, like):
+  if isinstance(like, nnx.State):
+    state = jax.tree.map(lambda x: x, like)
+    nnx.replace_by_pure_dict(state, jax.tree.map(np.asarray, pure))
+    return state
+  return pure
+
+
+def step_metrics(stats: dict, spot_runs: list[dict], serial: dict | None,
+                 evaluation: dict, t_rollout: float) -> dict[str, float]:
+  """The drafter's per-step metrics: loss/top-1 on the freshest data, spot and serial steps, and
+  the device-seconds the tail left idle (and how much of it the spot trainer used)."""
+  devices = stats.get("devices") or []
+  idle = float(sum(d["idle_s"] for d in devices))
+  used = float(sum(d["idle_used_s"] for d in devices))
+  out = {"drafter_spot_steps": int(sum(r["steps"] for r in spot_runs)),
+         "drafter_spot_s": float(sum(r["seconds"] for r in spot_runs)),
+         "drafter_serial_steps": int((serial or {}).get("steps", 0)),
+         "drafter_serial_s": float((serial or {}).get("seconds", 0.0)),
+         "tail_idle_device_s": idle, "tail_idle_used_device_s": used}
+  if evaluation.get("loss") is not None:
+    out["drafter_loss"] = float(evaluation["loss"])
+    out["drafter_top1"] = float(evaluation["top1"])
+  del t_rollout
+  return out
