@@ -45,6 +45,7 @@ from tlt_jax.rl.sft import SFTConfig, warm_start
 from tlt_jax.rl.tasks import ArithmeticTask, Task, chat_prompt
 from tlt_jax.rl.trainer import GRPOTrainer, NonFiniteUpdateError, TrainerConfig, \
     check_update_layout
+from tlt_jax.rl.online_drafter import DrafterTrainingConfig
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.speculative import SpecConfig
@@ -53,10 +54,14 @@ from tlt_jax.utils import progress_bar
 
 _DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "tiny_grpo.py"
 _TOP_LEVEL = {"seed", "logdir", "distributed", "resume", "checkpoint_every", "drafter",
-              "mesh_devices", "task", "model", "sft", "grpo", "trainer", "rollout"}
+              "mesh_devices", "task", "model", "sft", "grpo", "trainer", "rollout",
+              "rollout_devices", "drafter_training"}
 _RUN_FIELDS = {"logdir", "resume"}  # where a run lives, not what it does: never saved/compared
 CONFIG_FILE = "config.json"
+_OPTIONAL = {"rollout_devices", "drafter_training"}  # defaults when a config lacks them
 FINAL_MODEL = "final_model"
+FINAL_DRAFTER = "final_drafter"
+DRAFTER_CHECKPOINTS = "drafter_checkpoints"
 
 
 # ----------------------------------------------------------------------------- the job's parts
@@ -76,6 +81,8 @@ class Job:
   trainer: TrainerConfig
   engine: EngineConfig
   drafter: Any
+  drafter_training: Any = None  # DrafterTrainingConfig: the drafter trains online
+  drafter_save_every: int = 0  # RL steps between selective async drafter saves (0: never)
   model_path: pathlib.Path | None = None  # a pretrained policy (HF directory or .gguf file)
   chat_template: bool = False  # prompts in the tokenizer's chat template
 
@@ -164,13 +171,13 @@ def _pretrained_parts(model_cfg: ml_collections.ConfigDict) -> tuple[pathlib.Pat
   return path, model_config, tokenizer
 
 
-_DRAFTER_CHOICES = ("'none', 'ngram' or the directory of a drafter saved by "
-                   "tlt_jax.models.drafter.save_drafter")
+_DRAFTER_CHOICES = ("'none', 'ngram', 'eagle' (a drafter trained online from scratch) or the "
+                   "directory of a drafter saved by tlt_jax.models.drafter.save_drafter")
 
 
 def check_drafter(value) -> None:
   """Rejects a ``config.drafter`` that is neither a known kind nor an existing directory."""
-  if value in ("none", "ngram"):
+  if value in ("none", "ngram", "eagle"):
     return
   if not isinstance(value, str) or not value:
     raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}, got {value!r}")
@@ -179,13 +186,17 @@ def check_drafter(value) -> None:
                       "existing directory")
 
 
-def build_drafter(value, model_config: ModelConfig) -> Drafter | NgramConfig | None:
-  """``config.drafter``: none, the n-gram drafter, or a learned drafter loaded for the policy."""
+def build_drafter(value, model_config: ModelConfig, seed: int = 0
+                  ) -> Drafter | NgramConfig | None:
+  """``config.drafter``: none, the n-gram drafter, a fresh EAGLE drafter (``eagle``) or a learned
+  drafter loaded for the policy."""
   check_drafter(value)
   if value == "none":
     return None
   if value == "ngram":
     return NgramConfig()
+  if value == "eagle":
+    return Drafter.create(model_config, seed=seed)
   try:
     return load_drafter(value, model_config)
   except Exception as e:  # pylint: disable=broad-except  # missing/garbled files, a misfit
@@ -267,7 +278,7 @@ def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
 def build_job(cfg: ml_collections.ConfigDict) -> Job:
   """Checks every section of ``cfg`` (unknown keys and bad values name the field)."""
   check_keys(cfg, _TOP_LEVEL, "")
-  missing = sorted(_TOP_LEVEL - set(cfg.keys()))
+  missing = sorted(_TOP_LEVEL - set(cfg.keys()) - _OPTIONAL)
   if missing:
     raise ConfigError(f"config lacks the fields {missing}; start from "
                       f"{_DEFAULT_CONFIG} and change what you need")
@@ -301,13 +312,55 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
   grpo_config = to_dataclass(grpo.GRPOConfig, section(cfg, "grpo"), "grpo")
   trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=cfg.seed)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-  drafter = build_drafter(cfg.drafter, model_config)
-  engine_config = build_engine_config(section(cfg, "rollout"), drafter,
+  drafter = build_drafter(cfg.drafter, model_config, seed=cfg.seed)
+  training, save_every = build_drafter_training(cfg, drafter)
+  rollout = section(cfg, "rollout")
+  if cfg.drafter == "eagle" and not rollout.strategies:
+    # a fresh drafter drafts badly at first: let the tuner decide when SD pays, per bucket
+    rollout = ml_collections.ConfigDict(dict(rollout.to_dict(), strategies=EAGLE_STRATEGIES))
+  engine_config = build_engine_config(rollout, drafter,
                                       max_new_tokens=trainer_config.max_new_tokens,
                                       pad_token_id=pad)
+  rollout_devices = cfg.get("rollout_devices", 0)
+  if not isinstance(rollout_devices, int) or isinstance(rollout_devices, bool) or \
+      rollout_devices < 0:
+    raise ConfigError(f"config.rollout_devices must be an int >= 0 (0: every device of the "
+                      f"mesh), got {rollout_devices!r}")
   return Job(cfg=cfg, logdir=pathlib.Path(cfg.logdir), task=task, tokenizer=tokenizer,
              model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
-             engine=engine_config, drafter=drafter, model_path=model_path, chat_template=chat)
+             engine=engine_config, drafter=drafter, model_path=model_path, chat_template=chat,
+             drafter_training=training, drafter_save_every=save_every)
+
+
+EAGLE_STRATEGIES = ((3, 1, 4),)  # config.drafter="eagle" without rollout.strategies: chain d3
+
+
+def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
+                           ) -> tuple[DrafterTrainingConfig | None, int]:
+  """``config.drafter_training`` as a ``DrafterTrainingConfig`` when the drafter trains online
+  (``online="auto"``: when ``config.drafter="eagle"``), and the selective-save interval."""
+  fields = dict(section(cfg, "drafter_training").items()) if "drafter_training" in cfg else {}
+  online = fields.pop("online", "auto")
+  save_every = fields.pop("save_every", 1)
+  if online not in ("auto", True, False):
+    raise ConfigError(f"config.drafter_training.online must be 'auto', True or False, got "
+                      f"{online!r}")
+  if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 0:
+    raise ConfigError(f"config.drafter_training.save_every must be an int >= 0, got "
+                      f"{save_every!r}")
+  online = cfg.drafter == "eagle" if online == "auto" else online
+  if not online:
+    return None, 0
+  if not isinstance(drafter, Drafter):
+    raise ConfigError(f"config.drafter_training.online=True needs a learned drafter: set "
+                      f"config.drafter to 'eagle' or a saved drafter's directory, not "
+                      f"{cfg.drafter!r}")
+  try:
+    return DrafterTrainingConfig(**fields), save_every
+  except TypeError as e:
+    raise ConfigError(f"config.drafter_training: {e}") from None
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
 
 
 def initial_model(job: Job, seed: int) -> Transformer:
@@ -493,8 +546,25 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
   model = initial_model(job, cfg.seed)
   if not cfg.resume:
     model = _warm_start(model, job)
+  rollout_devices = cfg.get("rollout_devices", 0)
+  if rollout_devices > len(devices):
+    raise ConfigError(f"config.rollout_devices={rollout_devices} but the mesh has "
+                      f"{len(devices)} devices; use 0 for all of them")
   trainer = GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
-                        mesh=mesh, drafter=job.drafter, chat_template=job.chat_template)
+                        mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
+                        rollout_devices=rollout_devices,
+                        drafter_training=job.drafter_training)
+  if len(trainer.rollout_devices) > 1:
+    _say(f"rollout: data-parallel over {len(trainer.rollout_devices)} devices (an engine each)")
+  if trainer.online is not None:
+    _say("drafter: trained online from the rollouts' hidden states ("
+         + ("on the devices the tail leaves idle" if len(trainer.rollout_devices) > 1 and
+            job.drafter_training.spot else
+            f"{job.drafter_training.serial_steps} steps between rollout and update: one "
+            "rollout device leaves nothing idle") + ")")
+  drafter_ckpt = None
+  if trainer.online is not None and job.drafter_save_every:
+    drafter_ckpt = Checkpointer(logdir / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
   with Checkpointer(checkpoint_dir, keep=2) as checkpointer:
     if cfg.resume:  # the checkpoint holds the warm-started (and RL-trained) params
       trainer.restore(checkpointer)
@@ -502,14 +572,34 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
     _precompile(trainer)
     log = MetricsLog(logdir, resume_step=trainer.step_count if cfg.resume else None)
     try:
-      summary = _train(trainer, job, checkpointer, log)
+      summary = _train(trainer, job, checkpointer, log, drafter_ckpt)
     finally:
       log.close()
+      if drafter_ckpt is not None:
+        drafter_ckpt.close()
   summary["wall_s"] = time.perf_counter() - t_start
   final = export_final_model(trainer, job)
+  extra = ""
+  if trainer.online is not None:
+    extra = f", final drafter {export_final_drafter(trainer, job)}"
   _say(f"results: metrics {log.path}, tensorboard --logdir {logdir}, checkpoints "
-       f"{checkpointer.directory}, final model {final}")
+       f"{checkpointer.directory}, final model {final}{extra}")
   return summary
+
+
+def export_final_drafter(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
+  """Writes the online-trained drafter to ``<logdir>/final_drafter`` atomically (loads with
+  ``tlt_jax.models.drafter.load_drafter``)."""
+  final = job.logdir / FINAL_DRAFTER
+  tmp, old = final.with_name(FINAL_DRAFTER + ".tmp"), final.with_name(FINAL_DRAFTER + ".old")
+  for leftover in (tmp, old):
+    shutil.rmtree(leftover, ignore_errors=True)
+  trainer.online.export(tmp)
+  if final.exists():
+    final.rename(old)
+  tmp.rename(final)
+  shutil.rmtree(old, ignore_errors=True)
+  return final
 
 
 def _warm_start(model, job: Job):
@@ -564,7 +654,8 @@ def _resume_hint(job: Job) -> str:
           "--config.resume=True")
 
 
-def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: MetricsLog) -> dict:
+def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: MetricsLog,
+           drafter_ckpt: Checkpointer | None = None) -> dict:
   cfg = job.cfg
   start_step = trainer.step_count
   if start_step == 0:
@@ -580,10 +671,17 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
       m = trainer.step()
       history.append(m)
       lengths.extend(trainer.last_lengths.tolist())
-      log.write(m["step"], m)
+      if drafter_ckpt is not None and trainer.step_count % job.drafter_save_every == 0:
+        # selective async save: the drafter alone, written while training goes on
+        t0 = time.perf_counter()
+        drafter_ckpt.save(trainer.step_count, trainer.online.checkpoint_state())
+        m["drafter_save_ms"] = 1e3 * (time.perf_counter() - t0)
       if (cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0) or \
           trainer.step_count == job.trainer.steps:
-        trainer.save(checkpointer, {"config": cfg.to_dict()})
+        t0 = time.perf_counter()
+        trainer.save(checkpointer, {"config": cfg.to_dict()})  # everything, blocking
+        m["checkpoint_save_ms"] = 1e3 * (time.perf_counter() - t0)
+      log.write(m["step"], m)
       _say(f"step {m['step']:4d}/{job.trainer.steps} reward {m['reward']:.3f} loss "
            f"{m['loss']:+.4f} len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
            f"{m['len_max']} rollout {m['rollout_s']:.1f}s (tail {m['tail_s']:.1f}s) update "

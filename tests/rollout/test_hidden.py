@@ -61,6 +61,13 @@ def test_hidden_states_match_the_targets_own_pass(engines, target, name, tempera
                                rtol=2e-4)
     lengths.add(len(c))
   assert len(lengths) > 1  # rows finished at different steps (some on the stop id)
+  if name == "chain":  # collecting compiles nothing of its own, whatever rows finish when
+    engines[name].precompile()
+    for seed in (5, 6):
+      again = engines[name].generate(prompts[::-1], SamplingParams(
+          max_new_tokens=24, temperature=1.0, seed=seed, stop_token_ids=(3, 4, 5, 6)),
+          collect_hidden=True)
+      assert again.stats["compiles"] == 0
 
 
 def test_collect_a_fraction_or_given_rows(engines):

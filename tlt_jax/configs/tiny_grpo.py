@@ -16,7 +16,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 5  # RL steps between checkpoints (0: only at the end)
   # "ngram": lossless speculative rollouts drafted from sibling responses; a directory written by
   # tlt_jax.models.drafter.save_drafter: an EAGLE-style drafter made for this policy
+  # "eagle": an EAGLE drafter trained online from scratch during RL (see drafter_training)
   c.drafter = "none"
+  # devices that roll out data-parallel, an engine each (0: every device of the mesh)
+  c.rollout_devices = 0
   c.mesh_devices = 0  # devices of the data-parallel update mesh (0: every device)
   c.distributed = False  # True: jax.distributed.initialize() (multi-host, from the environment)
 
@@ -55,4 +58,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.tuner = ml_collections.ConfigDict(dict(
       kind="beg_mab", epsilon=0.1, epsilon_min=0.01, decay=True, window=16, ucb_c=1.0, fixed=(),
       seed=0))
+  # The drafter trained online from the rollouts' hidden states (online="auto": when
+  # drafter="eagle"; True also trains a drafter loaded from a directory). With several rollout
+  # devices it trains on the ones the tail leaves idle (spot); with one, serial_steps (and/or
+  # serial_seconds) drafter steps run between rollout and update. save_every: RL steps between
+  # selective async saves of the drafter alone (0: none; the full checkpoint holds it too).
+  c.drafter_training = ml_collections.ConfigDict(dict(
+      online="auto", learning_rate=1e-3, rows=8, seq_len=128, buffer_mb=64.0, keep_steps=2,
+      collect=1.0, spot=True, serial_steps=8, serial_seconds=0.0, seed=0, save_every=1))
   return c

@@ -25,7 +25,7 @@ import io
 import math
 import os
 import threading
-from typing import Any
+
 
 import jax
 import numpy as np
@@ -134,13 +134,14 @@ class OnlineDrafter:
 
     return shard_done, idle
 
-  def serial(self, target_params) -> dict:
-    """Drafter steps between rollout and update, under the configured budget (one device)."""
+  def serial(self, target_params, device=None) -> dict:
+    """Drafter steps between rollout and update on ``device`` (where ``target_params`` live),
+    under the configured budget: with one rollout device, or with spot training off."""
     c = self.config
     if not c.serial_steps and not c.serial_seconds:
       return dict(steps=0, seconds=0.0, loss=None, top1=None)
     return self.spot.run(target_params, max_steps=c.serial_steps or None,
-                         max_seconds=c.serial_seconds or None)
+                         max_seconds=c.serial_seconds or None, device=device)
 
   def spot_runs(self) -> list[dict]:
     return list(self._spot_runs)
@@ -149,10 +150,11 @@ class OnlineDrafter:
     """A copy of the drafter weights for the engines (never donated by the trainer)."""
     return self.spot.params_copy(device)
 
-  def evaluate(self, target_params) -> dict:
-    """Loss and top-1 agreement on the buffer's freshest step."""
+  def evaluate(self, target_params, device=None) -> dict:
+    """Loss and top-1 agreement on the buffer's freshest step (on ``device``, where
+    ``target_params`` live)."""
     batch = self.buffer.freshest_batch()
-    return self.spot.evaluate(target_params, batch) if batch is not None else {}
+    return self.spot.evaluate(target_params, batch, device) if batch is not None else {}
 
   # ---- checkpoints -------------------------------------------------------------------------------
   def checkpoint_state(self) -> dict:

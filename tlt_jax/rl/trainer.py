@@ -561,9 +561,12 @@ class GRPOTrainer:
     if online is not None:
       if not parallel:
         online.add(self.step_count, prompts, result)
-      # one rollout device: nothing was idle, so the drafter trains now, under its budget
-      serial = online.serial(self._rollout_target_params()) if not parallel else None
-      evaluation = online.evaluate(self._rollout_target_params())
+      # one rollout device (or spot training off): the drafter trains now, under its budget
+      first = self.rollout_devices[0]
+      serial = None
+      if not parallel or not online.config.spot:
+        serial = online.serial(self._rollout_target_params(), first)
+      evaluation = online.evaluate(self._rollout_target_params(), first)
       drafter_metrics = step_metrics(result.stats, online.spot_runs() if parallel else [],
                                      serial, evaluation, t_rollout)
       self._sync_drafter()

@@ -188,6 +188,10 @@ class DataParallelRollout:
     """The target weights device ``index``'s engine decodes with (on that device)."""
     return self.engines[index].params
 
+  def executable_keys(self) -> list[tuple]:
+    """Every executable of every device's engine, as ``(device index, key)``."""
+    return [(k, key) for k, e in enumerate(self.engines) for key in e.executable_keys()]
+
   def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
     """Compiles every device's pool (one thread per device); returns how many were compiled."""
     counts = [0] * len(self.engines)

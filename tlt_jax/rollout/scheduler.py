@@ -115,7 +115,8 @@ class Scheduler:
     wanted = [] if collect is None else [slot for slot, i in enumerate(chunk) if collect[i]]
     prompt_feats = {}
     if wanted:
-      ph = np.asarray(jax.device_get(prompt_hidden[np.asarray(wanted)]))
+      ph = np.asarray(jax.device_get(prompt_hidden))[np.asarray(wanted)]  # host-side indexing:
+      # an eager gather on the device would compile for every new (shape, count) pair
       for k, slot in enumerate(wanted):
         prompt_feats[chunk[slot] + row_offset] = ph[k, :lens[slot] - 1]
     del prompt_hidden
@@ -164,7 +165,7 @@ class Scheduler:
       if finished:
         toks, lps = jax.device_get((state.tokens, state.logprobs))
         keep = [s for s in finished if rows[s] in prompt_feats]
-        feats = (np.asarray(jax.device_get(state.feats[np.asarray(keep)])) if keep else None)
+        feats = np.asarray(jax.device_get(state.feats))[np.asarray(keep)] if keep else None
         for s in finished:
           n, i = int(n_gen[s]), rows[s] - row_offset
           tokens[i] = toks[s, :n].tolist()
