@@ -155,8 +155,13 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
     ("sft.learning_rate", -1.0, r"config.sft: SFTConfig.learning_rate must be > 0"),
     ("sft.rows", 0, r"config.sft: SFTConfig.rows"),
     ("mesh_devices", -1, r"config.mesh_devices must be an int >= 0"),
-    ("drafter", "eagle3", (r"config.drafter must be 'none', 'ngram' or the directory of a drafter"
-                           r" saved by .*save_drafter; 'eagle3' is not an existing directory")),
+    ("drafter", "eagle3", (r"config.drafter must be 'none', 'ngram', 'eagle' .* or the directory"
+                           r" of a drafter saved by .*save_drafter; 'eagle3' is not an existing "
+                           r"directory")),
+    ("rollout_devices", -1, r"config.rollout_devices must be an int >= 0"),
+    ("drafter_training.rows", 0, r"config.drafter_training.rows must be a positive int"),
+    ("drafter_training.online", "yes", r"config.drafter_training.online must be 'auto', True"),
+    ("drafter_training.online", True, r"drafter_training.online=True needs a learned drafter"),
     ("rollout.strategies", ((2, 1, 3),), r"config.rollout.strategies needs a drafter"),
     ("rollout.strategies", (2, 1, 3), (r"config.rollout.strategies must be a list of \[depth, "
                                        r"topk, verify_tokens\] triples.*written \(\(2, 1, 3\),\)")),
@@ -357,3 +362,34 @@ def test_final_model_is_never_written_from_non_finite_weights(tmp_path):
     train.export_final_model(bad, job)
   assert (final / "model.safetensors").read_bytes() == before
   assert sorted(p.name for p in tmp_path.iterdir()) == ["final_model"]
+
+
+def test_eagle_drafter_trains_online_saves_resumes_and_exports(tmp_path):
+  """config.drafter='eagle': the drafter trains during RL (one device: serial steps), its state
+  is in every checkpoint with the data buffer, selective async saves are timed against the full
+  blocking one, a resumed run continues the drafter's step count, and final_drafter/ loads."""
+  from tlt_jax.models.drafter import load_drafter  # pylint: disable=import-outside-toplevel
+  logdir = tmp_path / "eagle"
+  cfg = tiny_config(logdir, drafter="eagle")
+  cfg.drafter_training.update(rows=2, seq_len=32, serial_steps=2)
+  train.run(cfg)
+  rows = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
+  steps = [r for r in rows if "reward" in r]
+  assert [r["drafter_serial_steps"] for r in steps] == [2, 2]
+  assert all(r["drafter_spot_steps"] == 0 and np.isfinite(r["drafter_loss"]) for r in steps)
+  assert all(r["drafter_save_ms"] > 0 and r["checkpoint_save_ms"] > 0 for r in steps)
+  assert (logdir / "checkpoints" / "2" / "drafter_buffer.npz").is_file()
+  assert sorted(p.name for p in (logdir / "drafter_checkpoints").iterdir()) == ["1", "2"]
+  drafter = load_drafter(logdir / "final_drafter")
+  assert drafter.config.hidden_size == 32
+  # resume for one more step: the drafter continues from its saved step count (4 -> 6)
+  again = load_config_file(ROOT / "configs" / "tiny_grpo.py")
+  again.logdir, again.resume = str(logdir), True
+  again.trainer.steps = 3
+  summary = train.run(again, overrides=["trainer.steps"])
+  assert summary["step"] == 3
+  from tlt_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  with Checkpointer(logdir / "checkpoints") as checkpointer:
+    assert checkpointer.latest_step() == 3
+  last = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
+  assert [r["step"] for r in last if "reward" in r] == [1, 2, 3]

@@ -348,6 +348,12 @@ def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
   if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 0:
     raise ConfigError(f"config.drafter_training.save_every must be an int >= 0, got "
                       f"{save_every!r}")
+  try:  # checked even when unused, so a mistake shows before it matters
+    training = DrafterTrainingConfig(**fields)
+  except TypeError as e:
+    raise ConfigError(f"config.drafter_training: {e}") from None
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
   online = cfg.drafter == "eagle" if online == "auto" else online
   if not online:
     return None, 0
@@ -355,12 +361,7 @@ def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
     raise ConfigError(f"config.drafter_training.online=True needs a learned drafter: set "
                       f"config.drafter to 'eagle' or a saved drafter's directory, not "
                       f"{cfg.drafter!r}")
-  try:
-    return DrafterTrainingConfig(**fields), save_every
-  except TypeError as e:
-    raise ConfigError(f"config.drafter_training: {e}") from None
-  except ValueError as e:
-    raise ConfigError(f"config.{e}") from None
+  return training, save_every
 
 
 def initial_model(job: Job, seed: int) -> Transformer:

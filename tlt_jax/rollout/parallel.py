@@ -38,6 +38,7 @@ from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import finish_arm_stats
 from tlt_jax.rollout.tuner import Tuner, make_tuner
+from tlt_jax.utils import compile_count
 
 __all__ = ["DataParallelRollout", "LockedTuner", "on_device", "shard_ranges"]
 
@@ -276,7 +277,7 @@ class DataParallelRollout:
             progress(sum(counts), len(prompts))
       return cb
 
-    t0 = time.perf_counter()
+    t0, compiles0 = time.perf_counter(), compile_count()
 
     def work(k):
       rows = shards[k]
@@ -318,6 +319,9 @@ class DataParallelRollout:
         hidden += r.hidden
     stats = merge_stats([r.stats if r else None for r in results], wall)
     stats["rollout_wall_s"] = rollout_wall
+    # the counter is per process: every thread's engine saw all threads' compiles (and those of
+    # the idle hooks, e.g. a drafter step compiled for a new device)
+    stats["compiles"] = compile_count() - compiles0
     stats["devices"] = [
         dict(rows=len(shards[k]), busy_s=busy[k], idle_s=rollout_wall - busy[k],
              idle_used_s=idle_s[k], tokens=(results[k].stats["tokens"] if results[k] else 0))
