@@ -436,7 +436,8 @@ class GRPOTrainer:
     if config.max_new_tokens > engine_config.max_new_tokens:
       raise ValueError(f"TrainerConfig.max_new_tokens={config.max_new_tokens} exceeds "
                        f"EngineConfig.max_new_tokens={engine_config.max_new_tokens}")
-    devices = list(self.mesh.devices.flat)
+    # this process's devices of the mesh (on several hosts each one rolls out on its own)
+    devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
     if isinstance(rollout_devices, bool) or not isinstance(rollout_devices, int) or not (
         0 <= rollout_devices <= len(devices)):
       raise ValueError(f"rollout_devices must be an int in [0, {len(devices)}] (the mesh's "
