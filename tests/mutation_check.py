@@ -172,7 +172,7 @@ MUTANTS = [
     Mutant("hidden_states_one_position_late", "tlt_jax/rollout/scheduler.py",
            "feats[keep.index(s), :n]])",
            "feats[keep.index(s), 1:n + 1]])",
-           ("tests/rollout/test_hidden.py", "-k", "own_pass and chain"),
+           ("tests/rollout/test_hidden.py", "-k", "own_pass and chain"),  # greedy chain
            "a row's completion hidden states are taken one position late"),
     Mutant("shard_samples_with_its_local_row_keys", "tlt_jax/rollout/parallel.py",
            "report(k), row_offset=rows.start,",
