@@ -120,4 +120,42 @@ try:
 except RuntimeError as e:
   assert "failed" in str(e), e
 assert stopped.is_set()
+# The spot trainer end to end: device 1 has no rows, so it trains the drafter (the trainer's
+# hooks, a real SpotTrainer) while device 0 decodes; device 0's shard is held open until the
+# drafter has taken 3 steps there, then the stop preempts the run at a step boundary.
+import time  # pylint: disable=wrong-import-position,wrong-import-order
+from flax import nnx  # pylint: disable=wrong-import-position,wrong-import-order
+from tlt_jax.rl.online_drafter import (DrafterTrainingConfig, OnlineDrafter,  # pylint: disable=wrong-import-position
+                                       step_metrics)
+
+dp = dps["adaptive coupled sampled"]
+online = OnlineDrafter(drafter, nnx.split(target)[0], DrafterTrainingConfig(rows=2, seq_len=16))
+params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=7, stop_token_ids=())
+online.add(0, prompts, dp.generate(prompts, params, collect_hidden=True))  # the previous step
+shard_done, idle = online.hooks(1, prompts[:1], dp)
+
+
+def held_open(k, first_row, result):
+  shard_done(k, first_row, result)
+  deadline = time.time() + 120
+  while online.spot.steps < 3 and time.time() < deadline:
+    time.sleep(0.01)
+
+
+out = dp.generate(prompts[:1], params, collect_hidden=True, shard_done=held_open, idle=idle)
+runs = online.spot_runs()
+assert len(runs) == 1 and runs[0]["device"] == 1 and runs[0]["preempted"], runs
+assert runs[0]["steps"] >= 3 and online.spot.steps == runs[0]["steps"], runs
+assert online.buffer.steps == [0, 1], online.buffer.steps  # the finished shard went in first
+for leaf in jax.tree.leaves(online.spot.params):
+  assert leaf.devices() == {devices[1]}
+m = step_metrics(out.stats, runs, None, {}, 0.0)
+assert m["drafter_spot_steps"] == runs[0]["steps"] and m["tail_idle_used_device_s"] > 0, m
+dp.update_params(dp.engines[0].params, online.engine_params(devices[0]))
+for k, engine in enumerate(dp.engines):  # every engine decodes with the new drafter, on its device
+  for new, leaf in zip(jax.tree.leaves(online.spot.params), jax.tree.leaves(engine.drafter_params)):
+    assert leaf.devices() == {devices[k]}
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(leaf))
+print(f"spot trainer: {runs[0]['steps']} drafter steps on the idle device, preempted at a step "
+      f"boundary")
 print("parallel rollout ok")

@@ -38,8 +38,10 @@ def test_one_device_is_the_plain_engine():
 @pytest.mark.slow
 def test_two_devices_same_tokens_and_idle_devices_work():
   """See parallel_check.py: same tokens as one device (vanilla sampled, adaptive coupled
-  sampled), each shard on its own device, idle devices run counted work while the
-  others decode, and a shard's error reaches the caller."""
+  sampled), each shard on its own device, idle devices run counted work while the others decode,
+  a shard's error reaches the caller, and the spot trainer (the trainer's hooks) takes drafter
+  steps on the idle device, is preempted at a step boundary, and its weights reach every
+  engine."""
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "rollout" / "parallel_check.py")],
                         capture_output=True, text=True, timeout=600, cwd=ROOT,
                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
