@@ -467,12 +467,19 @@ def export_final_model(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
     if count_nonfinite(leaf):
       raise FloatingPointError(f"final model not written: {jax.tree_util.keystr(path)} holds "
                                "non-finite values")
-  final = job.logdir / FINAL_MODEL
-  tmp, old = final.with_name(FINAL_MODEL + ".tmp"), final.with_name(FINAL_MODEL + ".old")
+  def write(tmp):
+    hf.save_pretrained(model, job.model_config, tmp)
+    job.tokenizer.save(tmp)
+  return replace_dir(job.logdir / FINAL_MODEL, write)
+
+
+def replace_dir(final: pathlib.Path, write) -> pathlib.Path:
+  """Has ``write(tmp)`` fill a fresh sibling directory, then swaps it in for ``final``: a reader
+  sees the old complete directory or the new one, never a partial one."""
+  tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
   for leftover in (tmp, old):
     shutil.rmtree(leftover, ignore_errors=True)
-  hf.save_pretrained(model, job.model_config, tmp)
-  job.tokenizer.save(tmp)
+  write(tmp)
   if final.exists():
     final.rename(old)
   tmp.rename(final)
@@ -591,16 +598,7 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
 def export_final_drafter(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
   """Writes the online-trained drafter to ``<logdir>/final_drafter`` atomically (loads with
   ``tlt_jax.models.drafter.load_drafter``)."""
-  final = job.logdir / FINAL_DRAFTER
-  tmp, old = final.with_name(FINAL_DRAFTER + ".tmp"), final.with_name(FINAL_DRAFTER + ".old")
-  for leftover in (tmp, old):
-    shutil.rmtree(leftover, ignore_errors=True)
-  trainer.online.export(tmp)
-  if final.exists():
-    final.rename(old)
-  tmp.rename(final)
-  shutil.rmtree(old, ignore_errors=True)
-  return final
+  return replace_dir(job.logdir / FINAL_DRAFTER, trainer.online.export)
 
 
 def _warm_start(model, job: Job):
