@@ -631,8 +631,11 @@ def _precompile(trainer: GRPOTrainer) -> None:
     n = trainer.engine.precompile(progress=progress)
   t1 = time.perf_counter()
   m = trainer.precompile_update()
+  t2 = time.perf_counter()
+  d = trainer.precompile_drafter()
   _say(f"compiled {n} rollout executables in {t1 - t0:.0f}s, {m} policy-update executables in "
-       f"{time.perf_counter() - t1:.0f}s")
+       f"{t2 - t1:.0f}s" + (f", the drafter's steps for {d} device(s) in "
+                            f"{time.perf_counter() - t2:.0f}s" if d else ""))
 
 
 def _evaluate(trainer: GRPOTrainer) -> tuple[float, float]:

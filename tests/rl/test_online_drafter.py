@@ -113,3 +113,19 @@ def test_drafter_training_config_errors():
     DrafterTrainingConfig(collect=0.0)
   with pytest.raises(ValueError, match="learning_rate"):
     DrafterTrainingConfig(learning_rate=float("nan"))
+
+
+def test_precompiled_drafter_steps_compile_nothing_and_metrics_split(stepped):
+  """After precompile_drafter() the first drafter steps on a device compile nothing (they would
+  otherwise compile inside a rollout's tail); the step's metrics score the weights that drafted
+  the rollout (held out) apart from the training steps' own (in-sample) loss."""
+  trainer, _, m = stepped
+  assert {"drafter_loss", "drafter_top1", "drafter_train_loss", "drafter_train_top1"} <= set(m)
+  fresh = online_trainer()
+  fresh.online.buffer.load_state_dict(trainer.online.buffer.state_dict())
+  assert fresh.precompile_drafter() == 1
+  device = fresh.rollout_devices[0]
+  compiles = compile_count()
+  out = fresh.online.serial(fresh.engine.params, device)
+  fresh.online.evaluate(fresh.engine.params, device, params=fresh.engine.drafter_params)
+  assert out["steps"] == 3 and compile_count() == compiles

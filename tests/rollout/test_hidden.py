@@ -89,6 +89,17 @@ def test_collect_a_fraction_or_given_rows(engines):
   assert engines["chain"].generate(prompts, params).hidden is None
 
 
+def test_mean_accept_len_is_none_without_a_speculative_step(engines):
+  from tlt_jax.rollout.tuner import TunerConfig, make_tuner  # pylint: disable=import-outside-toplevel
+  engine = engines["adaptive"]
+  engine.set_tuner(make_tuner(TunerConfig(kind="fixed", fixed=((4, "vanilla"),))))
+  try:
+    stats = engine.generate([[7, 8, 9]], SamplingParams(max_new_tokens=6)).stats
+  finally:
+    engine.set_tuner(RoundRobin())
+  assert stats["mean_accept_len"] is None  # not 0.0, which would drag averages over steps down
+
+
 def test_collect_hidden_errors(engines):
   with pytest.raises(ValueError, match="needs a learned drafter"):
     engines["vanilla"].generate([[7, 8]], collect_hidden=True)

@@ -69,6 +69,8 @@ class SpotTrainer:
     self.steps = 0
     self._train_step = make_train_step(self.graphdef, target, self.optimizer, ce_weight=ce_weight)
     self._eval_step = make_eval_step(self.graphdef, target, ce_weight=ce_weight)
+    self.hidden_size = drafter.config.hidden_size
+    self._compiled: dict[tuple[str, Any], Any] = {}  # ahead-of-time, per (kind, device)
     self._run_lock = threading.Lock()  # one run at a time
     self._state_lock = threading.RLock()  # (params, opt_state, steps) change together
 
@@ -121,8 +123,9 @@ class SpotTrainer:
       began = time.perf_counter()
       batch = jax.device_put(batch, device)
       with self._state_lock:
-        self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state,
-                                                                target_params, batch)
+        step = self._compiled.get(("train", device), self._train_step)
+        self.params, self.opt_state, metrics = step(self.params, self.opt_state, target_params,
+                                                    batch)
         self.steps += 1
       metrics = jax.device_get(metrics)  # waits for the step: it is done before stop is checked
       last_step_seconds = time.perf_counter() - began
@@ -153,21 +156,49 @@ class SpotTrainer:
 
   # ---------------------------------------------------------------------------------- reading
 
+  def _batch_spec(self, device) -> DrafterBatch:
+    """The shapes of every ``buffer.batch()`` (fixed by the buffer's rows and seq_len)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    rows, length = self.buffer.rows, self.buffer.seq_len
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    feats = spec((rows, length, self.hidden_size), self.buffer.dtype)
+    return DrafterBatch(tokens=spec((rows, length), np.int32), features=feats,
+                        next_features=feats, next_logits=None,
+                        mask=spec((rows, length), np.float32),
+                        positions=spec((rows, length), np.int32),
+                        segment_ids=spec((rows, length), np.int32))
+
+  def precompile(self, target_params: nnx.State, device: jax.Device) -> None:
+    """Compiles the train and eval steps for ``device`` now (``target_params`` on it), so that
+    the first run there does not compile inside a rollout's tail."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    with self._state_lock:
+      params, opt_state = jax.tree.map(spec, (self.params, self.opt_state))
+    target, batch = jax.tree.map(spec, target_params), self._batch_spec(device)
+    if ("train", device) not in self._compiled:
+      self._compiled[("train", device)] = self._train_step.lower(params, opt_state, target,
+                                                                 batch).compile()
+    if ("eval", device) not in self._compiled:
+      self._compiled[("eval", device)] = self._eval_step.lower(params, target, batch).compile()
+
   def evaluate(self, target_params: nnx.State, batch: DrafterBatch | None = None,
-               device: jax.Device | None = None) -> dict:
+               device: jax.Device | None = None, params: nnx.State | None = None) -> dict:
     """Metrics (``loss``, ``feature_loss``, ``ce_loss``, ``top1``, ``tokens``) of the current
-    params on ``batch``, by default ``buffer.freshest_batch()``; without data the values are None
-    and ``tokens`` is 0. No update; the params stay where they are."""
+    params (or of ``params``, e.g. the weights an engine drafted with) on ``batch``, by default
+    ``buffer.freshest_batch()``; without data the values are None and ``tokens`` is 0. No
+    update; the params stay where they are."""
     if batch is None:
       batch = self.buffer.freshest_batch()
     if batch is None:
       return dict(loss=None, feature_loss=None, ce_loss=None, top1=None, tokens=0)
     with self._state_lock:
       device = self._home() if device is None else device
-      params = self.params if _on_device(self.params, device) else jax.device_put(self.params,
-                                                                                  device)
-      metrics = jax.device_get(self._eval_step(params, target_params,
-                                               jax.device_put(batch, device)))
+      params = self.params if params is None else params
+      if not _on_device(params, device):
+        params = jax.device_put(params, device)
+      step = self._compiled.get(("eval", device), self._eval_step)
+      metrics = jax.device_get(step(params, target_params, jax.device_put(batch, device)))
     out = {key: float(metrics[key]) for key in ("loss", "feature_loss", "ce_loss", "top1")}
     return dict(out, tokens=int(metrics["num_tokens"]))
 

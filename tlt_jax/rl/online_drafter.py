@@ -150,11 +150,18 @@ class OnlineDrafter:
     """A copy of the drafter weights for the engines (never donated by the trainer)."""
     return self.spot.params_copy(device)
 
-  def evaluate(self, target_params, device=None) -> dict:
+  def precompile(self, target_params_by_device: dict) -> None:
+    """Compiles the drafter's train and eval steps for every device that may train it (a dict
+    device -> the target params there), so no first step compiles inside a rollout's tail."""
+    for device, target_params in target_params_by_device.items():
+      self.spot.precompile(target_params, device)
+
+  def evaluate(self, target_params, device=None, params=None) -> dict:
     """Loss and top-1 agreement on the buffer's freshest step (on ``device``, where
-    ``target_params`` live)."""
+    ``target_params`` live) of the current weights, or of ``params`` (the trainer passes the
+    weights that drafted the step's rollout: a held-out score, before any training on it)."""
     batch = self.buffer.freshest_batch()
-    return self.spot.evaluate(target_params, batch, device) if batch is not None else {}
+    return self.spot.evaluate(target_params, batch, device, params) if batch is not None else {}
 
   # ---- checkpoints -------------------------------------------------------------------------------
   def checkpoint_state(self) -> dict:
@@ -220,19 +227,30 @@ def _unpure(pure, like):
 
 
 def step_metrics(stats: dict, spot_runs: list[dict], serial: dict | None,
-                 evaluation: dict, t_rollout: float) -> dict[str, float]:
-  """The drafter's per-step metrics: loss/top-1 on the freshest data, spot and serial steps, and
-  the device-seconds the tail left idle (and how much of it the spot trainer used)."""
+                 evaluation: dict) -> dict[str, float]:
+  """The drafter's per-step metrics.
+
+  ``drafter_loss``/``drafter_top1``: the weights that drafted this step's rollout, scored on its
+  freshest data before the step's serial training (held out, except for what spot steps in the
+  tail already trained on); ``drafter_train_loss``/``_top1``: the mean over this step's drafter
+  steps (in-sample). Spot and serial steps and seconds; the device-seconds the tail left idle,
+  the part the spot trainer used, and how long the rollout waited past its last shard for a
+  drafter step in flight (``spot_overrun_s``)."""
   devices = stats.get("devices") or []
-  idle = float(sum(d["idle_s"] for d in devices))
-  used = float(sum(d["idle_used_s"] for d in devices))
+  runs = list(spot_runs) + ([serial] if serial and serial.get("steps") else [])
   out = {"drafter_spot_steps": int(sum(r["steps"] for r in spot_runs)),
          "drafter_spot_s": float(sum(r["seconds"] for r in spot_runs)),
          "drafter_serial_steps": int((serial or {}).get("steps", 0)),
          "drafter_serial_s": float((serial or {}).get("seconds", 0.0)),
-         "tail_idle_device_s": idle, "tail_idle_used_device_s": used}
+         "tail_idle_device_s": float(sum(d["idle_s"] for d in devices)),
+         "tail_idle_used_device_s": float(sum(d.get("idle_used_s", 0.0) for d in devices)),
+         "spot_overrun_s": float(stats.get("idle_overrun_s", 0.0))}
   if evaluation.get("loss") is not None:
     out["drafter_loss"] = float(evaluation["loss"])
     out["drafter_top1"] = float(evaluation["top1"])
-  del t_rollout
+  trained = [r for r in runs if r.get("loss") is not None]
+  if trained:
+    weights = [r["steps"] for r in trained]
+    out["drafter_train_loss"] = float(np.average([r["loss"] for r in trained], weights=weights))
+    out["drafter_train_top1"] = float(np.average([r["top1"] for r in trained], weights=weights))
   return out

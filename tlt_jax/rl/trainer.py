@@ -453,6 +453,8 @@ class GRPOTrainer:
         raise ValueError("drafter_training needs a learned (EAGLE) drafter, e.g. "
                          "Drafter.create(model.config); the n-gram drafter has nothing to train")
       self.online = OnlineDrafter(drafter, nnx.split(model)[0], drafter_training)
+      # the engines decode with copies: the drafter's train step donates its own arrays
+      self.engine.update_params(self.engine.params, self.online.engine_params())
     self.graphdef, params = nnx.split(model)
     self.schedule = learning_rate_schedule(config)
     self.optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip),
@@ -503,6 +505,18 @@ class GRPOTrainer:
       self.engine.update_params(self.params, drafter)
     else:
       self.engine.update_params(self.engine.params, drafter)
+
+  def precompile_drafter(self) -> int:
+    """Compiles the online drafter's train and eval steps for every rollout device; returns how
+    many devices (0 without online drafter training)."""
+    if self.online is None:
+      return 0
+    if isinstance(self.engine, DataParallelRollout):
+      by_device = {d: self.engine.target_params(k) for k, d in enumerate(self.rollout_devices)}
+    else:
+      by_device = {self.rollout_devices[0]: self.engine.params}
+    self.online.precompile(by_device)
+    return len(by_device)
 
   def _rollout_target_params(self):
     """The target weights on the first rollout device (what serial drafter steps train with)."""
@@ -562,17 +576,19 @@ class GRPOTrainer:
     if online is not None:
       if not parallel:
         online.add(self.step_count, prompts, result)
-      # one rollout device (or spot training off): the drafter trains now, under its budget
       first = self.rollout_devices[0]
+      # held out: the weights that drafted this rollout, on its freshest data
+      evaluation = online.evaluate(self._rollout_target_params(), first,
+                                   params=self.engine.drafter_params)
+      # one rollout device (or spot training off): the drafter trains now, under its budget
       serial = None
       if not parallel or not online.config.spot:
         serial = online.serial(self._rollout_target_params(), first)
-      evaluation = online.evaluate(self._rollout_target_params(), first)
       drafter_metrics = step_metrics(result.stats, online.spot_runs() if parallel else [],
-                                     serial, evaluation, t_rollout)
+                                     serial, evaluation)
       self._sync_drafter()
     elif parallel:
-      drafter_metrics = step_metrics(result.stats, [], None, {}, t_rollout)
+      drafter_metrics = step_metrics(result.stats, [], None, {})
     texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     rewards = np.array([self.task.reward(p, t) for p, t in zip(rows, texts)], np.float32)
     advantages = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g,

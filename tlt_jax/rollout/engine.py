@@ -459,8 +459,9 @@ class RolloutEngine:
       # tokens emitted per live row per speculative step (accepted drafts + the bonus token)
       hist = np.asarray(stats.get("accept_hist", np.zeros(self.config.pending_width)))
       stats["accept_hist"] = hist.tolist()  # index i: SD steps that emitted i + 1 tokens
-      stats["mean_accept_len"] = float((hist * np.arange(1, hist.size + 1)).sum() /
-                                       max(hist.sum(), 1))
+      # None when no speculative step ran (e.g. the tuner chose vanilla throughout)
+      stats["mean_accept_len"] = (float((hist * np.arange(1, hist.size + 1)).sum() / hist.sum())
+                                  if hist.sum() else None)
       if self.config.time_phases:
         marks = self.steps.phase_marks
         spans = {1: 0.0, 2: 0.0}  # phase 1 ends drafting, phase 2 ends verification

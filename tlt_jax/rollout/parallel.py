@@ -122,8 +122,8 @@ def merge_stats(shard_stats: list[dict | None], wall_s: float) -> dict[str, Any]
   finish_arm_stats(merged)
   if hist is not None:
     merged["accept_hist"] = hist.tolist()
-    merged["mean_accept_len"] = float((hist * np.arange(1, hist.size + 1)).sum()
-                                      / max(hist.sum(), 1))
+    merged["mean_accept_len"] = (float((hist * np.arange(1, hist.size + 1)).sum() / hist.sum())
+                                 if hist.sum() else None)
   merged["wall_s"] = wall_s
   merged["tokens_per_s"] = merged.get("tokens", 0) / max(wall_s - merged.get("compile_s", 0.0)
                                                          / max(len(shard_stats), 1), 1e-9)
@@ -252,7 +252,9 @@ class DataParallelRollout:
 
     Stats: counters and seconds summed over devices, ``wall_s`` the rollout's wall time, and
     ``devices``: per device ``rows``, ``busy_s`` (its shard's wall time), ``idle_s`` (the rest of
-    the rollout, the tail it waited through) and ``idle_used_s`` (the time ``idle`` ran in it).
+    the rollout, the tail it waited through) and ``idle_used_s`` (the part of it ``idle`` ran);
+    ``idle_overrun_s``: how long the rollout waited past its last shard for ``idle`` hooks to
+    return (e.g. a drafter step in flight when ``stop`` was set).
     """
     lead = self.engines[0]
     prompts = lead._check_prompts(prompts)  # pylint: disable=protected-access
@@ -260,7 +262,7 @@ class DataParallelRollout:
     shards = shard_ranges(len(prompts), len(self.engines))
     results: list[RolloutResult | None] = [None] * len(shards)
     busy = [0.0] * len(shards)
-    idle_s = [0.0] * len(shards)
+    hook_span = [(0.0, 0.0)] * len(shards)  # when each device's idle hook ran (from t0)
     idle_out: list[Any] = [None] * len(shards)
     remaining = [sum(1 for s in shards if len(s))]
     lock = threading.Lock()
@@ -287,9 +289,9 @@ class DataParallelRollout:
           results[k] = self.engines[k].generate(
               prompts[rows.start:rows.stop], params, report(k), row_offset=rows.start,
               collect_hidden=mask)
-          busy[k] = time.perf_counter() - t0
           if shard_done is not None:
             shard_done(k, rows.start, results[k])
+          busy[k] = time.perf_counter() - t0  # the shard is complete once its hook returned
       finally:
         with lock:
           if len(rows):
@@ -298,9 +300,9 @@ class DataParallelRollout:
         if last:
           stop.set()
       if idle is not None and not stop.is_set():
-        t1 = time.perf_counter()
+        t1 = time.perf_counter() - t0
         idle_out[k] = idle(k, stop)
-        idle_s[k] = time.perf_counter() - t1
+        hook_span[k] = (t1, time.perf_counter() - t0)
 
     try:
       self._run_threads(work, range(len(shards)))
@@ -322,10 +324,15 @@ class DataParallelRollout:
     # the counter is per process: every thread's engine saw all threads' compiles (and those of
     # the idle hooks, e.g. a drafter step compiled for a new device)
     stats["compiles"] = compile_count() - compiles0
+    # a hook's time inside the tail (its device's idle window) counts as used; what it ran past
+    # the last shard's end (a drafter step in flight when stop was set) made the rollout wait
     stats["devices"] = [
         dict(rows=len(shards[k]), busy_s=busy[k], idle_s=rollout_wall - busy[k],
-             idle_used_s=idle_s[k], tokens=(results[k].stats["tokens"] if results[k] else 0))
+             idle_used_s=max(0.0, min(hook_span[k][1], rollout_wall) - hook_span[k][0]),
+             tokens=(results[k].stats["tokens"] if results[k] else 0))
         for k in range(len(shards))]
+    stats["idle_overrun_s"] = max([0.0] + [end - rollout_wall for start, end in hook_span
+                                           if end > start])
     stats["idle"] = idle_out
     if self.tuner is not None:
       stats["tuner"] = self.tuner.summary()
