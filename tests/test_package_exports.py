@@ -5,7 +5,7 @@ import sys
 
 from tlt_jax import models, rollout
 from tlt_jax.models import drafter, hf, transformer
-from tlt_jax.rollout import engine, ngram, sampling, speculative, tuner
+from tlt_jax.rollout import engine, ngram, parallel, sampling, speculative, tuner
 
 
 def test_models_exports_are_the_implementations():
@@ -23,12 +23,22 @@ def test_rollout_exports_are_the_implementations():
   assert rollout.SpecConfig is speculative.SpecConfig
   assert rollout.NgramConfig is ngram.NgramConfig
   assert rollout.TunerConfig is tuner.TunerConfig
+  assert rollout.DataParallelRollout is parallel.DataParallelRollout
   assert set(rollout.__all__) <= set(dir(rollout))
+
+
+def test_drafter_exports_are_the_implementations():
+  from tlt_jax import drafter as drafter_pkg  # pylint: disable=import-outside-toplevel
+  from tlt_jax.drafter import buffer, spot  # pylint: disable=import-outside-toplevel
+  assert drafter_pkg.DataBuffer is buffer.DataBuffer
+  assert drafter_pkg.SpotTrainer is spot.SpotTrainer
+  assert set(drafter_pkg.__all__) <= set(dir(drafter_pkg))
 
 
 def test_each_package_imports_first_in_a_fresh_process():
   """No circular import, whichever package a user imports first."""
-  for first in ("tlt_jax.rollout", "tlt_jax.models", "tlt_jax.rl.trainer", "tlt_jax.train"):
+  for first in ("tlt_jax.rollout", "tlt_jax.models", "tlt_jax.drafter", "tlt_jax.rl.trainer",
+                "tlt_jax.train"):
     code = f"import {first}; from tlt_jax.rollout import RolloutEngine; " \
            f"from tlt_jax.models import from_pretrained"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -3,14 +3,15 @@
 The names most code needs are importable from here::
 
   from tlt_jax.rollout import (RolloutEngine, EngineConfig, SamplingParams, SpecConfig,
-                               NgramConfig, TunerConfig)
+                               NgramConfig, TunerConfig, DataParallelRollout)
 """
 
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
 from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.parallel import DataParallelRollout
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.tuner import TunerConfig
 
-__all__ = ["EngineConfig", "NgramConfig", "RolloutEngine", "RolloutResult", "SamplingParams",
-           "SpecConfig", "TunerConfig"]
+__all__ = ["DataParallelRollout", "EngineConfig", "NgramConfig", "RolloutEngine", "RolloutResult",
+           "SamplingParams", "SpecConfig", "TunerConfig"]
