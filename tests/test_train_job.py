@@ -313,13 +313,17 @@ def test_mistakes_are_one_line_errors_without_traceback(tmp_path, args, message)
 
 
 def test_main_job_on_four_devices_and_ctrl_c_says_how_to_resume(tmp_path):
-  """The command line on 4 simulated CPU devices: the update mesh spans all of them; Ctrl-C
-  (SIGINT) after two RL steps exits 130 and names the resume command."""
+  """The command line on 4 simulated CPU devices: the update mesh spans all of them, the rollout
+  2 of them with the eagle drafter trained on idle devices; Ctrl-C (SIGINT) after two RL steps
+  exits 130 and names the resume command."""
   import signal  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
   logdir = tmp_path / "run"
   flat = {f"{s}.{k}": v for s, fields in TINY.items() for k, v in fields.items()}
-  flat.update({"trainer.steps": 50, "checkpoint_every": 1})
+  # the rollout data-parallel over 2 of the 4 devices, with the drafter trained online on the
+  # one whose shard finishes first
+  flat.update({"trainer.steps": 50, "checkpoint_every": 1, "rollout_devices": 2,
+               "drafter": "eagle"})
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=4")
   proc = subprocess.Popen(
@@ -338,11 +342,17 @@ def test_main_job_on_four_devices_and_ctrl_c_says_how_to_resume(tmp_path):
     proc.kill()
   stdout = "".join(lines) + out
   assert "devices: 4 x cpu" in stdout, stdout[-2000:]
+  assert "rollout: data-parallel over 2 devices" in stdout, stdout[-2000:]
+  assert "on the devices the tail leaves idle" in stdout, stdout[-2000:]
   assert "step    2/50" in stdout, (stdout + err)[-3000:]
   assert proc.returncode == 130, err[-2000:]
   assert "Traceback" not in err
   assert f"--config.logdir={logdir} --config.resume=True" in err
-  assert (logdir / "checkpoints" / "2").is_dir()
+  assert (logdir / "checkpoints" / "2" / "drafter_buffer.npz").is_file()
+  rows = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
+  steps = [r for r in rows if "reward" in r]
+  assert len(steps) >= 2 and all(r["tail_idle_device_s"] >= 0 and "drafter_spot_steps" in r
+                                 and r["drafter_serial_steps"] == 0 for r in steps), steps
 
 
 def test_final_model_is_never_written_from_non_finite_weights(tmp_path):

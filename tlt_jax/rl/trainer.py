@@ -453,8 +453,6 @@ class GRPOTrainer:
         raise ValueError("drafter_training needs a learned (EAGLE) drafter, e.g. "
                          "Drafter.create(model.config); the n-gram drafter has nothing to train")
       self.online = OnlineDrafter(drafter, nnx.split(model)[0], drafter_training)
-      # the engines decode with copies: the drafter's train step donates its own arrays
-      self.engine.update_params(self.engine.params, self.online.engine_params())
     self.graphdef, params = nnx.split(model)
     self.schedule = learning_rate_schedule(config)
     self.optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip),
@@ -463,6 +461,8 @@ class GRPOTrainer:
     self.params = jax.device_put(params, replicated)
     self.opt_state = jax.device_put(self.optimizer.init(params), replicated)
     self._sync_engine()  # before anything compiles: the engine's executables take these arrays
+    # the engines decode with copies of the drafter: its train step donates its own arrays
+    self._sync_drafter()
     self._padded_update = _jit_padded_update(self.graphdef, self.optimizer, grpo_config,
                                              self.mesh, config.temperature)
     # the full-length update (what the trainer runs with update_tokens=0), callable directly
@@ -511,8 +511,10 @@ class GRPOTrainer:
     many devices (0 without online drafter training)."""
     if self.online is None:
       return 0
-    if isinstance(self.engine, DataParallelRollout):
+    if isinstance(self.engine, DataParallelRollout) and self.online.config.spot:
       by_device = {d: self.engine.target_params(k) for k, d in enumerate(self.rollout_devices)}
+    elif isinstance(self.engine, DataParallelRollout):  # spot off: serial steps on the first
+      by_device = {self.rollout_devices[0]: self.engine.target_params(0)}
     else:
       by_device = {self.rollout_devices[0]: self.engine.params}
     self.online.precompile(by_device)
