@@ -1,0 +1,314 @@
+"""Shared pieces of the RL experiments (drafter_drift.py, spot_utilization.py, e2e_speedup.py).
+
+Not a script. It builds the default job (configs/tiny_grpo.py through ``tlt_jax.train.build_job``)
+with overrides, warm-starts the tiny policy once and caches it on disk, trains the initial EAGLE
+drafter offline on the warm policy's own temperature-1 rollouts (cached too), and makes
+``GRPOTrainer`` arms that each own a fresh copy of the policy and drafter (the policy update and
+the drafter steps donate their buffers, so arms must never share arrays).
+
+Every arm rolls out with ``verify="coupled"``: speculative decoding then emits exactly vanilla
+sampling's tokens for a seed, whatever the drafter, so all arms follow one policy trajectory.
+``record_rollouts`` keeps a digest of each rollout's tokens so that a script can check it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import pathlib
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from configs.tiny_grpo import get_config
+from tlt_jax import config as config_lib
+from tlt_jax.drafter.train import (make_batch_from_sequences, make_eval_step, make_optimizer,
+                                   make_train_step, split_drafter)
+from tlt_jax.models import hf
+from tlt_jax.models.drafter import Drafter, load_drafter, save_drafter
+from tlt_jax.rl.online_drafter import DrafterTrainingConfig
+from tlt_jax.rl.sft import warm_start
+from tlt_jax.rl.trainer import GRPOTrainer
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.train import Job, build_job, initial_model
+from tlt_jax.utils import write_report
+
+CACHE = pathlib.Path("experiments/out/rl_bench")
+PAPER_TABLE6 = {"stale_drafter_accept_len": 4.59, "adapted_drafter_accept_len": 6.53,
+                "source": "TLT paper, Table 6 (Qwen2.5-7B, accept length of a drafter trained "
+                          "on the initial policy vs one kept adapted)"}
+
+
+# ---------------------------------------------------------------------------------- the job
+
+
+def job_for(prompts_per_step: int, group_size: int, max_new_tokens: int, learning_rate: float,
+            seed: int = 0, **extra: Any) -> Job:
+  """The default tiny GRPO job with the sizes of an experiment (``extra``: dotted overrides)."""
+  cfg = get_config()
+  cfg.seed = seed
+  cfg.trainer.prompts_per_step = prompts_per_step
+  cfg.trainer.max_new_tokens = max_new_tokens
+  cfg.trainer.learning_rate = learning_rate
+  cfg.grpo.group_size = group_size
+  cfg.rollout.max_batch = prompts_per_step * group_size
+  cfg.rollout.verify = "coupled"
+  for name, value in extra.items():
+    config_lib.set_dotted(cfg, name, value)
+  return build_job(cfg)
+
+
+def _key(*parts: Any) -> str:
+  text = json.dumps(parts, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def warm_policy_dir(job: Job, say=print) -> pathlib.Path:
+  """The warm-started policy of ``job`` (model, sft, task, seed) saved as an HF directory; made
+  once, then read from the cache."""
+  cfg = job.cfg
+  key = _key(cfg.model.to_dict(), cfg.sft.to_dict(), cfg.task.to_dict(), cfg.seed)
+  path = CACHE / f"policy_{key}"
+  if (path / "config.json").is_file():
+    return path
+  t0 = time.perf_counter()
+  model = initial_model(job, cfg.seed)
+  model, metrics = warm_start(model, job.tokenizer, job.task, job.sft, cfg.seed)
+  hf.save_pretrained(model, job.model_config, path)
+  (path / "warm_start.json").write_text(json.dumps(
+      dict(sft=cfg.sft.to_dict(), seed=cfg.seed, metrics=metrics,
+           seconds=round(time.perf_counter() - t0, 1)), indent=2))
+  say(f"warm start: {job.sft.steps} steps in {time.perf_counter() - t0:.0f}s, loss "
+      f"{metrics.get('loss', float('nan')):.3f} -> {path}")
+  return path
+
+
+def load_policy(path: pathlib.Path):
+  """A fresh copy of the cached policy (its own arrays)."""
+  model, _ = hf.from_pretrained(path)
+  return model
+
+
+def initial_drafter_dir(job: Job, policy_dir: pathlib.Path, steps: int = 300,
+                        prompts: int = 256, row_len: int = 256, batch_rows: int = 8,
+                        learning_rate: float = 2e-3, seed: int = 0, say=print) -> pathlib.Path:
+  """An EAGLE drafter trained offline, before RL, on the warm policy's own rollouts: ``prompts``
+  problems (drawn apart from the RL data) completed at the RL temperature, packed into rows, and
+  ``steps`` drafter steps (``tlt_jax.drafter.train``). Made once, then read from the cache."""
+  temperature = job.trainer.temperature
+  key = _key(policy_dir.name, steps, prompts, row_len, batch_rows, learning_rate, seed,
+             temperature, job.trainer.max_new_tokens)
+  path = CACHE / f"drafter_{key}"
+  if (path / "train_log.json").is_file():
+    return path
+  t0 = time.perf_counter()
+  policy = load_policy(policy_dir)
+  problems = job.task.sample(np.random.default_rng([77_000, seed]), prompts)
+  bos = [job.tokenizer.bos_token_id]
+  ids = [bos + job.tokenizer.encode(p.prompt) for p in problems]
+  engine = RolloutEngine(policy, config=EngineConfig(
+      max_batch=64, max_prompt_len=job.engine.max_prompt_len,
+      max_new_tokens=job.trainer.max_new_tokens, pad_token_id=job.engine.pad_token_id))
+  result = engine.generate(ids, SamplingParams(max_new_tokens=job.trainer.max_new_tokens,
+                                               temperature=temperature, seed=seed + 1))
+  sequences = [p + t for p, t in zip(ids, result.tokens)]
+  batch = make_batch_from_sequences(policy, sequences, row_len,
+                                    prompt_lens=[len(p) for p in ids], pack=True)
+  generate_s = time.perf_counter() - t0
+  drafter = Drafter.create(job.model_config, seed=seed)
+  graphdef, params = split_drafter(drafter)
+  optimizer = make_optimizer(learning_rate, weight_decay=0.0, clip_norm=1.0)
+  opt_state = optimizer.init(params)
+  step = make_train_step(graphdef, policy, optimizer)
+  eval_step = make_eval_step(graphdef, policy)
+  target_params = nnx.state(policy)
+  rng = np.random.default_rng(seed)
+  log = []
+  for i in range(steps):
+    index = rng.choice(batch.num_rows, size=batch_rows, replace=batch.num_rows < batch_rows)
+    params, opt_state, metrics = step(params, opt_state, target_params, batch.take(index))
+    if (i + 1) % 50 == 0 or i + 1 == steps:
+      m = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
+      log.append(dict(m, step=i + 1))
+  # top-1 over every training row, in fixed-size chunks
+  agree = tokens = 0.0
+  for start in range(0, batch.num_rows, batch_rows):
+    index = np.arange(start, start + batch_rows) % batch.num_rows
+    part = batch.take(index)
+    part = part._replace(mask=part.mask * (np.arange(start, start + batch_rows)
+                                           < batch.num_rows)[:, None])
+    m = jax.device_get(eval_step(params, target_params, part))
+    agree += float(m["top1"]) * float(m["num_tokens"])
+    tokens += float(m["num_tokens"])
+  save_drafter(nnx.merge(graphdef, params), path)
+  report = dict(steps=steps, prompts=prompts, rows=int(batch.num_rows), row_len=row_len,
+                batch_rows=batch_rows, learning_rate=learning_rate, temperature=temperature,
+                trained_positions=int(batch.mask.sum()), generate_s=round(generate_s, 1),
+                total_s=round(time.perf_counter() - t0, 1), train_top1=agree / max(tokens, 1),
+                mean_completion=float(np.mean([len(t) for t in result.tokens])), log=log)
+  (path / "train_log.json").write_text(json.dumps(report, indent=2))
+  say(f"initial drafter: {steps} offline steps on {prompts} own rollouts, top-1 "
+      f"{report['train_top1']:.3f}, {report['total_s']:.0f}s -> {path}")
+  return path
+
+
+def drafter_report(path: pathlib.Path) -> dict:
+  log = json.loads((path / "train_log.json").read_text())
+  return {k: v for k, v in log.items() if k != "log"} | {"last_log": log["log"][-1]}
+
+
+def add_job_args(parser, *, steps: int, out: str) -> None:
+  """The arguments every RL experiment shares: the job's sizes, the policy lr, the initial
+  drafter's offline steps, the seed and the report's path."""
+  parser.add_argument("--steps", type=int, default=steps, help="RL steps")
+  parser.add_argument("--prompts", type=int, default=4, help="prompts per RL step")
+  parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+  parser.add_argument("--max-new", type=int, default=96)
+  parser.add_argument("--lr", type=float, default=2e-5, help="policy learning rate (the "
+                      "default job's)")
+  parser.add_argument("--drafter-steps", type=int, default=300, help="offline steps of the "
+                      "initial drafter")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out", default=out)
+
+
+def prepare(args, **extra: Any) -> tuple[Job, pathlib.Path, pathlib.Path]:
+  """The job of ``args`` (see ``add_job_args``; ``extra``: dotted overrides), the warm policy's
+  directory and the initial drafter's (both cached)."""
+  job = job_for(args.prompts, args.group, args.max_new, args.lr, args.seed, **extra)
+  policy_dir = warm_policy_dir(job)
+  drafter_dir = initial_drafter_dir(job, policy_dir, steps=args.drafter_steps, seed=args.seed)
+  return job, policy_dir, drafter_dir
+
+
+def finish(path: str, report: dict, lines: list[str]) -> None:
+  """Prints the trajectory check and the summary ``lines``, then writes the report."""
+  print(f"trajectory: {report['trajectory']}")
+  for line in lines:
+    print(line)
+  write_report(path, report)
+
+
+def fmt(value, spec: str = ".3f") -> str:
+  """``value`` formatted, or "-" when it is None (e.g. no speculative step ran)."""
+  return "-" if value is None else format(value, spec)
+
+
+# ---------------------------------------------------------------------------------- arms
+
+
+def make_arm(job: Job, policy_dir: pathlib.Path, *, drafter: str | pathlib.Path | None = None,
+             spec: SpecConfig | None = None, strategies: tuple[SpecConfig, ...] = (),
+             training: DrafterTrainingConfig | None = None, mesh: Mesh | None = None,
+             rollout_devices: int = 1, seed: int = 0) -> GRPOTrainer:
+  """A trainer with its own policy copy and drafter: ``drafter`` None (vanilla), ``"scratch"`` (a
+  random one) or a saved drafter's directory; ``spec``/``strategies`` as in EngineConfig.
+  Precompiles the rollout and update executables and, with ``training``, the online drafter's
+  train/eval steps for every rollout device (``precompile_drafter``: none compiles inside a
+  rollout's tail); the seconds each took are in ``trainer.precompile_s``."""
+  engine = dataclasses.replace(job.engine, spec=spec, strategies=tuple(strategies),
+                               verify="coupled")
+  model = None
+  if drafter is None:
+    engine = dataclasses.replace(engine, spec=None, strategies=())
+  elif drafter == "scratch":
+    model = Drafter.create(job.model_config, seed=seed + 1)
+  else:
+    model = load_drafter(drafter, job.model_config)
+  trainer = GRPOTrainer(load_policy(policy_dir), job.tokenizer, job.task, engine, job.grpo,
+                        job.trainer, mesh=mesh, drafter=model, chat_template=job.chat_template,
+                        rollout_devices=rollout_devices, drafter_training=training)
+  t0 = time.perf_counter()
+  trainer.engine.precompile()
+  t1 = time.perf_counter()
+  trainer.precompile_update()
+  t2 = time.perf_counter()
+  devices = trainer.precompile_drafter()
+  trainer.precompile_s = dict(engine=round(t1 - t0, 1), update=round(t2 - t1, 1),
+                              drafter=round(time.perf_counter() - t2, 1),
+                              drafter_devices=devices)
+  record_rollouts(trainer)
+  return trainer
+
+
+def record_rollouts(trainer: GRPOTrainer) -> None:
+  """Wraps the trainer's engine so that each rollout leaves a digest of its tokens in
+  ``trainer.rollout_digests`` and, for a data-parallel rollout, its per-device stats and decode
+  wall time in ``trainer.rollout_devices_stats``."""
+  trainer.rollout_digests, trainer.rollout_devices_stats = [], []
+  inner = trainer.engine.generate
+
+  def generate(prompts, params, *args, **kwargs):
+    result = inner(prompts, params, *args, **kwargs)
+    tokens = hashlib.sha256(json.dumps(result.tokens).encode()).hexdigest()[:16]
+    trainer.rollout_digests.append(tokens)
+    if "devices" in result.stats:
+      trainer.rollout_devices_stats.append(dict(
+          rollout_wall_s=result.stats["rollout_wall_s"], wall_s=result.stats["wall_s"],
+          devices=result.stats["devices"]))
+    return result
+
+  trainer.engine.generate = generate
+
+
+def params_vector(trainer: GRPOTrainer) -> np.ndarray:
+  return np.concatenate([np.asarray(x, np.float64).ravel()
+                         for x in jax.tree.leaves(jax.device_get(trainer.params))])
+
+
+# mean_accept_len is absent when the rollout ran no speculative step; drafter_loss/top1 are
+# held out (the weights that drafted the rollout, on its freshest data, before the step's serial
+# training), drafter_train_loss/top1 the mean over the step's drafter steps (in-sample)
+STEP_KEYS = ("reward", "rollout_s", "update_s", "step_s", "tail_s", "mean_accept_len",
+             "len_p50", "len_max", "loss", "compiles", "drafter_loss", "drafter_top1",
+             "drafter_train_loss", "drafter_train_top1", "drafter_spot_steps", "drafter_spot_s",
+             "drafter_serial_steps", "drafter_serial_s", "tail_idle_device_s",
+             "tail_idle_used_device_s", "spot_overrun_s", "sd_switches")
+
+
+def step_row(metrics: dict) -> dict:
+  out = {}
+  for k in STEP_KEYS:
+    if k in metrics:
+      v = metrics[k]
+      out[k] = round(float(v), 5) if isinstance(v, float) else v
+  return out
+
+
+def same_trajectory(arms: dict[str, GRPOTrainer], rows: dict[str, list[dict]]) -> dict:
+  """Whether every arm rolled out the same tokens and got the same rewards at every step, and
+  how far apart their final params are (max |difference| relative to the largest |param|)."""
+  names = list(arms)
+  first = names[0]
+  tokens = all(arms[n].rollout_digests == arms[first].rollout_digests for n in names)
+  rewards = all([r["reward"] for r in rows[n]] == [r["reward"] for r in rows[first]]
+                for n in names)
+  diverged = {}
+  for n in names[1:]:
+    mine, ref = arms[n].rollout_digests, arms[first].rollout_digests
+    diff = [i + 1 for i, (a, b) in enumerate(zip(mine, ref)) if a != b]
+    if diff:
+      diverged[n] = diff[0]
+  ref = params_vector(arms[first])
+  scale = float(np.abs(ref).max())
+  params_gap = {n: float(np.abs(params_vector(arms[n]) - ref).max() / scale) for n in names[1:]}
+  return dict(identical_tokens=tokens, identical_rewards=rewards,
+              first_divergent_step=diverged, final_params_max_rel_gap=params_gap)
+
+
+def median(values) -> float | None:
+  values = [v for v in values if v is not None]
+  return float(statistics.median(values)) if values else None
+
+
+def mean(values) -> float | None:
+  values = [v for v in values if v is not None]
+  return float(np.mean(values)) if values else None
