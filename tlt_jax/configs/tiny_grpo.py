@@ -63,6 +63,8 @@ def get_config() -> ml_collections.ConfigDict:
   # devices it trains on the ones the tail leaves idle (spot); with one, serial_steps (and/or
   # serial_seconds) drafter steps run between rollout and update. save_every: RL steps between
   # selective async saves of the drafter alone (0: none; the full checkpoint holds it too).
+  # learning_rate: 1e-3 suits a drafter from scratch; fine-tuning a trained one wants ~1e-4 (at
+  # 1e-3 it lost acceptance against a frozen copy: docs/benchmarks.md, "The adaptive drafter").
   c.drafter_training = ml_collections.ConfigDict(dict(
       online="auto", learning_rate=1e-3, rows=8, seq_len=128, buffer_mb=64.0, keep_steps=2,
       collect=1.0, spot=True, serial_steps=8, serial_seconds=0.0, seed=0, save_every=1))
