@@ -23,26 +23,56 @@ def make_engine(model, **kw):
   return RolloutEngine(model, config=EngineConfig(**cfg))
 
 
+@pytest.fixture(scope="module")
+def engines(model):
+  """``engines(**kw)``: the engine of ``make_engine(model, **kw)``, built once per module.
+  Compiling its executables is most of a test's cost, and sampling parameters change without
+  recompiling, so the tests that only generate share these (tests about compiling build their
+  own engines)."""
+  cache = {}
+
+  def get(**kw):
+    key = tuple(sorted(kw.items()))
+    if key not in cache:
+      cache[key] = make_engine(model, **kw)
+    return cache[key]
+  return get
+
+
 def prompts_of(lengths, seed=0):
   rng = np.random.default_rng(seed)
   return [rng.integers(7, 32, n).tolist() for n in lengths]
 
 
+# Reference forwards are padded (after the sequence) to one width: the model is causal, so the
+# padding changes no logit of the sequence's own positions, and eager op-by-op execution compiles
+# its ops once for that shape instead of once per sequence length (seconds each).
+REFERENCE_WIDTH = 64  # >= max_prompt_len + max_new_tokens of every engine here
+
+
+def full_logits(model, seq):
+  """Logits at every position of ``seq`` from one uncached forward pass (causal: padding after
+  the sequence is never attended to)."""
+  assert len(seq) <= REFERENCE_WIDTH
+  ids = np.zeros((1, REFERENCE_WIDTH), np.int32)
+  ids[0, :len(seq)] = seq
+  return np.asarray(model(ids))[0, :len(seq)]
+
+
 def full_logprobs(model, prompt, completion):
   """Log-probs of ``completion`` given ``prompt`` from one uncached forward pass."""
-  ids = np.array([prompt + completion])
-  logits = np.asarray(model(ids))[0, len(prompt) - 1:-1]
+  logits = full_logits(model, prompt + completion)[len(prompt) - 1:-1]
   logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
       - logits.max(-1, keepdims=True)
   return logp[np.arange(len(completion)), completion]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_bucketed_decode_equals_static_batch(model, temperature):
+def test_bucketed_decode_equals_static_batch(engines, temperature):
   prompts = prompts_of([3, 9, 14, 5, 7, 2, 11])
   params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=7, stop_token_ids=STOPS)
-  bucketed = make_engine(model).generate(prompts, params)
-  static = make_engine(model, compaction=False).generate(prompts, params)
+  bucketed = engines().generate(prompts, params)
+  static = engines(compaction=False).generate(prompts, params)
   assert bucketed.tokens == static.tokens
   for a, b in zip(bucketed.logprobs, static.logprobs):
     np.testing.assert_allclose(a, b, atol=1e-5)
@@ -54,23 +84,22 @@ def test_bucketed_decode_equals_static_batch(model, temperature):
   assert bucketed.stats["row_steps"] < static.stats["row_steps"]
 
 
-def test_greedy_tokens_and_logprobs_match_uncached_forward(model):
+def test_greedy_tokens_and_logprobs_match_uncached_forward(model, engines):
   prompts = prompts_of([2, 13, 6])
-  result = make_engine(model).generate(
+  result = engines().generate(
       prompts, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=()))
   for prompt, toks, lps in zip(prompts, result.tokens, result.logprobs):
     assert len(toks) == 12
-    ids = np.array([prompt + toks])
-    logits = np.asarray(model(ids))[0]
+    logits = full_logits(model, prompt + toks)
     # each greedy token is the argmax of the full-context logits at the previous position
     np.testing.assert_array_equal(np.argmax(logits[len(prompt) - 1:-1], -1), toks)
     np.testing.assert_allclose(lps, full_logprobs(model, prompt, toks), atol=1e-4)
   assert result.finish_reasons == ["length"] * 3
 
 
-def test_stop_token_included_and_reported(model):
+def test_stop_token_included_and_reported(engines):
   prompts = prompts_of([4, 8, 12, 3])
-  result = make_engine(model).generate(
+  result = engines().generate(
       prompts, SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, stop_token_ids=STOPS))
   assert "stop" in result.finish_reasons
   for toks, reason in zip(result.tokens, result.finish_reasons):
@@ -80,11 +109,11 @@ def test_stop_token_included_and_reported(model):
       assert len(toks) == 40 and not set(toks) & set(STOPS)
 
 
-def test_row_sample_does_not_depend_on_batch(model):
+def test_row_sample_does_not_depend_on_batch(engines):
   prompts = prompts_of([5, 9, 3, 12, 7, 4])  # 6 prompts -> two chunks with max_batch=4
   params = SamplingParams(max_new_tokens=20, temperature=0.9, top_k=10, top_p=0.9, seed=11,
                           stop_token_ids=STOPS)
-  engine = make_engine(model)
+  engine = engines()
   together = engine.generate(prompts, params)
   assert len(together.tokens) == 6
   # A row's PRNG stream is keyed by its index in the request, so a request holding only
@@ -93,9 +122,9 @@ def test_row_sample_does_not_depend_on_batch(model):
   assert first_three.tokens == together.tokens[:3]
 
 
-def test_top_k_one_is_greedy(model):
+def test_top_k_one_is_greedy(engines):
   prompts = prompts_of([6, 10])
-  engine = make_engine(model)
+  engine = engines()
   greedy = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0,
                                                    stop_token_ids=()))
   top1 = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.3, top_k=1,
@@ -105,9 +134,11 @@ def test_top_k_one_is_greedy(model):
     np.testing.assert_allclose(lp, 0.0, atol=1e-6)
 
 
-def test_no_recompilation_after_precompile(model):
-  engine = make_engine(model)
-  assert engine.precompile() == len(engine.executable_keys())
+def test_no_recompilation_after_precompile(engines):
+  engine = engines()  # shared: the executables other tests used are compiled already
+  missing = set(engine.executable_keys()) - set(engine._executables)
+  assert engine.precompile() == len(missing)  # it compiles exactly the ones not there yet
+  assert set(engine._executables) == set(engine.executable_keys())
   assert engine.precompile() == 0
   for lengths, seed in (([3, 5], 0), ([15, 2, 9], 1), ([1, 7, 16, 4], 2)):
     result = engine.generate(prompts_of(lengths, seed), SamplingParams(
@@ -207,12 +238,12 @@ def test_bad_sampling_and_engine_values_are_rejected(model):
     EngineConfig(max_prompt_len=64, prefill_buckets=(16, 32))
 
 
-def test_compacted_rows_match_an_uncached_forward(model):
+def test_compacted_rows_match_an_uncached_forward(model, engines):
   """An independent reference for compaction: with stop ids ending rows early (so the live rows
   and their KV move to smaller buckets), every row's greedy tokens are the argmax walk of an
   uncached forward over its own context, and every sampled token's log-prob is that forward's."""
   prompts = prompts_of([3, 9, 14, 5, 7, 2, 11, 6], seed=4)
-  engine = make_engine(model, max_batch=8)
+  engine = engines(max_batch=8)
   for temperature in (0.0, 1.0):
     result = engine.generate(prompts, SamplingParams(
         max_new_tokens=40, temperature=temperature, seed=2, stop_token_ids=STOPS))
@@ -220,21 +251,21 @@ def test_compacted_rows_match_an_uncached_forward(model):
     for prompt, toks, lps in zip(prompts, result.tokens, result.logprobs):
       np.testing.assert_allclose(lps, full_logprobs(model, prompt, toks), atol=1e-4)
       if temperature == 0.0:
-        logits = np.asarray(model(np.array([prompt + toks])))[0]
+        logits = full_logits(model, prompt + toks)
         np.testing.assert_array_equal(np.argmax(logits[len(prompt) - 1:-1], -1), toks)
 
 
-def test_every_chunk_samples_as_one_batch_would(model):
+def test_every_chunk_samples_as_one_batch_would(model, engines):
   """Six prompts over max_batch=4 run as two chunks; every row (both chunks) equals the same
   request decoded as one chunk of 8, and its log-probs are the uncached forward's."""
   prompts = prompts_of([5, 9, 3, 12, 7, 4], seed=6)
   params = SamplingParams(max_new_tokens=20, temperature=0.9, top_k=10, top_p=0.9, seed=11,
                           stop_token_ids=STOPS)
-  chunked = make_engine(model, max_batch=4).generate(prompts, params)
-  whole = make_engine(model, max_batch=8).generate(prompts, params)
+  chunked = engines().generate(prompts, params)  # max_batch=4
+  whole = engines(max_batch=8).generate(prompts, params)
   assert chunked.tokens == whole.tokens and chunked.finish_reasons == whole.finish_reasons
   assert len({tuple(t) for t in chunked.tokens}) == 6
   unfiltered = SamplingParams(max_new_tokens=20, temperature=1.0, seed=11, stop_token_ids=STOPS)
-  plain = make_engine(model, max_batch=4).generate(prompts, unfiltered)
+  plain = engines().generate(prompts, unfiltered)
   for prompt, toks, lps in zip(prompts, plain.tokens, plain.logprobs):
     np.testing.assert_allclose(lps, full_logprobs(model, prompt, toks), atol=1e-4)

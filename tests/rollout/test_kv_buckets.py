@@ -48,6 +48,20 @@ def make(target, kind, kv_buckets, **kw):
   return RolloutEngine(target, drafter=drafter_for(kind, target), config=config)
 
 
+@pytest.fixture(scope="module")
+def engines(target):
+  """``engines(kind, kv_buckets)``: built once per module. Compiling is most of the cost, so the
+  growth test and the precompile test share the ladder engines (sampling parameters change
+  without recompiling)."""
+  cache = {}
+
+  def get(kind, kv_buckets):
+    if (kind, kv_buckets) not in cache:
+      cache[kind, kv_buckets] = make(target, kind, kv_buckets)
+    return cache[kind, kv_buckets]
+  return get
+
+
 def generate(engine, temperature):
   params = SamplingParams(max_new_tokens=72, temperature=temperature, seed=13,
                           stop_token_ids=STOPS[temperature])
@@ -55,12 +69,12 @@ def generate(engine, temperature):
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "chain", "tree", "ngram"])
-def test_growing_caches_change_nothing(target, kind):
+def test_growing_caches_change_nothing(engines, kind):
   """Greedy and sampled, through the same two engines (compiling is most of the cost)."""
-  engines = [make(target, kind, ()), make(target, kind, LADDER)]
+  pair = [engines(kind, ()), engines(kind, LADDER)]
   for temperature in (0.0, 1.0):
-    full, grown = (generate(e, temperature) for e in engines)
-    check_same(engines[1], full, grown)
+    full, grown = (generate(e, temperature) for e in pair)
+    check_same(pair[1], full, grown)
 
 
 def check_same(engine, full, grown):
@@ -109,12 +123,15 @@ def test_bad_kv_buckets_are_rejected(bad):
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "tree"])
-def test_precompiled_pool_covers_every_growth(target, kind):
-  config = EngineConfig(**BASE, spec=spec_for(kind), kv_buckets=LADDER)
-  engine = RolloutEngine(target, drafter=drafter_for(kind, target), config=config)
+def test_precompiled_pool_covers_every_growth(engines, kind):
+  engine = engines(kind, LADDER)  # shared: what the growth test used is compiled already
+  config = engine.config
+  missing = set(engine.executable_keys()) - set(engine._executables)
   n = engine.precompile()
   pool = engine.pool_stats()
-  assert n == pool["executables"] == len(engine.executable_keys())
+  assert n == len(missing)  # it compiles exactly the executables not there yet
+  assert pool["executables"] == len(engine.executable_keys())
+  assert set(engine._executables) == set(engine.executable_keys())
   assert pool["by_kind"]["grow"] == len(config.batch_buckets) * (len(pool["kv_lengths"]) - 1)
   assert pool["kv_lengths"][-1] == config.cache_len and pool["compile_s"] > 0
   for seed, temperature in ((0, 1.0), (1, 0.0), (2, 1.0)):

@@ -50,12 +50,25 @@ def prompts_of(lengths, seed=0):
   return [rng.integers(7, 32, n).tolist() for n in lengths]
 
 
+@pytest.fixture(scope="module")
+def spec_engines(targets):
+  """``spec_engines(drafter_kind, strategy)``: built once per module (compiling is most of the
+  cost; sampling parameters change without recompiling)."""
+  cache = {}
+
+  def get(drafter_kind, strategy):
+    if (drafter_kind, strategy) not in cache:
+      target, drafter = targets[drafter_kind]
+      cache[drafter_kind, strategy] = RolloutEngine(
+          target, drafter=drafter, config=EngineConfig(**BASE, spec=STRATEGIES[strategy]))
+    return cache[drafter_kind, strategy]
+  return get
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("drafter_kind", ["random", "mirror"])
-def test_greedy_speculative_equals_vanilla(targets, vanilla_results, drafter_kind, strategy):
-  target, drafter = targets[drafter_kind]
-  spec = RolloutEngine(target, drafter=drafter,
-                       config=EngineConfig(**BASE, spec=STRATEGIES[strategy]))
+def test_greedy_speculative_equals_vanilla(spec_engines, vanilla_results, drafter_kind, strategy):
+  spec = spec_engines(drafter_kind, strategy)
   params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
   for lengths, want in zip(GREEDY_BATCHES, vanilla_results[drafter_kind]):
     got = spec.generate(prompts_of(lengths, seed=len(lengths)), params)
@@ -71,10 +84,11 @@ def test_greedy_speculative_equals_vanilla(targets, vanilla_results, drafter_kin
     assert "stop" in got.finish_reasons
 
 
-def test_speculative_engine_does_not_recompile(targets):
-  target, drafter = targets["mirror"]
-  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(**BASE, spec=STRATEGIES["tree-narrow"]))
-  engine.precompile()
+def test_speculative_engine_does_not_recompile(spec_engines):
+  engine = spec_engines("mirror", "tree-narrow")  # shared with the greedy test above
+  missing = set(engine.executable_keys()) - set(engine._executables)
+  assert engine.precompile() == len(missing)
+  assert set(engine._executables) == set(engine.executable_keys())
   for lengths, temperature in (([4, 9], 0.0), ([16, 1, 3], 1.0), ([2, 2, 2, 2, 2], 0.6)):
     result = engine.generate(prompts_of(lengths), SamplingParams(
         max_new_tokens=30, temperature=temperature, top_k=7, stop_token_ids=STOPS))
