@@ -344,6 +344,7 @@ def test_main_job_on_four_devices_and_ctrl_c_says_how_to_resume(tmp_path):
   assert "devices: 4 x cpu" in stdout, stdout[-2000:]
   assert "rollout: data-parallel over 2 devices" in stdout, stdout[-2000:]
   assert "on the devices the tail leaves idle" in stdout, stdout[-2000:]
+  assert " spot / 0 serial" in stdout, stdout[-2000:]  # the console shows the drafter's steps
   assert "step    2/50" in stdout, (stdout + err)[-3000:]
   assert proc.returncode == 130, err[-2000:]
   assert "Traceback" not in err

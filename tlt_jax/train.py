@@ -651,6 +651,19 @@ def _evaluate(trainer: GRPOTrainer) -> tuple[float, float]:
   return greedy, sampled
 
 
+def _drafter_line(m: dict) -> str:
+  """The console's speculative-decoding and online-drafter figures of a step (if any)."""
+  parts = []
+  if m.get("mean_accept_len") is not None:
+    parts.append(f"accept {m['mean_accept_len']:.2f}")
+  if "drafter_loss" in m:
+    parts.append(f"drafter loss {m['drafter_loss']:.3f} top1 {m['drafter_top1']:.2f}")
+  if "drafter_spot_steps" in m:
+    parts.append(f"drafter steps {m['drafter_spot_steps']} spot / "
+                 f"{m['drafter_serial_steps']} serial")
+  return (" | " + ", ".join(parts)) if parts else ""
+
+
 def _resume_hint(job: Job) -> str:
   return (f"continue with: python -m tlt_jax.train --config.logdir={job.logdir} "
           "--config.resume=True")
@@ -687,7 +700,7 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
       _say(f"step {m['step']:4d}/{job.trainer.steps} reward {m['reward']:.3f} loss "
            f"{m['loss']:+.4f} len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
            f"{m['len_max']} rollout {m['rollout_s']:.1f}s (tail {m['tail_s']:.1f}s) update "
-           f"{m['update_s']:.1f}s")
+           f"{m['update_s']:.1f}s" + _drafter_line(m))
   except NonFiniteUpdateError as e:
     latest = checkpointer.latest_step()
     raise NonFiniteUpdateError(
