@@ -238,8 +238,9 @@ def test_a_run_with_a_saved_drafter_and_strategies_resumes_them_and_the_tuner(
   assert saved["rollout"]["tuner"]["window"] == 1000
   row = [json.loads(line) for line in (logdir / "metrics.jsonl").open()][1]
   assert row == first["history"][0]
-  assert {"sd_switches", "sd_switch_s", "mean_accept_len", "arm_steps/8/vanilla",
-          "arm_steps/8/chain_d2"} <= set(row)
+  assert {"sd_switches", "sd_switch_s", "arm_steps/8/vanilla", "arm_steps/8/chain_d2"} <= set(row)
+  # an accepted length only where a speculative step ran (not 0.0 for a vanilla-only rollout)
+  assert ("mean_accept_len" in row) == (row["arm_steps/8/chain_d2"] > 0), row
   tuner_1 = checkpoint_tuner(logdir, 1)
   assert tuner_1["kind"] == "beg_mab" and tuner_1["buckets"]["8"]["decisions"] > 0
 
@@ -298,7 +299,8 @@ def test_help_lists_the_config_fields():
     (["--config.rollout.kv_buckets=(64,)"], "no such config field 'kv_buckets'"),  # no close one
     (["--config.sft.steps=-5"], "config.sft: SFTConfig.steps must be an int >= 0"),
     (["--config=missing.py"], "no config file at missing.py"),
-    (["--config.drafter=no/such/drafter"], ("config.drafter must be 'none', 'ngram' or the "
+    (["--config.drafter=no/such/drafter"], ("config.drafter must be 'none', 'ngram', 'eagle' "
+                                            "(a drafter trained online from scratch) or the "
                                             "directory of a drafter saved by")),
     # the adaptive fields parse from the command line (the error is about the missing drafter)
     (["--config.rollout.strategies=((4, 1, 5), (4, 2, 8))", "--config.rollout.tuner.kind=ucb1",
