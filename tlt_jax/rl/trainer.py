@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax import checkpoint as ckpt
+from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.tokenizer import Tokenizer
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rl import grpo
@@ -449,7 +450,7 @@ class GRPOTrainer:
       self.engine = RolloutEngine(model, drafter=drafter, config=engine_config)
     self.online = None
     if drafter_training is not None:
-      if getattr(drafter, "forward", None) is None or not hasattr(drafter, "init_cache"):
+      if not isinstance(drafter, Drafter):
         raise ValueError("drafter_training needs a learned (EAGLE) drafter, e.g. "
                          "Drafter.create(model.config); the n-gram drafter has nothing to train")
       self.online = OnlineDrafter(drafter, nnx.split(model)[0], drafter_training)
@@ -513,10 +514,8 @@ class GRPOTrainer:
       return 0
     if isinstance(self.engine, DataParallelRollout) and self.online.config.spot:
       by_device = {d: self.engine.target_params(k) for k, d in enumerate(self.rollout_devices)}
-    elif isinstance(self.engine, DataParallelRollout):  # spot off: serial steps on the first
-      by_device = {self.rollout_devices[0]: self.engine.target_params(0)}
-    else:
-      by_device = {self.rollout_devices[0]: self.engine.params}
+    else:  # one device, or spot off: serial steps on the first only
+      by_device = {self.rollout_devices[0]: self._rollout_target_params()}
     self.online.precompile(by_device)
     return len(by_device)
 

@@ -37,7 +37,8 @@ from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
-from tlt_jax.rollout.scheduler import Scheduler, Strategy, finish_arm_stats, new_stats
+from tlt_jax.rollout.scheduler import (Scheduler, Strategy, finish_arm_stats, mean_accept_len,
+                                       new_stats)
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
 from tlt_jax.rollout.tuner import Tuner, TunerConfig, make_tuner
@@ -459,9 +460,7 @@ class RolloutEngine:
       # tokens emitted per live row per speculative step (accepted drafts + the bonus token)
       hist = np.asarray(stats.get("accept_hist", np.zeros(self.config.pending_width)))
       stats["accept_hist"] = hist.tolist()  # index i: SD steps that emitted i + 1 tokens
-      # None when no speculative step ran (e.g. the tuner chose vanilla throughout)
-      stats["mean_accept_len"] = (float((hist * np.arange(1, hist.size + 1)).sum() / hist.sum())
-                                  if hist.sum() else None)
+      stats["mean_accept_len"] = mean_accept_len(hist)
       if self.config.time_phases:
         marks = self.steps.phase_marks
         spans = {1: 0.0, 2: 0.0}  # phase 1 ends drafting, phase 2 ends verification

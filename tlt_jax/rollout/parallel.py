@@ -36,7 +36,7 @@ from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.scheduler import finish_arm_stats
+from tlt_jax.rollout.scheduler import arm_tally, finish_arm_stats, mean_accept_len
 from tlt_jax.rollout.tuner import Tuner, make_tuner
 from tlt_jax.utils import compile_count
 
@@ -112,8 +112,7 @@ def merge_stats(shard_stats: list[dict | None], wall_s: float) -> dict[str, Any]
     merged["segment_kv_lens"] += stats["segment_kv_lens"]
     for bucket, arms in stats["arms"].items():
       for name, arm in arms.items():
-        into = merged["arms"].setdefault(bucket, {}).setdefault(
-            name, dict(segments=0, steps=0, tokens=0, row_steps=0, seconds=0.0))
+        into = arm_tally(merged, bucket, name)
         for k in into:
           into[k] += arm[k]
     if "accept_hist" in stats:
@@ -122,8 +121,7 @@ def merge_stats(shard_stats: list[dict | None], wall_s: float) -> dict[str, Any]
   finish_arm_stats(merged)
   if hist is not None:
     merged["accept_hist"] = hist.tolist()
-    merged["mean_accept_len"] = (float((hist * np.arange(1, hist.size + 1)).sum() / hist.sum())
-                                 if hist.sum() else None)
+    merged["mean_accept_len"] = mean_accept_len(hist)
   merged["wall_s"] = wall_s
   merged["tokens_per_s"] = merged.get("tokens", 0) / max(wall_s - merged.get("compile_s", 0.0)
                                                          / max(len(shard_stats), 1), 1e-9)

@@ -49,7 +49,8 @@ def new_stats() -> dict[str, Any]:
               segments=[], segment_kv_lens=[], grows=0, cache_bytes_peak=0, tokens=0, arms={})
 
 
-def _arm_stats(stats: dict, batch: int, name: str) -> dict:
+def arm_tally(stats: dict, batch: int | str, name: str) -> dict:
+  """The running per-arm tally ``stats["arms"][str(batch)][name]`` (created empty)."""
   per_bucket = stats["arms"].setdefault(str(batch), {})
   return per_bucket.setdefault(name, dict(segments=0, steps=0, tokens=0, row_steps=0,
                                           seconds=0.0))
@@ -150,7 +151,7 @@ class Scheduler:
       before = {k: int(counters[k]) for k in before}
       if tuned and delta["steps"] > 0:
         self.tuner.update(batch, strategy.name, delta["tokens"], seconds + switch_s)
-      arm = _arm_stats(stats, batch, strategy.name)
+      arm = arm_tally(stats, batch, strategy.name)
       arm["segments"] += 1
       arm["seconds"] += seconds + switch_s
       for k in ("steps", "tokens", "row_steps"):
@@ -189,6 +190,14 @@ class Scheduler:
                                    index)
         batch = smaller
       live_len = int(cache_lens[live].max())
+
+
+def mean_accept_len(hist) -> float | None:
+  """Mean tokens emitted per live row per speculative step from ``accept_hist`` (index i: steps
+  that emitted i + 1 tokens); None when no speculative step ran (e.g. the tuner chose vanilla
+  throughout), not 0.0, which would drag averages over rollouts down."""
+  hist = np.asarray(hist)
+  return float((hist * np.arange(1, hist.size + 1)).sum() / hist.sum()) if hist.sum() else None
 
 
 def finish_arm_stats(stats: dict) -> None:
