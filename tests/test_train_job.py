@@ -299,6 +299,8 @@ def test_help_lists_the_config_fields():
     (["--config.rollout.kv_buckets=(64,)"], "no such config field 'kv_buckets'"),  # no close one
     (["--config.sft.steps=-5"], "config.sft: SFTConfig.steps must be an int >= 0"),
     (["--config=missing.py"], "no config file at missing.py"),
+    (["--config.drafter_training.online=True"], ("config.drafter_training.online=True needs a "
+                                                 "learned drafter")),  # True from the command line
     (["--config.drafter=no/such/drafter"], ("config.drafter must be 'none', 'ngram', 'eagle' "
                                             "(a drafter trained online from scratch) or the "
                                             "directory of a drafter saved by")),

@@ -341,6 +341,8 @@ def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
   (``online="auto"``: when ``config.drafter="eagle"``), and the selective-save interval."""
   fields = dict(section(cfg, "drafter_training").items()) if "drafter_training" in cfg else {}
   online = fields.pop("online", "auto")
+  # the field's default is the string "auto", so a command line's True/False arrives as text
+  online = {"true": True, "false": False}.get(str(online).lower(), online)
   save_every = fields.pop("save_every", 1)
   if online not in ("auto", True, False):
     raise ConfigError(f"config.drafter_training.online must be 'auto', True or False, got "
