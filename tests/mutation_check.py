@@ -179,6 +179,13 @@ MUTANTS = [
            "report(k), row_offset=0,",
            ("tests/rollout/test_parallel.py", "-k", "two_devices"),
            "each device's shard samples with row keys counted from 0, so tokens depend on the split"),
+    Mutant("interrupt_leaves_device_threads_running", "tlt_jax/rollout/parallel.py",
+           "      for t in threads:  # the work stops at its next check (see on_interrupt)\n"
+           "        t.join()\n",
+           "",
+           ("tests/rollout/test_parallel.py", "-k", "two_devices"),
+           "Ctrl-C during a data-parallel rollout exits while device threads are inside XLA: the "
+           "process aborts (exit -6) instead of saving and exiting 130"),
     Mutant("buffer_positions_run_on_across_a_row", "tlt_jax/drafter/buffer.py",
            "        positions[r, at:at + n] = t\n",
            "        positions[r, at:at + n] = at + np.arange(n)\n",

@@ -163,4 +163,40 @@ for k, engine in enumerate(dp.engines):  # every engine decodes with the new dra
     np.testing.assert_array_equal(np.asarray(new), np.asarray(leaf))
 print(f"spot trainer: {runs[0]['steps']} drafter steps on the idle device, preempted at a step "
       f"boundary")
+
+# Ctrl-C during a data-parallel rollout: the interrupt reaches the caller only after every device
+# thread has stopped (a thread left inside XLA when the interpreter exits aborts the process:
+# "terminate called ... FATAL: exception not rethrown", exit -6 instead of 130). Device 0 decodes
+# in segments of 2 steps and stops at its next segment; device 1 (no rows) is in its idle hook,
+# which takes a while to notice the stop (a drafter step in flight) and must still be waited for.
+import signal  # pylint: disable=wrong-import-position,wrong-import-order
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+idle_returned, segments, completed = threading.Event(), [], []
+
+
+def interrupt_on_first_segment(done, total):
+  segments.append(done)
+  if len(segments) == 1:
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def slow_idle(k, stop):
+  stop.wait(60)
+  time.sleep(0.5)
+  idle_returned.set()
+
+
+params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=9, stop_token_ids=())
+try:
+  dp.generate(prompts[:1], params, interrupt_on_first_segment, idle=slow_idle,
+              shard_done=lambda *a: completed.append(a))
+  raise AssertionError("the interrupt was swallowed")
+except KeyboardInterrupt:
+  alive = [t for t in threading.enumerate() if t is not threading.main_thread()]
+assert not alive, f"device threads still running after the interrupt: {alive}"
+assert idle_returned.is_set(), "the idle hook was not waited for"
+assert not completed, "the interrupted shard decoded to the end instead of stopping"
+assert len(segments) == 1, segments
+print("Ctrl-C: every device thread stopped before the interrupt went on")
 print("parallel rollout ok")

@@ -43,6 +43,10 @@ from tlt_jax.utils import compile_count
 __all__ = ["DataParallelRollout", "LockedTuner", "on_device", "shard_ranges"]
 
 
+class RolloutCancelled(Exception):
+  """Raised in a device's thread to stop its shard when the caller was interrupted."""
+
+
 class LockedTuner:
   """A tuner shared by the engines of several threads: ``choose``/``update`` under one lock."""
 
@@ -199,7 +203,11 @@ class DataParallelRollout:
     total = sum(len([k for k in e.executable_keys() if k not in e.pool.executables])
                 for e in self.engines)
 
+    cancel = threading.Event()
+
     def tick(*_):
+      if cancel.is_set():
+        raise RolloutCancelled("precompile interrupted")
       with lock:
         done[0] += 1
         if progress is not None:
@@ -208,15 +216,21 @@ class DataParallelRollout:
     def work(k):
       counts[k] = self.engines[k].precompile(tick)
 
-    self._run_threads(work, range(len(self.engines)))
+    self._run_threads(work, range(len(self.engines)), cancel.set)
     return sum(counts)
 
   def pool_stats(self) -> list[dict[str, Any]]:
     return [e.pool_stats() for e in self.engines]
 
   @staticmethod
-  def _run_threads(fn, items) -> None:
-    """Runs ``fn(item)`` for every item in a thread of its own; re-raises the first error."""
+  def _run_threads(fn, items, on_interrupt: Callable[[], Any] | None = None) -> None:
+    """Runs ``fn(item)`` for every item in a thread of its own; re-raises the first error.
+
+    If the caller is interrupted while waiting (Ctrl-C: KeyboardInterrupt in the main thread),
+    ``on_interrupt()`` tells the work to stop and every thread is waited for before the interrupt goes on: a thread still
+    inside XLA when the interpreter exits is torn down mid-call, which aborts the process
+    ("terminate called ... FATAL: exception not rethrown") instead of exiting cleanly.
+    """
     errors: list[BaseException] = []
 
     def guarded(item):
@@ -228,8 +242,15 @@ class DataParallelRollout:
     threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in items]
     for t in threads:
       t.start()
-    for t in threads:
-      t.join()
+    try:
+      for t in threads:
+        t.join()
+    except BaseException:
+      if on_interrupt is not None:
+        on_interrupt()
+      for t in threads:  # the work stops at its next check (see on_interrupt)
+        t.join()
+      raise
     if errors:
       raise errors[0]
 
@@ -269,8 +290,12 @@ class DataParallelRollout:
       stop.set()
     counts = [0] * len(shards)
 
+    cancel = threading.Event()  # set when the caller is interrupted: every shard stops
+
     def report(k):
       def cb(done, _total):
+        if cancel.is_set():  # called after every decode segment: a shard stops within one
+          raise RolloutCancelled("rollout interrupted")
         with lock:
           counts[k] = done
           if progress is not None:
@@ -302,8 +327,12 @@ class DataParallelRollout:
         idle_out[k] = idle(k, stop)
         hook_span[k] = (t1, time.perf_counter() - t0)
 
+    def interrupted():
+      stop.set()  # idle hooks return at their next check
+      cancel.set()
+
     try:
-      self._run_threads(work, range(len(shards)))
+      self._run_threads(work, range(len(shards)), interrupted)
     finally:
       stop.set()
     wall = time.perf_counter() - t0
