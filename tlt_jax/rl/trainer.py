@@ -40,7 +40,7 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import Problem, chat_prompt
 from tlt_jax.rl.online_drafter import DrafterTrainingConfig, OnlineDrafter, step_metrics
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.parallel import DataParallelRollout
+from tlt_jax.rollout.parallel import DataParallelRollout, on_device
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils import require_positive_ints
 
@@ -484,46 +484,37 @@ class GRPOTrainer:
     self.last_lengths = np.zeros(0, np.int64)  # completion lengths of the latest step
 
   def _sync_engine(self) -> None:
-    """Hands the rollout engine the current params as single-device arrays.
+    """Hands the rollout engine(s) the current params as single-device arrays.
 
-    The rollout runs on one device (the mesh's first) whatever the mesh size: each param's
-    device-0 shard of the replicated array is a zero-copy view of the same buffer, so the engine
-    compiles once for one device and never sees a mesh sharding. (Compiling the engine for the
-    replicated sharding instead would run every decode step redundantly on all devices.) The
-    views die with the params they view, which the update donates: call this after every update.
+    Each rollout device's engine decodes with that device's shard of the replicated params, a
+    zero-copy view of the same buffer, so an engine compiles for one device and never sees a mesh
+    sharding. (Compiling for the replicated sharding instead would run every decode step
+    redundantly on all devices.) The views die with the params they view, which the update
+    donates: call this after every update.
     """
+    self._update_engine()
+
+  def _update_engine(self, drafter: nnx.State | None = None) -> None:
     if isinstance(self.engine, DataParallelRollout):  # each device's zero-copy shard
-      self.engine.update_params(self.params)
+      self.engine.update_params(self.params, drafter)
     else:
-      self.engine.update_params(jax.tree.map(lambda x: x.addressable_data(0), self.params))
+      self.engine.update_params(on_device(self.params, self.rollout_devices[0]), drafter)
 
   def _sync_drafter(self) -> None:
     """Hands the engines a copy of the online drafter's current weights (no recompile)."""
-    if self.online is None:
-      return
-    drafter = self.online.engine_params(self.rollout_devices[0])
-    if isinstance(self.engine, DataParallelRollout):
-      self.engine.update_params(self.params, drafter)
-    else:
-      self.engine.update_params(self.engine.params, drafter)
+    if self.online is not None:
+      self._update_engine(self.online.engine_params(self.rollout_devices[0]))
 
   def precompile_drafter(self) -> int:
     """Compiles the online drafter's train and eval steps for every rollout device; returns how
     many devices (0 without online drafter training)."""
     if self.online is None:
       return 0
-    if isinstance(self.engine, DataParallelRollout) and self.online.config.spot:
-      by_device = {d: self.engine.target_params(k) for k, d in enumerate(self.rollout_devices)}
-    else:  # one device, or spot off: serial steps on the first only
-      by_device = {self.rollout_devices[0]: self._rollout_target_params()}
-    self.online.precompile(by_device)
-    return len(by_device)
-
-  def _rollout_target_params(self):
-    """The target weights on the first rollout device (what serial drafter steps train with)."""
-    if isinstance(self.engine, DataParallelRollout):
-      return self.engine.target_params(0)
-    return self.engine.params
+    # spot steps run on every rollout device; serial ones (one device, or spot off) on the first
+    n = len(self.rollout_devices) if self.online.config.spot else 1
+    self.online.precompile({self.rollout_devices[k]: self.engine.target_params(k)
+                            for k in range(n)})
+    return n
 
   # ---- data ---------------------------------------------------------------------------------
   def problems_for(self, step: int) -> list[Problem]:
@@ -579,12 +570,12 @@ class GRPOTrainer:
         online.add(self.step_count, prompts, result)
       first = self.rollout_devices[0]
       # held out: the weights that drafted this rollout, on its freshest data
-      evaluation = online.evaluate(self._rollout_target_params(), first,
+      evaluation = online.evaluate(self.engine.target_params(0), first,
                                    params=self.engine.drafter_params)
       # one rollout device (or spot training off): the drafter trains now, under its budget
       serial = None
       if not parallel or not online.config.spot:
-        serial = online.serial(self._rollout_target_params(), first)
+        serial = online.serial(self.engine.target_params(0), first)
       drafter_metrics = step_metrics(result.stats, online.spot_runs() if parallel else [],
                                      serial, evaluation)
       self._sync_drafter()

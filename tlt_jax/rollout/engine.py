@@ -304,6 +304,13 @@ class RolloutEngine:
     if drafter_params is not None:
       self.drafter_params = drafter_params
 
+  def target_params(self, index: int = 0) -> nnx.State:
+    """The target weights this engine decodes with (the one-device case of
+    ``DataParallelRollout.target_params``)."""
+    if index != 0:
+      raise IndexError(f"a RolloutEngine decodes on one device: target_params({index})")
+    return self.params
+
   def _weights(self):
     return (self.params, self.drafter_params)
 
