@@ -7,9 +7,12 @@ that rises), so this also checks that those still hold. Outputs are not written 
 the stored outputs, execute the notebooks with nbclient and save them with nbformat.
 """
 
+import os
 import pathlib
 
 import pytest
+
+from tests.conftest import FAST_COMPILE_FLAGS
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -31,6 +34,10 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla_cache"))
   monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  # XLA's default optimisation, as a user's kernel has: a notebook runs real training (where the
+  # fast-compile flags of conftest.py cost more than they save) and asserts what it learned
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE_FLAGS,
+                                                                           "").strip())
   nb = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                    resources={"metadata": {"path": str(path.parent)}})

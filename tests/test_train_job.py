@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import garble
+from tests.helpers import device_count_flags, garble
 from tlt_jax import generate, train
 from tlt_jax.config import ConfigError, load_config_file
 from tlt_jax.models.drafter import Drafter, save_drafter
@@ -329,7 +329,7 @@ def test_main_job_on_four_devices_and_ctrl_c_says_how_to_resume(tmp_path):
   flat.update({"trainer.steps": 50, "checkpoint_every": 1, "rollout_devices": 2,
                "drafter": "eagle"})
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+             XLA_FLAGS=device_count_flags(4))
   proc = subprocess.Popen(
       [sys.executable, "-m", "tlt_jax.train", f"--config.logdir={logdir}",
        *[f"--config.{k}={v}" for k, v in flat.items()]],

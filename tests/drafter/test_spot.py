@@ -17,7 +17,7 @@ import optax
 import pytest
 from flax import nnx
 
-from tests.helpers import sharp_random_model
+from tests.helpers import device_count_flags, sharp_random_model
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.drafter.train import layout_rows, target_features
@@ -201,7 +201,7 @@ def two_device_main():
 
 def test_runs_on_a_second_device():
   env = dict(PYTHONPATH=str(ROOT), PATH=os.environ.get("PATH", "/usr/bin"), JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS=device_count_flags(2))
   proc = subprocess.run(
       [sys.executable, "-c", "from tests.drafter.test_spot import two_device_main as m; m()"],
       capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)

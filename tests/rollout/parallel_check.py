@@ -4,7 +4,8 @@ really run work while the others decode (counted)."""
 
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=2").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import threading  # pylint: disable=wrong-import-position
