@@ -50,6 +50,9 @@ for name, d, cfg, temperature in cases:
     np.testing.assert_allclose(a, b, atol=1e-5)
   assert [s["rows"] for s in many.stats["devices"]] == [4, 4], many.stats["devices"]
   assert many.stats["tokens"] == sum(len(t) for t in one.tokens)
+  # the tail is wall time: one device's tail (the longest), not the sum over devices
+  assert many.stats["tail_s"] in [d["tail_s"] for d in many.stats["devices"]], many.stats
+  assert many.stats["tail_s"] <= many.stats["rollout_wall_s"], many.stats
   for k, engine in enumerate(dp.engines):  # each shard ran on its own device
     assert engine.pool.executables, (name, k)
     for leaf in jax.tree.leaves(engine.params):

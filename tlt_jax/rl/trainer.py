@@ -597,7 +597,7 @@ class GRPOTrainer:
                len_p50=float(np.percentile(lengths, 50)), len_p90=float(np.percentile(lengths, 90)),
                len_p99=float(np.percentile(lengths, 99)), len_max=int(lengths.max()),
                rollout_s=t_rollout, update_s=t_update, step_s=time.perf_counter() - t0,
-               tail_s=tail_seconds(result.stats), compiles=result.stats["compiles"])
+               tail_s=result.stats["tail_s"], compiles=result.stats["compiles"])
     offered = None
     if self.engine.tuner is not None:
       offered = {b: [s.name for s in self.engine.strategies_for(b)]
@@ -845,12 +845,3 @@ def rollout_metrics(stats: dict, offered: dict[int, list[str]] | None = None) ->
       if arm.get("tokens_per_s") is not None:
         out[f"arm_tps/{key}"] = float(arm["tokens_per_s"])
   return out
-
-
-def tail_seconds(stats: dict) -> float:
-  """Decode time spent in segments where fewer than half of the chunk's rows were live."""
-  segments = stats["segments"]  # (bucket, steps, seconds, strategy), in order
-  if not segments:
-    return 0.0
-  first = segments[0][0]
-  return float(sum(seconds for bucket, _, seconds, *_ in segments if bucket < first / 2))

@@ -38,7 +38,7 @@ from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
 from tlt_jax.rollout.scheduler import (Scheduler, Strategy, finish_arm_stats, mean_accept_len,
-                                       new_stats)
+                                       new_stats, tail_seconds)
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
 from tlt_jax.rollout.tuner import Tuner, TunerConfig, make_tuner
@@ -463,6 +463,7 @@ class RolloutEngine:
     stats["tokens"] = sum(len(t) for t in tokens)
     stats["tokens_per_s"] = stats["tokens"] / max(stats["wall_s"] - stats["compile_s"], 1e-9)
     finish_arm_stats(stats)
+    stats["tail_s"] = tail_seconds(stats["segments"])
     if self.config.specs:
       # tokens emitted per live row per speculative step (accepted drafts + the bonus token)
       hist = np.asarray(stats.get("accept_hist", np.zeros(self.config.pending_width)))

@@ -200,6 +200,15 @@ def mean_accept_len(hist) -> float | None:
   return float((hist * np.arange(1, hist.size + 1)).sum() / hist.sum()) if hist.sum() else None
 
 
+def tail_seconds(segments) -> float:
+  """Decode seconds spent in segments where fewer than half of the first segment's rows were
+  live (the rollout's long tail); ``segments``: ``stats["segments"]`` of one engine's rollout."""
+  if not segments:
+    return 0.0
+  first = segments[0][0]
+  return float(sum(seconds for bucket, _, seconds, *_ in segments if bucket < first / 2))
+
+
 def finish_arm_stats(stats: dict) -> None:
   """Adds each arm's mean tokens per live row-step (its mean accepted length; vanilla: 1) and
   throughput to ``stats["arms"]``."""
