@@ -186,17 +186,22 @@ def test_coupled_tokens_do_not_depend_on_the_drafter_or_the_batch(models, engine
 
 def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(engines):
   engine = engines("mirror/adaptive")
-  engine.set_tuner(make_tuner(TunerConfig(epsilon=0.5)))  # BEG-MAB, exploring a lot
+  # BEG-MAB exploring at every pull: its choices come from its seeded RNG, not from measured
+  # speeds (with exploitation, whether it ever left the fastest arm depended on the machine's
+  # timings and the test was flaky), so every arm and vanilla<->SD switches are exercised
+  engine.set_tuner(make_tuner(TunerConfig(epsilon=1.0, epsilon_min=1.0, decay=False)))
   engine.precompile()
   assert set(engine.executable_keys()) <= set(engine._executables)
+  switches = 0
   for seed in range(3):
     result = engine.generate(prompts_of([9, 2, 14, 5, 7, 1, 11], seed=seed), SamplingParams(
         max_new_tokens=40, temperature=1.0, seed=seed, stop_token_ids=STOPS))
     assert result.stats["compiles"] == 0
+    switches += result.stats["switches"]
   summary = result.stats["tuner"]
   pulls = sum(arm["pulls"] for per_bucket in summary.values() for name, arm in per_bucket.items()
               if name != "best")
-  assert pulls > 10 and result.stats["switches"] > 0  # the tuner was consulted and switched
+  assert pulls > 10 and switches > 0, (pulls, switches)  # the tuner was consulted and switched
 
 
 def test_pool_compiles_only_what_each_bucket_may_use_and_shares_verify_groups(models):
