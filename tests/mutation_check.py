@@ -1,7 +1,7 @@
 """Plants known, plausible one-line bugs ("mutants") in a temporary copy of the repository and
 checks that the tests meant to catch each one fail. Not collected by pytest; run it by hand:
 
-  python tests/mutation_check.py               # every mutant (about 3-5 min on 2 cores)
+  python tests/mutation_check.py               # every mutant (about 5 min on 2 cores)
   python tests/mutation_check.py --list        # names, files and the tests that must catch them
   python tests/mutation_check.py resume_skips_optimizer_state checksums_not_verified
 
