@@ -13,9 +13,9 @@ import os
 import subprocess
 import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from tests.xla_env import FAST_COMPILE_FLAGS
 
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _with_fast_compile() -> None:

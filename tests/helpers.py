@@ -10,12 +10,6 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Transformer, init_model
 
 
-def device_count_flags(n: int) -> str:
-  """``XLA_FLAGS`` for a subprocess with ``n`` simulated CPU devices, keeping this process's flags
-  (e.g. the fast-compile ones tests/conftest.py sets)."""
-  return (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
-
-
 def sharp_random_model(config: ModelConfig, seed: int = 0, scale: float = 8.0) -> Transformer:
   """A random model whose matrices are scaled up, so its next-token distributions are peaked
   and greedy trajectories vary (a plain 0.02-std init is nearly uniform and loops on one token)."""

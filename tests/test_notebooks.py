@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-from tests.conftest import FAST_COMPILE_FLAGS
+from tests.xla_env import FAST_COMPILE_FLAGS
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import device_count_flags, garble
+from tests.helpers import garble
+from tests.xla_env import device_count_flags
 from tlt_jax import generate, train
 from tlt_jax.config import ConfigError, load_config_file
 from tlt_jax.models.drafter import Drafter, save_drafter

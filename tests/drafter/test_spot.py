@@ -17,7 +17,8 @@ import optax
 import pytest
 from flax import nnx
 
-from tests.helpers import device_count_flags, sharp_random_model
+from tests.helpers import sharp_random_model
+from tests.xla_env import device_count_flags
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.drafter.train import layout_rows, target_features

@@ -5,8 +5,9 @@ non-finite update restores the (mesh-replicated) state from before the step."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=4").strip()
+from tests.xla_env import device_count_flags  # pylint: disable=wrong-import-position
+
+os.environ["XLA_FLAGS"] = device_count_flags(4)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # pylint: disable=wrong-import-position

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from tests.helpers import device_count_flags
+from tests.xla_env import device_count_flags
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer

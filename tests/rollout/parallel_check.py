@@ -4,8 +4,9 @@ really run work while the others decode (counted)."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=2").strip()
+from tests.xla_env import device_count_flags  # pylint: disable=wrong-import-position
+
+os.environ["XLA_FLAGS"] = device_count_flags(2)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import threading  # pylint: disable=wrong-import-position

@@ -227,9 +227,9 @@ class DataParallelRollout:
     """Runs ``fn(item)`` for every item in a thread of its own; re-raises the first error.
 
     If the caller is interrupted while waiting (Ctrl-C: KeyboardInterrupt in the main thread),
-    ``on_interrupt()`` tells the work to stop and every thread is waited for before the interrupt goes on: a thread still
-    inside XLA when the interpreter exits is torn down mid-call, which aborts the process
-    ("terminate called ... FATAL: exception not rethrown") instead of exiting cleanly.
+    ``on_interrupt()`` tells the work to stop and every thread is waited for before the interrupt
+    goes on: a thread still inside XLA when the interpreter exits is torn down mid-call, which
+    aborts the process ("terminate called ... FATAL: exception not rethrown") instead of exiting.
     """
     errors: list[BaseException] = []
 
