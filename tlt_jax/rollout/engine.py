@@ -41,7 +41,7 @@ from tlt_jax.rollout.scheduler import (Scheduler, Strategy, finish_arm_stats, me
                                        new_stats, tail_seconds)
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
-from tlt_jax.rollout.tuner import Tuner, TunerConfig, make_tuner
+from tlt_jax.rollout.tuner import Tuner, TunerConfig, fixed_arm, make_tuner
 from tlt_jax.utils import compile_count, require_positive_ints
 
 __all__ = ["DecodeState", "EngineConfig", "RolloutEngine", "RolloutResult"]
@@ -162,6 +162,21 @@ class EngineConfig:
     return batch <= self.sd_max_batch and (
         not self.verify_budget or batch * spec.verify_tokens <= self.verify_budget)
 
+  def adaptive_options(self, batch: int) -> list[SpecConfig | None]:
+    """What the adaptive engine may decode a ``batch`` bucket with: vanilla (``None``) first,
+    then every strategy that serves the bucket."""
+    return [None] + [s for s in self.specs if self.serves(s, batch)]
+
+  def check_fixed_tuner(self, ngram: bool = False) -> None:
+    """Raises ``ValueError`` when a ``kind="fixed"`` tuner leaves a bucket with a choice unmapped
+    or maps it to an arm not offered there (so the mistake shows before anything compiles)."""
+    if not self.adaptive or self.tuner.kind != "fixed":
+      return
+    for b in self.batch_buckets:
+      names = [strategy_name(s, ngram) for s in self.adaptive_options(b)]
+      if len(names) > 1:
+        fixed_arm(self.tuner.fixed, b, names)
+
   @property
   def slack(self) -> int:
     """Extra slots past the longest sequence that a speculative step may write into."""
@@ -266,6 +281,7 @@ class RolloutEngine:
     if drafter is not None and drafter.config.hidden_size != model.config.hidden_size:
       raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} does not match the "
                        f"target's {model.config.hidden_size}")
+    config.check_fixed_tuner(self.ngram is not None)
     self.config = config
     self.spec = config.spec
     self.model_config = model.config
@@ -281,7 +297,7 @@ class RolloutEngine:
       elif not config.adaptive:
         options = [config.spec]
       else:
-        options = [None] + [s for s in config.specs if config.serves(s, b)]
+        options = config.adaptive_options(b)
       self._strategies[b] = [
           Strategy(strategy_name(s, is_ngram), group_name(s, is_ngram),
                    0 if s is None else self.groups[group_name(s, is_ngram)].members.index(s), s)

@@ -333,15 +333,20 @@ class FixedMapping(Tuner):
 
   def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> str:
     """The arm mapped to ``bucket``; raises if the bucket is unmapped or that arm not offered."""
-    target = next((name for max_bucket, name in self.config.fixed if bucket <= max_bucket), None)
-    if target is None:
-      raise ValueError(f"TunerConfig.fixed maps buckets up to {self.config.fixed[-1][0]} but the "
-                       f"engine asked about bucket {bucket}; add an entry with max_bucket >= "
-                       f"{bucket}")
-    if target not in names:
-      raise ValueError(f"TunerConfig.fixed maps bucket {bucket} to {target!r}, which is not "
-                       f"offered there; offered arms: {names}")
-    return target
+    return fixed_arm(self.config.fixed, bucket, names)
+
+
+def fixed_arm(fixed: tuple, bucket: int, names: Sequence[str]) -> str:
+  """The arm a ``TunerConfig.fixed`` mapping gives ``bucket`` among the offered ``names``;
+  raises ``ValueError`` when the bucket is unmapped or the arm is not offered there."""
+  target = next((name for max_bucket, name in fixed if bucket <= max_bucket), None)
+  if target is None:
+    raise ValueError(f"TunerConfig.fixed maps buckets up to {fixed[-1][0]} but the engine asks "
+                     f"about bucket {bucket}; add an entry with max_bucket >= {bucket}")
+  if target not in names:
+    raise ValueError(f"TunerConfig.fixed maps bucket {bucket} to {target!r}, which is not "
+                     f"offered there; offered arms: {list(names)}")
+  return target
 
 
 _KIND_TO_CLASS = {"beg_mab": BegMab, "ucb1": Ucb1, "fixed": FixedMapping}
