@@ -22,6 +22,7 @@ update compiles, whatever the lengths).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -87,8 +88,9 @@ class TrainerConfig:
   def __post_init__(self):
     require_positive_ints(self, "steps", "prompts_per_step", "minibatches", "epochs",
                           "max_new_tokens", "eval_problems")
-    if not self.learning_rate > 0:
-      raise ValueError(f"TrainerConfig.learning_rate must be > 0, got {self.learning_rate!r}")
+    if not (isinstance(self.learning_rate, (int, float)) and 0 < self.learning_rate < math.inf):
+      raise ValueError(f"TrainerConfig.learning_rate must be a finite number > 0, got "
+                       f"{self.learning_rate!r}")
     if not self.temperature > 0:
       raise ValueError(f"TrainerConfig.temperature must be > 0 for RL sampling, got "
                        f"{self.temperature!r}")
@@ -413,6 +415,29 @@ def check_update_layout(config: TrainerConfig, grpo_config: grpo.GRPOConfig, dev
         f"{devices} devices (set --config.mesh_devices, or change those fields)")
 
 
+EVAL_SEED = 10_000  # the held-out problems' generator seed (independent of training data)
+
+
+def eval_problems(task, n: int, seed: int = EVAL_SEED) -> list[Problem]:
+  """The fixed held-out problems ``GRPOTrainer.evaluate`` scores the policy on."""
+  return task.sample(np.random.default_rng(seed), n)
+
+
+def step_problems(task, seed: int, step: int, n: int) -> list[Problem]:
+  """The problems of RL step ``step``: a pure function of (seed, step), so a resumed run sees the
+  same data."""
+  return task.sample(np.random.default_rng([seed, step]), n)
+
+
+def encode_prompt(tokenizer: Tokenizer, problem: Problem, chat_template: bool) -> list[int]:
+  """A problem's prompt ids: its chat-formatted text (``chat_template``), else BOS (if the
+  tokenizer has one) and its text."""
+  if chat_template:
+    return tokenizer.encode(chat_prompt(tokenizer, problem.prompt))
+  bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+  return bos + tokenizer.encode(problem.prompt)
+
+
 class GRPOTrainer:
   """Owns the policy params, optimizer state and rollout engine; ``step()`` runs one RL step."""
 
@@ -519,16 +544,11 @@ class GRPOTrainer:
   # ---- data ---------------------------------------------------------------------------------
   def problems_for(self, step: int) -> list[Problem]:
     """The step's problems: a pure function of (seed, step), so a resumed run sees the same data."""
-    return self.task.sample(np.random.default_rng([self.config.seed, step]),
-                            self.config.prompts_per_step)
+    return step_problems(self.task, self.config.seed, step, self.config.prompts_per_step)
 
   def encode_prompt(self, problem: Problem) -> list[int]:
-    """The prompt's ids: its chat-formatted text (``chat_template``), else BOS (if the tokenizer
-    has one) and its text."""
-    if self.chat_template:
-      return self.tokenizer.encode(chat_prompt(self.tokenizer, problem.prompt))
-    bos = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
-    return bos + self.tokenizer.encode(problem.prompt)
+    """The prompt's ids (``encode_prompt``)."""
+    return encode_prompt(self.tokenizer, problem, self.chat_template)
 
   def make_batch(self, prompts, completions, logprobs, advantages) -> dict[str, np.ndarray]:
     """Fixed-shape arrays: ids ``[N, L]``, and per predicted token ``[N, L-1]`` mask/old logprobs."""
@@ -810,12 +830,12 @@ class GRPOTrainer:
       return
     tuner.load_state_dict(saved)
 
-  def evaluate(self, n: int | None = None, seed: int = 10_000, temperature: float = 0.0,
+  def evaluate(self, n: int | None = None, seed: int = EVAL_SEED, temperature: float = 0.0,
                progress=None) -> float:
     """Mean reward on held-out problems (a fixed set, independent of training data): greedy
     accuracy at temperature 0, or the expected reward of the sampling policy otherwise.
     ``progress(rows_done, rows_total)`` is passed to the engine's ``generate``."""
-    problems = self.task.sample(np.random.default_rng(seed), n or self.config.eval_problems)
+    problems = eval_problems(self.task, n or self.config.eval_problems, seed)
     self._sync_engine()
     result = self.engine.generate([self.encode_prompt(p) for p in problems], SamplingParams(
         max_new_tokens=self.config.max_new_tokens, temperature=temperature, seed=seed),
