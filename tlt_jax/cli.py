@@ -2,7 +2,8 @@
 
 A mistake of the user's (a config value, a file, a prompt) prints ``error: ...`` in a line or
 two and exits 2 (config) or 1 (anything else the user can fix); ``--verbose`` shows the
-traceback. Ctrl-C exits 130 with the message the job left (e.g. how to resume).
+traceback. Ctrl-C exits 130 with the message the job left (e.g. how to resume). Compiled
+executables are kept in a persistent cache (``compile_cache.py``; ``--compile_cache=PATH|off``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 import sys
 from typing import Callable
 
+from tlt_jax import compile_cache
 from tlt_jax import config as config_lib
 from tlt_jax.checkpoint import CheckpointError
 
@@ -33,6 +35,8 @@ def config_overrides(argv: list[str]) -> list[str]:
 def help_text(doc: str, default_config: pathlib.Path) -> str:
   """Usage, then every config field with its default (from ``default_config``)."""
   lines = [doc.strip(), "",
+           "--verbose prints tracebacks; --compile_cache=PATH|off: the persistent XLA compilation "
+           f"cache (default ${compile_cache.ENV}, else {compile_cache.default_directory()}).", "",
            f"Config fields (defaults from {default_config};",
            "set with --config.<field>=VALUE; the file's comments say what each does):"]
   for name, value in config_lib.flatten(config_lib.load_config_file(default_config)).items():
@@ -65,6 +69,9 @@ def main(doc: str, run: Callable, default_config: pathlib.Path, argv: list[str],
                f"the default is {default_config})")
         return 2
   verbose = flags.DEFINE_bool("verbose", False, "print tracebacks of errors")
+  cache_flag = flags.DEFINE_string(
+      "compile_cache", None, f"directory of the persistent XLA compilation cache, or off "
+      f"(default: ${compile_cache.ENV}, $JAX_COMPILATION_CACHE_DIR, {compile_cache.default_directory()})")
   extra = extra_flags() if extra_flags else {}
   try:
     # ml_collections applies the --config.<field> overrides while defining and reading the
@@ -76,6 +83,12 @@ def main(doc: str, run: Callable, default_config: pathlib.Path, argv: list[str],
   except Exception as e:  # pylint: disable=broad-except  (absl / ml_collections parse errors)
     if "--verbose" in argv:
       raise
+    if isinstance(e, flags.UnrecognizedFlagError):
+      close = re.search(r"Did you mean: (.+) \?", str(e))
+      tip = "; did you mean " + " or ".join(f"--{s.strip()}" for s in close[1].split(",")) + "?" \
+          if close else ""
+      _error(f"unknown flag --{e.flagname}{tip}\n(--help lists the flags and config fields)")
+      return 2
     message = " ".join(str(e).replace("\\'", "'").replace('\\"', '"').replace("\\n", " ").split())
     if len(message) > 1 and message[0] == message[-1] and message[0] in "'\"":
       message = message[1:-1]
@@ -90,6 +103,7 @@ def main(doc: str, run: Callable, default_config: pathlib.Path, argv: list[str],
     _error(f"unexpected arguments {rest[1:]}; config fields are set as --config.<field>=VALUE")
     return 2
   logging.set_verbosity(logging.WARNING)  # keep orbax's per-save INFO lines off the console
+  compile_cache.enable(compile_cache.choose(cache_flag.value))  # before the first compile
   try:
     run(config, overrides=config_overrides(argv),
         **{name: holder.value for name, holder in extra.items()})

@@ -2,6 +2,7 @@
 
   python -m tlt_jax.generate [--config=CONFIG_FILE] [--config.<field>=VALUE ...]
                              [--prompt TEXT [--prompt TEXT ...]] [--chat] [--verbose]
+                             [--compile_cache=PATH|off]
 
 The model is a local checkpoint (``--config.model.path``: an HF directory, a trained main job's
 ``<logdir>/final_model``, whose tokenizer is saved beside the weights, or a ``.gguf`` file, which
