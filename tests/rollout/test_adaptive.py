@@ -271,3 +271,49 @@ def test_config_errors_say_what_to_do(models):
                      tuner=dict(kind="ucb1"))
   assert cfg.strategies == (SpecConfig(2, 1, 3), SpecConfig(3, 2, 6))
   assert cfg.tuner.kind == "ucb1" and cfg.segment_steps == 32 and cfg.adaptive
+
+
+def test_every_change_of_arm_is_a_switch_with_the_ngram_drafter_too(models):
+  """n-gram strategies need no catch-up, yet vanilla -> n-gram, n-gram -> vanilla and one chain
+  depth -> another are switches; a chunk's first segment is none (two chunks here)."""
+  target, _ = models["mirror"]
+  engine = RolloutEngine(target, drafter=NgramConfig(max_ngram=2, depth=4), config=EngineConfig(
+      **BASE, strategies=(SpecConfig(4, 1, 5), SpecConfig(2, 1, 3)), segment_steps=3),
+      tuner=RoundRobin())  # 3 arms offered in every bucket: every next segment changes arm
+  prompts = prompts_of([9, 2, 14, 5, 7, 1, 11], seed=3)  # 7 rows: chunks of 4 and 3
+  stats = engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0.0,
+                                                  stop_token_ids=STOPS)).stats
+  names = [name for *_, name in stats["segments"]]
+  assert {"vanilla", "ngram d4", "ngram d2"} <= set(names), names
+  assert stats["switches"] == len(names) - 2 > 0, (stats["switches"], names)
+  assert stats["catchups"] == 0 and stats["switch_s"] == 0.0  # nothing to catch up
+
+
+def test_the_tuner_is_charged_the_catch_up_of_its_segment(engines, monkeypatch):
+  """A fake clock makes every timed span 1 s: a segment's reward is over 2 s when the drafter
+  caught up before it (vanilla -> SD), else 1 s, so dropping switch_s from the reward fails."""
+  from tlt_jax.rollout import scheduler  # pylint: disable=import-outside-toplevel
+
+  class Recording(RoundRobin):
+    def __init__(self):
+      super().__init__()
+      self.updates = []
+
+    def update(self, bucket, arm, tokens, seconds):
+      super().update(bucket, arm, tokens, seconds)
+      self.updates.append((arm, seconds))
+
+  clock = iter(range(10**9))
+  monkeypatch.setattr(scheduler, "time", type("FakeTime", (), {
+      "perf_counter": staticmethod(lambda: float(next(clock)))}))
+  engine = engines("random/adaptive")
+  tuner = Recording()
+  engine.set_tuner(tuner)
+  prompts = prompts_of([9, 2, 14, 5], seed=3)  # one chunk
+  stats = engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0.0,
+                                                  stop_token_ids=())).stats
+  names = [name for *_, name in stats["segments"]]
+  caught_up = [i > 0 and n != "vanilla" and names[i - 1] == "vanilla" for i, n in enumerate(names)]
+  want = [(n, 2.0 if c else 1.0) for n, c in zip(names, caught_up)]
+  assert tuner.updates == want, (tuner.updates, want)
+  assert stats["catchups"] == sum(caught_up) > 0 and stats["switch_s"] == stats["catchups"]

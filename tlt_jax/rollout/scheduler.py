@@ -4,8 +4,8 @@ A chunk of at most ``max_batch`` prompts is prefilled, then decoded segment by s
 segment boundary (where the host reads the finished rows anyway) the scheduler
 
 1. asks the tuner which strategy decodes the next segment (when the bucket offers more than one);
-   switching from vanilla to a learned drafter first runs the drafter's catch-up (timed as the
-   switch cost, and charged to the segment's reward);
+   every change of strategy is a switch, and switching from vanilla to a learned drafter first
+   runs the drafter's catch-up (timed as the switch cost, and charged to the segment's reward);
 2. runs the segment and rewards the strategy with the tokens it emitted per second;
 3. gathers the live rows into the next smaller batch bucket, and grows the caches when the next
    strategy's step could write past them (a vanilla step needs one slot, a speculative one the
@@ -43,9 +43,12 @@ class Strategy:
 
 
 def new_stats() -> dict[str, Any]:
-  """The per-call statistics a rollout fills in."""
+  """The per-call statistics a rollout fills in. ``switches``: changes of arm between two
+  consecutive segments of a chunk (vanilla <-> SD and one strategy to another, learned or n-gram
+  drafter alike; a chunk's first segment is none); ``catchups``: the learned drafter's catch-ups
+  (one per vanilla -> SD switch), whose seconds are ``switch_s``."""
   return dict(prefill_s=0.0, decode_s=0.0, compact_s=0.0, grow_s=0.0, compile_s=0.0,
-              switch_s=0.0, switches=0, decode_steps=0, row_steps=0, live_row_steps=0,
+              switch_s=0.0, switches=0, catchups=0, decode_steps=0, row_steps=0, live_row_steps=0,
               segments=[], segment_kv_lens=[], grows=0, cache_bytes_peak=0, tokens=0, arms={})
 
 
@@ -125,8 +128,12 @@ class Scheduler:
     before = dict(steps=0, tokens=0, row_steps=0)
     lagging = False  # the drafter may be more than one step's pairs behind (after vanilla)
     live_len = int(lens[:len(chunk)].max())  # the longest live row's committed length
+    previous = None  # the arm of the chunk's last segment
     while True:
       strategy, tuned = self._choose(batch)
+      if previous is not None and strategy.name != previous:
+        stats["switches"] += 1
+      previous = strategy.name
       need = 1 if strategy.spec is None else cfg.step_slots
       while live_len + need > kv_len:  # a live row needs more room for this strategy's steps
         bigger = cfg.kv_lengths[cfg.kv_lengths.index(kv_len) + 1]
@@ -137,7 +144,7 @@ class Scheduler:
       if strategy.spec is not None and lagging:
         state, switch_s = self._run_timed(stats, "switch_s", ("catchup", batch, kv_len),
                                           self.weights(), state)
-        stats["switches"] += 1
+        stats["catchups"] += 1
         lagging = False
       segment = self.pool.get(("segment", batch, kv_len, self.pool.stop_at(batch),
                                strategy.group))
