@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -316,3 +320,134 @@ def test_every_param_comes_from_the_checkpoint(qwen2_dir):
   for param_path, (hf_name, transposed) in names.items():
     value = np.asarray(ours[param_path][...])
     np.testing.assert_array_equal(value.T if transposed else value, torch_params[hf_name])
+
+
+# ----------------------------------------------------------------------------- damaged weights
+
+
+def one_line_error(proc) -> str:
+  """The ``error:`` line of a failed entry point run (asserting rc 1 and no traceback)."""
+  assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert lines[0].startswith("error: ") and len(lines) <= 2, proc.stderr[-2000:]
+  return lines[0]
+
+
+def run_generate(path):
+  """``python -m tlt_jax.generate --config.model.path=path`` as a user runs it."""
+  root = Path(__file__).resolve().parents[2]
+  env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "tlt_jax.generate", f"--config.model.path={path}",
+                         "--prompt", "1+2=?"], capture_output=True, text=True, timeout=300,
+                        cwd=root, env=env)
+
+
+def overwrite(file, offset: int, data: bytes) -> None:
+  """Overwrites ``len(data)`` bytes of ``file`` at ``offset`` in place."""
+  with open(file, "r+b") as f:
+    f.seek(offset)
+    f.write(data)
+
+
+def data_offset(file, name: str) -> int:
+  """Where tensor ``name``'s bytes start in a safetensors file."""
+  raw = Path(file).read_bytes()
+  header_len = int.from_bytes(raw[:8], "little")
+  return 8 + header_len + json.loads(raw[8:8 + header_len])[name]["data_offsets"][0]
+
+
+def test_nonfinite_count_in_every_float_dtype():
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  for dtype in (np.float32, np.float64, np.float16, ml_dtypes.bfloat16):
+    values = np.linspace(-3e4, 3e4, 1000).astype(dtype)
+    assert hf.nonfinite_count(values) == 0, dtype
+    values[[3, 500]] = np.nan
+    values[999] = np.inf
+    values[0] = -np.inf
+    assert hf.nonfinite_count(values) == 4, dtype
+  assert hf.nonfinite_count(np.arange(10, dtype=np.int32)) == 0
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_values_are_named(tmp_path, llama_dir, bad):
+  path = copy_checkpoint(llama_dir[0], tmp_path)
+  tensors = load_file(str(path / hf.WEIGHTS_FILE))
+  tensors["model.layers.1.mlp.down_proj.weight"][5, 7] = bad
+  save_file(tensors, str(path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
+  with pytest.raises(hf.WeightsError, match=r"model\.safetensors: tensor 'model\.layers\.1\.mlp"
+                                            r"\.down_proj\.weight' holds 1 NaN/Inf values"):
+    hf.from_pretrained(path)
+
+
+def test_nonfinite_bf16_checkpoint_is_caught(tmp_path):
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  config = ModelConfig.tiny(vocab_size=32, num_layers=1, dtype="bfloat16")
+  hf.save_pretrained(random_model(config), config, tmp_path)
+  tensors = load_file(str(tmp_path / hf.WEIGHTS_FILE))
+  assert tensors["model.norm.weight"].dtype == ml_dtypes.bfloat16
+  tensors["model.norm.weight"][:3] = np.nan
+  save_file(tensors, str(tmp_path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
+  with pytest.raises(hf.WeightsError, match=r"'model\.norm\.weight' holds 3 NaN/Inf values"):
+    hf.from_pretrained(tmp_path)
+
+
+def test_overwritten_truncated_and_garbled_files_are_one_line_errors(tmp_path, llama_dir):
+  source = llama_dir[0]
+  weights = source / hf.WEIGHTS_FILE
+  nan = copy_checkpoint(source, tmp_path / "nan")  # the issue's case: 400 bytes overwritten
+  overwrite(nan / hf.WEIGHTS_FILE, data_offset(weights, "model.layers.0.mlp.up_proj.weight"),
+            b"\xff" * 400)
+  with pytest.raises(hf.WeightsError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' holds "
+                                            r"100 NaN/Inf values .*download or export it again"):
+    hf.from_pretrained(nan)
+  data = weights.read_bytes()
+  for cut in (len(data) - 100, len(data) // 2, 100, 5, 0):
+    cut_dir = copy_checkpoint(source, tmp_path / f"cut{cut}")
+    (cut_dir / hf.WEIGHTS_FILE).write_bytes(data[:cut])
+    with pytest.raises(hf.WeightsError, match=rf"cut{cut}/copy/model\.safetensors is not a "
+                                              r"readable safetensors file .*truncated"):
+      hf.from_pretrained(cut_dir)
+  garbled = copy_checkpoint(source, tmp_path / "garbled")
+  overwrite(garbled / hf.WEIGHTS_FILE, 8, b"\x00garbage" * 50)  # inside the JSON header
+  with pytest.raises(hf.WeightsError, match="is not a readable safetensors file"):
+    hf.from_pretrained(garbled)
+
+
+def test_broken_shard_index_is_named(tmp_path, qwen2_dir):
+  qwen2_dir[1].save_pretrained(str(tmp_path), max_shard_size="40KB")
+  index = tmp_path / hf.WEIGHTS_INDEX_FILE
+  index.write_text('{"weight_map": ')
+  with pytest.raises(hf.WeightsError, match=r"model\.safetensors\.index\.json is not a valid "
+                                            r"shard index"):
+    hf.from_pretrained(tmp_path)
+  index.write_text('{"metadata": {}}')
+  with pytest.raises(hf.WeightsError, match="KeyError: 'weight_map'"):
+    hf.from_pretrained(tmp_path)
+
+
+def test_nonfinite_shard_is_named(tmp_path, qwen2_dir):
+  qwen2_dir[1].save_pretrained(str(tmp_path), max_shard_size="40KB")
+  index = json.loads((tmp_path / hf.WEIGHTS_INDEX_FILE).read_text())
+  shard = tmp_path / index["weight_map"]["model.norm.weight"]
+  tensors = load_file(str(shard))
+  tensors["model.norm.weight"][0] = np.inf
+  save_file(tensors, str(shard), metadata={"format": "pt"})
+  with pytest.raises(hf.WeightsError, match=rf"{shard.name}: tensor 'model\.norm\.weight'"):
+    hf.from_pretrained(tmp_path)
+
+
+def test_generate_cli_reports_damaged_weights_in_one_line(tmp_path, llama_dir):
+  source = llama_dir[0]
+  nan = copy_checkpoint(source, tmp_path / "nan")
+  overwrite(nan / hf.WEIGHTS_FILE,
+            data_offset(source / hf.WEIGHTS_FILE, "model.layers.1.self_attn.q_proj.weight"),
+            b"\xff" * 400)
+  line = one_line_error(run_generate(nan))
+  assert "'model.layers.1.self_attn.q_proj.weight' holds 100 NaN/Inf values" in line, line
+  assert str(nan / hf.WEIGHTS_FILE) in line
+  cut = copy_checkpoint(source, tmp_path / "cut")
+  data = (source / hf.WEIGHTS_FILE).read_bytes()
+  (cut / hf.WEIGHTS_FILE).write_bytes(data[:len(data) // 3])
+  line = one_line_error(run_generate(cut))
+  assert f"{cut / hf.WEIGHTS_FILE} is not a readable safetensors file" in line, line

@@ -8,15 +8,17 @@ Torch is never needed: tensors go through ``safetensors`` with numpy (bf16 via `
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from tlt_jax.models.config import ARCHITECTURES, ModelConfig, RopeScaling
@@ -34,6 +36,13 @@ _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16"
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 
 ParamPath = tuple[str | int, ...]
+# Exponent bits of the 2-byte floats: all set means Inf or NaN (checked on the raw bits, which
+# is several times faster than np.isfinite on these dtypes).
+_EXPONENT_BITS = {np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
+
+
+class WeightsError(ValueError):
+  """A checkpoint's weights cannot be used: a damaged, incomplete, misshapen or non-finite file."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -241,18 +250,63 @@ def _abstract_params(config: ModelConfig):
   return graphdef, flat, names
 
 
+def nonfinite_count(array: np.ndarray) -> int:
+  """How many entries of a host array are NaN or Inf (0 for integer arrays); one vectorised pass."""
+  bits = _EXPONENT_BITS.get(array.dtype)
+  if bits is not None:
+    return int(np.count_nonzero((array.view(np.uint16) & bits) == bits))
+  if not np.issubdtype(array.dtype, np.floating):
+    return 0
+  finite = np.isfinite(array)
+  return 0 if finite.all() else int(finite.size - np.count_nonzero(finite))
+
+
+def check_finite(array: np.ndarray, file: Path, name: str, what: str = "the model") -> None:
+  """Raises ``WeightsError`` naming ``file`` and tensor ``name`` if ``array`` holds NaN or Inf."""
+  bad = nonfinite_count(array)
+  if bad:
+    raise WeightsError(f"{file}: tensor {name!r} holds {bad} NaN/Inf values (of {array.size}); "
+                       f"the file is damaged or {what} diverged: download or export it again")
+
+
+@contextlib.contextmanager
+def open_safetensors(file: Path):
+  """``safe_open(file)`` for numpy; a truncated or garbled file raises one ``WeightsError``."""
+  try:
+    handle = safe_open(str(file), framework="np")
+  except SafetensorError as e:
+    raise WeightsError(f"{file} is not a readable safetensors file ({e}): it is truncated or "
+                       "overwritten; download or export it again") from None
+  with handle as f:
+    yield f
+
+
+def read_tensor(f, file: Path, name: str) -> np.ndarray:
+  """Tensor ``name`` of an open safetensors ``file`` as numpy; damage raises ``WeightsError``."""
+  try:
+    return f.get_tensor(name)
+  except SafetensorError as e:
+    raise WeightsError(f"{file}: tensor {name!r} cannot be read ({e}); the file is damaged: "
+                       "download or export it again") from None
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
   """Which safetensors file holds each tensor: ``model.safetensors`` or the sharded index."""
   single = path / WEIGHTS_FILE
   index_path = path / WEIGHTS_INDEX_FILE
   if single.is_file():
-    with safe_open(str(single), framework="np") as f:
+    with open_safetensors(single) as f:
       return {name: single for name in f.keys()}
   if not index_path.is_file():
     raise FileNotFoundError(
         f"No weights in {path}: expected {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
-  weight_map = json.loads(index_path.read_text())["weight_map"]
-  files = {name: path / shard for name, shard in weight_map.items()}
+  try:
+    weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    files = {str(name): path / shard for name, shard in weight_map.items()}
+  except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+    raise WeightsError(f"{index_path} is not a valid shard index (a JSON object with a "
+                       f"'weight_map' of tensor name -> file; {type(e).__name__}: {e}); "
+                       "download or export the checkpoint again") from None
   for name, shard in files.items():
     if not shard.is_file():
       raise FileNotFoundError(
@@ -274,7 +328,8 @@ def _check_tensor_names(path: Path, tensor_files: dict[str, Path], config: Model
   missing = [hf_name for hf_name, _ in names.values() if hf_name not in tensor_files]
   if missing:
     more = f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""
-    raise ValueError(f"Checkpoint {path} is missing tensor {missing[0]!r}{more}")
+    raise WeightsError(f"Checkpoint {path} is missing tensor {missing[0]!r}{more}: it is "
+                       "incomplete or not made for its config.json; download or export it again")
   known = {hf_name for hf_name, _ in names.values()}
   unexpected = sorted(name for name in tensor_files
                       if name not in known and not _is_harmless_extra(name, config))
@@ -291,6 +346,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None, *,
   A ``.gguf`` file (llama.cpp's format) is loaded by :func:`tlt_jax.models.gguf.load_gguf`
   instead: dequantized to ``dtype`` (default float32).
   Every param is set from the checkpoint; ``strict`` rejects unknown (non-harmless) tensors.
+  A damaged, incomplete, misshapen or non-finite checkpoint raises a one-line ``WeightsError``.
   """
   path = Path(path)
   if path.suffix.lower() == ".gguf" and not path.is_dir():
@@ -313,15 +369,17 @@ def from_pretrained(path: str | Path, dtype: str | None = None, *,
     params_by_file[tensor_files[hf_name]].append(param_path)
   loaded: set[ParamPath] = set()
   for file, param_paths in params_by_file.items():
-    with safe_open(str(file), framework="np") as f:
+    with open_safetensors(file) as f:
       for param_path in param_paths:
         hf_name, transposed = names[param_path]
         variable = variables[param_path]
         hf_shape = tuple(variable.shape)[::-1] if transposed else tuple(variable.shape)
-        array = f.get_tensor(hf_name)
+        array = read_tensor(f, file, hf_name)
         if tuple(array.shape) != hf_shape:
-          raise ValueError(f"Tensor {hf_name!r} in {file.name} has shape {tuple(array.shape)}, "
-                           f"expected {hf_shape}")
+          raise WeightsError(f"{file}: tensor {hf_name!r} has shape {tuple(array.shape)}, "
+                             f"expected {hf_shape} for {CONFIG_FILE}: the weights and the "
+                             "config are of different models; put the matching pair together")
+        check_finite(array, file, hf_name)
         variable.set_value(jnp.asarray(array.T if transposed else array, dtype=variable.dtype))
         loaded.add(param_path)
   if loaded != set(variables):  # every param set exactly once: no random weights survive
