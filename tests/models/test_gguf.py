@@ -518,3 +518,22 @@ def test_unsupported_quantization_and_tokenizer(tmp_path):
     tlt_gguf.load_gguf(path)
   with pytest.raises(ValueError, match="holds no tokenizer"):
     tlt_gguf.tokenizer_from_gguf(path)
+
+
+def test_nonfinite_values_are_named_after_dequantization(tmp_path):
+  path = tmp_path / "nan.gguf"
+  write_gguf(path, "qwen2", {"ffn_up": Q.Q8_0}, tokenizer=False)
+  offsets = {t.name: int(t.data_offset) for t in gguf.GGUFReader(path).tensors}
+  with open(path, "r+b") as f:  # a Q8_0 block starts with its f16 scale: make it NaN
+    f.seek(offsets["blk.1.ffn_up.weight"])
+    f.write(b"\xff\x7f")
+  with pytest.raises(ValueError, match=r"nan\.gguf: tensor 'blk\.1\.ffn_up\.weight' holds \d+ "
+                                       r"NaN/Inf values .*download or export it again"):
+    tlt_gguf.load_gguf(path)
+  write_gguf(tmp_path / "inf.gguf", "qwen2", tokenizer=False)
+  offsets = {t.name: int(t.data_offset) for t in gguf.GGUFReader(tmp_path / "inf.gguf").tensors}
+  with open(tmp_path / "inf.gguf", "r+b") as f:
+    f.seek(offsets["output_norm.weight"] + 8)
+    f.write(np.float32(-np.inf).tobytes())
+  with pytest.raises(ValueError, match=r"'output_norm\.weight' holds 1 NaN/Inf values"):
+    from_pretrained(tmp_path / "inf.gguf")

@@ -305,7 +305,8 @@ def load_gguf(path: str | Path, dtype: str | None = None, *,
   (default float32).
 
   Every param is set exactly once from the file; ``strict`` rejects tensors the model does not
-  use. Llama's Q/K rows are unpermuted (see :func:`unpermute_rotary_rows`).
+  use. Llama's Q/K rows are unpermuted (see :func:`unpermute_rotary_rows`). A missing,
+  misshapen or non-finite (after dequantization) tensor raises a one-line ``hf.WeightsError``.
   """
   path = Path(path)
   reader = open_gguf(path)
@@ -317,7 +318,8 @@ def load_gguf(path: str | Path, dtype: str | None = None, *,
   missing = sorted(name for name, _ in names.values() if name not in tensors)
   if missing:
     more = f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""
-    raise ValueError(f"{path} is missing tensor {missing[0]!r}{more}")
+    raise hf.WeightsError(f"{path} is missing tensor {missing[0]!r}{more}: it is incomplete; "
+                          "download or convert it again")
   known = {name for name, _ in names.values()} | {ROPE_FREQS_TENSOR}
   unexpected = sorted(set(tensors) - known)
   if strict and unexpected:
@@ -332,8 +334,10 @@ def load_gguf(path: str | Path, dtype: str | None = None, *,
     expected = tuple(variable.shape)[::-1] if transposed else tuple(variable.shape)
     array = _dequantize(tensors[name], path)
     if tuple(array.shape) != expected:
-      raise ValueError(f"{path}: tensor {name!r} has shape {tuple(array.shape)}, but the metadata "
-                       f"implies {expected}")
+      raise hf.WeightsError(f"{path}: tensor {name!r} has shape {tuple(array.shape)}, but the "
+                            f"metadata implies {expected}; the file is damaged or mislabelled: "
+                            "download or convert it again")
+    hf.check_finite(array, path, name)  # on the dequantized values: a NaN scale spoils a block
     kind = name.split(".")[2] if name.startswith("blk.") else ""
     if config.architecture == "llama" and kind in heads_of:
       array = unpermute_rotary_rows(array, heads_of[kind])
