@@ -87,7 +87,7 @@ def run(cfg, overrides=None, prompts: list[str] | None = None, chat: bool = Fals
   check_keys(cfg, {"seed", "num_prompts", "model", "rollout", "sampling"}, "")
   model, tokenizer = build_model(cfg)
   rollout = section(cfg, "rollout")
-  precompile = rollout.get("precompile", True)
+  precompile = rollout.get("precompile", False)  # default: compile what the request reaches
   engine_config = to_dataclass(EngineConfig, rollout, "rollout", ignore={"precompile"},
                                pad_token_id=tokenizer.pad_token_id or 0)
   sampling = to_dataclass(SamplingParams, section(cfg, "sampling"), "sampling", seed=cfg.seed)
