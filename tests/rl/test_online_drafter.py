@@ -1,6 +1,7 @@
 """The drafter trained online in the RL loop (``rl/online_drafter.py``): metrics, weights reaching
 the engine, and an exact resume of drafter + optimizer + buffer position from a checkpoint."""
 
+import dataclasses
 import os
 
 import jax
@@ -129,3 +130,18 @@ def test_precompiled_drafter_steps_compile_nothing_and_metrics_split(stepped):
   out = fresh.online.serial(fresh.engine.params, device)
   fresh.online.evaluate(fresh.engine.params, device, params=fresh.engine.drafter_params)
   assert out["steps"] == 3 and compile_count() == compiles
+
+
+def test_serial_training_stops_when_its_time_budget_is_spent(stepped):
+  """serial_seconds bounds the serial steps: a step starts only while the previous step's
+  duration fits what is left, so a budget spent before the first step (1e-9 s) runs none of the
+  20 allowed steps (at most 1 on a clock too coarse to see that time), a generous one all."""
+  trainer, _, _ = stepped
+  fresh = online_trainer(dataclasses.replace(TRAINING, serial_steps=20, serial_seconds=1e-9))
+  fresh.online.buffer.load_state_dict(trainer.online.buffer.state_dict())
+  device = fresh.rollout_devices[0]
+  out = fresh.online.serial(fresh.engine.params, device)
+  assert out["steps"] <= 1 and fresh.online.spot.steps == out["steps"], out
+  fresh.online.config = dataclasses.replace(TRAINING, serial_steps=3, serial_seconds=1e6)
+  out = fresh.online.serial(fresh.engine.params, device)
+  assert out["steps"] == 3 and fresh.online.spot.steps == 3, out
