@@ -509,6 +509,17 @@ class Checkpointer:
         f"({'; '.join(failed)}); the corrupt ones are kept as <step>.corrupt. Start a fresh run "
         "or restore from a backup.")
 
+  def delete_after(self, step: int) -> list[int]:
+    """Deletes every step newer than ``step`` (e.g. saves of steps a resumed run does again, so
+    they can be saved anew); returns the deleted steps."""
+    self.wait()
+    newer = [s for s in self.all_steps() if s > step]
+    with _quiet():
+      for s in newer:
+        self._manager.delete(s)
+    self._good -= set(newer)
+    return newer
+
   def wait(self) -> None:
     """Blocks until every pending asynchronous save is on disk (re-raising its error, if any)."""
     self._settle()

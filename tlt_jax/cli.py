@@ -2,8 +2,8 @@
 
 A mistake of the user's (a config value, a file, a prompt) prints ``error: ...`` in a line or
 two and exits 2 (config) or 1 (anything else the user can fix); ``--verbose`` shows the
-traceback. Ctrl-C exits 130 with the message the job left (e.g. how to resume). Compiled
-executables are kept in a persistent cache (``compile_cache.py``; ``--compile_cache=PATH|off``).
+traceback. Ctrl-C exits 130 (SIGTERM 143) with the message the job left (e.g. how to
+resume). Compiled executables are kept in a persistent cache (``compile_cache.py``; ``--compile_cache=PATH|off``).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main(doc: str, run: Callable, default_config: pathlib.Path, argv: list[str],
         **{name: holder.value for name, holder in extra.items()})
   except KeyboardInterrupt as e:
     print(f"\n{e or 'interrupted'}", file=sys.stderr)
-    return 130
+    return getattr(e, "exit_code", 130)  # 128 + the signal's number (SIGTERM: 143)
   except USER_ERRORS as e:
     if verbose.value:
       raise

@@ -4,10 +4,11 @@
 
 By default builds a tiny char-level policy, warm-starts it with supervised steps on correct
 traces, then runs GRPO (rollout -> reward -> advantages -> policy update) data-parallel over
-every local device. With ``model.path`` (an HF directory or a ``.gguf`` file) the policy is that
-pretrained model with its own tokenizer; ``task.kind`` picks the task (``arithmetic``,
-``reasoning_gym``, ``math_dataset``) and ``task.chat_template=True`` wraps each prompt in the
-tokenizer's chat template (configs/smollm2_gsm8k.py, configs/smollm2_reasoning_gym.py).
+every local device. A real-model config (``--config=configs/smollm2_gsm8k.py`` or
+``configs/smollm2_reasoning_gym.py``; the default config below has no such field) adds
+``model.path`` (an HF directory or a ``.gguf`` file): the policy is that pretrained model with its
+own tokenizer; ``task.kind`` picks the task (``arithmetic``, ``reasoning_gym``, ``math_dataset``)
+and ``task.chat_template=True`` wraps each prompt in the tokenizer's chat template.
 Writes to the logdir: ``config.json`` (the effective config, reused on resume),
 ``metrics.jsonl`` and tensorboard events, verified orbax checkpoints in ``checkpoints/``, and
 the final policy with its tokenizer in ``final_model/`` (usable by ``tlt_jax.generate``).
@@ -15,15 +16,22 @@ the final policy with its tokenizer in ``final_model/`` (usable by ``tlt_jax.gen
   --config.logdir=DIR --config.resume=True   continues DIR's run with its saved config; other
                                              --config.<field> flags override it (announced)
   --verbose                                  tracebacks for errors (default: one line)
+
+Ctrl-C or SIGTERM during the RL steps stops the run after the step in flight, checkpointed (a
+second one stops at once); the message says how to resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
+import signal
 import sys
+import threading
 import time
 from typing import Any, Iterable
 
@@ -44,7 +52,7 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.sft import SFTConfig, warm_start
 from tlt_jax.rl.tasks import ArithmeticTask, Task, chat_prompt
 from tlt_jax.rl.trainer import GRPOTrainer, NonFiniteUpdateError, TrainerConfig, \
-    check_update_layout
+    check_update_layout, encode_prompt, eval_problems, step_problems
 from tlt_jax.rl.online_drafter import DrafterTrainingConfig
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
@@ -266,6 +274,10 @@ def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
   except (TypeError, ValueError) as e:
     raise ConfigError(str(e).replace("EngineConfig.", "config.rollout.")) from None
   engine = to_dataclass(EngineConfig, fields, "rollout", **extra)
+  try:
+    engine.check_fixed_tuner(ngram=isinstance(drafter, NgramConfig))
+  except ValueError as e:
+    raise ConfigError(str(e).replace("TunerConfig.", "config.rollout.tuner.")) from None
   if engine.strategies and drafter is None:
     raise ConfigError("config.rollout.strategies needs a drafter: set config.drafter to 'ngram' "
                       "or a saved drafter's directory, or leave strategies empty (vanilla)")
@@ -321,6 +333,7 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
   engine_config = build_engine_config(rollout, drafter,
                                       max_new_tokens=trainer_config.max_new_tokens,
                                       pad_token_id=pad)
+  check_prompt_lengths(task, tokenizer, chat, trainer_config, engine_config.max_prompt_len)
   rollout_devices = cfg.get("rollout_devices", 0)
   if not isinstance(rollout_devices, int) or isinstance(rollout_devices, bool) or \
       rollout_devices < 0:
@@ -330,6 +343,31 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
              model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
              engine=engine_config, drafter=drafter, model_path=model_path, chat_template=chat,
              drafter_training=training, drafter_save_every=save_every)
+
+
+PROMPT_CHECK_MAX = 4096  # prompts encoded by check_prompt_lengths (the first steps' and held-out)
+
+
+def check_prompt_lengths(task: Task, tokenizer: Tokenizer, chat: bool, trainer: TrainerConfig,
+                         max_prompt_len: int) -> None:
+  """Refuses a ``config.rollout.max_prompt_len`` shorter than a prompt the run will meet: the
+  held-out problems and the training problems of the first steps (up to ``PROMPT_CHECK_MAX``)."""
+  steps = min(trainer.steps, max(1, PROMPT_CHECK_MAX // trainer.prompts_per_step))
+  named = [("a held-out problem", p) for p in eval_problems(task, trainer.eval_problems)]
+  for step in range(steps):
+    named += [(f"a problem of step {step + 1}", p)
+              for p in step_problems(task, trainer.seed, step, trainer.prompts_per_step)]
+  try:
+    lengths = [len(encode_prompt(tokenizer, p, chat)) for _, p in named]
+  except Exception as e:  # pylint: disable=broad-except  # a prompt the tokenizer cannot encode
+    raise ConfigError(f"config.task: a prompt cannot be encoded by the tokenizer: {e}") from None
+  worst = int(np.argmax(lengths))
+  if lengths[worst] > max_prompt_len:
+    where, problem = named[worst]
+    raise ConfigError(f"config.rollout.max_prompt_len={max_prompt_len} is shorter than the "
+                      f"task's prompts: {where} has {lengths[worst]} tokens "
+                      f"({problem.prompt[:60]!r}); raise --config.rollout.max_prompt_len to at "
+                      f"least {lengths[worst]}")
 
 
 EAGLE_STRATEGIES = ((3, 1, 4),)  # config.drafter="eagle" without rollout.strategies: chain d3
@@ -500,7 +538,10 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
   """Runs (or resumes) warm start + GRPO for a config; returns a summary.
 
   On resume (``cfg.resume``), the run's saved config is used, except the fields named in
-  ``overrides`` (``None``: every field where ``cfg`` differs from it).
+  ``overrides`` (``None``: every field where ``cfg`` differs from it). Every check that needs no
+  model comes first; a resumed run writes nothing until its checkpoint has been restored.
+  SIGINT/SIGTERM during the RL steps stop the run after the step in flight, saved (see
+  ``StopSignals``).
   """
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # never mutate the caller's config
   check_keys(cfg, _TOP_LEVEL, "")
@@ -512,6 +553,8 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
   if logdir.exists() and not logdir.is_dir():
     raise ConfigError(f"config.logdir {logdir} is a file, not a directory; choose another "
                       "--config.logdir")
+  if cfg.distributed:
+    jax.distributed.initialize()  # multi-host, from the environment; before any other JAX call
   checkpoint_dir = logdir / "checkpoints"
   with Checkpointer(checkpoint_dir, keep=None) as probe:
     latest = probe.latest_step()
@@ -531,70 +574,143 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
                       f"{latest}); pass --config.resume=True to continue that run, or choose "
                       "another --config.logdir")
   job = build_job(cfg)
+  devices = job_devices(cfg)
+  check_update_layout(job.trainer, job.grpo, len(devices))
   _say(f"config:\n{describe(cfg)}")
-  logdir.mkdir(parents=True, exist_ok=True)
-  saved_cfg = ml_collections.ConfigDict({k: v for k, v in cfg.to_dict().items()
-                                         if k not in _RUN_FIELDS})
-  config_lib.write_json_config(saved_cfg, logdir / CONFIG_FILE)
   if cfg.resume and latest >= job.trainer.steps and (logdir / FINAL_MODEL).is_dir():
     _say(f"nothing to do: {logdir} finished at step {latest} (trainer.steps="
          f"{job.trainer.steps}); raise --config.trainer.steps to train further. Results: "
          f"{logdir / 'metrics.jsonl'}, {logdir / FINAL_MODEL}")
     return dict(history=[], lengths=[], finished=True, step=latest)
+  if not cfg.resume:
+    save_run_config(cfg, logdir)
+  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+  _say(f"devices: {len(devices)} x {devices[0].platform} (data-parallel policy updates)")
+  with StopSignals() as stop:
+    t_start = time.perf_counter()
+    model = initial_model(job, cfg.seed)
+    if not cfg.resume:
+      model = _warm_start(model, job)
+    trainer = GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
+                          mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
+                          rollout_devices=cfg.get("rollout_devices", 0),
+                          drafter_training=job.drafter_training)
+    if len(trainer.rollout_devices) > 1:
+      _say(f"rollout: data-parallel over {len(trainer.rollout_devices)} devices (an engine "
+           "each)")
+    if trainer.online is not None:
+      _say("drafter: trained online from the rollouts' hidden states ("
+           + ("on the devices the tail leaves idle" if len(trainer.rollout_devices) > 1 and
+              job.drafter_training.spot else
+              f"{job.drafter_training.serial_steps} steps between rollout and update: one "
+              "rollout device leaves nothing idle") + ")")
+    drafter_ckpt = None
+    if trainer.online is not None and job.drafter_save_every:
+      drafter_ckpt = Checkpointer(logdir / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
+    with Checkpointer(checkpoint_dir, keep=2) as checkpointer:
+      if cfg.resume:  # the checkpoint holds the warm-started (and RL-trained) params
+        trainer.restore(checkpointer)
+        _say(f"resumed from {checkpointer.step_dir(trainer.step_count)}")
+        save_run_config(cfg, logdir)  # only now: a refused resume leaves the run as it was
+        if drafter_ckpt is not None:  # selective saves of the steps this run does again
+          dropped = drafter_ckpt.delete_after(trainer.step_count)
+          if dropped:
+            _say(f"dropped the drafter's selective saves of steps {dropped} (newer than the "
+                 "checkpoint; they are written again as those steps are re-done)")
+      _precompile(trainer)
+      log = MetricsLog(logdir, resume_step=trainer.step_count if cfg.resume else None)
+      try:
+        summary = _train(trainer, job, checkpointer, log, drafter_ckpt, stop)
+      finally:
+        log.close()
+        if drafter_ckpt is not None:
+          drafter_ckpt.close()
+    summary["wall_s"] = time.perf_counter() - t_start
+    final = export_final_model(trainer, job)
+    extra = ""
+    if trainer.online is not None:
+      extra = f", final drafter {export_final_drafter(trainer, job)}"
+  _say(f"results: metrics {log.path}, tensorboard --logdir {logdir}, checkpoints "
+       f"{checkpointer.directory}, final model {final}{extra}")
+  return summary
 
-  if cfg.distributed:
-    jax.distributed.initialize()  # multi-host: coordinator/process ids from the environment
+
+def save_run_config(cfg: ml_collections.ConfigDict, logdir: pathlib.Path) -> None:
+  """Writes the run's effective config (without where the run lives) to ``<logdir>/config.json``."""
+  logdir.mkdir(parents=True, exist_ok=True)
+  saved = ml_collections.ConfigDict({k: v for k, v in cfg.to_dict().items()
+                                     if k not in _RUN_FIELDS})
+  config_lib.write_json_config(saved, logdir / CONFIG_FILE)
+
+
+def job_devices(cfg: ml_collections.ConfigDict) -> list:
+  """The update mesh's devices (``config.mesh_devices``), after checking that they and
+  ``config.rollout_devices`` fit the visible devices."""
   devices = jax.devices()
   if cfg.mesh_devices > len(devices):
     raise ConfigError(f"config.mesh_devices={cfg.mesh_devices} but only {len(devices)} devices "
                       "are visible; use 0 for all of them")
   devices = devices[:cfg.mesh_devices or len(devices)]
-  check_update_layout(job.trainer, job.grpo, len(devices))
-  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-  _say(f"devices: {len(devices)} x {devices[0].platform} (data-parallel policy updates)")
-  t_start = time.perf_counter()
-  model = initial_model(job, cfg.seed)
-  if not cfg.resume:
-    model = _warm_start(model, job)
   rollout_devices = cfg.get("rollout_devices", 0)
-  if rollout_devices > len(devices):
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  if rollout_devices > len(local):
     raise ConfigError(f"config.rollout_devices={rollout_devices} but the mesh has "
-                      f"{len(devices)} devices; use 0 for all of them")
-  trainer = GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
-                        mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
-                        rollout_devices=rollout_devices,
-                        drafter_training=job.drafter_training)
-  if len(trainer.rollout_devices) > 1:
-    _say(f"rollout: data-parallel over {len(trainer.rollout_devices)} devices (an engine each)")
-  if trainer.online is not None:
-    _say("drafter: trained online from the rollouts' hidden states ("
-         + ("on the devices the tail leaves idle" if len(trainer.rollout_devices) > 1 and
-            job.drafter_training.spot else
-            f"{job.drafter_training.serial_steps} steps between rollout and update: one "
-            "rollout device leaves nothing idle") + ")")
-  drafter_ckpt = None
-  if trainer.online is not None and job.drafter_save_every:
-    drafter_ckpt = Checkpointer(logdir / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
-  with Checkpointer(checkpoint_dir, keep=2) as checkpointer:
-    if cfg.resume:  # the checkpoint holds the warm-started (and RL-trained) params
-      trainer.restore(checkpointer)
-      _say(f"resumed from {checkpointer.step_dir(trainer.step_count)}")
-    _precompile(trainer)
-    log = MetricsLog(logdir, resume_step=trainer.step_count if cfg.resume else None)
+                      f"{len(local)} devices in this process; use 0 for all of them")
+  return devices
+
+
+class StopSignals:
+  """SIGINT (Ctrl-C) and SIGTERM (what SLURM and Kubernetes send before preemption) for a run.
+
+  Inside ``graceful()`` (the RL steps) the first signal asks the run to stop after the step in
+  flight, which is then checkpointed; a second one stops at once, like Ctrl-C elsewhere: a
+  ``KeyboardInterrupt`` (``Interrupted`` for SIGTERM) that names the last checkpoint. Outside
+  it both interrupt at once. Handlers are installed only from the main thread.
+  """
+
+  def __init__(self):
+    self.signum: int | None = None  # the signal that asked for a stop, inside graceful()
+    self._graceful = False
+    self._old: dict = {}
+
+  def __enter__(self) -> "StopSignals":
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGINT, signal.SIGTERM):
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+    self._old.clear()
+
+  @contextlib.contextmanager
+  def graceful(self):
+    """Within this block a first signal only sets ``signum``."""
+    self._graceful = True
     try:
-      summary = _train(trainer, job, checkpointer, log, drafter_ckpt)
+      yield self
     finally:
-      log.close()
-      if drafter_ckpt is not None:
-        drafter_ckpt.close()
-  summary["wall_s"] = time.perf_counter() - t_start
-  final = export_final_model(trainer, job)
-  extra = ""
-  if trainer.online is not None:
-    extra = f", final drafter {export_final_drafter(trainer, job)}"
-  _say(f"results: metrics {log.path}, tensorboard --logdir {logdir}, checkpoints "
-       f"{checkpointer.directory}, final model {final}{extra}")
-  return summary
+      self._graceful = False
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    name = signal.Signals(signum).name
+    if self._graceful and self.signum is None:
+      self.signum = signum
+      # os.write, not print: the main thread may be inside a print when the signal lands
+      os.write(2, f"\n{name}: stopping after the step in flight, which is then saved (send "
+                  f"{name} again to stop at once)\n".encode())
+      return
+    raise Interrupted(signum, f"{name} received")
+
+
+class Interrupted(KeyboardInterrupt):
+  """The run stopped on a signal; ``exit_code`` is the shell's 128 + signal number."""
+
+  def __init__(self, signum: int, message: str):
+    super().__init__(message)
+    self.exit_code = 128 + int(signum)
 
 
 def export_final_drafter(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
@@ -672,8 +788,9 @@ def _resume_hint(job: Job) -> str:
 
 
 def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: MetricsLog,
-           drafter_ckpt: Checkpointer | None = None) -> dict:
+           drafter_ckpt: Checkpointer | None = None, stop: StopSignals | None = None) -> dict:
   cfg = job.cfg
+  stop = stop or StopSignals()
   start_step = trainer.step_count
   if start_step == 0:
     accuracy_start, sampled_start = _evaluate(trainer)
@@ -683,38 +800,50 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
     accuracy_start = earlier[0]["eval_accuracy"] if earlier else float("nan")
     sampled_start = earlier[0]["eval_sampled_reward"] if earlier else float("nan")
   history, lengths = [], []
+  saved_step = None
   try:
-    while trainer.step_count < job.trainer.steps:
-      m = trainer.step()
-      history.append(m)
-      lengths.extend(trainer.last_lengths.tolist())
-      if drafter_ckpt is not None and trainer.step_count % job.drafter_save_every == 0:
-        # selective async save: the drafter alone, written while training goes on
-        t0 = time.perf_counter()
-        drafter_ckpt.save(trainer.step_count, trainer.online.checkpoint_state())
-        m["drafter_save_ms"] = 1e3 * (time.perf_counter() - t0)
-      if (cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0) or \
-          trainer.step_count == job.trainer.steps:
-        t0 = time.perf_counter()
-        trainer.save(checkpointer, {"config": cfg.to_dict()})  # everything, blocking
-        m["checkpoint_save_ms"] = 1e3 * (time.perf_counter() - t0)
-      log.write(m["step"], m)
-      _say(f"step {m['step']:4d}/{job.trainer.steps} reward {m['reward']:.3f} loss "
-           f"{m['loss']:+.4f} len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
-           f"{m['len_max']} rollout {m['rollout_s']:.1f}s (tail {m['tail_s']:.1f}s) update "
-           f"{m['update_s']:.1f}s" + _drafter_line(m))
+    with stop.graceful():
+      while trainer.step_count < job.trainer.steps and stop.signum is None:
+        m = trainer.step()
+        history.append(m)
+        lengths.extend(trainer.last_lengths.tolist())
+        if drafter_ckpt is not None and trainer.step_count % job.drafter_save_every == 0:
+          # selective async save: the drafter alone, written while training goes on
+          t0 = time.perf_counter()
+          drafter_ckpt.save(trainer.step_count, trainer.online.checkpoint_state())
+          m["drafter_save_ms"] = 1e3 * (time.perf_counter() - t0)
+        if (cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0) or \
+            trainer.step_count == job.trainer.steps or stop.signum is not None:
+          t0 = time.perf_counter()
+          trainer.save(checkpointer, {"config": cfg.to_dict()})  # everything, blocking
+          m["checkpoint_save_ms"] = 1e3 * (time.perf_counter() - t0)
+          saved_step = trainer.step_count
+        log.write(m["step"], m)
+        _say(f"step {m['step']:4d}/{job.trainer.steps} reward {m['reward']:.3f} loss "
+             f"{m['loss']:+.4f} len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
+             f"{m['len_max']} rollout {m['rollout_s']:.1f}s (tail {m['tail_s']:.1f}s) update "
+             f"{m['update_s']:.1f}s" + _drafter_line(m))
   except NonFiniteUpdateError as e:
     latest = checkpointer.latest_step()
+    then = (f"resume from step {latest}: {_resume_hint(job)}" if latest is not None else
+            "run the job again (no checkpoint was written yet, so it starts over)")
     raise NonFiniteUpdateError(
-        f"{e}; nothing non-finite was saved (last checkpoint: step {latest}). Lower "
-        "--config.trainer.learning_rate or set --config.trainer.on_nonfinite=skip, then "
-        f"{_resume_hint(job)}") from None
-  except KeyboardInterrupt:
+        f"{e}; nothing non-finite was saved. To go on, {then} and add "
+        "--config.trainer.on_nonfinite=skip (drops such updates) or a lower "
+        "--config.trainer.learning_rate") from None
+  except KeyboardInterrupt as e:
     latest = checkpointer.latest_step()
     where = (f"the last checkpoint is step {latest}" if latest is not None
              else "no checkpoint was written yet")
-    raise KeyboardInterrupt(f"interrupted during step {trainer.step_count + 1}; {where}; "
-                            f"{_resume_hint(job)}") from None
+    raise Interrupted(getattr(e, "exit_code", 130) - 128,
+                      f"interrupted during step {trainer.step_count + 1}; {where}; "
+                      f"{_resume_hint(job)}") from None
+  if stop.signum is not None and trainer.step_count < job.trainer.steps:
+    if saved_step != trainer.step_count:  # the signal landed after this step's save check
+      trainer.save(checkpointer, {"config": cfg.to_dict()})
+    raise Interrupted(stop.signum, f"stopped by {signal.Signals(stop.signum).name} after step "
+                      f"{trainer.step_count}, saved as "
+                      f"{checkpointer.step_dir(trainer.step_count)}; {_resume_hint(job)}")
   accuracy_end, sampled_end = _evaluate(trainer)
   log.write(trainer.step_count, {"eval_accuracy": accuracy_end,
                                  "eval_sampled_reward": sampled_end})
