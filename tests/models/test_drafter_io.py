@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +15,11 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tests.models.random_model import random_model
+from tlt_jax import train
+from tlt_jax.config import load_config_file
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import CONFIG_FILE, PARAMS_FILE, Drafter, load_drafter, save_drafter
+from tlt_jax.models.hf import WeightsError
 
 CONFIG = ModelConfig.tiny(vocab_size=32, num_layers=1)
 
@@ -120,3 +127,71 @@ def test_saved_config_is_the_targets(saved):
   config = json.loads((saved[0] / CONFIG_FILE).read_text())
   assert config["hidden_size"] == CONFIG.hidden_size
   assert config["vocab_size"] == CONFIG.vocab_size
+
+
+# ----------------------------------------------------------------------------- damaged files
+
+
+def copy_drafter(source, target):
+  """A writable copy of a saved drafter directory."""
+  target.mkdir(parents=True)
+  for name in (PARAMS_FILE, CONFIG_FILE):
+    (target / name).write_bytes((source / name).read_bytes())
+  return target
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_tensor_is_named(tmp_path, saved, bad):
+  path = copy_drafter(saved[0], tmp_path / "d")
+  tensors = load_file(str(path / PARAMS_FILE))
+  tensors["layer.mlp.up_proj.kernel"][1, 2] = bad
+  save_file(tensors, str(path / PARAMS_FILE))
+  with pytest.raises(WeightsError, match=r"drafter\.safetensors: tensor 'layer\.mlp\.up_proj\."
+                                         r"kernel' holds 1 NaN/Inf values .*its training"):
+    load_drafter(path, CONFIG)
+
+
+def test_truncated_garbled_and_broken_config_are_one_line_errors(tmp_path, saved):
+  data = (saved[0] / PARAMS_FILE).read_bytes()
+  for cut in (len(data) - 10, len(data) // 2, 3):
+    path = copy_drafter(saved[0], tmp_path / f"cut{cut}")
+    (path / PARAMS_FILE).write_bytes(data[:cut])
+    with pytest.raises(WeightsError, match=rf"cut{cut}/drafter\.safetensors is not a readable "
+                                           r"safetensors file .*truncated"):
+      load_drafter(path)
+  path = copy_drafter(saved[0], tmp_path / "config")
+  (path / CONFIG_FILE).write_text('{"hidden_size": ')
+  with pytest.raises(ValueError, match=r"drafter_config\.json is not valid JSON"):
+    load_drafter(path)
+  config = json.loads((saved[0] / CONFIG_FILE).read_text())
+  del config["num_attention_heads"]
+  (path / CONFIG_FILE).write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=r"drafter_config\.json lacks the required key "
+                                       r"'num_attention_heads'"):
+    load_drafter(path)
+
+
+def test_train_cli_reports_a_damaged_drafter_in_one_line(tmp_path):
+  cfg = load_config_file(train._DEFAULT_CONFIG)  # pylint: disable=protected-access
+  cfg.logdir = str(tmp_path / "run")
+  policy_config = train.build_job(cfg).model_config  # the default job's policy
+  root = Path(__file__).resolve().parents[2]
+  env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+  drafter_dir = tmp_path / "drafter"
+  save_drafter(random_drafter(policy_config), drafter_dir)
+  tensors = load_file(str(drafter_dir / PARAMS_FILE))
+  tensors["fc.kernel"][0, :4] = np.nan
+  save_file(tensors, str(drafter_dir / PARAMS_FILE))
+  for damage in ("nan", "truncated"):
+    if damage == "truncated":
+      data = (drafter_dir / PARAMS_FILE).read_bytes()
+      (drafter_dir / PARAMS_FILE).write_bytes(data[:len(data) // 2])
+    done = subprocess.run([sys.executable, "-m", "tlt_jax.train", f"--config.logdir={cfg.logdir}",
+                           f"--config.drafter={drafter_dir}"], capture_output=True, text=True,
+                          timeout=300, cwd=root, env=env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("error: ") and len(lines) <= 2, done.stderr
+    want = ("tensor 'fc.kernel' holds 4 NaN/Inf values" if damage == "nan" else
+            "drafter.safetensors is not a readable safetensors file")
+    assert want in lines[0] and str(drafter_dir) in lines[0], lines[0]

@@ -208,10 +208,11 @@ class OnlineDrafter:
     self.buffer.load_state_dict(state)
     return None
 
-  def export(self, path) -> None:
-    """Writes the current drafter with ``save_drafter`` (loads with ``load_drafter``)."""
+  def export(self, path, policy=None, policy_name: str | None = None) -> None:
+    """Writes the current drafter with ``save_drafter`` (loads with ``load_drafter``), recording
+    ``policy`` (the policy it was trained with: a Transformer or its params) as its target."""
     drafter = nnx.merge(self.drafter_graphdef, jax.device_get(self.spot.params))
-    save_drafter(drafter, path)
+    save_drafter(drafter, path, policy=policy, policy_name=policy_name)
 
 
 def _pure(params) -> dict:
