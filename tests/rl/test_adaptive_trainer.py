@@ -13,7 +13,8 @@ from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, rollout_metrics
+from tlt_jax.rl.trainer import (GRPOTrainer, TrainerConfig, arm_line, rollout_metrics,
+                                run_sd_summary)
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.tuner import TunerConfig, make_tuner
 
@@ -56,6 +57,12 @@ def test_an_adaptive_step_reports_switches_acceptance_and_arm_shares(stepped):
         f"arm_steps/{bucket}/vanilla", f"arm_steps/{bucket}/chain_d2"}
     assert math.isclose(shares[f"arm_steps/{bucket}/vanilla"] +
                         shares[f"arm_steps/{bucket}/chain_d2"], 1.0)
+  # over the whole rollout: both arms' shares of every decode step, and the console line
+  run_shares = {k: v for k, v in m.items() if k.startswith("arm_share/")}
+  assert set(run_shares) == {"arm_share/vanilla", "arm_share/chain_d2"}, run_shares
+  assert math.isclose(sum(run_shares.values()), 1.0) and m["decode_steps"] > 0
+  assert arm_line(m) == (f"vanilla {100 * m['arm_share/vanilla']:.0f}% "
+                         f"chain_d2 {100 * m['arm_share/chain_d2']:.0f}%")
   speeds = {k: v for k, v in m.items() if k.startswith("arm_tps/")}
   assert speeds and all(v > 0 for v in speeds.values())
   for key, speed in speeds.items():  # a speed only for an arm that ran
@@ -73,16 +80,51 @@ def test_rollout_metrics_of_hand_made_stats():
   stats = dict(switches=3, switch_s=0.5, mean_accept_len=2.5,
                arms={"2": {"vanilla": arm(3, 10.0), "tree d4 k2 v8": arm(1, 30.0)},
                      "4": {"vanilla": arm(8, 40.0)},
-                     "64": {"vanilla": arm(5, 90.0)}})
+                     "64": {"vanilla": arm(4, 90.0)}})
   offered = {1: ["vanilla", "chain d4"], 2: ["vanilla", "tree d4 k2 v8"],
              4: ["vanilla", "tree d4 k2 v8"], 64: ["vanilla"]}
   assert rollout_metrics(stats, offered) == {
       "sd_switches": 3, "sd_switch_s": 0.5, "mean_accept_len": 2.5,
+      # all buckets together: 15 vanilla steps, 1 tree step, no chain step of 16
+      "arm_share/vanilla": 15 / 16, "arm_share/chain_d4": 0.0, "arm_share/tree_d4_k2_v8": 1 / 16,
+      "decode_steps": 16,
       "arm_steps/2/vanilla": 0.75, "arm_tps/2/vanilla": 10.0,
       "arm_steps/2/tree_d4_k2_v8": 0.25, "arm_tps/2/tree_d4_k2_v8": 30.0,
       "arm_steps/4/vanilla": 1.0, "arm_tps/4/vanilla": 40.0, "arm_steps/4/tree_d4_k2_v8": 0.0}
+  assert arm_line(rollout_metrics(stats, offered)) == "vanilla 94% chain_d4 0% tree_d4_k2_v8 6%"
   vanilla = dict(switches=0, switch_s=0.0, arms={"8": {"vanilla": arm(4, 5.0)}})
-  assert rollout_metrics(vanilla) == {"sd_switches": 0, "sd_switch_s": 0.0}
+  assert rollout_metrics(vanilla) == {"sd_switches": 0, "sd_switch_s": 0.0}  # no arm to tell
+  assert arm_line(rollout_metrics(vanilla)) == ""
+  # one fixed strategy (no tuner, so nothing offered): it decoded every step
+  fixed = dict(switches=0, switch_s=0.0, arms={"8": {"chain d2": arm(6, 5.0)},
+                                               "4": {"chain d2": arm(2, 5.0)}})
+  assert rollout_metrics(fixed) == {"sd_switches": 0, "sd_switch_s": 0.0,
+                                    "arm_share/chain_d2": 1.0, "decode_steps": 8}
+
+
+def test_run_sd_summary_weighs_steps_by_their_decode_steps():
+  """The run's arm shares count decode steps (not steps of the run); the accepted length is the
+  mean over the steps where SD ran; the drafter's steps add up, its held-out top-1 first -> last."""
+  history = [
+      {"arm_share/vanilla": 1.0, "arm_share/chain_d3": 0.0, "decode_steps": 30,
+       "sd_switches": 0, "sd_switch_s": 0.0, "drafter_spot_steps": 0, "drafter_serial_steps": 3,
+       "drafter_serial_s": 0.5, "drafter_loss": 2.0, "drafter_top1": 0.1},
+      {"arm_share/vanilla": 0.5, "arm_share/chain_d3": 0.5, "decode_steps": 20,
+       "mean_accept_len": 2.5, "sd_switches": 4, "sd_switch_s": 0.25, "drafter_spot_steps": 2,
+       "drafter_serial_steps": 3, "drafter_serial_s": 0.5, "drafter_loss": 1.0,
+       "drafter_top1": 0.4}]
+  assert run_sd_summary(history) == (
+      "SD: vanilla 80% chain_d3 20% of decode steps; mean accepted length 2.50 (1 of 2 steps "
+      "with SD); 4 switches (0.25 s catch-up); drafter 2 spot + 6 serial steps (1.00 s serial), "
+      "held-out top-1 0.100 -> 0.400")
+  ngram = [{k: v for k, v in m.items() if not k.startswith("drafter_")} for m in history]
+  assert run_sd_summary(ngram) == (
+      "SD: vanilla 80% chain_d3 20% of decode steps; mean accepted length 2.50 (1 of 2 steps "
+      "with SD); 4 switches (0.25 s catch-up)")
+  # vanilla, data-parallel (spot metrics of zero steps, no drafter): nothing to say
+  assert run_sd_summary([{"sd_switches": 0, "sd_switch_s": 0.0, "drafter_spot_steps": 0,
+                          "drafter_serial_steps": 0, "drafter_serial_s": 0.0}] * 2) == ""
+  assert run_sd_summary([]) == ""
 
 
 def test_the_tuner_state_goes_through_a_checkpoint(stepped, tmp_path):

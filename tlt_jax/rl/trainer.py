@@ -844,15 +844,33 @@ class GRPOTrainer:
     return float(np.mean([self.task.reward(p, t) for p, t in zip(problems, texts)]))
 
 
+def _metric_name(arm: str) -> str:
+  """An arm's name as a metric key part: ``"chain d4"`` -> ``"chain_d4"``."""
+  return arm.replace(" ", "_")
+
+
 def rollout_metrics(stats: dict, offered: dict[int, list[str]] | None = None) -> dict[str, float]:
-  """Scalar metrics of a rollout's ``RolloutResult.stats``: speculative-decoding switches and
-  their seconds, the mean accepted length (with SD) and, per batch bucket where ``offered``
-  (bucket -> arm names; the adaptive engine's) gives a choice, each arm's share of the bucket's
-  decode steps (``arm_steps/<bucket>/<arm>``) and tokens per second (``arm_tps/...``)."""
+  """Scalar metrics of a rollout's ``RolloutResult.stats``: speculative-decoding switches (every
+  change of arm between segments) and the catch-up seconds, the mean accepted length (with SD);
+  where SD may run, each arm's share of all the rollout's decode steps (``arm_share/<arm>``,
+  with ``decode_steps``) and, per batch bucket where ``offered`` (bucket -> arm names; the
+  adaptive engine's) gives a choice, its share of the bucket's decode steps
+  (``arm_steps/<bucket>/<arm>``) and tokens per second (``arm_tps/...``)."""
   out = {"sd_switches": int(stats.get("switches", 0)),
          "sd_switch_s": float(stats.get("switch_s", 0.0))}
   if stats.get("mean_accept_len") is not None:
     out["mean_accept_len"] = float(stats["mean_accept_len"])
+  ran: dict[str, int] = {}  # arm -> decode steps, all buckets together
+  for per_bucket in stats.get("arms", {}).values():
+    for name, arm in per_bucket.items():
+      ran[name] = ran.get(name, 0) + arm["steps"]
+  names = dict.fromkeys(n for ns in (offered or {}).values() if len(ns) > 1 for n in ns)
+  names.update(dict.fromkeys(ran))
+  total = sum(ran.values())
+  if total and any(name != "vanilla" for name in names):  # a vanilla engine: no shares
+    for name in names:
+      out[f"arm_share/{_metric_name(name)}"] = ran.get(name, 0) / total
+    out["decode_steps"] = int(total)
   for bucket, names in (offered or {}).items():
     ran = stats.get("arms", {}).get(str(bucket), {})
     steps = sum(arm["steps"] for arm in ran.values())
@@ -860,8 +878,56 @@ def rollout_metrics(stats: dict, offered: dict[int, list[str]] | None = None) ->
       continue  # no choice there, or the bucket was not decoded in this rollout
     for name in names:
       arm = ran.get(name, {})
-      key = f"{bucket}/{name.replace(' ', '_')}"
+      key = f"{bucket}/{_metric_name(name)}"
       out[f"arm_steps/{key}"] = arm.get("steps", 0) / steps
       if arm.get("tokens_per_s") is not None:
         out[f"arm_tps/{key}"] = float(arm["tokens_per_s"])
   return out
+
+
+def _shares(shares: dict[str, float]) -> str:
+  """``{"vanilla": 0.8, "chain_d3": 0.2}`` -> ``"vanilla 80% chain_d3 20%"``."""
+  return " ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items())
+
+
+def arm_line(metrics: dict) -> str:
+  """The step's ``arm_share/*`` metrics for the console, e.g. ``"vanilla 80% chain_d3 20%"``
+  (empty without them)."""
+  prefix = "arm_share/"
+  return _shares({k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)})
+
+
+def run_sd_summary(history: list[dict]) -> str:
+  """A run's speculative decoding in one line from its steps' metrics: each arm's share of the
+  decode steps, the mean accepted length over the steps where SD ran, switches and catch-up
+  seconds, and the online drafter's steps and held-out top-1 first -> last (empty when no step
+  could speculate)."""
+  steps: dict[str, float] = {}
+  for m in history:
+    weight = m.get("decode_steps", 1)
+    for key, share in m.items():
+      if key.startswith("arm_share/"):
+        steps[key[len("arm_share/"):]] = steps.get(key[len("arm_share/"):], 0.0) + share * weight
+  accept = [m["mean_accept_len"] for m in history if m.get("mean_accept_len") is not None]
+  drafter = [m for m in history if m.get("drafter_top1") is not None or
+             m.get("drafter_serial_steps") or m.get("drafter_spot_steps")]  # an online drafter
+  if not steps and not accept and not drafter:
+    return ""
+  parts = []
+  total = sum(steps.values())
+  if total:
+    parts.append(f"{_shares({k: v / total for k, v in steps.items()})} of decode steps")
+  if accept:
+    parts.append(f"mean accepted length {np.mean(accept):.2f} ({len(accept)} of "
+                 f"{len(history)} steps with SD)")
+  parts.append(f"{sum(m.get('sd_switches', 0) for m in history)} switches "
+               f"({sum(m.get('sd_switch_s', 0.0) for m in history):.2f} s catch-up)")
+  if drafter:
+    top1 = [m["drafter_top1"] for m in drafter if m.get("drafter_top1") is not None]
+    line = (f"drafter {sum(m.get('drafter_spot_steps', 0) for m in history)} spot + "
+            f"{sum(m.get('drafter_serial_steps', 0) for m in history)} serial steps "
+            f"({sum(m.get('drafter_serial_s', 0.0) for m in history):.2f} s serial)")
+    if top1:
+      line += f", held-out top-1 {top1[0]:.3f} -> {top1[-1]:.3f}"
+    parts.append(line)
+  return "SD: " + "; ".join(parts)
