@@ -159,13 +159,13 @@ def test_asymmetric_clipping():
   # One hand-made token: A > 0, ratio 1.25 is clipped at 1.2 but not at 1.28.
   lp, old = jnp.log(jnp.array([[1.25]])), jnp.zeros((1, 1))
   adv, m = jnp.ones((1,)), jnp.ones((1, 1))
-  l_sym, ms = policy_loss(lp, old, adv, m, GRPOConfig(group_size=1))
-  l_asym, ma = policy_loss(lp, old, adv, m, GRPOConfig(group_size=1, clip_eps_high=0.28))
+  l_sym, ms = policy_loss(lp, old, adv, m, GRPOConfig(group_size=2))
+  l_asym, ma = policy_loss(lp, old, adv, m, GRPOConfig(group_size=2, clip_eps_high=0.28))
   np.testing.assert_allclose([float(l_sym), float(l_asym)], [-1.2, -1.25], rtol=1e-6)
   assert float(ms["clip_fraction"]) == 1.0 and float(ma["clip_fraction"]) == 0.0
   # The low side is untouched by clip_eps_high: A < 0 with ratio 0.7 clips at 0.8 either way.
   lp = jnp.log(jnp.array([[0.7]]))
-  for cfg in (GRPOConfig(group_size=1), GRPOConfig(group_size=1, clip_eps_high=0.28)):
+  for cfg in (GRPOConfig(group_size=2), GRPOConfig(group_size=2, clip_eps_high=0.28)):
     loss, mt = policy_loss(lp, old, -adv, m, cfg)
     np.testing.assert_allclose(float(loss), 0.8, rtol=1e-6)
     assert float(mt["clip_fraction"]) == 1.0
@@ -301,7 +301,7 @@ def test_kl_gradient_pulls_towards_ref():
   old = jnp.zeros((1, 2))
   lp = jnp.zeros((1, 2))
   ref = jnp.array([[-1.0, 1.0]])  # lp above ref on token 0, below on token 1
-  cfg = GRPOConfig(group_size=1, kl_coef=1.0)
+  cfg = GRPOConfig(group_size=2, kl_coef=1.0)
   g = grad_wrt_logprobs(lp, old, jnp.zeros(1), jnp.ones((1, 2)), cfg, ref)
   assert g[0, 0] > 0 and g[0, 1] < 0
 
@@ -344,6 +344,19 @@ def test_bad_config_raises_with_field_name(field, value):
   kwargs = {"group_size": 4, field: value}
   with pytest.raises(ValueError, match=f"GRPOConfig.{field}"):
     GRPOConfig(**kwargs)
+
+
+def test_group_of_one_is_refused_as_no_learning_signal():
+  """A one-sample group's advantage is 0 whatever its reward (zero gradients): the config says so
+  in one line that names the field and the fix, also through the config layer."""
+  assert np.all(np.asarray(group_advantages(jnp.array([0.0, 1.0, 1.0]), 1)) == 0.0)
+  with pytest.raises(ValueError, match=r"GRPOConfig.group_size=1 .*zero gradients.*2 or more"):
+    GRPOConfig(group_size=1)
+  from tlt_jax.config import ConfigError, to_dataclass  # pylint: disable=import-outside-toplevel
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError, match=r"^config.grpo: GRPOConfig.group_size=1 [^\n]*$"):
+    to_dataclass(GRPOConfig, ml_collections.ConfigDict(dict(group_size=1)), "grpo")
+  assert GRPOConfig(group_size=2).group_size == 2
 
 
 def test_config_defaults_and_hashable():

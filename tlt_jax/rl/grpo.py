@@ -39,7 +39,10 @@ class GRPOConfig:
   def __post_init__(self) -> None:
     g = self.group_size
     if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-      raise ValueError(f"GRPOConfig.group_size must be an int >= 1, got {self.group_size!r}")
+      raise ValueError(f"GRPOConfig.group_size must be an int >= 2, got {self.group_size!r}")
+    if g == 1:  # a one-sample group is its own mean: every advantage and gradient is zero
+      raise ValueError("GRPOConfig.group_size=1 gives every sample advantage 0, so GRPO would "
+                       "train on zero gradients: set group_size to 2 or more (e.g. 8)")
     if not _is_real(self.clip_eps_low) or not 0.0 < self.clip_eps_low < 1.0:
       raise ValueError(f"GRPOConfig.clip_eps_low must be in (0, 1), got {self.clip_eps_low!r}")
     high = self.clip_eps_high
