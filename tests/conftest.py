@@ -9,13 +9,20 @@ that does not know a flag aborts at start-up, so the flags are tried once in a s
 and left out (with a note) if that fails.
 """
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 from tests.xla_env import FAST_COMPILE_FLAGS
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The entry points keep a persistent compilation cache (tlt_jax/compile_cache.py). The tests' CLI
+# subprocesses share one made fresh for this session, never the user's ~/.cache one.
+os.environ["TLT_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="tlt_jax_test_xla_")
+atexit.register(shutil.rmtree, os.environ["TLT_COMPILE_CACHE"], ignore_errors=True)
 
 
 def _with_fast_compile() -> None:

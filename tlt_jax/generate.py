@@ -108,7 +108,7 @@ def run(cfg, overrides=None, prompts: list[str] | None = None, chat: bool = Fals
   print(f"lengths p50={np.percentile(lengths, 50):.0f} p90={np.percentile(lengths, 90):.0f} "
         f"max={lengths.max()} | segments (bucket, steps): {[seg[:2] for seg in s['segments']]}")
   print(f"{s['tokens']} tokens in {s['wall_s']:.2f}s ({s['tokens_per_s']:.0f} tok/s excl. "
-        f"compile), compiles during generate: {s['compiles']}")
+        f"compile), compiles during generate: {s['compiles']} ({s['compile_s']:.1f}s)")
   return dict(s, texts=completions)
 
 

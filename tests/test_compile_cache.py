@@ -1,0 +1,124 @@
+"""The entry points' persistent compilation cache (``tlt_jax/compile_cache.py``): where it lives,
+that a second run loads what the first compiled, that ``off`` and an unwritable directory run
+without it; generate compiles only its request's executables; an unknown flag's one-line error."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tlt_jax import compile_cache, generate
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ONE_PROMPT = ["--prompt=12+7=?", "--config.rollout.max_batch=1",
+              "--config.rollout.max_new_tokens=16", "--config.sampling.max_new_tokens=16"]
+# cli.main of generate, as `python -m tlt_jax.generate` runs it, counting JAX's cache events
+_COUNTING_MAIN = """
+import json, sys
+from jax import monitoring
+from tlt_jax import cli, generate
+from tlt_jax.utils import compile_count
+events = {}
+monitoring.register_event_listener(lambda name, **kw: events.update({name: events.get(name, 0) + 1}))
+compile_count()
+rc = cli.main(generate.__doc__, generate.run, generate._DEFAULT_CONFIG, sys.argv,
+              extra_flags=generate._prompt_flag)
+print(json.dumps(dict(rc=rc, compiles=compile_count(),
+                      requests=events.get("/jax/compilation_cache/compile_requests_use_cache", 0),
+                      hits=events.get("/jax/compilation_cache/cache_hits", 0))))
+"""
+
+
+def run_generate(args, **env):
+  """The counting generate in a subprocess: (counts, stderr)."""
+  proc = subprocess.run([sys.executable, "-c", _COUNTING_MAIN, *args], capture_output=True,
+                        text=True, timeout=300, cwd=ROOT,
+                        env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def entries(directory):
+  return [p for p in pathlib.Path(directory).glob("*") if not p.name.startswith(".")]
+
+
+def test_directory_precedence(monkeypatch, tmp_path):
+  for name in (compile_cache.ENV, "JAX_COMPILATION_CACHE_DIR"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert compile_cache.choose() == str(tmp_path / "tlt_jax" / "xla")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/jax/own")
+  assert compile_cache.choose() == "/jax/own"
+  monkeypatch.setenv(compile_cache.ENV, "/ours")
+  assert compile_cache.choose() == "/ours"
+  assert compile_cache.choose("/flag") == "/flag"
+  for off in ("off", "0", "OFF"):
+    assert compile_cache.choose(off) is None
+    monkeypatch.setenv(compile_cache.ENV, off)
+    assert compile_cache.choose() is None
+  assert compile_cache.choose("/flag") == "/flag"  # the flag overrides the environment's off
+
+
+def test_second_run_loads_what_the_first_compiled(tmp_path):
+  cache = tmp_path / "cache"
+  cold, _ = run_generate(ONE_PROMPT + [f"--compile_cache={cache}"])
+  assert cold["rc"] == 0 and cold["compiles"] > 0
+  assert cold["requests"] == cold["compiles"] and cold["hits"] == 0
+  assert len(entries(cache)) >= cold["compiles"]  # every executable, however small, is cached
+  warm, _ = run_generate(ONE_PROMPT, TLT_COMPILE_CACHE=str(cache))  # the same through the env
+  # a loaded executable still counts as a compile (the engine's counter is unchanged by a hit)
+  assert warm["compiles"] == cold["compiles"] and warm["hits"] == warm["compiles"]
+
+
+def test_off_and_an_unwritable_directory_run_without_cache(tmp_path):
+  unused = tmp_path / "unused"
+  off, stderr = run_generate(ONE_PROMPT + ["--compile_cache=off"], TLT_COMPILE_CACHE=str(unused),
+                             JAX_COMPILATION_CACHE_DIR=str(unused))
+  assert off["requests"] == 0 and not unused.exists(), stderr
+  (tmp_path / "a_file").write_text("")
+  bad = tmp_path / "a_file" / "cache"
+  counts, stderr = run_generate(ONE_PROMPT, TLT_COMPILE_CACHE=str(bad))
+  assert counts["rc"] == 0 and counts["requests"] == 0
+  warnings = [line for line in stderr.splitlines() if "compile cache" in line]
+  assert warnings == [f"warning: running without a compile cache: cannot write {bad} (Not a "
+                      f"directory); --compile_cache=PATH (or TLT_COMPILE_CACHE=PATH) picks another "
+                      f"directory, =off silences this"], stderr
+  assert "Traceback" not in stderr
+
+
+def test_generate_compiles_only_what_its_request_uses(monkeypatch):
+  engines = []
+
+  class Recorded(generate.RolloutEngine):
+    def __init__(self, *a, **k):
+      super().__init__(*a, **k)
+      engines.append(self)
+
+  monkeypatch.setattr(generate, "RolloutEngine", Recorded)
+  cfg = generate._DEFAULT_CONFIG
+  from tlt_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load_config_file(cfg)
+  cfg.rollout.update(max_new_tokens=16)
+  cfg.sampling.update(max_new_tokens=16)
+  stats = generate.run(cfg, prompts=["12+7=?"])
+  engine, = engines
+  compiled = set(engine._executables)
+  # one row: its prefill and decode segments at batch 1, nothing of the other batch buckets
+  assert stats["compiles"] == len(compiled) <= 3
+  assert {key[1] for key in compiled} == {1} and ("prefill", 1, 16) in compiled
+  assert len(engine.executable_keys()) > 10 * len(compiled)
+
+
+@pytest.mark.parametrize("flag, hint", [("--prompts=1+1", "; did you mean --prompt?"),
+                                        ("--nochatt", "; did you mean --chat?"),
+                                        ("--zzz=3", "")])
+def test_an_unknown_flag_says_so_in_one_line(flag, hint):
+  proc = subprocess.run([sys.executable, "-m", "tlt_jax.generate", flag], capture_output=True,
+                        text=True, timeout=120, cwd=ROOT)
+  name = flag.split("=")[0]
+  assert proc.returncode == 2
+  assert proc.stderr == (f"error: unknown flag {name}{hint}\n"
+                         "(--help lists the flags and config fields)\n")
