@@ -1,7 +1,7 @@
 """Plants known, plausible one-line bugs ("mutants") in a temporary copy of the repository and
 checks that the tests meant to catch each one fail. Not collected by pytest; run it by hand:
 
-  python tests/mutation_check.py               # every mutant (about 5 min on 2 cores)
+  python tests/mutation_check.py               # every mutant (about 6 min on 2 cores)
   python tests/mutation_check.py --list        # names, files and the tests that must catch them
   python tests/mutation_check.py resume_skips_optimizer_state checksums_not_verified
 
@@ -206,6 +206,23 @@ MUTANTS = [
            "    pass",
            ("tests/rl/test_online_drafter.py", "-k", "resume"),
            "a resumed run's drafter trains on other batches than the uninterrupted run"),
+    # what ran, and switch costs (issue 19)
+    Mutant("tuner_reward_leaves_out_the_catch_up", "tlt_jax/rollout/scheduler.py",
+           'self.tuner.update(batch, strategy.name, delta["tokens"], seconds + switch_s)',
+           'self.tuner.update(batch, strategy.name, delta["tokens"], seconds)',
+           ("tests/rollout/test_adaptive.py", "-k", "charged_the_catch_up"),
+           "an SD segment's reward leaves out the drafter catch-up before it, so the tuner "
+           "overrates switching from vanilla"),
+    Mutant("switches_count_only_catch_ups", "tlt_jax/rollout/scheduler.py",
+           "      if previous is not None and strategy.name != previous:",
+           '      if previous == "vanilla" and strategy.spec is not None and self.learned:',
+           ("tests/rollout/test_adaptive.py", "-k", "ngram_drafter_too"),
+           "sd_switches counts only vanilla -> learned-drafter switches (none with n-gram)"),
+    Mutant("serial_drafter_budget_ignored", "tlt_jax/rl/online_drafter.py",
+           "max_seconds=c.serial_seconds or None",
+           "max_seconds=None",
+           ("tests/rl/test_online_drafter.py", "-k", "time_budget"),
+           "serial drafter training runs all serial_steps however long they take"),
 ]
 
 
