@@ -73,6 +73,20 @@ def test_second_run_loads_what_the_first_compiled(tmp_path):
   assert warm["compiles"] == cold["compiles"] and warm["hits"] == warm["compiles"]
 
 
+def test_enable_takes_effect_after_compiles(tmp_path):
+  # JAX sets its cache up at the first compile, once: enable() has it set up again
+  code = ("import sys, jax; from tlt_jax import compile_cache\n"
+          "jax.jit(lambda x: x + 1)(1); compile_cache.enable(sys.argv[1])\n"
+          "jax.jit(lambda x: x * 3)(1); compile_cache.enable(None)\n"
+          "jax.jit(lambda x: x * 5)(1); compile_cache.enable(sys.argv[2])\n"
+          "jax.jit(lambda x: x * 7)(1)")
+  first, second = tmp_path / "first", tmp_path / "second"
+  proc = subprocess.run([sys.executable, "-c", code, str(first), str(second)], capture_output=True,
+                        text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert len(entries(first)) == 1 and len(entries(second)) == 1
+
+
 def test_off_and_an_unwritable_directory_run_without_cache(tmp_path):
   unused = tmp_path / "unused"
   off, stderr = run_generate(ONE_PROMPT + ["--compile_cache=off"], TLT_COMPILE_CACHE=str(unused),
