@@ -851,25 +851,25 @@ def _metric_name(arm: str) -> str:
 
 def rollout_metrics(stats: dict, offered: dict[int, list[str]] | None = None) -> dict[str, float]:
   """Scalar metrics of a rollout's ``RolloutResult.stats``: speculative-decoding switches (every
-  change of arm between segments) and the catch-up seconds, the mean accepted length (with SD);
-  where SD may run, each arm's share of all the rollout's decode steps (``arm_share/<arm>``,
-  with ``decode_steps``) and, per batch bucket where ``offered`` (bucket -> arm names; the
-  adaptive engine's) gives a choice, its share of the bucket's decode steps
-  (``arm_steps/<bucket>/<arm>``) and tokens per second (``arm_tps/...``)."""
+  change of arm between segments) and the catch-up seconds, the mean accepted length (with SD)
+  and, where ``offered`` (bucket -> arm names; the adaptive engine's) gives a choice, each arm's
+  share of all the rollout's decode steps (``arm_share/<arm>``, with ``decode_steps``) and, per
+  such batch bucket, its share of the bucket's decode steps (``arm_steps/<bucket>/<arm>``) and
+  tokens per second (``arm_tps/...``)."""
   out = {"sd_switches": int(stats.get("switches", 0)),
          "sd_switch_s": float(stats.get("switch_s", 0.0))}
   if stats.get("mean_accept_len") is not None:
     out["mean_accept_len"] = float(stats["mean_accept_len"])
-  ran: dict[str, int] = {}  # arm -> decode steps, all buckets together
+  steps_of: dict[str, int] = {}  # arm -> decode steps, all buckets together
   for per_bucket in stats.get("arms", {}).values():
     for name, arm in per_bucket.items():
-      ran[name] = ran.get(name, 0) + arm["steps"]
-  names = dict.fromkeys(n for ns in (offered or {}).values() if len(ns) > 1 for n in ns)
-  names.update(dict.fromkeys(ran))
-  total = sum(ran.values())
-  if total and any(name != "vanilla" for name in names):  # a vanilla engine: no shares
-    for name in names:
-      out[f"arm_share/{_metric_name(name)}"] = ran.get(name, 0) / total
+      steps_of[name] = steps_of.get(name, 0) + arm["steps"]
+  shared = dict.fromkeys(n for ns in (offered or {}).values() if len(ns) > 1 for n in ns)
+  total = sum(steps_of.values())
+  if shared and total:  # no choice anywhere (vanilla, or one fixed strategy): nothing to share
+    shared.update(dict.fromkeys(steps_of))  # e.g. vanilla in a bucket too big for SD
+    for name in shared:
+      out[f"arm_share/{_metric_name(name)}"] = steps_of.get(name, 0) / total
     out["decode_steps"] = int(total)
   for bucket, names in (offered or {}).items():
     ran = stats.get("arms", {}).get(str(bucket), {})
