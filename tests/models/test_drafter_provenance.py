@@ -37,7 +37,7 @@ def test_same_policy_no_warning_other_policy_warns(tmp_path, policies):
   assert warning is not None and "\n" not in warning
   assert policy_fingerprint(policy)[:19] in warning and policy_fingerprint(other)[:19] in warning
   assert "(runs/a/final_model)" in warning and "drafter_training.online=True" in warning
-  assert "few drafts will be accepted" in warning
+  assert "expect far fewer accepted drafts; retrain it for this policy" in warning
   load_drafter(tmp_path, CONFIG)  # the record does not stop it from loading
 
 

@@ -259,8 +259,8 @@ def drafter_policy_mismatch(path: str | Path, policy) -> str | None:
     return None
   name = f" ({record['name']})" if record.get("name") else ""
   return (f"drafter {path} was trained for policy {expected[:19]}{name}, not for this one "
-          f"({actual[:19]}): decoding stays exact but few drafts will be accepted; retrain it "
-          f"for this policy or fine-tune it online (--config.drafter={path} "
+          f"({actual[:19]}): decoding stays exact, but expect far fewer accepted drafts; retrain "
+          f"it for this policy or fine-tune it online (--config.drafter={path} "
           f"--config.drafter_training.online=True)")
 
 
