@@ -3,7 +3,9 @@
 The engine decodes in segments (a bounded number of steps at one batch-size bucket). At every
 segment boundary it calls ``choose(bucket, arms)`` for the strategy of the next segment, and
 afterwards ``update(bucket, arm, tokens, seconds)`` with what that segment achieved; the reward is
-``tokens / seconds``. Nothing here touches JAX: the tuner is plain Python and numpy on the host.
+``tokens / seconds``, where the scheduler's ``seconds`` include the drafter catch-up that a switch
+from vanilla ran before the segment. Nothing here touches JAX: the tuner is plain Python and numpy
+on the host.
 
 Grouping. The engine offers each batch-size bucket only the strategies whose verify width suits
 it (bigger batches get narrower verify), so every bucket is its own group of arms with its own
