@@ -111,7 +111,7 @@ def test_run_sd_summary_weighs_steps_by_their_decode_steps():
        "mean_accept_len": 2.5, "sd_switches": 4, "sd_switch_s": 0.25, "drafter_spot_steps": 2,
        "drafter_serial_steps": 3, "drafter_serial_s": 0.5, "drafter_loss": 1.0,
        "drafter_top1": 0.4}]
-  assert run_sd_summary(history) == (
+  assert run_sd_summary(history[:1] + [{"step": 1, "eval_accuracy": 0.5}] + history[1:]) == (
       "SD: vanilla 80% chain_d3 20% of decode steps; mean accepted length 2.50 (1 of 2 steps "
       "with SD); 4 switches (0.25 s catch-up); drafter 2 spot + 6 serial steps (1.00 s serial), "
       "held-out top-1 0.100 -> 0.400")

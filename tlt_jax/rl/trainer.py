@@ -901,7 +901,8 @@ def run_sd_summary(history: list[dict]) -> str:
   """A run's speculative decoding in one line from its steps' metrics: each arm's share of the
   decode steps, the mean accepted length over the steps where SD ran, switches and catch-up
   seconds, and the online drafter's steps and held-out top-1 first -> last (empty when no step
-  could speculate)."""
+  could speculate). Rows without ``sd_switches`` (e.g. evaluations) are not RL steps: skipped."""
+  history = [m for m in history if "sd_switches" in m]
   steps: dict[str, float] = {}
   for m in history:
     weight = m.get("decode_steps", 1)
