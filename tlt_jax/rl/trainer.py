@@ -577,26 +577,27 @@ class GRPOTrainer:
     sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               seed=(cfg.seed * 1_000_003 + self.step_count) % 2**32)
     online, parallel = self.online, isinstance(self.engine, DataParallelRollout)
+    # spot training: shards reach the buffer as they finish, for the idle devices to train on;
+    # else the rows go in after the rollout, in row order, whichever device finished first
+    spot = parallel and online is not None and online.config.spot
     extra = {}
     if online is not None:
       extra["collect_hidden"] = online.collect_fraction()
-      if parallel:
+      if spot:
         extra["shard_done"], extra["idle"] = online.hooks(self.step_count, prompts, self.engine)
     result = self.engine.generate(prompts, sampling, **extra)
     t_rollout = time.perf_counter() - t0
     drafter_metrics = {}
     if online is not None:
-      if not parallel:
+      if not spot:
         online.add(self.step_count, prompts, result)
       first = self.rollout_devices[0]
       # held out: the weights that drafted this rollout, on its freshest data
       evaluation = online.evaluate(self.engine.target_params(0), first,
                                    params=self.engine.drafter_params)
       # one rollout device (or spot training off): the drafter trains now, under its budget
-      serial = None
-      if not parallel or not online.config.spot:
-        serial = online.serial(self.engine.target_params(0), first)
-      drafter_metrics = step_metrics(result.stats, online.spot_runs() if parallel else [],
+      serial = None if spot else online.serial(self.engine.target_params(0), first)
+      drafter_metrics = step_metrics(result.stats, online.spot_runs() if spot else [],
                                      serial, evaluation)
       self._sync_drafter()
     elif parallel:

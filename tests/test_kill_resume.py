@@ -1,0 +1,182 @@
+"""Kill-and-resume of the main job with every feature that writes state: a run stopped at a random
+step (SIGKILL, Ctrl-C's SIGINT, or the SIGTERM of a preemption) and resumed logs the same per-step
+metrics as an uninterrupted run with the same seed, and ends with the same weights.
+
+Cases: the default job; ``drafter=eagle`` (drafter, optimizer, data buffer, selective saves, the
+tuner of its adaptive engine) on one device and data-parallel on two; the n-gram drafter with the
+adaptive engine. Whatever depends on the machine's timing differs between any two runs, so the
+cases avoid it: the tuners map buckets to arms (``kind="fixed"``; a bandit's choices follow
+measured speeds, and with rejection sampling the tokens follow the arms), their saved state
+(decisions and pulls per bucket and arm) must match the uninterrupted run's; on two devices the
+drafter trains in serial steps (``spot=False``: how many spot steps fit in a tail is timing). The CLI subprocesses share the
+session's persistent compilation cache (tests/conftest.py), so only the first run of a program
+compiles it.
+"""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.xla_env import device_count_flags
+from tlt_jax.models import hf
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 5
+TINY = {"task.max_digits": 3, "model.hidden_size": 32, "model.intermediate_size": 64,
+        "model.num_layers": 1, "sft.steps": 3, "sft.rows": 2, "sft.row_len": 64,
+        "trainer.steps": STEPS, "trainer.prompts_per_step": 4, "grpo.group_size": 2,
+        "trainer.minibatches": 2, "trainer.max_new_tokens": 24, "trainer.eval_problems": 4,
+        "trainer.learning_rate": 1e-3, "rollout.max_batch": 8, "rollout.max_prompt_len": 16,
+        "checkpoint_every": 2}
+
+
+def fixed_tuner(sd_arm: str) -> dict:
+  """The adaptive engine with a fixed tuner: SD in buckets 1-2, vanilla in 4-8."""
+  return {"rollout.tuner.kind": "fixed",
+          "rollout.tuner.fixed": f'((2, "{sd_arm}"), (8, "vanilla"))'}
+
+
+EAGLE = {"drafter": "eagle", "drafter_training.rows": 2, "drafter_training.seq_len": 32,
+         "drafter_training.serial_steps": 2, **fixed_tuner("chain d3")}
+CASES = {
+    "default": ({}, 1),
+    "eagle": (EAGLE, 1),
+    "eagle_2_devices": ({**EAGLE, "drafter_training.spot": False, "rollout_devices": 2}, 2),
+    "ngram_adaptive": ({"drafter": "ngram", "rollout.strategies": "((2, 1, 3),)",
+                        "rollout.segment_steps": 4, **fixed_tuner("ngram d2")}, 1),
+}
+# what a step measures in seconds (or counts by timing) differs between any two runs
+TIMED = ("_s", "_ms")
+TIMED_PREFIXES = ("arm_tps/", "tail_idle")
+
+
+def command(logdir, flags: dict, *extra) -> list[str]:
+  return [sys.executable, "-m", "tlt_jax.train", f"--config.logdir={logdir}",
+          *[f"--config.{k}={v}" for k, v in {**TINY, **flags}.items()], *extra]
+
+
+def env(devices: int) -> dict:
+  return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+              XLA_FLAGS=device_count_flags(devices))
+
+
+def run_job(logdir, flags, devices, *extra, kill=None, timeout=600):
+  """Runs the job; ``kill=(signal, step)`` sends the signal once step ``step`` is logged.
+  Returns (returncode, stdout, stderr)."""
+  logdir = pathlib.Path(logdir)
+  logdir.parent.mkdir(parents=True, exist_ok=True)
+  err_path = logdir.parent / f"{logdir.name}.stderr"
+  with open(err_path, "w", encoding="utf-8") as err:  # progress bars: a file, never a full pipe
+    proc = subprocess.Popen(command(logdir, flags, *extra), stdout=subprocess.PIPE, stderr=err,
+                            text=True, cwd=ROOT, env=env(devices))
+    lines, deadline = [], time.time() + timeout
+    try:
+      if kill is not None:
+        sig, step = kill
+        for line in proc.stdout:
+          lines.append(line)
+          if line.startswith(f"step {step:4d}/") or time.time() > deadline:
+            break
+        proc.send_signal(sig)
+      out, _ = proc.communicate(timeout=max(10.0, deadline - time.time()))
+    finally:
+      proc.kill()
+  return proc.returncode, "".join(lines) + out, err_path.read_text(encoding="utf-8")
+
+
+def step_rows(logdir) -> list[dict]:
+  """metrics.jsonl's rows (RL steps and evaluations) without what depends on timing."""
+  rows = [json.loads(line) for line in (pathlib.Path(logdir) / "metrics.jsonl").open()]
+  return [{k: v for k, v in row.items()
+           if not k.endswith(TIMED) and not k.startswith(TIMED_PREFIXES)} for row in rows]
+
+
+def final_params(logdir) -> list[np.ndarray]:
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  model, _ = hf.from_pretrained(pathlib.Path(logdir) / "final_model")
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+  """One uninterrupted run per case, made when a test first needs it."""
+  made = {}
+
+  def get(case: str) -> pathlib.Path:
+    if case not in made:
+      flags, devices = CASES[case]
+      logdir = tmp_path_factory.mktemp(f"ref_{case}") / "run"
+      rc, out, err = run_job(logdir, flags, devices)
+      assert rc == 0, err[-3000:]
+      made[case] = logdir
+    return made[case]
+
+  return get
+
+
+SIGNAL_CASES = [("default", signal.SIGKILL), ("default", signal.SIGTERM),
+                ("eagle", signal.SIGKILL), ("eagle", signal.SIGINT),
+                ("eagle_2_devices", signal.SIGKILL), ("ngram_adaptive", signal.SIGTERM)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, sig", SIGNAL_CASES,
+                         ids=[f"{c}-{signal.Signals(s).name}" for c, s in SIGNAL_CASES])
+def test_a_stopped_run_resumes_to_the_uninterrupted_one(references, tmp_path, case, sig):
+  flags, devices = CASES[case]
+  seed = random.randrange(2**32)
+  # stop once this step is logged; a SIGKILL after a checkpoint (every 2 steps), so that there
+  # is something to resume, with steps to do again when it is odd
+  at = random.Random(seed).randint(2 if sig == signal.SIGKILL else 1, STEPS - 2)
+  why = f"{case}, {signal.Signals(sig).name} after step {at} (seed {seed})"
+  logdir = tmp_path / "run"
+  rc, out, err = run_job(logdir, flags, devices, kill=(sig, at))
+  assert f"step {at:4d}/{STEPS}" in out, (why, err[-3000:])
+  assert not (logdir / "final_model").exists(), why
+  if sig == signal.SIGKILL:
+    assert rc == -signal.SIGKILL, (why, rc, err[-2000:])
+    rc, _, err = run_job(logdir, flags, devices)  # the same command without resume: refused
+    assert rc == 2 and "--config.resume=True" in err, (why, rc, err[-2000:])
+  else:  # the step in flight ends, is saved, and the message says how to go on
+    assert rc == 128 + sig, (why, rc, err[-3000:])
+    assert "Traceback" not in err, (why, err[-3000:])
+    assert f"stopped by {signal.Signals(sig).name} after step" in err, (why, err[-2000:])
+    assert f"--config.logdir={logdir} --config.resume=True" in err, why
+    stopped = int(err.split("stopped by")[1].split("after step")[1].split(",")[0])
+    assert (logdir / "checkpoints" / str(stopped)).is_dir(), (why, stopped)
+
+  rc, out, err = run_job(logdir, flags, devices, "--config.resume=True")
+  assert rc == 0, (why, err[-3000:])
+  assert "resumed from" in out, why
+  reference = references(case)
+  want, got = step_rows(reference), step_rows(logdir)
+  assert [r["step"] for r in got] == [r["step"] for r in want], why
+  for a, b in zip(want, got):
+    assert a == b, (why, {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
+                          if a.get(k) != b.get(k)})
+  for a, b in zip(final_params(reference), final_params(logdir)):
+    np.testing.assert_array_equal(a, b, err_msg=why)
+  if case.startswith("eagle"):
+    assert (logdir / "final_drafter").is_dir() and any(
+        k.startswith("drafter_loss") for k in got[1]), why
+  if "rollout.tuner.kind" in flags:  # the tuner decided, it shows, and its state went on
+    assert any(k.startswith("arm_steps/") for k in got[1]), (why, sorted(got[1]))
+    assert tuner_counts(reference) == tuner_counts(logdir), why
+
+
+def tuner_counts(logdir) -> dict:
+  """Decisions per bucket and pulls per arm in the tuner state of the run's last checkpoint."""
+  directory = pathlib.Path(logdir) / "checkpoints"
+  last = max(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+  tuner = json.loads((directory / str(last) / "metadata" / "metadata").read_text())["tuner"]
+  return {bucket: (b["decisions"], sorted((arm[0], arm[1]) for arm in b["arms"]))
+          for bucket, b in tuner["buckets"].items()}
