@@ -5,8 +5,10 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from tests.xla_env import device_count_flags
 from tlt_jax import generate, train
 from tlt_jax.config import ConfigError, load_config_file
 from tlt_jax.models.drafter import Drafter, save_drafter
+from tlt_jax.rl.trainer import NonFiniteUpdateError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(task=dict(max_digits=3), model=dict(hidden_size=32, intermediate_size=64,
@@ -176,6 +179,12 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
     ("rollout.verify", "exact", r"config.rollout.verify must be one of"),
     ("rollout.segment_steps", -1, r"config.rollout.segment_steps must be an int >= 0"),
     ("rollout.sd_max_batch", 0, r"config.rollout.sd_max_batch must be a positive int"),
+    # checks that need the devices or the task's prompts, still before the warm start
+    ("rollout_devices", 99, r"config.rollout_devices=99 but the mesh has \d+ devices"),
+    ("mesh_devices", 99, r"config.mesh_devices=99 but only \d+ devices are visible"),
+    ("rollout.max_prompt_len", 6, (r"config.rollout.max_prompt_len=6 is shorter than the task's "
+                                   r"prompts: a .*problem.* has \d+ tokens .*at least \d+")),
+    ("trainer.learning_rate", float("inf"), r"learning_rate must be a finite number > 0"),
 ])
 def test_bad_values_are_rejected_before_work(tmp_path, no_work, field, value, match):
   cfg = tiny_config(tmp_path)
@@ -213,6 +222,136 @@ def test_unusable_drafters_are_rejected_before_work(tmp_path, no_work, saved_dra
   with pytest.raises(ConfigError, match=r"config.rollout.strategies .* n-gram drafter drafts "
                                         r"chains"):
     train.run(cfg)
+
+
+def test_a_fixed_tuner_naming_an_arm_not_offered_is_rejected_before_work(tmp_path, no_work):
+  cfg = tiny_config(tmp_path, drafter="ngram")
+  cfg.rollout.strategies = ((2, 1, 3),)
+  cfg.rollout.tuner.update(kind="fixed", fixed=((8, "chain d2"),))  # n-gram chains: "ngram d2"
+  with pytest.raises(ConfigError, match=r"config.rollout.tuner.fixed maps bucket 1 to 'chain d2', "
+                                        r"which is not offered there; offered arms: "
+                                        r"\['vanilla', 'ngram d2'\]"):
+    train.run(cfg)
+
+
+def test_a_refused_resume_writes_nothing(finished_run, tmp_path):
+  """A resume whose override does not fit the checkpoint fails and leaves config.json and
+  metrics.jsonl as they were (a plain resume then still works)."""
+  logdir = tmp_path / "copy"
+  shutil.copytree(finished_run[0], logdir)
+  shutil.rmtree(logdir / "final_model")  # unfinished, so the resume restores
+  before = {name: (logdir / name).read_bytes() for name in ("config.json", "metrics.jsonl")}
+  cfg = tiny_config(logdir, resume=True)
+  cfg.model.hidden_size = 64  # the checkpoint's policy has 32
+  with pytest.raises(ValueError):
+    train.run(cfg, overrides=["model.hidden_size"])
+  assert {name: (logdir / name).read_bytes() for name in before} == before
+
+
+class FakeTrainer:
+  """What ``train._train`` uses of a GRPOTrainer; ``step`` runs ``on_step(step)`` first."""
+
+  def __init__(self, on_step=lambda step: None):
+    self.step_count, self.saved, self.on_step = 0, [], on_step
+    self.config = types.SimpleNamespace(eval_problems=1, temperature=1.0)
+    self.last_lengths = np.zeros(1, np.int64)
+
+  def evaluate(self, **kwargs):
+    return 0.5
+
+  def step(self):
+    self.on_step(self.step_count + 1)
+    self.step_count += 1
+    return dict(step=self.step_count, reward=0.5, loss=0.0, len_p50=1, len_p90=1, len_max=1,
+                rollout_s=0.0, tail_s=0.0, update_s=0.0, step_s=0.0)
+
+  def save(self, checkpointer, metadata=None):
+    self.saved.append(self.step_count)
+    checkpointer.steps.append(self.step_count)
+
+
+class FakeCheckpointer:
+  def __init__(self, steps=()):
+    self.steps = list(steps)
+
+  def latest_step(self):
+    return self.steps[-1] if self.steps else None
+
+  def step_dir(self, step):
+    return f"checkpoints/{step}"
+
+
+class FakeLog:
+  def __init__(self):
+    self.rows = []
+
+  def write(self, step, metrics):
+    self.rows.append((step, metrics))
+
+
+def fake_job(tmp_path, steps=4, checkpoint_every=0):
+  return types.SimpleNamespace(cfg=tiny_config(tmp_path, checkpoint_every=checkpoint_every),
+                               trainer=types.SimpleNamespace(steps=steps), logdir=tmp_path,
+                               drafter_save_every=0)
+
+
+@pytest.mark.parametrize("checkpoints, advice", [
+    ((), r"run the job again \(no checkpoint was written yet, so it starts over\)"),
+    ((2,), r"resume from step 2: continue with: python -m tlt_jax.train --config.logdir=.* "
+           r"--config.resume=True"),
+])
+def test_a_non_finite_update_advises_what_works(tmp_path, checkpoints, advice):
+  """The advice names a config field that exists and a resume only where there is a checkpoint
+  (the command line takes the field: test_mistakes_are_one_line_errors_without_traceback)."""
+  def diverge(step):
+    raise NonFiniteUpdateError(f"RL step {step}: 1 of 2 policy updates were not finite")
+  with pytest.raises(NonFiniteUpdateError, match=advice + r" and add "
+                     r"--config.trainer.on_nonfinite=skip .* or a lower "
+                     r"--config.trainer.learning_rate"):
+    train._train(FakeTrainer(diverge), fake_job(tmp_path), FakeCheckpointer(checkpoints),
+                 FakeLog())
+  assert "on_nonfinite" in load_config_file(ROOT / "configs" / "tiny_grpo.py").trainer
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_rl_stops_after_the_step_in_flight_and_saves_it(tmp_path, sig):
+  """The first SIGTERM/SIGINT lets step 2 finish, checkpoints it (checkpoint_every=0 would save
+  only at the end) and stops with 128 + the signal; a second one stops at once."""
+  trainer = FakeTrainer(lambda step: os.kill(os.getpid(), sig) if step == 2 else None)
+  log = FakeLog()
+  with train.StopSignals() as stop:
+    with pytest.raises(train.Interrupted, match=rf"stopped by {sig.name} after step 2, saved as "
+                                                r"checkpoints/2; continue with") as e:
+      train._train(trainer, fake_job(tmp_path), FakeCheckpointer(), log, stop=stop)
+  assert e.value.exit_code == 128 + sig and trainer.saved == [2]
+  assert [step for step, _ in log.rows] == [0, 1, 2]  # the start evaluation, then both steps
+
+  def twice(step):
+    if step == 2:
+      os.kill(os.getpid(), sig)
+      os.kill(os.getpid(), sig)
+  trainer = FakeTrainer(twice)
+  with train.StopSignals() as stop:
+    with pytest.raises(train.Interrupted, match=r"interrupted during step 2; no checkpoint was "
+                                                r"written yet") as e:
+      train._train(trainer, fake_job(tmp_path), FakeCheckpointer(), FakeLog(), stop=stop)
+  assert e.value.exit_code == 128 + sig and trainer.saved == []
+  assert signal.getsignal(signal.SIGTERM) is not stop._handle  # handlers restored
+
+
+def test_a_drafter_saved_for_another_policy_is_named_in_a_warning(tmp_path, monkeypatch, capsys):
+  """Checked against the policy RL starts from (after the warm start), before the trainer."""
+  job = train.build_job(tiny_config(tmp_path / "unused"))
+  other = train.init_model(job.model_config, seed=7)  # same shape, other weights
+  save_drafter(Drafter.create(job.model_config, seed=1), tmp_path / "for_other", policy=other,
+               policy_name="another run")
+  def stop(*args, **kwargs):
+    raise RuntimeError("stopped before the trainer")
+  monkeypatch.setattr(train, "GRPOTrainer", stop)
+  with pytest.raises(RuntimeError, match="stopped before the trainer"):
+    train.run(tiny_config(tmp_path / "run", drafter=str(tmp_path / "for_other")))
+  out = capsys.readouterr().out
+  assert "warning: drafter " in out and "(another run), not for this one" in out, out[-2000:]
 
 
 def checkpoint_tuner(logdir, step: int) -> dict:
@@ -293,6 +432,9 @@ def test_help_lists_the_config_fields():
   done = cli("--help")
   assert done.returncode == 0
   assert "--config.trainer.steps=80" in done.stdout and "--config.resume=False" in done.stdout
+  assert "--config.trainer.on_nonfinite='stop'" in done.stdout
+  # model.path is not a field of the default config: the help says where it comes from
+  assert "A real-model config" in done.stdout and "--config.model.path" not in done.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -308,6 +450,9 @@ def test_help_lists_the_config_fields():
     # the adaptive fields parse from the command line (the error is about the missing drafter)
     (["--config.rollout.strategies=((4, 1, 5), (4, 2, 8))", "--config.rollout.tuner.kind=ucb1",
       "--config.rollout.segment_steps=8"], "config.rollout.strategies needs a drafter"),
+    # the field a non-finite update's advice names parses (the error is about the devices)
+    (["--config.trainer.on_nonfinite=skip", "--config.rollout_devices=99"],
+     "config.rollout_devices=99 but the mesh has"),
 ])
 def test_mistakes_are_one_line_errors_without_traceback(tmp_path, args, message):
   done = cli(f"--config.logdir={tmp_path / 'run'}", *args)
@@ -398,7 +543,9 @@ def test_eagle_drafter_trains_online_saves_resumes_and_exports(tmp_path):
   assert sorted(p.name for p in (logdir / "drafter_checkpoints").iterdir()) == ["1", "2"]
   drafter = load_drafter(logdir / "final_drafter")
   assert drafter.config.hidden_size == 32
-  # resume for one more step: the drafter continues from its saved step count (4 -> 6)
+  # killed after step 2's selective drafter save but before its full checkpoint: the resumed run
+  # does step 2 again (its drafter save is dropped and written anew), then step 3
+  shutil.rmtree(logdir / "checkpoints" / "2")
   again = load_config_file(ROOT / "configs" / "tiny_grpo.py")
   again.logdir, again.resume = str(logdir), True
   again.trainer.steps = 3
@@ -409,3 +556,10 @@ def test_eagle_drafter_trains_online_saves_resumes_and_exports(tmp_path):
     assert checkpointer.latest_step() == 3
   last = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
   assert [r["step"] for r in last if "reward" in r] == [1, 2, 3]
+  assert sorted(p.name for p in (logdir / "drafter_checkpoints").iterdir()) == ["2", "3"]
+  # final_drafter/ records the policy it was trained with: final_model/
+  from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.drafter import drafter_policy, drafter_policy_mismatch  # pylint: disable=import-outside-toplevel
+  final, _ = hf.from_pretrained(logdir / "final_model")
+  assert drafter_policy(logdir / "final_drafter")["name"] == str(logdir / "final_model")
+  assert drafter_policy_mismatch(logdir / "final_drafter", final) is None

@@ -45,14 +45,14 @@ from tlt_jax.checkpoint import Checkpointer, count_nonfinite
 from tlt_jax.config import ConfigError, check_keys, section, to_dataclass
 from tlt_jax.models import hf
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import Drafter, load_drafter
+from tlt_jax.models.drafter import Drafter, drafter_policy_mismatch, load_drafter
 from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.sft import SFTConfig, warm_start
 from tlt_jax.rl.tasks import ArithmeticTask, Task, chat_prompt
 from tlt_jax.rl.trainer import GRPOTrainer, NonFiniteUpdateError, TrainerConfig, \
-    check_update_layout, encode_prompt, eval_problems, step_problems
+    arm_line, check_update_layout, encode_prompt, eval_problems, run_sd_summary, step_problems
 from tlt_jax.rl.online_drafter import DrafterTrainingConfig
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
@@ -591,6 +591,10 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
     model = initial_model(job, cfg.seed)
     if not cfg.resume:
       model = _warm_start(model, job)
+    if isinstance(job.drafter, Drafter) and cfg.drafter != "eagle":
+      warning = drafter_policy_mismatch(cfg.drafter, model)  # the policy RL starts from
+      if warning:
+        _say(f"warning: {warning}")
     trainer = GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
                           mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
                           rollout_devices=cfg.get("rollout_devices", 0),
@@ -716,7 +720,8 @@ class Interrupted(KeyboardInterrupt):
 def export_final_drafter(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
   """Writes the online-trained drafter to ``<logdir>/final_drafter`` atomically (loads with
   ``tlt_jax.models.drafter.load_drafter``)."""
-  return replace_dir(job.logdir / FINAL_DRAFTER, trainer.online.export)
+  return replace_dir(job.logdir / FINAL_DRAFTER, lambda tmp: trainer.online.export(
+      tmp, policy=trainer.params, policy_name=str(job.logdir / FINAL_MODEL)))
 
 
 def _warm_start(model, job: Job):
@@ -822,7 +827,8 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
         _say(f"step {m['step']:4d}/{job.trainer.steps} reward {m['reward']:.3f} loss "
              f"{m['loss']:+.4f} len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
              f"{m['len_max']} rollout {m['rollout_s']:.1f}s (tail {m['tail_s']:.1f}s) update "
-             f"{m['update_s']:.1f}s" + _drafter_line(m))
+             f"{m['update_s']:.1f}s" + _drafter_line(m) +
+             (f" | {arms}" if (arms := arm_line(m)) else ""))
   except NonFiniteUpdateError as e:
     latest = checkpointer.latest_step()
     then = (f"resume from step {latest}: {_resume_hint(job)}" if latest is not None else
@@ -863,6 +869,9 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
        f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; rollout "
        f"{100 * summary['rollout_share']:.0f}% of step time (tail "
        f"{100 * summary['tail_share']:.0f}%)")
+  sd = run_sd_summary(log.rows())  # the whole run's steps, those before a resume too
+  if sd:
+    _say(sd)
   return summary
 
 
