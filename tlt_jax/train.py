@@ -818,7 +818,7 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
           drafter_ckpt.save(trainer.step_count, trainer.online.checkpoint_state())
           m["drafter_save_ms"] = 1e3 * (time.perf_counter() - t0)
         if (cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0) or \
-            trainer.step_count == job.trainer.steps or stop.signum is not None:
+            trainer.step_count == job.trainer.steps:
           t0 = time.perf_counter()
           trainer.save(checkpointer, {"config": cfg.to_dict()})  # everything, blocking
           m["checkpoint_save_ms"] = 1e3 * (time.perf_counter() - t0)
@@ -845,7 +845,7 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
                       f"interrupted during step {trainer.step_count + 1}; {where}; "
                       f"{_resume_hint(job)}") from None
   if stop.signum is not None and trainer.step_count < job.trainer.steps:
-    if saved_step != trainer.step_count:  # the signal landed after this step's save check
+    if saved_step != trainer.step_count:  # the step in flight when the signal came
       trainer.save(checkpointer, {"config": cfg.to_dict()})
     raise Interrupted(stop.signum, f"stopped by {signal.Signals(stop.signum).name} after step "
                       f"{trainer.step_count}, saved as "
