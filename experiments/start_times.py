@@ -97,13 +97,13 @@ def main() -> None:
       runs = {"cold": [], "warm": [], "no_cache": []}
       for r in range(repeats):  # cold, warm and (generate) no cache, interleaved
         cache = work / f"cache_{name}_{r}"
-        for kind in ("cold", "warm") if name == "train" else tuple(runs):
+        for kind in ("cold", "warm") if name == "train" else ("cold", "warm", "no_cache"):
           extra = [f"--compile_cache={cache}" if kind != "no_cache" else "--compile_cache=off"]
           if name == "train":
             extra.append(f"--config.logdir={work / f'logdir_{kind}_{r}'}")
           runs[kind].append(timed(cmd + extra, first))
-          if kind == "cold":
-            runs.setdefault("cache", cache_size(cache))
+          if kind == "cold" and r == 0:
+            results.setdefault("cache_after_cold", {})[name] = cache_size(cache)
           print(name, kind, runs[kind][-1]["first_s"], runs[kind][-1]["total_s"], flush=True)
       if args.baseline and name.startswith("generate"):
         runs["precompile_all_no_cache"] = [timed(
@@ -119,11 +119,16 @@ def main() -> None:
                                           for w, c in zip(runs["warm"], runs["cold"])]
       results["runs"][name] = dict(command=" ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
                                    summary=summary, **runs)
+      write(args.out, results)  # after each scenario, so a failure later keeps these
   finally:
     shutil.rmtree(work, ignore_errors=True)
-  pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+  write(args.out, results)
   print(f"wrote {args.out}")
+
+
+def write(path: str, results: dict) -> None:
+  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+  pathlib.Path(path).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
