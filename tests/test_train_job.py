@@ -122,9 +122,9 @@ def test_a_garbled_checkpoint_is_reported_and_the_run_resumes_from_the_last_good
 
 def test_resume_config_takes_only_the_named_overrides():
   saved = load_config_file(ROOT / "configs" / "tiny_grpo.py")
-  saved.trainer.steps = 40
-  cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")  # steps=80 by default
-  cfg.trainer.learning_rate = 1e-4
+  saved.trainer.steps, saved.trainer.learning_rate = 40, 2e-5
+  cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
+  cfg.trainer.steps, cfg.trainer.learning_rate = 80, 1e-4
   merged, notes = train.resume_config(cfg, saved, overrides=["trainer.learning_rate"])
   assert merged.trainer.steps == 40 and merged.trainer.learning_rate == 1e-4
   assert notes == ["  trainer.learning_rate: 2e-05 -> 0.0001 (override)"]
@@ -431,7 +431,8 @@ def cli(*args, timeout=120):
 def test_help_lists_the_config_fields():
   done = cli("--help")
   assert done.returncode == 0
-  assert "--config.trainer.steps=80" in done.stdout and "--config.resume=False" in done.stdout
+  steps = load_config_file(ROOT / "configs" / "tiny_grpo.py").trainer.steps
+  assert f"--config.trainer.steps={steps}" in done.stdout and "--config.resume=False" in done.stdout
   assert "--config.trainer.on_nonfinite='stop'" in done.stdout
   # model.path is not a field of the default config: the help says where it comes from
   assert "A real-model config" in done.stdout and "--config.model.path" not in done.stdout

@@ -86,19 +86,29 @@ def set_dotted(cfg: ml_collections.ConfigDict, name: str, value: Any) -> None:
     cfg[key] = value
 
 
-def read_json_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-  """A config saved as JSON (a run's ``config.json``); errors name the file."""
+def read_json_object(path: str | pathlib.Path, advice: str = "") -> dict:
+  """The JSON object in the file ``path``; a garbled file, or one holding another JSON value,
+  raises a one-line ``ValueError`` naming it (``advice``, if given, says what to do)."""
   path = pathlib.Path(path)
   try:
     data = json.loads(path.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON ({e})" + (f"; {advice}" if advice else "")
+                     ) from None
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+  return data
+
+
+def read_json_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+  """A config saved as JSON (a run's ``config.json``); errors name the file."""
+  try:
+    return ml_collections.ConfigDict(read_json_object(
+        path, "restore it from a backup or delete the run's logdir to start over"))
   except FileNotFoundError:
     raise ConfigError(f"{path} does not exist") from None
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ConfigError(f"{path} is not valid JSON ({e}); restore it from a backup or "
-                      "delete the run's logdir to start over") from None
-  if not isinstance(data, dict):
-    raise ConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
-  return ml_collections.ConfigDict(data)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def write_json_config(cfg: ml_collections.ConfigDict, path: str | pathlib.Path) -> None:

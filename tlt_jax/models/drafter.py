@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from tlt_jax.config import read_json_object
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import (DecoderLayer, KVCache, Transformer, positions_and_mask,
                                         rope_inv_freq)
@@ -229,14 +230,7 @@ def save_drafter(drafter: Drafter, path: str | Path, policy=None,
 
 def _read_config(path: Path) -> dict:
   """The parsed drafter config json; a garbled one raises a one-line ValueError."""
-  config_path = path / CONFIG_FILE
-  try:
-    raw = json.loads(config_path.read_text(encoding="utf-8"))
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{config_path} is not valid JSON ({e}); save the drafter again") from None
-  if not isinstance(raw, dict):
-    raise ValueError(f"{config_path} must hold a JSON object, got {type(raw).__name__}")
-  return raw
+  return read_json_object(path / CONFIG_FILE, "save the drafter again")
 
 
 def drafter_policy(path: str | Path) -> dict | None:

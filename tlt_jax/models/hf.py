@@ -21,6 +21,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from tlt_jax.config import read_json_object
 from tlt_jax.models.config import ARCHITECTURES, ModelConfig, RopeScaling
 from tlt_jax.models.transformer import Transformer
 
@@ -198,13 +199,7 @@ def read_hf_config(path: str | Path) -> dict:
   config_path = Path(path) / CONFIG_FILE
   if not config_path.is_file():
     raise FileNotFoundError(f"No {CONFIG_FILE} in {Path(path)} (expected {config_path})")
-  try:
-    hf_config = json.loads(config_path.read_text(encoding="utf-8"))
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{config_path} is not valid JSON ({e})") from None
-  if not isinstance(hf_config, dict):
-    raise ValueError(f"{config_path} must hold a JSON object, got {type(hf_config).__name__}")
-  return hf_config
+  return read_json_object(config_path)
 
 
 # ----------------------------------------------------------------------------- weights
