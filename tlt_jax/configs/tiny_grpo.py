@@ -39,8 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
   # row padded to the full length); on_nonfinite: a non-finite update "stop"s the run (params
   # as before the step) or is "skip"ped and counted
   c.trainer = ml_collections.ConfigDict(dict(
-      steps=80, prompts_per_step=8, learning_rate=2e-5, warmup_steps=2, grad_clip=1.0,
-      minibatches=2, epochs=1, max_new_tokens=96, temperature=1.0, eval_problems=128,
+      steps=60, prompts_per_step=32, learning_rate=5e-5, warmup_steps=2, grad_clip=1.0,
+      minibatches=2, epochs=1, max_new_tokens=96, temperature=1.0, eval_problems=512,
       update_tokens=2048, on_nonfinite="stop"))
   # EngineConfig of the rollout engine (batch buckets up to max_batch rows). The adaptive
   # engine (needs a drafter): strategies lists [depth, topk, verify_tokens] triples, e.g.
