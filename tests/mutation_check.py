@@ -264,6 +264,20 @@ MUTANTS = [
            "        check_finite(array, file, hf_name)\n", "",
            ("tests/models/test_hf.py", "-k", "nonfinite"),
            "from_pretrained loads NaN/Inf weights without a word"),
+    Mutant("cache_skips_quick_compiles", "tlt_jax/compile_cache.py",
+           '    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)',
+           "    pass  # JAX default: only compiles over a second are cached",
+           ("tests/test_compile_cache.py::test_second_run_loads_what_the_first_compiled",),
+           "the compile cache keeps only programs that took over a second: most of ours recompile"),
+    Mutant("generate_precompiles_every_bucket", "tlt_jax/configs/tiny_generate.py",
+           "compaction=True, precompile=False))", "compaction=True, precompile=True))",
+           ("tests/test_compile_cache.py::test_generate_compiles_only_what_its_request_uses",),
+           "generate compiles every bucket to answer one prompt"),
+    Mutant("cache_not_reset_on_enable", "tlt_jax/compile_cache.py",
+           "  compilation_cache.reset_cache()  # JAX decides on its cache at the first compile, once",
+           "  pass",
+           ("tests/test_compile_cache.py::test_enable_takes_effect_after_compiles",),
+           "a cache enabled after a first compile is never used"),
 ]
 
 

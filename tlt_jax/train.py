@@ -1,6 +1,7 @@
 """The main job: warm start + GRPO on long-tail arithmetic, or GRPO of a pretrained model.
 
   python -m tlt_jax.train [--config=CONFIG_FILE] [--config.<field>=VALUE ...] [--verbose]
+                         [--compile_cache=PATH|off]
 
 By default builds a tiny char-level policy, warm-starts it with supervised steps on correct
 traces, then runs GRPO (rollout -> reward -> advantages -> policy update) data-parallel over
