@@ -668,9 +668,9 @@ class StopSignals:
   """SIGINT (Ctrl-C) and SIGTERM (what SLURM and Kubernetes send before preemption) for a run.
 
   Inside ``graceful()`` (the RL steps) the first signal asks the run to stop after the step in
-  flight, which is then checkpointed; a second one stops at once, like Ctrl-C elsewhere: a
-  ``KeyboardInterrupt`` (``Interrupted`` for SIGTERM) that names the last checkpoint. Outside
-  it both interrupt at once. Handlers are installed only from the main thread.
+  flight, which is then checkpointed; a second one stops at once, as either does outside it: an
+  ``Interrupted`` (a ``KeyboardInterrupt``) is raised wherever the main thread is. Handlers are
+  installed only from the main thread, and the previous ones come back on exit.
   """
 
   def __init__(self):
