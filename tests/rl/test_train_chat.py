@@ -28,7 +28,8 @@ def model_dir(tmp_path_factory):
   return directory
 
 
-def smollm2_config(name: str, model_dir, logdir) -> ml_collections.ConfigDict:
+def smollm2_config(name: str, model_dir, logdir, max_prompt_len: int = 256
+                   ) -> ml_collections.ConfigDict:
   """A SmolLM2 config with the tiny model, shrunk to one quick step."""
   cfg = load_config_file(ROOT / "configs" / f"{name}.py")
   cfg.model.path = str(model_dir)
@@ -39,7 +40,8 @@ def smollm2_config(name: str, model_dir, logdir) -> ml_collections.ConfigDict:
                           eval_problems=2, update_tokens=0))
   cfg.grpo.group_size = 2
   cfg.rollout = ml_collections.ConfigDict(dict(
-      max_batch=4, max_prompt_len=256, batch_buckets=(4,), prefill_buckets=(256,),
+      max_batch=4, max_prompt_len=max_prompt_len, batch_buckets=(4,),
+      prefill_buckets=(max_prompt_len,),
       kv_buckets=()))
   return cfg
 
@@ -47,7 +49,9 @@ def smollm2_config(name: str, model_dir, logdir) -> ml_collections.ConfigDict:
 @pytest.mark.parametrize("name, task_name", [("smollm2_gsm8k", "gsm_symbolic"),
                                              ("smollm2_reasoning_gym", "chain_sum")])
 def test_smollm2_configs_build_a_chat_job(model_dir, tmp_path, name, task_name):
-  job = train.build_job(smollm2_config(name, model_dir, tmp_path))
+  # the tiny tokenizer's merges are SmolLM2's few: gsm_symbolic prompts run to ~300 of its tokens
+  # (the job checks every prompt's length against max_prompt_len before any work)
+  job = train.build_job(smollm2_config(name, model_dir, tmp_path, max_prompt_len=512))
   assert job.chat_template and job.model_path == model_dir
   assert isinstance(job.task, ReasoningGymTask) and job.task.dataset_name == task_name
   assert isinstance(job.tokenizer, HFTokenizer)
@@ -119,5 +123,8 @@ def test_chat_template_needs_a_tokenizer_that_has_one(tmp_path):
   with pytest.raises(ConfigError, match="chat_template=True but the tokenizer cannot render"):
     train.build_job(cfg)
   cfg.task.chat_template = False
+  with pytest.raises(ConfigError, match="max_prompt_len=32 is shorter than the task's prompts"):
+    train.build_job(cfg)  # the record's prompt (with the math template) has 84 characters
+  cfg.rollout.max_prompt_len = 128
   job = train.build_job(cfg)
   assert job.task.problems[0].answer == "5" and set("What is 2+3?") <= set(job.task.alphabet)
