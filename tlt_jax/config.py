@@ -14,6 +14,8 @@ from typing import Any, Iterable, TypeVar
 
 import ml_collections
 
+from tlt_jax.utils import read_json_object
+
 T = TypeVar("T")
 
 
@@ -84,20 +86,6 @@ def set_dotted(cfg: ml_collections.ConfigDict, name: str, value: Any) -> None:
     cfg = cfg[part]
   with cfg.ignore_type():
     cfg[key] = value
-
-
-def read_json_object(path: str | pathlib.Path, advice: str = "") -> dict:
-  """The JSON object in the file ``path``; a garbled file, or one holding another JSON value,
-  raises a one-line ``ValueError`` naming it (``advice``, if given, says what to do)."""
-  path = pathlib.Path(path)
-  try:
-    data = json.loads(path.read_text(encoding="utf-8"))
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path} is not valid JSON ({e})" + (f"; {advice}" if advice else "")
-                     ) from None
-  if not isinstance(data, dict):
-    raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-  return data
 
 
 def read_json_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:

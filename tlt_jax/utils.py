@@ -1,4 +1,5 @@
-"""Small shared utilities: a global XLA compile counter, config checks, progress bars, reports."""
+"""Small shared utilities: a global XLA compile counter, config checks, progress bars, reports,
+JSON files."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ def write_report(path, report: dict) -> pathlib.Path:
   path.write_text(json.dumps(report, indent=2))
   print(f"wrote {path}")
   return path
+
+
+def read_json_object(path: str | pathlib.Path, advice: str = "") -> dict:
+  """The JSON object in the file ``path``; a garbled file, or one holding another JSON value,
+  raises a one-line ``ValueError`` naming it (``advice``, if given, says what to do)."""
+  path = pathlib.Path(path)
+  try:
+    data = json.loads(path.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON ({e})" + (f"; {advice}" if advice else "")
+                     ) from None
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+  return data

@@ -27,10 +27,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from tlt_jax.config import read_json_object
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import (DecoderLayer, KVCache, Transformer, positions_and_mask,
                                         rope_inv_freq)
+from tlt_jax.utils import read_json_object
 
 PARAMS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter_config.json"

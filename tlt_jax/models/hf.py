@@ -21,9 +21,9 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from tlt_jax.config import read_json_object
 from tlt_jax.models.config import ARCHITECTURES, ModelConfig, RopeScaling
 from tlt_jax.models.transformer import Transformer
+from tlt_jax.utils import read_json_object
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
