@@ -3,7 +3,8 @@
 A mistake of the user's (a config value, a file, a prompt) prints ``error: ...`` in a line or
 two and exits 2 (config) or 1 (anything else the user can fix); ``--verbose`` shows the
 traceback. Ctrl-C exits 130 (SIGTERM 143) with the message the job left (e.g. how to
-resume). Compiled executables are kept in a persistent cache (``compile_cache.py``; ``--compile_cache=PATH|off``).
+resume). Compiled executables are kept in a persistent cache (``compile_cache.py``;
+``--compile_cache=PATH|off``).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def main(doc: str, run: Callable, default_config: pathlib.Path, argv: list[str],
   verbose = flags.DEFINE_bool("verbose", False, "print tracebacks of errors")
   cache_flag = flags.DEFINE_string(
       "compile_cache", None, f"directory of the persistent XLA compilation cache, or off "
-      f"(default: ${compile_cache.ENV}, $JAX_COMPILATION_CACHE_DIR, {compile_cache.default_directory()})")
+      f"(default: ${compile_cache.ENV}, $JAX_COMPILATION_CACHE_DIR, "
+      f"{compile_cache.default_directory()})")
   extra = extra_flags() if extra_flags else {}
   try:
     # ml_collections applies the --config.<field> overrides while defining and reading the
