@@ -33,6 +33,7 @@ import optax
 from tlt_jax import config as config_lib
 from tlt_jax import train
 from tlt_jax.rl import trainer as trainer_lib
+from tlt_jax.utils import write_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tlt_jax" / "configs" / "tiny_grpo.py"
@@ -137,16 +138,13 @@ def main() -> None:
       control="the same job, seed and held-out problems, with every policy update at learning "
               "rate 0 (params unchanged)",
       arms=arms, runs=runs)
-  out = pathlib.Path(a.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1) + "\n")
+  write_report(a.out, result)
   for arm, s in arms.items():
     print(f"{arm}: greedy {s['accuracy_start']['mean']:.3f} -> {s['accuracy_end']['mean']:.3f} "
           f"(gain {s['accuracy_gain']['mean']:+.3f} +- {s['accuracy_gain']['std']:.3f}), sampled "
           f"{s['sampled_start']['mean']:.3f} -> {s['sampled_end']['mean']:.3f} (gain "
           f"{s['sampled_gain']['mean']:+.3f} +- {s['sampled_gain']['std']:.3f}), tail/rollout "
           f"{s['tail_over_rollout']['mean']:.2f}")
-  print(f"wrote {out}")
 
 
 if __name__ == "__main__":

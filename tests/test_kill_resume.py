@@ -25,16 +25,14 @@ import time
 import numpy as np
 import pytest
 
+from tests.test_train_job import tiny_flags
 from tests.xla_env import device_count_flags
 from tlt_jax.models import hf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 5
-TINY = {"task.max_digits": 3, "model.hidden_size": 32, "model.intermediate_size": 64,
-        "model.num_layers": 1, "sft.steps": 3, "sft.rows": 2, "sft.row_len": 64,
-        "trainer.steps": STEPS, "trainer.prompts_per_step": 4, "grpo.group_size": 2,
-        "trainer.minibatches": 2, "trainer.max_new_tokens": 24, "trainer.eval_problems": 4,
-        "trainer.learning_rate": 1e-3, "rollout.max_batch": 8, "rollout.max_prompt_len": 16,
+# the main-job tests' tiny sizes as command-line fields, run longer, checkpointed every 2 steps
+TINY = {**tiny_flags(), "trainer.steps": STEPS, "trainer.max_new_tokens": 24,
         "checkpoint_every": 2}
 
 

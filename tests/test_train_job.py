@@ -29,6 +29,11 @@ TINY = dict(task=dict(max_digits=3), model=dict(hidden_size=32, intermediate_siz
             grpo=dict(group_size=2), rollout=dict(max_batch=8, max_prompt_len=16))
 
 
+def tiny_flags() -> dict:
+  """``TINY`` as command-line fields: ``{"task.max_digits": 3, ...}``."""
+  return {f"{section}.{k}": v for section, fields in TINY.items() for k, v in fields.items()}
+
+
 def tiny_config(logdir, **top):
   cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
   for name, fields in TINY.items():
@@ -470,7 +475,7 @@ def test_main_job_on_four_devices_and_ctrl_c_says_how_to_resume(tmp_path):
   import signal  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
   logdir = tmp_path / "run"
-  flat = {f"{s}.{k}": v for s, fields in TINY.items() for k, v in fields.items()}
+  flat = tiny_flags()
   # the rollout data-parallel over 2 of the 4 devices, with the drafter trained online on the
   # one whose shard finishes first
   flat.update({"trainer.steps": 50, "checkpoint_every": 1, "rollout_devices": 2,

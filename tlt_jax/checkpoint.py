@@ -69,6 +69,8 @@ import orbax.checkpoint as ocp
 import tensorstore
 from flax import nnx
 
+from tlt_jax.utils import nonfinite_count
+
 PyTree = Any
 
 _STATE = "state"
@@ -204,7 +206,7 @@ def count_nonfinite(x: Any) -> int:
   """NaN/inf values in a floating leaf (in this process's shards of a multi-process array)."""
   if not jnp.issubdtype(x.dtype if hasattr(x, "dtype") else np.result_type(x), jnp.inexact):
     return 0
-  return sum(int(a.size - np.count_nonzero(np.isfinite(a))) for a in _local_shards(x))
+  return sum(nonfinite_count(np.asarray(a)) for a in _local_shards(x))
 
 
 def _metadata_sha256(metadata: dict) -> str:

@@ -8,10 +8,15 @@ import pathlib
 import sys
 import threading
 
+import ml_dtypes
+import numpy as np
 from jax import monitoring
 from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in Jupyter
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# Exponent bits of the 2-byte floats: all set means Inf or NaN (checked on the raw bits, which
+# is several times faster than np.isfinite on these dtypes).
+_EXPONENT_BITS = {np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
 _lock = threading.Lock()
 _compiles = 0
 _registered = False
@@ -70,3 +75,14 @@ def read_json_object(path: str | pathlib.Path, advice: str = "") -> dict:
   if not isinstance(data, dict):
     raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
   return data
+
+
+def nonfinite_count(array: np.ndarray) -> int:
+  """How many entries of a host array are NaN or Inf (0 for integer arrays); one vectorised pass."""
+  bits = _EXPONENT_BITS.get(array.dtype)
+  if bits is not None:
+    return int(np.count_nonzero((array.view(np.uint16) & bits) == bits))
+  if not np.issubdtype(array.dtype, np.inexact):
+    return 0
+  finite = np.isfinite(array)
+  return 0 if finite.all() else int(finite.size - np.count_nonzero(finite))

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
@@ -23,7 +22,7 @@ from safetensors.numpy import save_file
 
 from tlt_jax.models.config import ARCHITECTURES, ModelConfig, RopeScaling
 from tlt_jax.models.transformer import Transformer
-from tlt_jax.utils import read_json_object
+from tlt_jax.utils import nonfinite_count, read_json_object
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -37,9 +36,6 @@ _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16"
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
 
 ParamPath = tuple[str | int, ...]
-# Exponent bits of the 2-byte floats: all set means Inf or NaN (checked on the raw bits, which
-# is several times faster than np.isfinite on these dtypes).
-_EXPONENT_BITS = {np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
 
 
 class WeightsError(ValueError):
@@ -243,17 +239,6 @@ def _abstract_params(config: ModelConfig):
     raise RuntimeError(f"HF name map is out of sync with Transformer: params without an HF name "
                        f"{unnamed}, HF names without a param {absent}")
   return graphdef, flat, names
-
-
-def nonfinite_count(array: np.ndarray) -> int:
-  """How many entries of a host array are NaN or Inf (0 for integer arrays); one vectorised pass."""
-  bits = _EXPONENT_BITS.get(array.dtype)
-  if bits is not None:
-    return int(np.count_nonzero((array.view(np.uint16) & bits) == bits))
-  if not np.issubdtype(array.dtype, np.floating):
-    return 0
-  finite = np.isfinite(array)
-  return 0 if finite.all() else int(finite.size - np.count_nonzero(finite))
 
 
 def check_finite(array: np.ndarray, file: Path, name: str, what: str = "the model") -> None:
