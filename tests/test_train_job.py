@@ -18,7 +18,7 @@ from tests.xla_env import device_count_flags
 from tlt_jax import generate, train
 from tlt_jax.config import ConfigError, load_config_file
 from tlt_jax.models.drafter import Drafter, save_drafter
-from tlt_jax.rl.trainer import NonFiniteUpdateError
+from tlt_jax.rl.update import NonFiniteUpdateError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(task=dict(max_digits=3), model=dict(hidden_size=32, intermediate_size=64,

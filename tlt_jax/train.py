@@ -52,9 +52,10 @@ from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.sft import SFTConfig, warm_start
 from tlt_jax.rl.tasks import ArithmeticTask, Task, chat_prompt
-from tlt_jax.rl.trainer import GRPOTrainer, NonFiniteUpdateError, TrainerConfig, \
+from tlt_jax.rl.update import NonFiniteUpdateError
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, \
     arm_line, check_update_layout, encode_prompt, eval_problems, run_sd_summary, step_problems
-from tlt_jax.rl.online_drafter import DrafterTrainingConfig
+from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.speculative import SpecConfig

@@ -15,7 +15,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import (CONFIG_FILE, POLICY_KEY, drafter_policy,
                                     drafter_policy_mismatch, load_drafter, policy_fingerprint,
                                     save_drafter)
-from tlt_jax.rl.online_drafter import OnlineDrafter
+from tlt_jax.drafter.online import OnlineDrafter
 
 CONFIG = ModelConfig.tiny(vocab_size=32, num_layers=2)
 

@@ -16,7 +16,7 @@ from jax.sharding import Mesh  # pylint: disable=wrong-import-position
 
 from tests.rl.test_trainer import (make_trainer, nan_row_batches,  # pylint: disable=wrong-import-position
                                    varied_rewards)
-from tlt_jax.rl.trainer import NonFiniteUpdateError  # pylint: disable=wrong-import-position
+from tlt_jax.rl.update import NonFiniteUpdateError  # pylint: disable=wrong-import-position
 from tlt_jax.utils import compile_count  # pylint: disable=wrong-import-position
 
 assert jax.device_count() == 4, jax.devices()

@@ -1,4 +1,4 @@
-"""The drafter trained online in the RL loop (``rl/online_drafter.py``): metrics, weights reaching
+"""The drafter trained online in the RL loop (``drafter/online.py``): metrics, weights reaching
 the engine, and an exact resume of drafter + optimizer + buffer position from a checkpoint."""
 
 import dataclasses
@@ -14,7 +14,7 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
-from tlt_jax.rl.online_drafter import BUFFER_FILE, DrafterTrainingConfig
+from tlt_jax.drafter.online import BUFFER_FILE, DrafterTrainingConfig
 from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
 from tlt_jax.rollout.engine import EngineConfig

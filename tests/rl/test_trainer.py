@@ -13,8 +13,8 @@ from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import (GRPOTrainer, NonFiniteUpdateError, TrainerConfig,
-                                learning_rate_schedule)
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.update import NonFiniteUpdateError, learning_rate_schedule
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.utils import compile_count
 

@@ -19,10 +19,11 @@ from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import (UPDATE_BUCKET_MIN, GRPOTrainer, TrainerConfig, _make_loss_fn,
-                                bucket_rows, make_logprobs_fn, make_packed_update_fns,
-                                needed_lengths, pack_length, pack_rows, packed_attention_mask,
-                                packed_microbatches, plan_packs, update_buckets)
+from tlt_jax.rl.packing import (UPDATE_BUCKET_MIN, bucket_rows, needed_lengths, pack_length,
+                                pack_rows, packed_microbatches, plan_packs, update_buckets)
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.update import _make_loss_fn, make_logprobs_fn, make_packed_update_fns, \
+    packed_attention_mask
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.utils import compile_count
 
@@ -401,7 +402,7 @@ def two_device_check():
   kw = dict(kl_coef=0.1, loss_agg="seq-mean-token-sum", minibatches=2, epochs=1)
   padded = make_trainer(update_tokens=0, mesh=Mesh(np.array(jax.devices()[:1]), ("data",)), **kw)
   packed = make_trainer(mesh=Mesh(np.array(jax.devices()), ("data",)), **kw)
-  assert all(r % 2 == 0 for r in packed.update_rows.values()), packed.update_rows
+  assert all(r % 2 == 0 for r in packed.policy.update_rows.values()), packed.policy.update_rows
   batches = [ragged_batch(padded, LONG_TAIL, seed=4), ragged_batch(padded, LONG_TAIL[::-1], seed=5)]
   packed.precompile_update()
   want_params, want_opt, want = trained_params(padded, batches[:1])

@@ -133,7 +133,7 @@ assert stopped.is_set()
 # drafter has taken 3 steps there, then the stop preempts the run at a step boundary.
 import time  # pylint: disable=wrong-import-position,wrong-import-order
 from flax import nnx  # pylint: disable=wrong-import-position,wrong-import-order
-from tlt_jax.rl.online_drafter import (DrafterTrainingConfig, OnlineDrafter,  # pylint: disable=wrong-import-position
+from tlt_jax.drafter.online import (DrafterTrainingConfig, OnlineDrafter,  # pylint: disable=wrong-import-position
                                        step_metrics)
 
 dp = dps["adaptive coupled sampled"]

@@ -1,22 +1,15 @@
-"""The GRPO trainer: rollout -> reward -> group advantages -> jitted policy updates.
+"""The GRPO trainer: one RL step is problems -> rollout -> rewards -> group advantages -> update.
 
 One RL step samples ``prompts_per_step`` problems (deterministically from ``(seed, step)``, so
 the data position is the step number), completes each ``group_size`` times with the rollout
 engine, scores the completions with the task's verifiable reward, and takes ``minibatches``
-clipped policy-gradient steps per epoch. Updates run data-parallel over a 1-D ``Mesh`` (batch
-rows sharded over ``data``, params replicated; XLA inserts the gradient all-reduce). An update
-whose loss, gradient or new params are not finite is never applied (``on_nonfinite``).
+clipped policy-gradient steps per epoch. The rooms it calls on:
 
-Each update's cost follows the rows' live lengths, not the rollout capacity
-(``TrainerConfig.update_tokens``): each minibatch's sequences (prompt + completion) are packed
-back to back, first-fit decreasing, into rows of the shortest length of a fixed ladder
-(``update_buckets``) that holds the longest one, each sequence attending only to itself
-(block-diagonal causal attention, positions restarting at 0). Micro-batches of about
-``update_tokens`` tokens of such rows are run and their gradients (of the loss as each one's
-share of the minibatch's, through per-token loss weights) summed into one optimizer step equal to
-that of the full-length update. Every micro-batch shape is static, so there is one executable per
-length, compiled on first use or all at once by ``GRPOTrainer.precompile_update`` (after which no
-update compiles, whatever the lengths).
+* ``rollout/`` generates (one device, or data-parallel over several: one interface);
+* ``rl/packing.py`` lays the rows out for the update, ``rl/update.py`` owns the params, optimizer
+  state and ahead-of-time compiled update steps (``PolicyUpdate``);
+* ``drafter/online.py`` is the adaptive drafter's part of the step (its buffer, spot and serial
+  training, its checkpoint), present when the drafter trains online.
 """
 
 from __future__ import annotations
@@ -29,26 +22,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from tlt_jax import checkpoint as ckpt
+from tlt_jax.drafter.online import DrafterTrainingConfig, OnlineDrafter, step_metrics
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.tokenizer import Tokenizer
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rl import grpo
+from tlt_jax.rl.packing import UPDATE_BUCKET_MIN, padded_batch
 from tlt_jax.rl.tasks import Problem, chat_prompt
-from tlt_jax.rl.online_drafter import DrafterTrainingConfig, OnlineDrafter, step_metrics
+from tlt_jax.rl.update import PolicyUpdate
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.parallel import DataParallelRollout, on_device
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils import require_positive_ints
 
-
-UPDATE_BUCKET_MIN = 16  # the shortest packed-row length of a packed policy update
 TUNER_KEY = "tuner"  # checkpoint metadata: the adaptive rollout tuner's state_dict()
-BUFFER_KEY = "drafter_buffer_sha256"  # checkpoint metadata: the drafter buffer file's checksum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,304 +98,6 @@ class TrainerConfig:
                        f"{budget!r}")
 
 
-class NonFiniteUpdateError(FloatingPointError):
-  """A policy update produced a non-finite loss, gradient or param (``on_nonfinite="stop"``)."""
-
-
-def learning_rate_schedule(config: TrainerConfig) -> optax.Schedule:
-  """Linear warmup over ``warmup_steps`` updates, starting above zero (no wasted update) at
-  ``lr / (warmup_steps + 1)``; with ``warmup_steps=0`` every update runs at the full rate."""
-  if config.warmup_steps == 0:
-    return optax.constant_schedule(config.learning_rate)
-  return optax.linear_schedule(config.learning_rate / (config.warmup_steps + 1),
-                               config.learning_rate, config.warmup_steps)
-
-
-def packed_attention_mask(segments: jax.Array) -> jax.Array:
-  """``[B, T, T]`` visibility of packed rows from their ``segments [B, T]`` (which sequence each
-  token belongs to): block-diagonal causal, token i sees token j iff they are of the same
-  sequence and j <= i, so no sequence sees another packed into the same row."""
-  t = segments.shape[-1]
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  return (segments[:, :, None] == segments[:, None, :]) & causal[None]
-
-
-def make_logprobs_fn(graphdef: nnx.GraphDef, temperature: float = 1.0):
-  """``logprobs(params, batch) -> [B, L-1]``: each next token's log-prob under
-  ``softmax(logits / temperature)``, for a padded batch (``GRPOTrainer.make_batch``: one sequence
-  per row from position 0, causal) or a packed one (``packed_microbatches``: several sequences
-  per row, at their ``positions``, each seeing only itself through ``segments``)."""
-
-  def logprobs(params, batch):
-    ids, positions, attn_mask = batch["ids"], None, None
-    if "segments" in batch:
-      positions, attn_mask = batch["positions"], packed_attention_mask(batch["segments"])
-    logits = nnx.merge(graphdef, params).forward(ids, positions, attn_mask=attn_mask).logits
-    logits = logits[:, :-1]
-    return grpo.token_logprobs(logits / temperature, ids[:, 1:])
-
-  return logprobs
-
-
-def _make_loss_fn(graphdef: nnx.GraphDef, config: grpo.GRPOConfig, temperature: float):
-  """``loss_fn(params, ref_params, batch, total_tokens=None) -> (loss, metrics)`` of a padded
-  batch, or of a packed micro-batch (``packed_microbatches``; ``total_tokens``: its minibatch's
-  valid tokens): then the loss and metrics are that micro-batch's additive share of its
-  minibatch's, through the per-token loss ``weights`` it carries."""
-  logprobs_of = make_logprobs_fn(graphdef, temperature)
-
-  def loss_fn(params, ref_params, batch, total_tokens=None):
-    ref = None
-    if config.kl_coef > 0:  # KL to the frozen reference policy (k3 estimator in policy_loss)
-      ref = jax.lax.stop_gradient(logprobs_of(ref_params, batch))
-    share = {}
-    if "weights" in batch:
-      share = dict(token_weights=batch["weights"], total_tokens=total_tokens)
-    return grpo.policy_loss(logprobs_of(params, batch), batch["old_logprobs"],
-                            batch["advantages"], batch["mask"], config, ref_logprobs=ref, **share)
-
-  return loss_fn
-
-
-def _guarded_step(optimizer: optax.GradientTransformation, params, opt_state, grads, loss,
-                  metrics):
-  """One optimizer step from ``grads``, kept only if the loss, the gradient norm and every new
-  param are finite (else the old params and optimizer state come back): in-graph, no host trip."""
-  updates, new_opt_state = optimizer.update(grads, opt_state, params)
-  new_params = optax.apply_updates(params, updates)
-  grad_norm = optax.global_norm(grads)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  for leaf in jax.tree.leaves(new_params):
-    finite &= jnp.all(jnp.isfinite(leaf))
-  keep = lambda new, old: jnp.where(finite, new, old)  # in-graph: no host round trip
-  metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite)
-  return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt_state, opt_state),
-          metrics)
-
-
-PADDED_KEYS = ("ids", "mask", "old_logprobs", "advantages")
-PACKED_KEYS = PADDED_KEYS + ("positions", "segments", "weights")
-
-
-def _rows_sharding(mesh: Mesh, keys: tuple[str, ...]) -> dict[str, NamedSharding]:
-  rows = NamedSharding(mesh, P("data"))
-  return {k: rows for k in keys}
-
-
-def _jit_padded_update(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                       config: grpo.GRPOConfig, mesh: Mesh, temperature: float):
-  """The jitted full-length ``update(params, opt_state, batch, ref_params)`` (see make_update_fn)."""
-  loss_fn = _make_loss_fn(graphdef, config, temperature)
-
-  def update(params, opt_state, batch, ref_params):
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, batch)
-    return _guarded_step(optimizer, params, opt_state, grads, loss, metrics)
-
-  replicated = NamedSharding(mesh, P())
-  return jax.jit(update, in_shardings=(replicated, replicated, _rows_sharding(mesh, PADDED_KEYS),
-                                       replicated),
-                 out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
-
-
-def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                   config: grpo.GRPOConfig, mesh: Mesh, temperature: float = 1.0):
-  """A jitted ``update(params, opt_state, batch) -> (params, opt_state, metrics)`` over ``mesh``:
-  one full-length pass over a padded batch (``GRPOTrainer.make_batch``).
-
-  Log-probs are of the sampling distribution, ``softmax(logits / temperature)``, as the rollout's
-  old log-probs are: the first update of a step then has ratio 1 whatever the temperature.
-
-  ``metrics["finite"]`` says whether the update was applied: when the loss, the gradient norm or
-  any new param is not finite, the old params and optimizer state come back unchanged.
-  """
-  jitted = _jit_padded_update(graphdef, optimizer, config, mesh, temperature)
-  return lambda params, opt_state, batch, ref_params=None: jitted(params, opt_state, batch,
-                                                                  ref_params)
-
-
-def make_packed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                           config: grpo.GRPOConfig, mesh: Mesh,
-                           temperature: float = 1.0) -> dict[str, Any]:
-  """Jitted pieces of a gradient-accumulated update over ``mesh``, equal to ``make_update_fn``'s:
-
-  * ``zeros(params) -> acc``: an empty accumulator, ``(grads, metric sums)``;
-  * ``accumulate(params, ref_params, acc, micro, total_tokens) -> acc``: adds one packed
-    micro-batch's (``packed_microbatches``) gradient and metrics, each its share of the
-    minibatch's (``total_tokens``: the minibatch's valid tokens, a float32 scalar); ``acc`` is
-    donated;
-  * ``apply(params, opt_state, acc) -> (params, opt_state, metrics)``: one optimizer step from the
-    summed gradient, guarded like the full-length update (``metrics["finite"]``);
-  * ``copy(tree) -> tree``: a device copy of replicated state.
-  """
-  loss_fn = _make_loss_fn(graphdef, config, temperature)
-  replicated = NamedSharding(mesh, P())
-  one = jax.ShapeDtypeStruct((1, 1), jnp.float32)
-  _, shapes = jax.eval_shape(lambda x: grpo.policy_loss(
-      x, x, x, x, config, ref_logprobs=x if config.kl_coef > 0 else None), one)
-  names = sorted(shapes)
-
-  def zeros(params):
-    return (jax.tree.map(jnp.zeros_like, params),
-            {k: jnp.zeros((), jnp.float32) for k in names})
-
-  def accumulate(params, ref_params, acc, micro, total_tokens):
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, micro,
-                                                                    total_tokens)
-    return jax.tree.map(jnp.add, acc, (grads, metrics))
-
-  def apply(params, opt_state, acc):
-    grads, sums = acc
-    return _guarded_step(optimizer, params, opt_state, grads, sums["loss"], sums)
-
-  return {
-      "zeros": jax.jit(zeros, in_shardings=(replicated,), out_shardings=replicated),
-      "accumulate": jax.jit(
-          accumulate, in_shardings=(replicated, replicated, replicated,
-                                    _rows_sharding(mesh, PACKED_KEYS), replicated),
-          out_shardings=replicated, donate_argnums=(2,)),
-      "apply": jax.jit(apply, in_shardings=(replicated, replicated, replicated),
-                       out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1)),
-      "copy": jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), in_shardings=(replicated,),
-                      out_shardings=replicated),
-  }
-
-
-def update_buckets(seq_len: int, smallest: int = UPDATE_BUCKET_MIN) -> tuple[int, ...]:
-  """Packed-row lengths of a packed update: the powers of two from ``smallest`` that are below
-  ``seq_len``, then ``seq_len`` itself (the longest row a step can hold)."""
-  if seq_len < 2 or smallest < 2:
-    raise ValueError(f"update buckets need seq_len >= 2 and smallest >= 2, got {seq_len}, "
-                     f"{smallest}")
-  ladder, length = [], smallest
-  while length < seq_len:
-    ladder.append(length)
-    length *= 2
-  return tuple(ladder) + (seq_len,)
-
-
-def bucket_rows(length: int, update_tokens: int, minibatch_rows: int, devices: int) -> int:
-  """Rows of a micro-batch of ``length`` tokens: ``update_tokens // length``, at most the
-  minibatch, rounded down to a multiple of ``devices`` and at least ``devices``."""
-  rows = min(minibatch_rows, max(devices, update_tokens // length))
-  return max(devices, rows - rows % devices)
-
-
-def needed_lengths(mask: np.ndarray) -> np.ndarray:
-  """Per row of a padded batch, how many leading tokens its loss needs: its last trained
-  position + 2 (prompt + completion length), 0 for a row with nothing to train on."""
-  valid = np.asarray(mask) > 0
-  last = valid.shape[1] - 1 - np.argmax(valid[:, ::-1], axis=1)
-  return np.where(valid.any(axis=1), last + 2, 0)
-
-
-def pack_length(lengths: np.ndarray, buckets: tuple[int, ...]) -> int:
-  """The packed-row length of a minibatch: the shortest bucket that holds its longest row (the
-  shortest bucket when no row has anything to train on)."""
-  longest = int(np.max(lengths, initial=0))
-  fits = [b for b in buckets if b >= longest]
-  if not fits:
-    raise ValueError(f"a row of {longest} tokens exceeds the longest update bucket {buckets[-1]}")
-  return fits[0]
-
-
-def pack_rows(lengths: np.ndarray, length: int) -> list[list[int]]:
-  """Packs rows into packed rows of ``length`` tokens by first-fit decreasing: each row, longest
-  first, goes into the first packed row with room for it, else opens a new one. Returns each
-  packed row's row indices, in placement order (its sequences lie back to back in that order).
-  Rows of length 0 (nothing to train on) are left out; every other row is in exactly one."""
-  lengths = np.asarray(lengths)
-  packs: list[list[int]] = []
-  free: list[int] = []
-  for i in np.argsort(-lengths, kind="stable"):
-    n = int(lengths[i])
-    if n <= 0:
-      break  # the rest are empty too
-    if n > length:
-      raise ValueError(f"a row of {n} tokens does not fit in a packed row of {length}")
-    for k, room in enumerate(free):
-      if room >= n:
-        packs[k].append(int(i))
-        free[k] -= n
-        break
-    else:
-      packs.append([int(i)])
-      free.append(length - n)
-  return packs
-
-
-def plan_packs(lengths: np.ndarray, buckets: tuple[int, ...],
-               rows_of: dict[int, int]) -> list[tuple[int, list[list[int]]]]:
-  """Packs a minibatch's rows into packed rows of several lengths: ``[(T, packs), ...]``, the
-  longest ``T`` first, ``len(packs)`` a multiple of ``rows_of[T]`` (whole micro-batches).
-
-  The longest remaining row picks ``T`` (``pack_length``); the rows whose own bucket is ``T`` are
-  packed by first-fit decreasing (``pack_rows``), the packed rows rounded up to whole
-  micro-batches, and all their room, the added empty rows included, filled first-fit with the
-  shorter remaining rows: a micro-batch's rows are computed anyway, so a short row costs nothing
-  there. What is left goes to the next, shorter ``T``. Every non-empty row lands once."""
-  lengths = np.asarray(lengths)
-  own = {int(i): pack_length(lengths[i:i + 1], buckets) for i in np.flatnonzero(lengths > 0)}
-  remaining = [i for i in np.argsort(-lengths, kind="stable").tolist() if lengths[i] > 0]
-  plan = []
-  while remaining:
-    length = own[remaining[0]]
-    group = [i for i in remaining if own[i] == length]
-    mine = np.zeros_like(lengths)
-    mine[group] = lengths[group]
-    packs = pack_rows(mine, length)
-    size = rows_of[length]
-    packs += [[] for _ in range(-len(packs) % size)]
-    free = [length - int(sum(lengths[i] for i in pack)) for pack in packs]
-    left = []
-    for i in remaining[len(group):]:  # sorted longest first: the group leads
-      k = next((k for k, room in enumerate(free) if room >= lengths[i]), None)
-      if k is None:
-        left.append(i)
-      else:
-        packs[k].append(i)
-        free[k] -= int(lengths[i])
-    plan.append((length, packs))
-    remaining = left
-  return plan
-
-
-def packed_microbatches(mini: dict[str, np.ndarray], packs: list[list[int]], length: int,
-                        size: int, loss_agg: str,
-                        pad_token_id: int = 0) -> list[dict[str, np.ndarray]]:
-  """A minibatch (``make_batch``'s arrays of its rows) laid out as packed micro-batches of
-  ``size`` packed rows of ``length`` tokens, ``packs`` (``pack_rows``) in order, the last
-  micro-batch filled up with empty packed rows (mask 0: they contribute nothing).
-
-  Per token: ``ids``, ``positions`` (from 0 in each sequence) and ``segments`` (the sequence's
-  row in ``mini``; -1 on padding). Per predicted token (``[size, length - 1]``; the logit at t
-  predicts token t + 1): ``mask`` (1 where t + 1 is a completion token of the same sequence),
-  ``old_logprobs``, ``advantages`` (the sequence's) and ``weights`` (the token's weight in the
-  minibatch's loss, ``grpo.loss_weights`` of the whole minibatch).
-  """
-  lengths = needed_lengths(mini["mask"])
-  weights = grpo.loss_weights(mini["mask"], loss_agg)
-  count = -(-len(packs) // size)
-  shape, pred = (count * size, length), (count * size, length - 1)
-  out = dict(ids=np.full(shape, pad_token_id, np.int32), positions=np.zeros(shape, np.int32),
-             segments=np.full(shape, -1, np.int32), mask=np.zeros(pred, np.float32),
-             old_logprobs=np.zeros(pred, np.float32), advantages=np.zeros(pred, np.float32),
-             weights=np.zeros(pred, np.float32))
-  for r, pack in enumerate(packs):
-    at = 0
-    for i in pack:
-      n = int(lengths[i])
-      tok, prd = np.s_[r, at:at + n], np.s_[r, at:at + n - 1]
-      out["ids"][tok] = mini["ids"][i, :n]
-      out["positions"][tok] = np.arange(n)
-      out["segments"][tok] = i
-      out["mask"][prd] = mini["mask"][i, :n - 1]
-      out["old_logprobs"][prd] = mini["old_logprobs"][i, :n - 1]
-      out["advantages"][prd] = mini["advantages"][i]
-      out["weights"][prd] = weights[i, :n - 1]
-      at += n
-  return [{k: v[j * size:(j + 1) * size] for k, v in out.items()} for j in range(count)]
-
-
 def check_update_layout(config: TrainerConfig, grpo_config: grpo.GRPOConfig, devices: int) -> None:
   """Raises ``ValueError`` unless a step's rows split into equal minibatches over ``devices``."""
   rows = config.prompts_per_step * grpo_config.group_size
@@ -438,8 +131,17 @@ def encode_prompt(tokenizer: Tokenizer, problem: Problem, chat_template: bool) -
   return bos + tokenizer.encode(problem.prompt)
 
 
+def _policy_attribute(name: str, settable: bool = True) -> property:
+  """A trainer attribute that is its ``PolicyUpdate``'s (``trainer.params`` is
+  ``trainer.policy.params``; setting it sets the policy's)."""
+  getter = lambda self: getattr(self.policy, name)
+  setter = (lambda self, value: setattr(self.policy, name, value)) if settable else None
+  return property(getter, setter, doc=f"``self.policy.{name}``")
+
+
 class GRPOTrainer:
-  """Owns the policy params, optimizer state and rollout engine; ``step()`` runs one RL step."""
+  """Owns the rollout engine, the policy update and, when it trains online, the drafter;
+  ``step()`` runs one RL step."""
 
   def __init__(self, model: Transformer, tokenizer: Tokenizer, task, engine_config: EngineConfig,
                grpo_config: grpo.GRPOConfig, config: TrainerConfig, mesh: Mesh | None = None,
@@ -453,7 +155,7 @@ class GRPOTrainer:
     ``rollout_devices``: how many of the mesh's devices roll out data-parallel, each with its own
     engine (``rollout/parallel.py``; 0: all of them, 1: the mesh's first device, as before).
     ``drafter_training``: train the (``Drafter``) drafter online from the rollouts' hidden
-    states (``rl/online_drafter.py``): on the devices the tail leaves idle, or with one rollout
+    states (``drafter/online.py``): on the devices the tail leaves idle, or with one rollout
     device between rollout and update."""
     self.tokenizer, self.task, self.config, self.grpo_config = tokenizer, task, config, grpo_config
     self.chat_template = chat_template
@@ -479,34 +181,23 @@ class GRPOTrainer:
         raise ValueError("drafter_training needs a learned (EAGLE) drafter, e.g. "
                          "Drafter.create(model.config); the n-gram drafter has nothing to train")
       self.online = OnlineDrafter(drafter, nnx.split(model)[0], drafter_training)
-    self.graphdef, params = nnx.split(model)
-    self.schedule = learning_rate_schedule(config)
-    self.optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip),
-                                 optax.adamw(self.schedule, b1=0.9, b2=0.99, weight_decay=0.0))
-    replicated = NamedSharding(self.mesh, P())
-    self.params = jax.device_put(params, replicated)
-    self.opt_state = jax.device_put(self.optimizer.init(params), replicated)
+    graphdef, params = nnx.split(model)
+    self.seq_len = engine_config.max_prompt_len + config.max_new_tokens
+    self.policy = PolicyUpdate(graphdef, params, config, grpo_config, self.mesh, self.seq_len,
+                               engine_config.pad_token_id)
     self._sync_engine()  # before anything compiles: the engine's executables take these arrays
     # the engines decode with copies of the drafter: its train step donates its own arrays
     self._sync_drafter()
-    self._padded_update = _jit_padded_update(self.graphdef, self.optimizer, grpo_config,
-                                             self.mesh, config.temperature)
-    # the full-length update (what the trainer runs with update_tokens=0), callable directly
-    self.update_fn = lambda params, opt_state, batch, ref_params=None: self._padded_update(
-        params, opt_state, batch, ref_params)
-    self._packed = make_packed_update_fns(self.graphdef, self.optimizer, grpo_config,
-                                          self.mesh, temperature=config.temperature)
-    self._executables: dict[tuple, Any] = {}  # ahead-of-time compiled update pieces
-    # the reference policy for the KL term: the starting (warm-started) weights, kept frozen
-    self.ref_params = (jax.tree.map(jnp.copy, self.params) if grpo_config.kl_coef > 0 else None)
-    self.seq_len = engine_config.max_prompt_len + config.max_new_tokens
-    self.minibatch_rows = config.prompts_per_step * grpo_config.group_size // config.minibatches
-    # packed-row lengths and packed rows per micro-batch (static shapes: one executable each)
-    self.update_buckets = update_buckets(self.seq_len) if config.update_tokens else ()
-    self.update_rows = {t: bucket_rows(t, config.update_tokens, self.minibatch_rows,
-                                       self.mesh.size) for t in self.update_buckets}
     self.step_count = 0
     self.last_lengths = np.zeros(0, np.int64)  # completion lengths of the latest step
+
+  # the policy's state and update functions live in ``self.policy`` (``rl/update.py``)
+  params = _policy_attribute("params")
+  opt_state = _policy_attribute("opt_state")
+  ref_params = _policy_attribute("ref_params")
+  graphdef = _policy_attribute("graphdef", settable=False)
+  optimizer = _policy_attribute("optimizer", settable=False)
+  update_fn = _policy_attribute("update_fn", settable=False)
 
   def _sync_engine(self) -> None:
     """Hands the rollout engine(s) the current params as single-device arrays.
@@ -533,13 +224,16 @@ class GRPOTrainer:
   def precompile_drafter(self) -> int:
     """Compiles the online drafter's train and eval steps for every rollout device; returns how
     many devices (0 without online drafter training)."""
-    if self.online is None:
-      return 0
-    # spot steps run on every rollout device; serial ones (one device, or spot off) on the first
-    n = len(self.rollout_devices) if self.online.config.spot else 1
-    self.online.precompile({self.rollout_devices[k]: self.engine.target_params(k)
-                            for k in range(n)})
-    return n
+    return 0 if self.online is None else self.online.precompile_on(self.engine)
+
+  def precompile_update(self) -> int:
+    """Compiles every executable the policy updates use (``PolicyUpdate.precompile``); returns
+    how many it compiled now (0 once done)."""
+    return self.policy.precompile()
+
+  def update_temp_bytes(self) -> dict[str, int | None]:
+    """XLA's scratch memory of each update executable compiled so far (``PolicyUpdate``)."""
+    return self.policy.temp_bytes()
 
   # ---- data ---------------------------------------------------------------------------------
   def problems_for(self, step: int) -> list[Problem]:
@@ -551,56 +245,29 @@ class GRPOTrainer:
     return encode_prompt(self.tokenizer, problem, self.chat_template)
 
   def make_batch(self, prompts, completions, logprobs, advantages) -> dict[str, np.ndarray]:
-    """Fixed-shape arrays: ids ``[N, L]``, and per predicted token ``[N, L-1]`` mask/old logprobs."""
-    n, length = len(prompts), self.seq_len
-    ids = np.full((n, length), self.engine.config.pad_token_id, np.int32)
-    mask = np.zeros((n, length - 1), np.float32)
-    old = np.zeros((n, length - 1), np.float32)
-    for i, (prompt, comp, lp) in enumerate(zip(prompts, completions, logprobs)):
-      seq = prompt + comp
-      ids[i, :len(seq)] = seq
-      start = len(prompt) - 1  # the logit at position t predicts token t + 1
-      mask[i, start:start + len(comp)] = 1.0
-      old[i, start:start + len(comp)] = lp
-    return dict(ids=ids, mask=mask, old_logprobs=old,
-                advantages=np.asarray(advantages, np.float32))
+    """The step's padded batch (``packing.padded_batch``) at this trainer's row length."""
+    return padded_batch(prompts, completions, logprobs, advantages, self.seq_len,
+                        self.engine.config.pad_token_id)
 
   # ---- one RL step ---------------------------------------------------------------------------
   def step(self) -> dict[str, Any]:
     """Rollout, reward, advantages and policy updates for one step; returns its metrics."""
-    cfg, g = self.config, self.grpo_config.group_size
+    cfg, g, online = self.config, self.grpo_config.group_size, self.online
     t0 = time.perf_counter()
-    problems = self.problems_for(self.step_count)
-    rows = [p for p in problems for _ in range(g)]  # each problem g times, group by group
+    rows = [p for p in self.problems_for(self.step_count) for _ in range(g)]  # group by group
     prompts = [self.encode_prompt(p) for p in rows]
     self._sync_engine()  # (cheap) in case the params were replaced from outside
     sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               seed=(cfg.seed * 1_000_003 + self.step_count) % 2**32)
-    online, parallel = self.online, isinstance(self.engine, DataParallelRollout)
-    # spot training: shards reach the buffer as they finish, for the idle devices to train on;
-    # else the rows go in after the rollout, in row order, whichever device finished first
-    spot = parallel and online is not None and online.config.spot
-    extra = {}
-    if online is not None:
-      extra["collect_hidden"] = online.collect_fraction()
-      if spot:
-        extra["shard_done"], extra["idle"] = online.hooks(self.step_count, prompts, self.engine)
-    result = self.engine.generate(prompts, sampling, **extra)
+    options = {} if online is None else online.rollout_options(self.step_count, prompts,
+                                                                self.engine)
+    result = self.engine.generate(prompts, sampling, **options)
     t_rollout = time.perf_counter() - t0
     drafter_metrics = {}
     if online is not None:
-      if not spot:
-        online.add(self.step_count, prompts, result)
-      first = self.rollout_devices[0]
-      # held out: the weights that drafted this rollout, on its freshest data
-      evaluation = online.evaluate(self.engine.target_params(0), first,
-                                   params=self.engine.drafter_params)
-      # one rollout device (or spot training off): the drafter trains now, under its budget
-      serial = None if spot else online.serial(self.engine.target_params(0), first)
-      drafter_metrics = step_metrics(result.stats, online.spot_runs() if spot else [],
-                                     serial, evaluation)
+      drafter_metrics = online.after_rollout(self.step_count, prompts, result, self.engine)
       self._sync_drafter()
-    elif parallel:
+    elif len(self.rollout_devices) > 1:  # the tail's idle device-seconds, with none used
       drafter_metrics = step_metrics(result.stats, [], None, {})
     texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     rewards = np.array([self.task.reward(p, t) for p, t in zip(rows, texts)], np.float32)
@@ -612,8 +279,7 @@ class GRPOTrainer:
     out = self.policy_update(batch)
     t_update = time.perf_counter() - t1
     self.step_count += 1
-    lengths = np.array([len(t) for t in result.tokens])
-    self.last_lengths = lengths
+    lengths = self.last_lengths = np.array([len(t) for t in result.tokens])
     out.update(step=self.step_count, reward=float(rewards.mean()),
                len_p50=float(np.percentile(lengths, 50)), len_p90=float(np.percentile(lengths, 90)),
                len_p99=float(np.percentile(lengths, 99)), len_max=int(lengths.max()),
@@ -627,167 +293,33 @@ class GRPOTrainer:
     out.update(drafter_metrics)
     return out
 
-  # ---- policy updates -------------------------------------------------------------------------
   def policy_update(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
-    """``epochs`` x ``minibatches`` policy updates on one step's batch (``make_batch``'s arrays),
-    in a random order that depends on (seed, step). Returns the mean of each update metric over
-    the applied updates, ``skipped_updates``, and the tokens the updates ran through the model:
-    ``update_tokens_padded`` (rows x length of every pass) and ``update_tokens_valid`` (the prompt
-    + completion tokens of the rows with a completion), summed over the updates."""
-    cfg = self.config
-    n = len(batch["advantages"])
-    size = n // cfg.minibatches
-    lengths = needed_lengths(batch["mask"])
-    order_rng = np.random.default_rng([cfg.seed, self.step_count, 1])
-    # "stop" restores the state from before the step; the update donates its inputs, so keep a
-    # device copy (a single update needs none: a rejected update already returns its inputs)
-    before = None
-    if self._keeps_copy():
-      before = self._compiled(("copy",))((self.params, self.opt_state))
-    metrics, padded, valid, passes = [], 0, 0, 0
-    for _ in range(cfg.epochs):
-      order = order_rng.permutation(n)
-      for m in range(cfg.minibatches):
-        picked = order[m * size:(m + 1) * size]
-        valid += int(lengths[picked].sum())
-        if cfg.update_tokens:
-          mm, tokens, calls = self._packed_update(batch, picked, lengths[picked])
-        else:
-          mini = {k: v[picked] for k, v in batch.items()}
-          self.params, self.opt_state, mm = self._compiled(("padded",))(
-              self.params, self.opt_state, mini, self.ref_params)
-          tokens, calls = size * self.seq_len, 1
-        metrics.append(mm)
-        padded += tokens
-        passes += calls
-    metrics = jax.device_get(metrics)
-    self._sync_engine()
-    finite = [bool(m.pop("finite")) for m in metrics]
-    if not all(finite) and cfg.on_nonfinite == "stop":
-      if before is not None:
-        self.params, self.opt_state = before
-        self._sync_engine()
-      bad = metrics[finite.index(False)]
-      raise NonFiniteUpdateError(
-          f"RL step {self.step_count + 1}: {finite.count(False)} of {len(finite)} policy updates "
-          f"were not finite (first: loss {float(bad['loss'])}, grad_norm "
-          f"{float(bad['grad_norm'])}); params and optimizer state are back to before the step. "
-          f"Set TrainerConfig.on_nonfinite='skip' to drop such updates instead")
-    applied = [m for m, ok in zip(metrics, finite) if ok] or metrics  # all skipped: report NaNs
-    out = {k: float(np.mean([m[k] for m in applied])) for k in applied[0]}
-    out.update(skipped_updates=finite.count(False), update_tokens_padded=padded,
-               update_tokens_valid=valid, update_passes=passes)
-    return out
-
-  def _packed_update(self, batch, picked, lengths):
-    """One minibatch's update as gradient-accumulated packed micro-batches (``plan_packs``).
-    Returns (metrics, tokens run, passes)."""
-    mini = {k: v[picked] for k, v in batch.items()}
-    total_tokens = np.asarray(mini["mask"].sum(), np.float32)
-    acc = self._compiled(("zeros",))(self.params)
-    tokens = passes = 0
-    for length, packs in plan_packs(lengths, self.update_buckets, self.update_rows):
-      size = self.update_rows[length]
-      accumulate = self._compiled(("accumulate", length))
-      for micro in packed_microbatches(mini, packs, length, size, self.grpo_config.loss_agg,
-                                       self.engine.config.pad_token_id):
-        acc = accumulate(self.params, self.ref_params, acc, micro, total_tokens)
-        tokens, passes = tokens + size * length, passes + 1
-    self.params, self.opt_state, metrics = self._compiled(("apply",))(self.params,
-                                                                       self.opt_state, acc)
-    return metrics, tokens, passes
-
-  def _keeps_copy(self) -> bool:
-    return self.config.on_nonfinite == "stop" and self.config.epochs * self.config.minibatches > 1
-
-  def _update_keys(self) -> list[tuple]:
-    keys = ([("zeros",)] + [("accumulate", t) for t in self.update_buckets] + [("apply",)]
-            if self.config.update_tokens else [("padded",)])
-    return keys + ([("copy",)] if self._keeps_copy() else [])
-
-  def precompile_update(self) -> int:
-    """Compiles, ahead of time, every executable the policy updates use (each micro-batch
-    length's gradient step, the optimizer step; or the full-length update), so that no update
-    compiles whatever the completion lengths. Returns how many it compiled now (0 once done)."""
-    todo = [key for key in self._update_keys() if key not in self._executables]
-    for key in todo:
-      self._compiled(key)
-    return len(todo)
-
-  def update_temp_bytes(self) -> dict[str, int | None]:
-    """XLA's scratch memory (beyond arguments and outputs) of each update executable compiled so
-    far, by name ("accumulate 256", "apply", "padded", ...); None where the backend won't say."""
-    out = {}
-    for key, exe in self._executables.items():
-      stats = exe.memory_analysis()
-      out[" ".join(map(str, key))] = getattr(stats, "temp_size_in_bytes", None)
-    return out
-
-  def _compiled(self, key: tuple):
-    """The executable of an update piece (``key``), compiled on first use for its static shapes."""
-    exe = self._executables.get(key)
-    if exe is None:
-      replicated = NamedSharding(self.mesh, P())
-      rows = NamedSharding(self.mesh, P("data"))
-
-      spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-
-      def padded_spec(n, length):
-        return dict(ids=spec((n, length), jnp.int32), mask=spec((n, length - 1), jnp.float32),
-                    old_logprobs=spec((n, length - 1), jnp.float32),
-                    advantages=spec((n,), jnp.float32))
-
-      def packed_spec(n, length):
-        tokens = {k: spec((n, length), jnp.int32) for k in ("ids", "positions", "segments")}
-        return dict(tokens, **{k: spec((n, length - 1), jnp.float32)
-                               for k in ("mask", "old_logprobs", "advantages", "weights")})
-
-      fns = self._packed
-      acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                         jax.eval_shape(fns["zeros"], self.params))
-      scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
-      if key[0] == "padded":
-        lowered = self._padded_update.lower(self.params, self.opt_state,
-                                            padded_spec(self.minibatch_rows, self.seq_len),
-                                            self.ref_params)
-      elif key[0] == "accumulate":
-        lowered = fns["accumulate"].lower(self.params, self.ref_params, acc,
-                                          packed_spec(self.update_rows[key[1]], key[1]),
-                                          scalar)
-      elif key[0] == "apply":
-        lowered = fns["apply"].lower(self.params, self.opt_state, acc)
-      elif key[0] == "zeros":
-        lowered = fns["zeros"].lower(self.params)
-      else:
-        lowered = fns["copy"].lower((self.params, self.opt_state))
-      exe = self._executables[key] = lowered.compile()
-    return exe
+    """The step's policy updates (``PolicyUpdate.run``); the engines get the new params, or the
+    ones from before the step when it raises ``NonFiniteUpdateError``."""
+    try:
+      return self.policy.run(batch, self.step_count)
+    finally:
+      self._sync_engine()
 
   # ---- checkpoints ----------------------------------------------------------------------------
   def _checkpoint_state(self) -> dict:
-    # params as a nested dict (readable key paths in errors); optimizer state as its leaf list
-    state = {"params": ckpt.state_to_pure_dict(self.params),
-             "opt_state": jax.tree.leaves(self.opt_state),
-             "step": np.asarray(self.step_count, np.int64)}
-    if self.ref_params is not None:
-      state["ref_params"] = ckpt.state_to_pure_dict(self.ref_params)
+    state = dict(self.policy.checkpoint_state(), step=np.asarray(self.step_count, np.int64))
     if self.online is not None:
       state["drafter"] = self.online.checkpoint_state()
     return state
 
   def save(self, checkpointer: ckpt.Checkpointer, metadata: dict | None = None) -> None:
     """Saves params, optimizer state and the step (the data position is the step) atomically;
-    the metadata holds what the adaptive engine's tuner learned (``"tuner"``), if it has one."""
+    the metadata holds what the adaptive engine's tuner learned (``"tuner"``), if it has one;
+    the online drafter's data buffer is a file beside the step's arrays."""
     metadata = {"format": 1, "trainer": dataclasses.asdict(self.config), **(metadata or {})}
     if self.engine.tuner is not None:
       metadata[TUNER_KEY] = self.engine.tuner.state_dict()
-    buffer = None
-    if self.online is not None:  # the drafter's data buffer: a file beside the step's arrays
-      buffer, metadata[BUFFER_KEY] = self.online.buffer_bytes()
+    write_buffer = (None if self.online is None else
+                    self.online.save_buffer(checkpointer, self.step_count, metadata))
     checkpointer.save(self.step_count, self._checkpoint_state(), metadata)
-    if buffer is not None:
-      checkpointer.wait()
-      self.online.write_buffer(checkpointer.step_dir(self.step_count), buffer)
+    if write_buffer is not None:
+      write_buffer()
 
   def restore(self, checkpointer: ckpt.Checkpointer, step: int | None = None,
               report=print) -> dict:
@@ -799,21 +331,11 @@ class GRPOTrainer:
       _, state, metadata = checkpointer.restore_latest_good(like=like, report=report)
     else:
       state, metadata = checkpointer.restore(step, like=like)
-    replicated = NamedSharding(self.mesh, P())
-    self.params = jax.device_put(ckpt.pure_dict_to_state(state["params"], self.params), replicated)
-    treedef = jax.tree.structure(self.opt_state)
-    self.opt_state = jax.device_put(jax.tree.unflatten(treedef, state["opt_state"]), replicated)
-    if self.ref_params is not None:
-      self.ref_params = jax.device_put(
-          ckpt.pure_dict_to_state(state["ref_params"], self.ref_params), replicated)
+    self.policy.load_checkpoint_state(state)
     self.step_count = int(state["step"])
     self._sync_engine()
     if self.online is not None:
-      self.online.load_checkpoint_state(state["drafter"])
-      problem = self.online.restore_buffer(checkpointer.step_dir(self.step_count),
-                                           metadata.get(BUFFER_KEY))
-      if problem:
-        report(problem)
+      self.online.restore(state["drafter"], checkpointer, self.step_count, metadata, report)
       self._sync_drafter()
     self._restore_tuner(metadata.get(TUNER_KEY), report)
     return metadata

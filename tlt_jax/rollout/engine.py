@@ -327,6 +327,11 @@ class RolloutEngine:
       raise IndexError(f"a RolloutEngine decodes on one device: target_params({index})")
     return self.params
 
+  @property
+  def devices(self) -> list:
+    """The one device this engine decodes on: that of its target weights."""
+    return [next(iter(jax.tree.leaves(self.params)[0].devices()))]
+
   def _weights(self):
     return (self.params, self.drafter_params)
 

@@ -36,6 +36,7 @@ from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.models.drafter import Drafter, save_drafter
 
 BUFFER_FILE = "drafter_buffer.npz"
+BUFFER_KEY = "drafter_buffer_sha256"  # checkpoint metadata: the buffer file's checksum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,42 @@ class OnlineDrafter:
     batch = self.buffer.freshest_batch()
     return self.spot.evaluate(target_params, batch, device, params) if batch is not None else {}
 
+  # ---- its part of an RL step -------------------------------------------------------------------
+  def spot_trains(self, engine) -> bool:
+    """Whether this step's drafter trains on the devices the tail leaves idle: spot training on,
+    and an engine of several rollout devices."""
+    return self.config.spot and len(engine.devices) > 1
+
+  def rollout_options(self, step: int, prompts, engine) -> dict:
+    """The extra ``engine.generate`` arguments of RL step ``step``: keep hidden states and, with
+    spot training, the hooks that take each finished shard into the buffer and train on idle
+    devices."""
+    options = {"collect_hidden": self.collect_fraction()}
+    if self.spot_trains(engine):
+      options["shard_done"], options["idle"] = self.hooks(step, prompts, engine)
+    return options
+
+  def after_rollout(self, step: int, prompts, result, engine) -> dict[str, float]:
+    """The drafter's part of an RL step once its rollout is done; returns its metrics
+    (``step_metrics``). Without spot training the rows go into the buffer now, in row order
+    (whichever device finished first), and the drafter trains between rollout and update under
+    its serial budget. The held-out score is of the weights that drafted this rollout, on its
+    freshest data. The caller hands the engines the new weights (``engine_params``) afterwards."""
+    spot = self.spot_trains(engine)
+    if not spot:
+      self.add(step, prompts, result)
+    first = engine.devices[0]
+    evaluation = self.evaluate(engine.target_params(0), first, params=engine.drafter_params)
+    serial = None if spot else self.serial(engine.target_params(0), first)
+    return step_metrics(result.stats, self.spot_runs() if spot else [], serial, evaluation)
+
+  def precompile_on(self, engine) -> int:
+    """Compiles the drafter's train and eval steps for every rollout device that may train it
+    (spot steps run on every one; serial ones on the first); returns how many devices."""
+    n = len(engine.devices) if self.config.spot else 1
+    self.precompile({engine.devices[k]: engine.target_params(k) for k in range(n)})
+    return n
+
   # ---- checkpoints -------------------------------------------------------------------------------
   def checkpoint_state(self) -> dict:
     """Drafter params, optimizer state (leaf list) and the spot trainer's step count."""
@@ -177,6 +214,25 @@ class OnlineDrafter:
                                    [np.asarray(x) for x in saved["opt_state"]])
     self.spot.load_state_dict(dict(params=params, opt_state=opt_state,
                                    steps=int(saved["steps"])))
+
+  def save_buffer(self, checkpointer, step: int, metadata: dict):
+    """Before ``checkpointer.save(step, ...)``: records the buffer's checksum in ``metadata``;
+    returns the function that writes the buffer beside the step's arrays once they are saved."""
+    data, metadata[BUFFER_KEY] = self.buffer_bytes()
+
+    def write() -> None:
+      checkpointer.wait()
+      self.write_buffer(checkpointer.step_dir(step), data)
+
+    return write
+
+  def restore(self, saved: dict, checkpointer, step: int, metadata: dict, report) -> None:
+    """Loads the drafter's part of checkpoint ``step`` (``checkpoint_state()``) and the buffer
+    saved beside it (a missing or corrupt buffer file is reported: the buffer starts empty)."""
+    self.load_checkpoint_state(saved)
+    problem = self.restore_buffer(checkpointer.step_dir(step), metadata.get(BUFFER_KEY))
+    if problem:
+      report(problem)
 
   def buffer_bytes(self) -> tuple[bytes, str]:
     """The buffer as npz bytes and their sha256 (written next to a checkpoint)."""
