@@ -131,7 +131,7 @@ MUTANTS = [
            "      return index.astype(jnp.int32), jnp.exp(logq)",
            ("tests/rollout/test_lossless_deep.py", "-k", "chain-reduced"),
            "a sampled draft from a reduced vocabulary is used as a target id without mapping"),
-    Mutant("reduced_vocab_loss_on_the_first_k_logits", "tlt_jax/drafter/train.py",
+    Mutant("reduced_vocab_loss_on_the_first_k_logits", "tlt_jax/drafter/objective.py",
            "    target_next_logits = jnp.take(target_next_logits, jnp.asarray(drafter.vocab_ids), "
            "axis=-1)",
            "    target_next_logits = target_next_logits[..., :len(drafter.vocab_ids)]",

@@ -8,7 +8,7 @@ from flax import nnx
 
 from tests.helpers import garble, sharp_random_model
 from tlt_jax.drafter.buffer import DataBuffer, EmptyBufferError
-from tlt_jax.drafter.train import (layout_rows, make_batch_from_sequences, make_eval_step,
+from tlt_jax.drafter.objective import (layout_rows, make_batch_from_sequences, make_eval_step,
                                    split_drafter, target_features)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter

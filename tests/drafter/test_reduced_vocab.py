@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from tests.helpers import mirror_drafter, sharp_random_model
-from tlt_jax.drafter.train import (drafter_loss, make_batch_from_sequences, make_optimizer,
+from tlt_jax.drafter.objective import (drafter_loss, make_batch_from_sequences, make_optimizer,
                                    make_train_step, split_drafter)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import (Drafter, load_drafter, most_frequent_ids, save_drafter,

@@ -1,9 +1,11 @@
-"""Drafter training: the EAGLE objective, batches from the frozen target, the jitted optax step,
-the DataBuffer of rollout hidden states and the preemptible SpotTrainer."""
+"""The adaptive drafter's training: the EAGLE objective, batches from the frozen target and the
+jitted optax step (``objective.py``), the DataBuffer of rollout hidden states (``buffer.py``), the
+preemptible SpotTrainer (``spot.py``) and, tying them into the RL step, the OnlineDrafter
+(``online.py``). The drafter model itself is ``tlt_jax.models.drafter``."""
 
 from tlt_jax.drafter.buffer import DataBuffer, EmptyBufferError
 from tlt_jax.drafter.spot import SpotTrainer
-from tlt_jax.drafter.train import (DrafterBatch, drafter_loss, eagle_loss,
+from tlt_jax.drafter.objective import (DrafterBatch, drafter_loss, eagle_loss,
                                    make_batch_from_sequences, make_eval_step, make_optimizer,
                                    make_train_step, split_drafter)
 

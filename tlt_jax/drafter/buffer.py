@@ -2,7 +2,7 @@
 
 The rollout engine hands over, per finished row, a *sample*: ``tokens [L]`` (prompt + completion,
 ``L = P + n``), the target's last-layer features ``hidden [L-1, H]`` (after its final norm) at
-positions ``t = 0 .. L-2``, and the prompt length ``P``. As in :mod:`tlt_jax.drafter.train`, the
+positions ``t = 0 .. L-2``, and the prompt length ``P``. As in :mod:`tlt_jax.drafter.objective`, the
 drafter's pair ``t`` reads ``(x_{t+1}, h_t)`` and learns ``h_{t+1}`` (and the target's next-token
 distribution, recomputed from ``h_{t+1}`` by the target's LM head: ``next_logits=None``). A sample
 thus holds ``L-1`` pairs:
@@ -52,7 +52,7 @@ from typing import Any, NamedTuple, Sequence
 import ml_dtypes
 import numpy as np
 
-from tlt_jax.drafter.train import DrafterBatch, pack_sequences
+from tlt_jax.drafter.objective import DrafterBatch, pack_sequences
 
 STATE_FORMAT = 1
 _COUNTERS = ("added", "evicted", "dropped_stale", "skipped_too_large", "skipped_untrainable",

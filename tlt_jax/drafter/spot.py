@@ -3,7 +3,7 @@
 TLT trains the drafter online, in the gaps of RL: on a spare device while the policy rolls out
 and updates, or (one device) for a bounded time between rollout and update. :class:`SpotTrainer`
 owns the drafter's params and optimizer state and runs the jitted step of
-:func:`tlt_jax.drafter.train.make_train_step` on ``buffer.batch()`` batches until it is told to
+:func:`tlt_jax.drafter.objective.make_train_step` on ``buffer.batch()`` batches until it is told to
 stop, runs out of steps or time, or the buffer is empty.
 
 Preemption happens only between steps: every step started is finished and counted before the stop
@@ -30,7 +30,7 @@ from flax import nnx
 
 from tlt_jax.aot import AotCache
 from tlt_jax.drafter.buffer import DataBuffer, EmptyBufferError
-from tlt_jax.drafter.train import (CE_WEIGHT, DrafterBatch, make_eval_step, make_optimizer,
+from tlt_jax.drafter.objective import (CE_WEIGHT, DrafterBatch, make_eval_step, make_optimizer,
                                    make_train_step, split_drafter)
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer

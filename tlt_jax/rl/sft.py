@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from tlt_jax.drafter.train import layout_rows, segment_mask
+from tlt_jax.drafter.objective import layout_rows, segment_mask
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.rl.tasks import ArithmeticTask, Problem
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine

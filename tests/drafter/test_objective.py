@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tlt_jax.drafter.train import (drafter_loss, eagle_loss, make_batch_from_sequences,
+from tlt_jax.drafter.objective import (drafter_loss, eagle_loss, make_batch_from_sequences,
                                    make_eval_step, make_optimizer, make_train_step, pack_sequences,
                                    split_drafter)
 from tlt_jax.models.config import ModelConfig
