@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 from tlt_jax.config import ConfigError, check_keys, section, to_dataclass
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer, load_tokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from tests.hf_fixtures import VOCAB_SIZE, make_llama_checkpoint, make_qwen2_checkpoint  # noqa: E402
 from tlt_jax.models import hf  # noqa: E402
-from tlt_jax.models.config import ModelConfig, RopeScaling  # noqa: E402
+from tlt_jax.models.model_config import ModelConfig, RopeScaling  # noqa: E402
 from tests.models.random_model import random_model  # noqa: E402
 from tlt_jax.models.transformer import Transformer  # noqa: E402
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.hf import save_pretrained
 from tlt_jax.models.tokenizer import HFTokenizer, load_tokenizer
 from tlt_jax.models.transformer import init_model

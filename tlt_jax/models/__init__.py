@@ -5,7 +5,7 @@ The names most code needs are importable from here::
   from tlt_jax.models import from_pretrained, load_tokenizer, ModelConfig, Transformer
 """
 
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import (Drafter, drafter_policy_mismatch, load_drafter,
                                     policy_fingerprint, save_drafter)
 from tlt_jax.models.hf import WeightsError, from_pretrained, save_pretrained

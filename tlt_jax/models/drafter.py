@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.transformer import (DecoderLayer, KVCache, Transformer, positions_and_mask,
                                         rope_inv_freq)
 from tlt_jax.utils import read_json_object

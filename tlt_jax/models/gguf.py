@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.models import hf
-from tlt_jax.models.config import ModelConfig, RopeScaling
+from tlt_jax.models.model_config import ModelConfig, RopeScaling
 from tlt_jax.models.tokenizer import HFTokenizer
 from tlt_jax.models.transformer import Transformer, rope_inv_freq
 

@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from tlt_jax.models.config import ARCHITECTURES, ModelConfig, RopeScaling
+from tlt_jax.models.model_config import ARCHITECTURES, ModelConfig, RopeScaling
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.utils import nonfinite_count, read_json_object
 
