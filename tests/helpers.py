@@ -6,7 +6,7 @@ import os
 import jax
 from flax import nnx
 
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.transformer import Transformer, init_model
 
 

@@ -80,11 +80,11 @@ MUTANTS = [
            'row.get("step", 0) <= resume_step', "True",
            ("tests/test_train_job.py", "-k", "replaces_rerun"),
            "metrics.jsonl keeps the rows of steps a resumed run does again"),
-    Mutant("checksums_not_verified", "tlt_jax/checkpoint.py",
+    Mutant("checksums_not_verified", "tlt_jax/checkpoint/checkpointer.py",
            "      if got != want:", "      if False:",
            ("tests/test_checkpoint_integrity.py", "-k", "garbled_data"),
            "garbled array bytes load silently"),
-    Mutant("rotation_forgets_the_good_step", "tlt_jax/checkpoint.py",
+    Mutant("rotation_forgets_the_good_step", "tlt_jax/checkpoint/checkpointer.py",
            "spared = set(steps[-self.keep:]) | ({max(self._good)} if self._good else set())",
            "spared = set(steps[-self.keep:])",
            ("tests/test_checkpoint_integrity.py", "-k", "rotation"),
@@ -264,6 +264,14 @@ MUTANTS = [
            "        check_finite(array, file, hf_name)\n", "",
            ("tests/models/test_hf.py", "-k", "nonfinite"),
            "from_pretrained loads NaN/Inf weights without a word"),
+    Mutant("hf_reader_dispatches_to_gguf", "tlt_jax/models/hf.py",
+           "  path = Path(path)\n  hf_config = read_hf_config(path)",
+           "  path = Path(path)\n  if path.suffix.lower() == \".gguf\" and not path.is_dir():\n"
+           "    from tlt_jax.models.gguf import load_gguf  # pylint: disable=import-outside-toplevel"
+           "\n    return load_gguf(path, dtype=dtype, strict=strict)\n"
+           "  hf_config = read_hf_config(path)",
+           ("tests/test_import_graph.py",),
+           "the HF reader dispatches to the GGUF one again: gguf <-> hf is an import circle"),
     Mutant("update_ignores_advantages", "tlt_jax/rl/trainer.py",
            "batch = self.make_batch(prompts, result.tokens, result.logprobs, advantages)",
            "batch = self.make_batch(prompts, result.tokens, result.logprobs, "

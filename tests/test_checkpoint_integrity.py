@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.helpers import garble, largest_file
-from tlt_jax import checkpoint as ck
+from tlt_jax.checkpoint import console
 from tlt_jax.checkpoint import (CheckpointCorruptError, CheckpointError, Checkpointer,
                                 NonFiniteError, UnverifiedCheckpointWarning)
 
@@ -197,7 +197,7 @@ def test_old_checkpoint_without_checksums_restores_with_warning(tmp_path):
 
 
 def test_log_filters_drop_only_orbax_noise():
-  ck._install_filters()
+  console.install_filters()
   orbax_file = os.path.join(os.path.dirname(ocp.__file__), "checkpoint_manager.py")
 
   def passes(logger, level, pathname=__file__, msg="x"):
@@ -207,7 +207,7 @@ def test_log_filters_drop_only_orbax_noise():
   assert not passes("absl", logging.INFO, orbax_file)
   assert passes("absl", logging.WARNING, orbax_file)
   assert passes("absl", logging.INFO)  # the user's own absl logs
-  with ck._quiet():
+  with console.quiet():
     assert not passes("absl", logging.ERROR, orbax_file)
     assert passes("absl", logging.ERROR)
   assert not passes("asyncio", logging.ERROR,
@@ -224,9 +224,9 @@ def test_log_filters_drop_only_orbax_noise():
   closed = RuntimeError("Event loop is closed")
   try:
     sys.unraisablehook = lambda u: seen.append(u)
-    ck._install_filters()  # wraps the replaced hook again
+    console.install_filters()  # wraps the replaced hook again
     with pytest.raises(CheckpointCorruptError):  # an orbax failure arms the event-loop rule
-      with ck._quiet():
+      with console.quiet():
         raise CheckpointCorruptError("x")
     sys.unraisablehook(SimpleNamespace(object=coro, exc_value=Exception("read failed")))
     sys.unraisablehook(SimpleNamespace(object=None, exc_value=closed))

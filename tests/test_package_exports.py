@@ -4,12 +4,15 @@ import subprocess
 import sys
 
 from tlt_jax import models, rollout
-from tlt_jax.models import drafter, hf, transformer
+from tlt_jax.models import drafter, hf, load, transformer, weights
 from tlt_jax.rollout import engine, ngram, parallel, sampling, speculative, tuner
 
 
 def test_models_exports_are_the_implementations():
-  assert models.from_pretrained is hf.from_pretrained
+  assert models.from_pretrained is load.from_pretrained
+  assert models.load_tokenizer is load.load_tokenizer
+  assert models.pretrained_config is load.pretrained_config
+  assert models.WeightsError is weights.WeightsError
   assert models.save_pretrained is hf.save_pretrained
   assert models.Transformer is transformer.Transformer
   assert models.load_drafter is drafter.load_drafter

@@ -20,8 +20,9 @@ import sys
 import numpy as np
 
 from tlt_jax.config import ConfigError, check_keys, section, to_dataclass
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.tokenizer import CharTokenizer, load_tokenizer
+from tlt_jax.models.load import from_pretrained, is_gguf_path, load_tokenizer
+from tlt_jax.models.model_config import ModelConfig
+from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
@@ -37,14 +38,12 @@ def build_model(cfg):
   model_cfg = section(cfg, "model")
   check_keys(model_cfg, {"path", "dtype", "tiny"}, "model")
   if model_cfg.path:
-    from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
     path = pathlib.Path(model_cfg.path)
-    is_gguf = path.suffix.lower() == ".gguf"
-    if not (path.is_dir() or (is_gguf and path.is_file())):
+    if not (path.is_dir() or (is_gguf_path(path) and path.is_file())):
       raise ConfigError(f"config.model.path {path} is not a directory or a .gguf file (expected "
                         "a checkpoint directory with config.json and *.safetensors, or a GGUF "
                         "file)")
-    model, _ = hf.from_pretrained(path, dtype=model_cfg.dtype)
+    model, _ = from_pretrained(path, dtype=model_cfg.dtype)
     try:
       tokenizer = load_tokenizer(path)
     except FileNotFoundError:

@@ -45,9 +45,10 @@ from tlt_jax import config as config_lib
 from tlt_jax.checkpoint import Checkpointer, count_nonfinite
 from tlt_jax.config import ConfigError, check_keys, section, to_dataclass
 from tlt_jax.models import hf
-from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter, drafter_policy_mismatch, load_drafter
-from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+from tlt_jax.models.load import from_pretrained, load_tokenizer, pretrained_config
+from tlt_jax.models.model_config import ModelConfig
+from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.sft import SFTConfig, warm_start
@@ -148,14 +149,6 @@ def build_task(task_cfg: ml_collections.ConfigDict) -> tuple[Task, bool]:
     return make(), chat
   except (ValueError, TypeError, ImportError, FileNotFoundError) as e:
     raise ConfigError(f"config.task ({kind}): {e}") from None
-
-
-def pretrained_config(path: pathlib.Path, dtype: str | None) -> ModelConfig:
-  """The ``ModelConfig`` of a pretrained checkpoint (HF directory or .gguf), without its weights."""
-  if path.suffix.lower() == ".gguf" and path.is_file():
-    from tlt_jax.models.gguf import gguf_config  # pylint: disable=import-outside-toplevel
-    return gguf_config(path, dtype=dtype)
-  return hf.config_from_hf(hf.read_hf_config(path), dtype=dtype)
 
 
 def _pretrained_parts(model_cfg: ml_collections.ConfigDict) -> tuple[pathlib.Path, ModelConfig,
@@ -410,7 +403,7 @@ def initial_model(job: Job, seed: int) -> Transformer:
   """The policy before any training: the pretrained checkpoint, or a randomly initialised one."""
   if job.model_path is None:
     return init_model(job.model_config, seed=seed)
-  model, _ = hf.from_pretrained(job.model_path, dtype=job.model_config.dtype)
+  model, _ = from_pretrained(job.model_path, dtype=job.model_config.dtype)
   return model
 
 

@@ -10,7 +10,7 @@ from tests.helpers import garble, sharp_random_model
 from tlt_jax.drafter.buffer import DataBuffer, EmptyBufferError
 from tlt_jax.drafter.objective import (layout_rows, make_batch_from_sequences, make_eval_step,
                                    split_drafter, target_features)
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 
 CONFIG = ModelConfig.tiny(vocab_size=32)

@@ -22,7 +22,7 @@ from tests.xla_env import device_count_flags
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.drafter.objective import layout_rows, target_features
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.utils import compile_count
 

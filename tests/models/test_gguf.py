@@ -21,7 +21,7 @@ from tlt_jax import generate
 from tlt_jax.config import load_config_file
 from tlt_jax.models import from_pretrained, load_tokenizer
 from tlt_jax.models import gguf as tlt_gguf
-from tlt_jax.models.config import RopeScaling
+from tlt_jax.models.model_config import RopeScaling
 from tlt_jax.models.tokenizer import HFTokenizer
 from tlt_jax.models.transformer import Transformer, rope_inv_freq
 

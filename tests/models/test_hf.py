@@ -22,7 +22,8 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from tests.hf_fixtures import VOCAB_SIZE, make_llama_checkpoint, make_qwen2_checkpoint  # noqa: E402
 from tlt_jax.models import hf  # noqa: E402
-from tlt_jax.models.config import ModelConfig, RopeScaling  # noqa: E402
+from tlt_jax.models.weights import WeightsError, hf_tensor_names  # noqa: E402
+from tlt_jax.models.model_config import ModelConfig, RopeScaling  # noqa: E402
 from tests.models.random_model import random_model  # noqa: E402
 from tlt_jax.models.transformer import Transformer  # noqa: E402
 
@@ -315,7 +316,7 @@ def test_every_param_comes_from_the_checkpoint(qwen2_dir):
   model, config = hf.from_pretrained(path)
   torch_params = {name: p.detach().numpy() for name, p in torch_model.named_parameters()}
   ours = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-  names = hf.hf_tensor_names(config)
+  names = hf_tensor_names(config)
   assert set(ours) == set(names)
   for param_path, (hf_name, transposed) in names.items():
     value = np.asarray(ours[param_path][...])
@@ -377,8 +378,8 @@ def test_nonfinite_values_are_named(tmp_path, llama_dir, bad):
   tensors = load_file(str(path / hf.WEIGHTS_FILE))
   tensors["model.layers.1.mlp.down_proj.weight"][5, 7] = bad
   save_file(tensors, str(path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
-  with pytest.raises(hf.WeightsError, match=r"model\.safetensors: tensor 'model\.layers\.1\.mlp"
-                                            r"\.down_proj\.weight' holds 1 NaN/Inf values"):
+  with pytest.raises(WeightsError, match=r"model\.safetensors: tensor 'model\.layers\.1\.mlp"
+                                         r"\.down_proj\.weight' holds 1 NaN/Inf values"):
     hf.from_pretrained(path)
 
 
@@ -390,7 +391,7 @@ def test_nonfinite_bf16_checkpoint_is_caught(tmp_path):
   assert tensors["model.norm.weight"].dtype == ml_dtypes.bfloat16
   tensors["model.norm.weight"][:3] = np.nan
   save_file(tensors, str(tmp_path / hf.WEIGHTS_FILE), metadata={"format": "pt"})
-  with pytest.raises(hf.WeightsError, match=r"'model\.norm\.weight' holds 3 NaN/Inf values"):
+  with pytest.raises(WeightsError, match=r"'model\.norm\.weight' holds 3 NaN/Inf values"):
     hf.from_pretrained(tmp_path)
 
 
@@ -400,19 +401,19 @@ def test_overwritten_truncated_and_garbled_files_are_one_line_errors(tmp_path, l
   nan = copy_checkpoint(source, tmp_path / "nan")  # the issue's case: 400 bytes overwritten
   overwrite(nan / hf.WEIGHTS_FILE, data_offset(weights, "model.layers.0.mlp.up_proj.weight"),
             b"\xff" * 400)
-  with pytest.raises(hf.WeightsError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' holds "
-                                            r"100 NaN/Inf values .*download or export it again"):
+  with pytest.raises(WeightsError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' holds "
+                                         r"100 NaN/Inf values .*download or export it again"):
     hf.from_pretrained(nan)
   data = weights.read_bytes()
   for cut in (len(data) - 100, len(data) // 2, 100, 5, 0):
     cut_dir = copy_checkpoint(source, tmp_path / f"cut{cut}")
     (cut_dir / hf.WEIGHTS_FILE).write_bytes(data[:cut])
-    with pytest.raises(hf.WeightsError, match=rf"cut{cut}/copy/model\.safetensors is not a "
-                                              r"readable safetensors file .*truncated"):
+    with pytest.raises(WeightsError, match=rf"cut{cut}/copy/model\.safetensors is not a "
+                                           r"readable safetensors file .*truncated"):
       hf.from_pretrained(cut_dir)
   garbled = copy_checkpoint(source, tmp_path / "garbled")
   overwrite(garbled / hf.WEIGHTS_FILE, 8, b"\x00garbage" * 50)  # inside the JSON header
-  with pytest.raises(hf.WeightsError, match="is not a readable safetensors file"):
+  with pytest.raises(WeightsError, match="is not a readable safetensors file"):
     hf.from_pretrained(garbled)
 
 
@@ -420,11 +421,11 @@ def test_broken_shard_index_is_named(tmp_path, qwen2_dir):
   qwen2_dir[1].save_pretrained(str(tmp_path), max_shard_size="40KB")
   index = tmp_path / hf.WEIGHTS_INDEX_FILE
   index.write_text('{"weight_map": ')
-  with pytest.raises(hf.WeightsError, match=r"model\.safetensors\.index\.json is not a valid "
-                                            r"shard index"):
+  with pytest.raises(WeightsError, match=r"model\.safetensors\.index\.json is not a valid "
+                                         r"shard index"):
     hf.from_pretrained(tmp_path)
   index.write_text('{"metadata": {}}')
-  with pytest.raises(hf.WeightsError, match="KeyError: 'weight_map'"):
+  with pytest.raises(WeightsError, match="KeyError: 'weight_map'"):
     hf.from_pretrained(tmp_path)
 
 
@@ -435,7 +436,7 @@ def test_nonfinite_shard_is_named(tmp_path, qwen2_dir):
   tensors = load_file(str(shard))
   tensors["model.norm.weight"][0] = np.inf
   save_file(tensors, str(shard), metadata={"format": "pt"})
-  with pytest.raises(hf.WeightsError, match=rf"{shard.name}: tensor 'model\.norm\.weight'"):
+  with pytest.raises(WeightsError, match=rf"{shard.name}: tensor 'model\.norm\.weight'"):
     hf.from_pretrained(tmp_path)
 
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from tlt_jax.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from tlt_jax.models.load import load_tokenizer
+from tlt_jax.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 

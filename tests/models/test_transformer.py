@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from tests.models.random_model import random_model
-from tlt_jax.models.config import ModelConfig, RopeScaling
+from tlt_jax.models.model_config import ModelConfig, RopeScaling
 from tlt_jax.models.transformer import KVCache, Transformer
 
 CONFIG = ModelConfig.tiny()

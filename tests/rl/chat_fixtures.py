@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.hf import save_pretrained
-from tlt_jax.models.tokenizer import HFTokenizer, load_tokenizer
+from tlt_jax.models.load import load_tokenizer
+from tlt_jax.models.tokenizer import HFTokenizer
 from tlt_jax.models.transformer import init_model
 
 # SmolLM2-135M-Instruct's chat template (ChatML with a default system message), verbatim.

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tlt_jax.checkpoint import Checkpointer
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model

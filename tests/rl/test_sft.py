@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from tests.models.random_model import random_model
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.rl.sft import (PackedStream, SFTConfig, encode_problem, greedy_accuracy,
                             make_lm_step, warm_start)

@@ -13,7 +13,8 @@ import pytest
 from tests.rl.chat_fixtures import write_chat_model
 from tlt_jax import train
 from tlt_jax.config import ConfigError, load_config_file
-from tlt_jax.models.tokenizer import HFTokenizer, load_tokenizer
+from tlt_jax.models.load import load_tokenizer
+from tlt_jax.models.tokenizer import HFTokenizer
 from tlt_jax.rl.external_tasks import ReasoningGymTask
 from tlt_jax.rl.tasks import chat_prompt
 from tlt_jax.rl.trainer import GRPOTrainer

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo

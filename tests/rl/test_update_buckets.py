@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh
 from tests.xla_env import device_count_flags
 
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo

@@ -16,7 +16,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from tests.helpers import sharp_random_model  # pylint: disable=wrong-import-position
-from tlt_jax.models.config import ModelConfig  # pylint: disable=wrong-import-position
+from tlt_jax.models.model_config import ModelConfig  # pylint: disable=wrong-import-position
 from tlt_jax.models.drafter import Drafter  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.parallel import DataParallelRollout  # pylint: disable=wrong-import-position

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from tests.models.random_model import random_model
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tests.helpers import sharp_random_model

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import mirror_drafter, sharp_random_model
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.ngram import NgramConfig

@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import RoundRobin, mirror_drafter, sharp_random_model
 from tests.stats import (exact_logprobs, exact_sequences, padded, prefix_logits,
                          sampled_logprobs_error, window_pvalues)
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import SpecConfig

@@ -19,7 +19,7 @@ def test_shard_ranges_split_rows_contiguously_and_evenly():
 
 def test_one_device_is_the_plain_engine():
   from tests.helpers import sharp_random_model
-  from tlt_jax.models.config import ModelConfig
+  from tlt_jax.models.model_config import ModelConfig
   from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
   from tlt_jax.rollout.parallel import DataParallelRollout
   from tlt_jax.rollout.sampling import SamplingParams

@@ -27,9 +27,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.transformer import (DecoderLayer, KVCache, Transformer, positions_and_mask,
                                         rope_inv_freq)
+from tlt_jax.models.weights import WeightsError, check_finite
 from tlt_jax.utils import read_json_object
 
 PARAMS_FILE = "drafter.safetensors"
@@ -261,7 +262,7 @@ def drafter_policy_mismatch(path: str | Path, policy) -> str | None:
 def load_drafter(path: str | Path, target_config: ModelConfig | None = None) -> Drafter:
   """Reads a drafter saved by ``save_drafter``; checks it fits ``target_config`` if given.
 
-  Damaged, incomplete, misshapen or non-finite files raise a one-line ``hf.WeightsError``
+  Damaged, incomplete, misshapen or non-finite files raise a one-line ``WeightsError``
   (a ValueError). Whether it was trained for this policy: :func:`drafter_policy_mismatch`.
   """
   from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
@@ -292,22 +293,22 @@ def load_drafter(path: str | Path, target_config: ModelConfig | None = None) -> 
   if draft_vocab_size is not None:
     ids = tensors.get(VOCAB_IDS_TENSOR)
     if ids is None or ids.shape != (draft_vocab_size,):
-      raise hf.WeightsError(f"drafter checkpoint {path} declares {DRAFT_VOCAB_KEY}="
-                            f"{draft_vocab_size} but its {VOCAB_IDS_TENSOR!r} tensor is "
-                            f"{'missing' if ids is None else f'of shape {ids.shape}'}")
+      raise WeightsError(f"drafter checkpoint {path} declares {DRAFT_VOCAB_KEY}="
+                         f"{draft_vocab_size} but its {VOCAB_IDS_TENSOR!r} tensor is "
+                         f"{'missing' if ids is None else f'of shape {ids.shape}'}")
     if ids.min() < 0 or ids.max() >= config.vocab_size or len(np.unique(ids)) != ids.size:
-      raise hf.WeightsError(f"drafter checkpoint {path}: {VOCAB_IDS_TENSOR!r} must hold "
-                            f"distinct ids in [0, {config.vocab_size})")
+      raise WeightsError(f"drafter checkpoint {path}: {VOCAB_IDS_TENSOR!r} must hold "
+                         f"distinct ids in [0, {config.vocab_size})")
     drafter.vocab_ids = tuple(int(i) for i in ids)
   flat = nnx.to_flat_state(nnx.state(drafter, nnx.Param))
   for p, var in flat:
     name = ".".join(map(str, p))
     if name not in tensors:
-      raise hf.WeightsError(f"drafter checkpoint {path} is missing tensor {name!r}: it is "
-                            "incomplete; save the drafter again")
+      raise WeightsError(f"drafter checkpoint {path} is missing tensor {name!r}: it is "
+                         "incomplete; save the drafter again")
     if tensors[name].shape != var.shape:
-      raise hf.WeightsError(f"{file}: drafter tensor {name!r} has shape {tensors[name].shape}, "
-                            f"expected {var.shape}; save the drafter again for this config")
-    hf.check_finite(tensors[name], file, name, what="its training")
+      raise WeightsError(f"{file}: drafter tensor {name!r} has shape {tensors[name].shape}, "
+                         f"expected {var.shape}; save the drafter again for this config")
+    check_finite(tensors[name], file, name, what="its training")
     var.set_value(jnp.asarray(tensors[name], dtype=var.dtype))
   return drafter

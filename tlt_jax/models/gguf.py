@@ -4,7 +4,9 @@
   tokenizer = tokenizer_from_gguf("model.gguf")       # byte-level BPE + chat template
   python -m tlt_jax.models.gguf convert model.gguf OUTDIR [--dtype float32]
 
-``hf.from_pretrained`` and ``load_tokenizer`` accept a ``.gguf`` path too. Every tensor is
+``tlt_jax.models.load``'s ``from_pretrained`` and ``load_tokenizer`` take a ``.gguf`` path too
+(the loader picks this reader by the suffix; this module never dispatches to another format,
+and ``convert`` writes its HF directory through ``tlt_jax.models.hf``). Every tensor is
 dequantized on load with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the
 K-quants...: whatever it can dequantize), so the model runs in a float dtype, never quantized.
 llama.cpp's converter permutes the rows of Llama's Q and K projections (its rotary layout
@@ -28,11 +30,11 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.models import hf
-from tlt_jax.models.config import ModelConfig, RopeScaling
+from tlt_jax.models.model_config import ModelConfig, RopeScaling
 from tlt_jax.models.tokenizer import HFTokenizer
 from tlt_jax.models.transformer import Transformer, rope_inv_freq
+from tlt_jax.models.weights import ParamPath, WeightsError, abstract_params, check_finite
 
-GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,17 +68,10 @@ _SPLIT_BY_PRE = {
 _GPT2_PRE = ("default", "gpt2", "gpt-2", "mpt", "olmo")
 _DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact", "codeshell")
 
-ParamPath = hf.ParamPath
 _MISSING = object()
 
 
 # ----------------------------------------------------------------------------- reading
-
-
-def is_gguf_path(path: str | Path) -> bool:
-  """Whether ``path`` names a GGUF file (by its ``.gguf`` suffix; it need not exist yet)."""
-  path = Path(path)
-  return path.suffix.lower() == GGUF_SUFFIX and not path.is_dir()
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -306,20 +301,20 @@ def load_gguf(path: str | Path, dtype: str | None = None, *,
 
   Every param is set exactly once from the file; ``strict`` rejects tensors the model does not
   use. Llama's Q/K rows are unpermuted (see :func:`unpermute_rotary_rows`). A missing,
-  misshapen or non-finite (after dequantization) tensor raises a one-line ``hf.WeightsError``.
+  misshapen or non-finite (after dequantization) tensor raises a one-line ``WeightsError``.
   """
   path = Path(path)
   reader = open_gguf(path)
   config = _config_from_reader(reader, path, dtype)
   tensors = {t.name: t for t in reader.tensors}
-  graphdef, flat, hf_names = hf._abstract_params(config)  # pylint: disable=protected-access
+  graphdef, flat, hf_names = abstract_params(config)
   names = {param_path: (gguf_tensor_name(hf_name), transposed)
            for param_path, (hf_name, transposed) in hf_names.items()}
   missing = sorted(name for name, _ in names.values() if name not in tensors)
   if missing:
     more = f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""
-    raise hf.WeightsError(f"{path} is missing tensor {missing[0]!r}{more}: it is incomplete; "
-                          "download or convert it again")
+    raise WeightsError(f"{path} is missing tensor {missing[0]!r}{more}: it is incomplete; "
+                       "download or convert it again")
   known = {name for name, _ in names.values()} | {ROPE_FREQS_TENSOR}
   unexpected = sorted(set(tensors) - known)
   if strict and unexpected:
@@ -334,10 +329,10 @@ def load_gguf(path: str | Path, dtype: str | None = None, *,
     expected = tuple(variable.shape)[::-1] if transposed else tuple(variable.shape)
     array = _dequantize(tensors[name], path)
     if tuple(array.shape) != expected:
-      raise hf.WeightsError(f"{path}: tensor {name!r} has shape {tuple(array.shape)}, but the "
-                            f"metadata implies {expected}; the file is damaged or mislabelled: "
-                            "download or convert it again")
-    hf.check_finite(array, path, name)  # on the dequantized values: a NaN scale spoils a block
+      raise WeightsError(f"{path}: tensor {name!r} has shape {tuple(array.shape)}, but the "
+                         f"metadata implies {expected}; the file is damaged or mislabelled: "
+                         "download or convert it again")
+    check_finite(array, path, name)  # on the dequantized values: a NaN scale spoils a block
     kind = name.split(".")[2] if name.startswith("blk.") else ""
     if config.architecture == "llama" and kind in heads_of:
       array = unpermute_rotary_rows(array, heads_of[kind])

@@ -1,8 +1,8 @@
 """Hugging Face checkpoint I/O: ``config.json`` <-> ``ModelConfig`` and safetensors <-> NNX params.
 
 Reads local Qwen2 / Llama directories (one ``model.safetensors`` or shards listed in
-``model.safetensors.index.json``), or ``.gguf`` files (via ``tlt_jax.models.gguf``), and writes
-directories that ``transformers`` loads.
+``model.safetensors.index.json``) and writes directories that ``transformers`` loads (``.gguf``
+files are read by ``tlt_jax.models.gguf``; ``tlt_jax.models.load`` picks the reader by the path).
 Torch is never needed: tensors go through ``safetensors`` with numpy (bf16 via ``ml_dtypes``).
 """
 
@@ -20,9 +20,10 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from tlt_jax.models.config import ARCHITECTURES, ModelConfig, RopeScaling
+from tlt_jax.models.model_config import ARCHITECTURES, ModelConfig, RopeScaling
 from tlt_jax.models.transformer import Transformer
-from tlt_jax.utils import nonfinite_count, read_json_object
+from tlt_jax.models.weights import ParamPath, WeightsError, abstract_params, check_finite
+from tlt_jax.utils import read_json_object
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -34,12 +35,6 @@ _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16"
                 "float16": "float16", "half": "float16"}
 # Buffers some exporters write next to the weights; they carry nothing we need.
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
-
-ParamPath = tuple[str | int, ...]
-
-
-class WeightsError(ValueError):
-  """A checkpoint's weights cannot be used: a damaged, incomplete, misshapen or non-finite file."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -201,54 +196,6 @@ def read_hf_config(path: str | Path) -> dict:
 # ----------------------------------------------------------------------------- weights
 
 
-def hf_tensor_names(config: ModelConfig) -> dict[ParamPath, tuple[str, bool]]:
-  """Maps each Param path of ``Transformer(config)`` to (HF tensor name, stored transposed?).
-
-  HF linears store ``[out, in]``; our kernels are ``[in, out]``.
-  """
-  names: dict[ParamPath, tuple[str, bool]] = {
-      ("embed_tokens", "embedding"): ("model.embed_tokens.weight", False),
-      ("norm", "weight"): ("model.norm.weight", False),
-  }
-  for i in range(config.num_layers):
-    prefix = f"model.layers.{i}"
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-      names[("layers", i, norm, "weight")] = (f"{prefix}.{norm}.weight", False)
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      names[("layers", i, "self_attn", proj, "kernel")] = (
-          f"{prefix}.self_attn.{proj}.weight", True)
-      if config.attention_bias and (proj != "o_proj" or config.architecture == "llama"):
-        names[("layers", i, "self_attn", proj, "bias")] = (f"{prefix}.self_attn.{proj}.bias", False)
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-      names[("layers", i, "mlp", proj, "kernel")] = (f"{prefix}.mlp.{proj}.weight", True)
-  if not config.tie_word_embeddings:
-    names[("lm_head", "kernel")] = ("lm_head.weight", True)
-  return names
-
-
-def _abstract_params(config: ModelConfig):
-  """(graphdef, flat abstract state) of ``Transformer(config)``, checked against the name map."""
-  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
-  flat = nnx.to_flat_state(state)
-  names = hf_tensor_names(config)
-  model_paths = {path for path, _ in flat}
-  if model_paths != set(names):
-    unnamed = sorted(map(str, model_paths - set(names)))
-    absent = sorted(map(str, set(names) - model_paths))
-    raise RuntimeError(f"HF name map is out of sync with Transformer: params without an HF name "
-                       f"{unnamed}, HF names without a param {absent}")
-  return graphdef, flat, names
-
-
-def check_finite(array: np.ndarray, file: Path, name: str, what: str = "the model") -> None:
-  """Raises ``WeightsError`` naming ``file`` and tensor ``name`` if ``array`` holds NaN or Inf."""
-  bad = nonfinite_count(array)
-  if bad:
-    raise WeightsError(f"{file}: tensor {name!r} holds {bad} NaN/Inf values (of {array.size}); "
-                       f"the file is damaged or {what} diverged: download or export it again")
-
-
 @contextlib.contextmanager
 def open_safetensors(file: Path):
   """``safe_open(file)`` for numpy; a truncated or garbled file raises one ``WeightsError``."""
@@ -323,15 +270,11 @@ def from_pretrained(path: str | Path, dtype: str | None = None, *,
                     strict: bool = True) -> tuple[Transformer, ModelConfig]:
   """Loads a local HF Qwen2/Llama directory as a ``Transformer``; ``dtype`` overrides the config's.
 
-  A ``.gguf`` file (llama.cpp's format) is loaded by :func:`tlt_jax.models.gguf.load_gguf`
-  instead: dequantized to ``dtype`` (default float32).
+  (:func:`tlt_jax.models.load.from_pretrained` also takes a ``.gguf`` file.)
   Every param is set from the checkpoint; ``strict`` rejects unknown (non-harmless) tensors.
   A damaged, incomplete, misshapen or non-finite checkpoint raises a one-line ``WeightsError``.
   """
   path = Path(path)
-  if path.suffix.lower() == ".gguf" and not path.is_dir():
-    from tlt_jax.models.gguf import load_gguf  # pylint: disable=import-outside-toplevel
-    return load_gguf(path, dtype=dtype, strict=strict)
   hf_config = read_hf_config(path)  # its own errors name the file
   try:
     config = config_from_hf(hf_config, dtype=dtype)
@@ -340,7 +283,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None, *,
   except (TypeError, ValueError) as e:
     raise ValueError(f"{path / CONFIG_FILE}: {e}") from None
   tensor_files = _tensor_files(path)
-  graphdef, flat, names = _abstract_params(config)
+  graphdef, flat, names = abstract_params(config)
   _check_tensor_names(path, tensor_files, config, names, strict)
 
   variables = dict(flat)
@@ -372,7 +315,7 @@ def save_pretrained(model: Transformer, config: ModelConfig, path: str | Path) -
   ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
   path = Path(path)
   hf_config = config_to_hf(config)  # raises before anything is written if not representable
-  _, abstract_flat, names = _abstract_params(config)
+  _, abstract_flat, names = abstract_params(config)
   expected_shapes = {param_path: tuple(v.shape) for param_path, v in abstract_flat}
   params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   if set(params) != set(names):

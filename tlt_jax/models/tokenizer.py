@@ -15,9 +15,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-GGUF_SUFFIX = ".gguf"
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"
-CHAR_PREFIX = "char:"
 
 
 @runtime_checkable
@@ -90,7 +88,7 @@ class CharTokenizer:
                        f"{self.alphabet!r}") from None
 
   def save(self, directory: str | Path) -> None:
-    """Writes ``char_tokenizer.json`` into ``directory`` (read back by :func:`load_tokenizer`)."""
+    """Writes ``char_tokenizer.json`` into ``directory`` (read back by ``load.load_tokenizer``)."""
     data = {"type": "char", "alphabet": self.alphabet, "specials": list(self.specials)}
     (Path(directory) / CHAR_TOKENIZER_FILE).write_text(json.dumps(data, indent=2) + "\n",
                                                         encoding="utf-8")
@@ -294,18 +292,3 @@ class HFTokenizer:
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
     """The text of ``ids``."""
     return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-
-def load_tokenizer(path: str | Path) -> HFTokenizer | CharTokenizer:
-  """A tokenizer from a model directory (``char_tokenizer.json`` or ``tokenizer.json``), a
-  tokenizer file, a ``.gguf`` file (its metadata's tokenizer), or ``"char:<alphabet>"``."""
-  if isinstance(path, str) and path.startswith(CHAR_PREFIX):
-    return CharTokenizer(path[len(CHAR_PREFIX):])
-  path = Path(path)
-  if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
-    from tlt_jax.models.gguf import tokenizer_from_gguf  # pylint: disable=import-outside-toplevel
-    return tokenizer_from_gguf(path)
-  char_file = path / CHAR_TOKENIZER_FILE if path.is_dir() else path
-  if char_file.name == CHAR_TOKENIZER_FILE and char_file.is_file():
-    return CharTokenizer.from_file(char_file)
-  return HFTokenizer.from_file(path)

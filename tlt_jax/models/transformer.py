@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 
 
 @jax.tree_util.register_dataclass

@@ -1,4 +1,4 @@
-"""Model configuration for the decoder-only transformers (Qwen2 / Llama families)."""
+"""Model configuration (`ModelConfig`) of the decoder-only transformers (Qwen2 / Llama families)."""
 
 from __future__ import annotations
 

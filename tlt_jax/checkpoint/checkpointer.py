@@ -33,13 +33,8 @@ step however many steps follow; unverified (pre-checksum) restores are not known
 ``async_save`` a save's rotation happens once it is on disk (at the next ``save``, ``wait``,
 ``restore`` or ``close``).
 
-Console: orbax logs through absl (INFO per save/restore), and a failed read leaves orbax's
-asyncio tasks pending on a closed event loop; tensorstore's completions then raise "Event loop
-is closed" and the abandoned coroutines raise again when garbage-collected (thousands of lines
-of TensorStore specs, via ``sys.unraisablehook`` and the ``asyncio`` logger, mostly after our
-error). This module drops orbax's absl records below WARNING (all of them while inside a
-``Checkpointer`` call), those ``asyncio`` records and those unraisable exceptions; everything
-else passes through unchanged.
+Console: orbax's log records, and the late errors of a failed read, are silenced by
+``tlt_jax.checkpoint.console`` (see there); everything else passes through unchanged.
 
 Trees are saved as plain nested containers of arrays. Use :func:`state_to_pure_dict` /
 :func:`pure_dict_to_state` for ``nnx.State``. Typed PRNG keys (``jax.random.key``) may appear
@@ -50,34 +45,25 @@ implementation of the matching key in ``like`` (or convert explicitly with :func
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import logging
 import os
-import re
-import sys
-import threading
-import traceback
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore
-from flax import nnx
 
-from tlt_jax.utils import nonfinite_count
-
-PyTree = Any
+from tlt_jax.checkpoint.console import (first_line, key_in_error, listing, note_failed_read,
+                                        quiet, root_cause)
+from tlt_jax.checkpoint.trees import (PyTree, abstract_key, abstract_leaf, count_nonfinite,
+                                      data_to_key, flat_leaves, is_key, key_to_data, leaf_record,
+                                      metadata_sha256, path_str)
 
 _STATE = "state"
 _METADATA = "metadata"
 _INTEGRITY = "integrity"
 _INTEGRITY_FORMAT = 1
-_MAX_LISTED = 8
 
 
 class CheckpointError(RuntimeError):
@@ -99,260 +85,6 @@ class NonFiniteError(ValueError):
 
 class UnverifiedCheckpointWarning(UserWarning):
   """A checkpoint without checksums (written before they existed) was restored unchecked."""
-
-
-# ----------------------------------------------------------------------------- conversions
-
-
-def state_to_pure_dict(state: nnx.State) -> dict:
-  """A plain nested dict of arrays (no ``Variable`` wrappers) from an ``nnx.State``."""
-  return state.to_pure_dict()
-
-
-def pure_dict_to_state(pure: dict, like: nnx.State) -> nnx.State:
-  """A copy of ``like`` holding the arrays of ``pure``; ``like`` itself is left untouched."""
-  state = jax.tree.map(lambda x: x, like)
-  nnx.replace_by_pure_dict(state, pure)
-  return state
-
-
-def key_to_data(key: jax.Array) -> jax.Array:
-  """Raw ``uint32`` data of a typed PRNG key (``jax.random.key``), shaped ``key.shape + (n,)``."""
-  return jax.random.key_data(key)
-
-
-def data_to_key(data: jax.Array, impl: str | None = None) -> jax.Array:
-  """A typed PRNG key from raw key data; ``impl`` defaults to JAX's default PRNG implementation."""
-  return jax.random.wrap_key_data(data, impl=impl)
-
-
-def _is_key(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _abstract_key(x: Any) -> tuple[jax.ShapeDtypeStruct, str]:
-  """Abstract key data and the PRNG implementation of a (possibly abstract) typed key."""
-  impls: list = []
-
-  def data(k):
-    impls.append(jax.random.key_impl(k))
-    return jax.random.key_data(k)
-
-  out = jax.eval_shape(data, jax.ShapeDtypeStruct(x.shape, x.dtype))
-  return out, impls[0]
-
-
-def _abstract_leaf(x: Any) -> jax.ShapeDtypeStruct:
-  if _is_key(x):
-    return _abstract_key(x)[0]
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-  value = np.asarray(x)
-  return jax.ShapeDtypeStruct(value.shape, value.dtype)
-
-
-def _path_str(path: tuple) -> str:
-  parts = []
-  for k in path:
-    if isinstance(k, jax.tree_util.DictKey):
-      parts.append(str(k.key))
-    elif isinstance(k, jax.tree_util.SequenceKey):
-      parts.append(str(k.idx))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      parts.append(k.name)
-    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-      parts.append(str(k.key))
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
-
-
-def _flat(tree: PyTree) -> dict[str, Any]:
-  return {_path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-# ----------------------------------------------------------------------------- integrity
-
-
-def _host(x: Any) -> np.ndarray | None:
-  """The whole array on the host; ``None`` for one sharded over other processes' devices."""
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    if not x.is_fully_replicated:
-      return None
-    x = x.addressable_data(0)  # a full local replica
-  return np.ascontiguousarray(np.asarray(jax.device_get(x)))
-
-
-def _sha256(a: np.ndarray) -> str:
-  return hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest()
-
-
-def _leaf_record(x: Any) -> dict:
-  """dtype, shape and sha256 of a leaf (``sha256`` is ``None`` when no process sees all of it)."""
-  a = _host(x)
-  if a is None:
-    return {"dtype": str(x.dtype), "shape": list(x.shape), "sha256": None}
-  return {"dtype": str(a.dtype), "shape": list(a.shape), "sha256": _sha256(a)}
-
-
-def _local_shards(x: Any) -> list[np.ndarray]:
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return [np.asarray(s.data) for s in x.addressable_shards]
-  return [np.asarray(jax.device_get(x))]
-
-
-def count_nonfinite(x: Any) -> int:
-  """NaN/inf values in a floating leaf (in this process's shards of a multi-process array)."""
-  if not jnp.issubdtype(x.dtype if hasattr(x, "dtype") else np.result_type(x), jnp.inexact):
-    return 0
-  return sum(nonfinite_count(np.asarray(a)) for a in _local_shards(x))
-
-
-def _metadata_sha256(metadata: dict) -> str:
-  return hashlib.sha256(json.dumps(metadata, sort_keys=True).encode()).hexdigest()
-
-
-# ----------------------------------------------------------------------------- console noise
-
-_NOISY_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(m.__file__)), "")
-                    for m in (ocp, tensorstore))
-_quiet_lock = threading.Lock()
-_quiet_depth = 0
-_orbax_failed = False  # once an orbax call failed, stray "Event loop is closed" errors are its
-# step directories whose read failed: the reads orbax abandoned there fail later on their own
-# ("Future exception was never retrieved"), with tensorstore errors that name the directory
-_failed_dirs: set[str] = set()
-
-
-def _noisy_path(path: str | None) -> bool:
-  return bool(path) and path.startswith(_NOISY_DIRS)
-
-
-def _noisy_exception(exc: BaseException | None) -> bool:
-  """Whether ``exc`` (or its cause/context chain) was raised through orbax or tensorstore code."""
-  seen: set[int] = set()
-  while exc is not None and id(exc) not in seen:
-    seen.add(id(exc))
-    if any(_noisy_path(f.f_code.co_filename) for f, _ in traceback.walk_tb(exc.__traceback__)):
-      return True
-    exc = exc.__cause__ or exc.__context__
-  return False
-
-
-class _OrbaxAbslFilter(logging.Filter):
-  """On the ``absl`` logger: drops orbax's records below WARNING, and all while we are quiet."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    if not _noisy_path(record.pathname):
-      return True
-    return record.levelno >= logging.WARNING and _quiet_depth == 0
-
-
-class _OrbaxAsyncioFilter(logging.Filter):
-  """On the ``asyncio`` logger: drops reports about orbax's abandoned tasks and futures."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    try:
-      if record.exc_info and _noisy_exception(record.exc_info[1]):
-        return False
-      message = record.getMessage()
-      return not any(d in message for d in (*_NOISY_DIRS, *_failed_dirs))
-    except Exception:  # pylint: disable=broad-exception-caught
-      return True
-
-
-def _is_orbax_unraisable(unraisable: Any) -> bool:
-  code = getattr(unraisable.object, "cr_code", None)
-  if code is not None and _noisy_path(code.co_filename):
-    return True
-  exc = unraisable.exc_value
-  if _noisy_exception(exc):
-    return True
-  # tensorstore's completion callbacks into orbax's closed loop: no orbax frame to recognise
-  # them by, so they are dropped only inside a Checkpointer call or after one failed
-  return ((_orbax_failed or _quiet_depth > 0) and unraisable.object is None
-          and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
-
-
-def _install_filters() -> None:
-  """Adds the log filters once and (re-)wraps ``sys.unraisablehook`` unless already wrapped."""
-  for name, kind in (("absl", _OrbaxAbslFilter), ("asyncio", _OrbaxAsyncioFilter)):
-    logger = logging.getLogger(name)
-    if not any(isinstance(f, kind) for f in logger.filters):
-      logger.addFilter(kind())
-  previous = sys.unraisablehook
-  if getattr(previous, "_tlt_checkpoint", False):
-    return
-
-  def hook(unraisable: Any) -> None:
-    try:
-      if _is_orbax_unraisable(unraisable):
-        return
-    except Exception:  # pylint: disable=broad-exception-caught
-      pass
-    previous(unraisable)
-
-  hook._tlt_checkpoint = True  # type: ignore[attr-defined]
-  sys.unraisablehook = hook
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-  """Silences orbax's logging for the duration; notes failures for the unraisable hook."""
-  global _quiet_depth, _orbax_failed
-  _install_filters()
-  with _quiet_lock:
-    _quiet_depth += 1
-  try:
-    yield
-  except Exception:
-    _orbax_failed = True
-    raise
-  finally:
-    with _quiet_lock:
-      _quiet_depth -= 1
-
-
-# ----------------------------------------------------------------------------- messages
-
-
-def _listing(names: list[str]) -> str:
-  shown = ", ".join(names[:_MAX_LISTED])
-  return shown + (f", ... ({len(names)} in all)" if len(names) > _MAX_LISTED else "")
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-  text = " ".join(str(text).split())
-  return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _root_cause(e: BaseException) -> BaseException:
-  seen: set[int] = set()
-  while e.__cause__ is not None and id(e.__cause__) not in seen:
-    seen.add(id(e))
-    e = e.__cause__
-  return e
-
-
-def _first_line(e: BaseException) -> str:
-  text = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {_one_line(text[0]) if text else ''}"
-
-
-def _key_in_error(e: BaseException, names: list[str]) -> str | None:
-  """The first of ``names`` that orbax/tensorstore's error text names (as ``"a.b/..."``)."""
-  texts, seen = [], set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    texts.append(str(e))
-    e = e.__cause__ or e.__context__
-  text = " ".join(texts)
-  for name in names:
-    dotted = re.escape(name.replace("/", "."))
-    if re.search(rf'"{dotted}(/|")', text):
-      return name
-  return None
 
 
 # ----------------------------------------------------------------------------- checkpointer
@@ -381,7 +113,7 @@ class Checkpointer:
         cleanup_tmp_directories=True,
         enable_async_checkpointing=async_save,
     )
-    with _quiet():
+    with quiet():
       handlers = {_STATE: ocp.StandardCheckpointHandler(),
                   _METADATA: ocp.JsonCheckpointHandler(), _INTEGRITY: ocp.JsonCheckpointHandler()}
       self._manager = ocp.CheckpointManager(self.directory, options=options,
@@ -421,11 +153,11 @@ class Checkpointer:
       raise ValueError(
           f"cannot save step {step} in {self.directory}: it is not newer than the latest "
           f"checkpoint {latest}. Resume from the latest step or use a fresh directory.")
-    arrays = jax.tree.map(lambda x: key_to_data(x) if _is_key(x) else x, state)
+    arrays = jax.tree.map(lambda x: key_to_data(x) if is_key(x) else x, state)
     leaves: dict[str, dict] = {}
     finite = True
     for path, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]:
-      name = _path_str(path)
+      name = path_str(path)
       if name in leaves:
         raise ValueError(f"cannot save step {step}: two leaves share the key {name!r}")
       bad = count_nonfinite(leaf)
@@ -435,14 +167,14 @@ class Checkpointer:
             f"value(s) (NaN/inf) of {np.size(leaf)}. Find the cause or resume from an earlier "
             "step; pass allow_nonfinite=True to save it anyway.")
       finite = finite and not bad
-      leaves[name] = _leaf_record(leaf)
+      leaves[name] = leaf_record(leaf)
     integrity = {"format": _INTEGRITY_FORMAT, "leaves": leaves,
-                 "metadata_sha256": _metadata_sha256(normalized)}
+                 "metadata_sha256": metadata_sha256(normalized)}
     os.makedirs(self.directory, exist_ok=True)
     args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(arrays),
                                  _METADATA: ocp.args.JsonSave(metadata),
                                  _INTEGRITY: ocp.args.JsonSave(integrity)})
-    with _quiet():
+    with quiet():
       saved = self._manager.save(step, args=args)
     if not saved:
       raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
@@ -468,7 +200,7 @@ class Checkpointer:
     elif step not in steps:
       raise FileNotFoundError(
           f"no checkpoint for step {step} in {self.directory}; available steps: {steps}")
-    with _quiet():
+    with quiet():
       state, metadata, verified = self._load(int(step), like)
     if verified:
       self._good.add(int(step))
@@ -516,7 +248,7 @@ class Checkpointer:
     they can be saved anew); returns the deleted steps."""
     self.wait()
     newer = [s for s in self.all_steps() if s > step]
-    with _quiet():
+    with quiet():
       for s in newer:
         self._manager.delete(s)
     self._good -= set(newer)
@@ -531,7 +263,7 @@ class Checkpointer:
     try:
       self._settle()
     finally:
-      with _quiet():
+      with quiet():
         # the tmp-directory cleanup started by __init__ runs in a thread of its own; a process
         # that exits while it runs gets orbax tracebacks at interpreter shutdown
         getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
@@ -548,7 +280,7 @@ class Checkpointer:
   def _settle(self) -> None:
     """Waits for the pending save; marks it known good if it was finite; rotates old steps."""
     pending, self._pending = self._pending, None
-    with _quiet():
+    with quiet():
       self._manager.wait_until_finished()
     if pending is None:
       return
@@ -564,7 +296,7 @@ class Checkpointer:
     if self.keep is None:
       return
     spared = set(steps[-self.keep:]) | ({max(self._good)} if self._good else set())
-    with _quiet():
+    with quiet():
       for step in steps:
         if step not in spared:
           self._manager.delete(step)
@@ -576,7 +308,7 @@ class Checkpointer:
     while os.path.exists(target):
       target, n = f"{source}.corrupt{n}", n + 1
     self._good.discard(step)
-    with _quiet():
+    with quiet():
       if jax.process_index() == 0:  # one renamer; the others wait for it
         try:
           os.rename(source, target)
@@ -590,18 +322,18 @@ class Checkpointer:
   def _load(self, step: int, like: PyTree) -> tuple[PyTree, dict, bool]:
     """Reads ``step``, verifying it if it has checksums: ``(state, metadata, verified)``."""
     path = self.step_dir(step)
-    target = jax.tree.map(_abstract_leaf, like)
+    target = jax.tree.map(abstract_leaf, like)
     try:
       stored = self._manager.item_metadata(step)[_STATE]
     except Exception as e:  # tensorstore / orbax failures surface as assorted exception types
       raise self._unreadable(path, step, e, []) from e
     if stored is None:
       raise self._unreadable(path, step, FileNotFoundError("no array metadata"), [])
-    stored_flat = _flat(getattr(stored, "tree", stored))
-    self._check_matches(path, stored_flat, _flat(target))
+    stored_flat = flat_leaves(getattr(stored, "tree", stored))
+    self._check_matches(path, stored_flat, flat_leaves(target))
 
     def as_stored(p, want):  # read in the stored dtype: the checksums are of those bytes
-      dtype = getattr(stored_flat.get(_path_str(p)), "dtype", None) or want.dtype
+      dtype = getattr(stored_flat.get(path_str(p)), "dtype", None) or want.dtype
       return jax.ShapeDtypeStruct(want.shape, dtype, sharding=want.sharding)
 
     read_target = jax.tree_util.tree_map_with_path(as_stored, target)
@@ -618,9 +350,9 @@ class Checkpointer:
       self._verify(path, step, restored[_STATE], metadata, restored[_INTEGRITY])
 
     def finish(ref, x):
-      if _is_key(ref):
-        return data_to_key(x, _abstract_key(ref)[1])
-      want = _abstract_leaf(ref).dtype
+      if is_key(ref):
+        return data_to_key(x, abstract_key(ref)[1])
+      want = abstract_leaf(ref).dtype
       return x if x.dtype == want else x.astype(want)
 
     return jax.tree.map(finish, like, restored[_STATE]), metadata, checked
@@ -630,12 +362,12 @@ class Checkpointer:
     leaves = integrity.get("leaves") if isinstance(integrity, dict) else None
     if not isinstance(leaves, dict):
       raise self._corrupt(path, step, None, "its integrity record is malformed")
-    loaded = _flat(state)
+    loaded = flat_leaves(state)
     for name, leaf in loaded.items():
       want = leaves.get(name)
       if want is None:
         raise self._corrupt(path, step, name, f"array {name} has no saved checksum")
-      got = _leaf_record(leaf)
+      got = leaf_record(leaf)
       if want.get("sha256") is None or got["sha256"] is None:  # sharded over processes
         got, want = got | {"sha256": None}, want | {"sha256": None}
       if got != want:
@@ -644,7 +376,7 @@ class Checkpointer:
     extra = sorted(set(leaves) - set(loaded))
     if extra:
       raise self._corrupt(path, step, extra[0], f"array {extra[0]} is missing from the data")
-    if integrity.get("metadata_sha256") != _metadata_sha256(metadata):
+    if integrity.get("metadata_sha256") != metadata_sha256(metadata):
       raise self._corrupt(path, step, _METADATA,
                           "its metadata does not match the checksum saved with it")
 
@@ -662,10 +394,10 @@ class Checkpointer:
 
   def _unreadable(self, path: str, step: int, e: BaseException,
                   names: list[str]) -> CheckpointCorruptError:
-    _failed_dirs.add(os.path.join(path, ""))
-    key = _key_in_error(e, names)
+    note_failed_read(path)
+    key = key_in_error(e, names)
     what = f"array {key} is unreadable" if key else "unreadable"
-    cause = _first_line(_root_cause(e))
+    cause = first_line(root_cause(e))
     return CheckpointCorruptError(
         f"checkpoint {path} is unreadable (corrupt or truncated files?): {what}: {cause}. "
         f"{self._hint(step)}", path=path, step=step, key=key, reason=what)
@@ -678,9 +410,9 @@ class Checkpointer:
     if missing or extra:
       parts = []
       if missing:
-        parts.append(f"missing from the checkpoint: {_listing(missing)}")
+        parts.append(f"missing from the checkpoint: {listing(missing)}")
       if extra:
-        parts.append(f"only in the checkpoint: {_listing(extra)}")
+        parts.append(f"only in the checkpoint: {listing(extra)}")
       raise ValueError(
           f"checkpoint at {path} does not have the structure of `like` ({'; '.join(parts)}). "
           "It was written by a different model/optimizer config: restore with a `like` built from "

@@ -1,0 +1,178 @@
+"""No import circles in ``tlt_jax``: the module import graph, read from the source, is acyclic.
+
+Every ``.py`` file under ``tlt_jax/`` is a module (a package's ``__init__.py`` is the package);
+its edges are its imports of other ``tlt_jax`` modules, those inside functions included (a lazy
+import still ties the two modules together). ``from tlt_jax.x import y`` is an edge to module
+``tlt_jax.x.y`` when that is a module, else to ``tlt_jax.x``; relative imports resolve against the
+importing module's package. Importing a submodule also runs its packages' ``__init__``, but
+that is no edge: a package importing its own submodules is the normal layout, not a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = "tlt_jax"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def module_files(root: pathlib.Path, package: str = PACKAGE) -> dict[str, pathlib.Path]:
+  """Dotted module name -> file, for every ``.py`` file of ``package`` under ``root``."""
+  files = {}
+  for path in sorted((root / package).rglob("*.py")):
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    files[".".join(parts)] = path
+  return files
+
+
+def _anchor(module: str, is_package: bool, level: int) -> str:
+  """The package a relative import of ``level`` dots in ``module`` starts from."""
+  parts = module.split(".")
+  if not is_package:
+    parts = parts[:-1]
+  return ".".join(parts[:len(parts) - (level - 1)])
+
+
+def _known(name: str, modules: set[str]) -> str | None:
+  """``name`` if it is a module, else its nearest enclosing module (None outside them)."""
+  while name and name not in modules:
+    name = name.rpartition(".")[0]
+  return name or None
+
+
+def imports_of(module: str, path: pathlib.Path, modules: set[str],
+               package: str = PACKAGE) -> set[str]:
+  """The modules of ``package`` that ``module`` (in file ``path``) imports anywhere in its code."""
+  tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+  is_package = path.name == "__init__.py"
+  found: set[str] = set()
+  for node in ast.walk(tree):
+    targets: list[str] = []
+    if isinstance(node, ast.Import):
+      targets = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        anchor = _anchor(module, is_package, node.level)
+        base = f"{anchor}.{base}" if base else anchor
+      targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                 for alias in node.names]
+    for target in targets:
+      if target == package or target.startswith(package + "."):
+        resolved = _known(target, modules)
+        if resolved is not None and resolved != module:
+          found.add(resolved)
+  return found
+
+
+def import_graph(root: pathlib.Path = ROOT, package: str = PACKAGE) -> dict[str, set[str]]:
+  """Module -> the package modules it imports."""
+  files = module_files(root, package)
+  return {name: imports_of(name, path, set(files), package) for name, path in files.items()}
+
+
+def _shortest_cycle(graph: dict[str, set[str]], component: set[str], start: str) -> list[str]:
+  """The shortest path ``[start, ..., start]`` inside ``component`` (breadth first)."""
+  paths = {start: [start]}
+  frontier = [start]
+  while frontier:
+    following = []
+    for node in frontier:
+      for nxt in sorted(graph[node] & component):
+        if nxt == start:
+          return paths[node] + [start]
+        if nxt not in paths:
+          paths[nxt] = paths[node] + [nxt]
+          following.append(nxt)
+    frontier = following
+  raise AssertionError(f"{start} is on no cycle of its component {sorted(component)}")
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The import cycles ``[a, b, ..., a]``: in each strongly connected component of more than one
+  module, the shortest cycle through each of its modules (each cycle listed once)."""
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  on_stack: set[str] = set()
+  components: list[set[str]] = []
+
+  def visit(node: str) -> None:  # Tarjan's algorithm
+    index[node] = low[node] = len(index)
+    stack.append(node)
+    on_stack.add(node)
+    for nxt in sorted(graph.get(node, ())):
+      if nxt not in index:
+        visit(nxt)
+        low[node] = min(low[node], low[nxt])
+      elif nxt in on_stack:
+        low[node] = min(low[node], index[nxt])
+    if low[node] == index[node]:
+      component = set()
+      while True:
+        member = stack.pop()
+        on_stack.discard(member)
+        component.add(member)
+        if member == node:
+          break
+      if len(component) > 1:
+        components.append(component)
+
+  for node in sorted(graph):
+    if node not in index:
+      visit(node)
+  found: dict[tuple[str, ...], list[str]] = {}
+  for component in components:
+    for start in sorted(component):
+      cycle = _shortest_cycle(graph, component, start)
+      turn = cycle.index(min(cycle[:-1]))  # one entry per cycle, however it is entered
+      key = tuple(cycle[turn:-1] + cycle[:turn])
+      found.setdefault(key, list(key) + [key[0]])
+  return sorted(found.values())
+
+
+def test_the_package_has_no_import_cycle():
+  graph = import_graph()
+  found = cycles(graph)
+  assert not found, "import cycles in tlt_jax (each: a module, what it imports, ... back):\n" + \
+      "\n".join("  " + " -> ".join(cycle) for cycle in found)
+
+
+def test_the_graph_sees_lazy_and_package_imports():
+  graph = import_graph()
+  assert "tlt_jax.models.gguf" in graph["tlt_jax.models.load"]  # imported inside a function
+  assert "tlt_jax.models.weights" in graph["tlt_jax.models.hf"]
+  assert "tlt_jax.models.load" in graph["tlt_jax.models"]  # the package's __init__
+
+
+def _write(root: pathlib.Path, files: dict[str, str]) -> None:
+  for name, text in files.items():
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def test_relative_and_lazy_imports_close_a_cycle(tmp_path):
+  _write(tmp_path, {
+      "pkg/__init__.py": "from pkg.a import thing\n",
+      "pkg/a.py": "from . import b\nthing = 1\n",
+      "pkg/sub/__init__.py": "",
+      "pkg/b.py": "def f():\n  from .sub import c\n",
+      "pkg/sub/c.py": "from .. import a\nfrom ..a import thing\n",
+      "pkg/d.py": "import pkg.sub.c\nfrom pkg import thing\n",
+  })
+  graph = import_graph(tmp_path, "pkg")
+  assert graph["pkg"] == {"pkg.a"}
+  assert graph["pkg.b"] == {"pkg.sub.c"}
+  assert graph["pkg.sub.c"] == {"pkg.a"}
+  assert graph["pkg.d"] == {"pkg.sub.c", "pkg"}
+  assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
+
+
+def test_an_acyclic_package_passes(tmp_path):
+  _write(tmp_path, {"pkg/__init__.py": "from pkg.a import x\n", "pkg/a.py": "from pkg import b\n",
+                    "pkg/b.py": "import os\n"})
+  assert cycles(import_graph(tmp_path, "pkg")) == []
