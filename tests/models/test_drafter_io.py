@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from tests.models.random_model import random_model
 from tlt_jax import train
-from tlt_jax.config import load_config_file
+from tlt_jax.job.typed_config import load_config_file
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import CONFIG_FILE, PARAMS_FILE, Drafter, load_drafter, save_drafter
 from tlt_jax.models.hf import WeightsError
