@@ -192,6 +192,11 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
                                       max_new_tokens=trainer_config.max_new_tokens,
                                       pad_token_id=pad)
   check_prompt_lengths(task, tokenizer, chat, trainer_config, engine_config.max_prompt_len)
+  rollout_devices = cfg.get("rollout_devices", 0)
+  if not isinstance(rollout_devices, int) or isinstance(rollout_devices, bool) or \
+      rollout_devices < 0:
+    raise ConfigError(f"config.rollout_devices must be an int >= 0 (0: every device of the "
+                      f"mesh), got {rollout_devices!r}")
   return Job(cfg=cfg, logdir=pathlib.Path(cfg.logdir), task=task, tokenizer=tokenizer,
              model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
              engine=engine_config, drafter=drafter, model_path=model_path, chat_template=chat,
@@ -231,11 +236,7 @@ def job_devices(cfg: ml_collections.ConfigDict) -> list:
     raise ConfigError(f"config.mesh_devices={cfg.mesh_devices} but only {len(devices)} devices "
                       "are visible; use 0 for all of them")
   devices = devices[:cfg.mesh_devices or len(devices)]
-  rollout_devices = cfg.get("rollout_devices", 0)
-  if not isinstance(rollout_devices, int) or isinstance(rollout_devices, bool) or \
-      rollout_devices < 0:
-    raise ConfigError(f"config.rollout_devices must be an int >= 0 (0: every device of the "
-                      f"mesh), got {rollout_devices!r}")
+  rollout_devices = cfg.get("rollout_devices", 0)  # an int >= 0, checked by build_job
   local = [d for d in devices if d.process_index == jax.process_index()]
   if rollout_devices > len(local):
     raise ConfigError(f"config.rollout_devices={rollout_devices} but the mesh has "
