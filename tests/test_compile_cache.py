@@ -113,7 +113,7 @@ def test_generate_compiles_only_what_its_request_uses(monkeypatch):
 
   monkeypatch.setattr(generate, "RolloutEngine", Recorded)
   cfg = generate._DEFAULT_CONFIG
-  from tlt_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from tlt_jax.job import typed_config as config_lib  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load_config_file(cfg)
   cfg.rollout.update(max_new_tokens=16)
   cfg.sampling.update(max_new_tokens=16)

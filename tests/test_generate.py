@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tlt_jax import generate
-from tlt_jax.config import load_config_file
+from tlt_jax.job.typed_config import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,11 @@ import pytest
 from tests.helpers import garble
 from tests.xla_env import device_count_flags
 from tlt_jax import generate, train
-from tlt_jax.config import ConfigError, load_config_file
+from tlt_jax.job import runner
+from tlt_jax.job.build import build_job
+from tlt_jax.job.run_dir import export_final_model, resume_config
+from tlt_jax.job.signals import Interrupted, StopSignals
+from tlt_jax.job.typed_config import ConfigError, load_config_file
 from tlt_jax.models.drafter import Drafter, save_drafter
 from tlt_jax.rl.update import NonFiniteUpdateError
 
@@ -130,10 +134,10 @@ def test_resume_config_takes_only_the_named_overrides():
   saved.trainer.steps, saved.trainer.learning_rate = 40, 2e-5
   cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
   cfg.trainer.steps, cfg.trainer.learning_rate = 80, 1e-4
-  merged, notes = train.resume_config(cfg, saved, overrides=["trainer.learning_rate"])
+  merged, notes = resume_config(cfg, saved, overrides=["trainer.learning_rate"])
   assert merged.trainer.steps == 40 and merged.trainer.learning_rate == 1e-4
   assert notes == ["  trainer.learning_rate: 2e-05 -> 0.0001 (override)"]
-  merged, _ = train.resume_config(cfg, saved, overrides=None)  # API: every difference counts
+  merged, _ = resume_config(cfg, saved, overrides=None)  # API: every difference counts
   assert merged.trainer.steps == 80
 
 
@@ -148,7 +152,7 @@ def no_work(monkeypatch):
   """Fails the test if the job gets as far as building a model."""
   def refuse(*args, **kwargs):
     raise AssertionError("the job started working before validating its config")
-  monkeypatch.setattr(train, "init_model", refuse)
+  monkeypatch.setattr(runner, "init_model", refuse)
 
 
 @pytest.mark.parametrize("where", ["", "task", "model", "sft", "grpo", "trainer", "rollout"])
@@ -207,7 +211,7 @@ def test_bad_values_are_rejected_before_work(tmp_path, no_work, field, value, ma
 def saved_drafter(tmp_path_factory):
   """A randomly initialised drafter, saved for the tiny config's policy."""
   path = tmp_path_factory.mktemp("drafter") / "drafter"
-  job = train.build_job(tiny_config(path.parent / "unused"))
+  job = build_job(tiny_config(path.parent / "unused"))
   save_drafter(Drafter.create(job.model_config, seed=1), path)
   return path
 
@@ -254,7 +258,7 @@ def test_a_refused_resume_writes_nothing(finished_run, tmp_path):
 
 
 class FakeTrainer:
-  """What ``train._train`` uses of a GRPOTrainer; ``step`` runs ``on_step(step)`` first."""
+  """What ``runner._train`` uses of a GRPOTrainer; ``step`` runs ``on_step(step)`` first."""
 
   def __init__(self, on_step=lambda step: None):
     self.step_count, self.saved, self.on_step = 0, [], on_step
@@ -313,7 +317,7 @@ def test_a_non_finite_update_advises_what_works(tmp_path, checkpoints, advice):
   with pytest.raises(NonFiniteUpdateError, match=advice + r" and add "
                      r"--config.trainer.on_nonfinite=skip .* or a lower "
                      r"--config.trainer.learning_rate"):
-    train._train(FakeTrainer(diverge), fake_job(tmp_path), FakeCheckpointer(checkpoints),
+    runner._train(FakeTrainer(diverge), fake_job(tmp_path), FakeCheckpointer(checkpoints),
                  FakeLog())
   assert "on_nonfinite" in load_config_file(ROOT / "configs" / "tiny_grpo.py").trainer
 
@@ -324,10 +328,10 @@ def test_a_signal_during_rl_stops_after_the_step_in_flight_and_saves_it(tmp_path
   only at the end) and stops with 128 + the signal; a second one stops at once."""
   trainer = FakeTrainer(lambda step: os.kill(os.getpid(), sig) if step == 2 else None)
   log = FakeLog()
-  with train.StopSignals() as stop:
-    with pytest.raises(train.Interrupted, match=rf"stopped by {sig.name} after step 2, saved as "
+  with StopSignals() as stop:
+    with pytest.raises(Interrupted, match=rf"stopped by {sig.name} after step 2, saved as "
                                                 r"checkpoints/2; continue with") as e:
-      train._train(trainer, fake_job(tmp_path), FakeCheckpointer(), log, stop=stop)
+      runner._train(trainer, fake_job(tmp_path), FakeCheckpointer(), log, stop=stop)
   assert e.value.exit_code == 128 + sig and trainer.saved == [2]
   assert [step for step, _ in log.rows] == [0, 1, 2]  # the start evaluation, then both steps
 
@@ -336,23 +340,23 @@ def test_a_signal_during_rl_stops_after_the_step_in_flight_and_saves_it(tmp_path
       os.kill(os.getpid(), sig)
       os.kill(os.getpid(), sig)
   trainer = FakeTrainer(twice)
-  with train.StopSignals() as stop:
-    with pytest.raises(train.Interrupted, match=r"interrupted during step 2; no checkpoint was "
+  with StopSignals() as stop:
+    with pytest.raises(Interrupted, match=r"interrupted during step 2; no checkpoint was "
                                                 r"written yet") as e:
-      train._train(trainer, fake_job(tmp_path), FakeCheckpointer(), FakeLog(), stop=stop)
+      runner._train(trainer, fake_job(tmp_path), FakeCheckpointer(), FakeLog(), stop=stop)
   assert e.value.exit_code == 128 + sig and trainer.saved == []
   assert signal.getsignal(signal.SIGTERM) is not stop._handle  # handlers restored
 
 
 def test_a_drafter_saved_for_another_policy_is_named_in_a_warning(tmp_path, monkeypatch, capsys):
   """Checked against the policy RL starts from (after the warm start), before the trainer."""
-  job = train.build_job(tiny_config(tmp_path / "unused"))
-  other = train.init_model(job.model_config, seed=7)  # same shape, other weights
+  job = build_job(tiny_config(tmp_path / "unused"))
+  other = runner.init_model(job.model_config, seed=7)  # same shape, other weights
   save_drafter(Drafter.create(job.model_config, seed=1), tmp_path / "for_other", policy=other,
                policy_name="another run")
   def stop(*args, **kwargs):
     raise RuntimeError("stopped before the trainer")
-  monkeypatch.setattr(train, "GRPOTrainer", stop)
+  monkeypatch.setattr(runner, "GRPOTrainer", stop)
   with pytest.raises(RuntimeError, match="stopped before the trainer"):
     train.run(tiny_config(tmp_path / "run", drafter=str(tmp_path / "for_other")))
   out = capsys.readouterr().out
@@ -517,16 +521,16 @@ def test_final_model_is_never_written_from_non_finite_weights(tmp_path):
   import types  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  job = train.build_job(tiny_config(tmp_path))
-  graphdef, params = nnx.split(train.init_model(job.model_config, seed=0))
+  job = build_job(tiny_config(tmp_path))
+  graphdef, params = nnx.split(runner.init_model(job.model_config, seed=0))
   good = types.SimpleNamespace(graphdef=graphdef, params=params)
-  final = train.export_final_model(good, job)
+  final = export_final_model(good, job)
   before = (final / "model.safetensors").read_bytes()
   leaves, treedef = jax.tree.flatten(params)
   leaves[-1] = leaves[-1].at[0].set(float("nan"))
   bad = types.SimpleNamespace(graphdef=graphdef, params=jax.tree.unflatten(treedef, leaves))
   with pytest.raises(FloatingPointError, match="non-finite"):
-    train.export_final_model(bad, job)
+    export_final_model(bad, job)
   assert (final / "model.safetensors").read_bytes() == before
   assert sorted(p.name for p in tmp_path.iterdir()) == ["final_model"]
 

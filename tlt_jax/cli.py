@@ -15,7 +15,7 @@ import sys
 from typing import Callable
 
 from tlt_jax import compile_cache
-from tlt_jax import config as config_lib
+from tlt_jax.job import typed_config
 from tlt_jax.checkpoint import CheckpointError
 
 # Errors that come from what the user gave (config, files, data), printed without a traceback.
@@ -40,7 +40,7 @@ def help_text(doc: str, default_config: pathlib.Path) -> str:
            f"cache (default ${compile_cache.ENV}, else {compile_cache.default_directory()}).", "",
            f"Config fields (defaults from {default_config};",
            "set with --config.<field>=VALUE; the file's comments say what each does):"]
-  for name, value in config_lib.flatten(config_lib.load_config_file(default_config)).items():
+  for name, value in typed_config.flatten(typed_config.load_config_file(default_config)).items():
     lines.append(f"  --config.{name}={value!r}")
   return "\n".join(lines)
 
@@ -116,9 +116,9 @@ def main(doc: str, run: Callable, default_config: pathlib.Path, argv: list[str],
     if verbose.value:
       raise
     lines = str(e).strip().splitlines() or [type(e).__name__]
-    kind = "" if isinstance(e, (config_lib.ConfigError, CheckpointError)) else \
+    kind = "" if isinstance(e, (typed_config.ConfigError, CheckpointError)) else \
         f"{type(e).__name__}: "
     _error(kind + "\n".join(lines[:3]))
     print("(--verbose shows the traceback)", file=sys.stderr)
-    return 2 if isinstance(e, config_lib.ConfigError) else 1
+    return 2 if isinstance(e, typed_config.ConfigError) else 1
   return 0

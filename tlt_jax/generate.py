@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from tlt_jax.config import ConfigError, check_keys, section, to_dataclass
+from tlt_jax.job.typed_config import ConfigError, check_keys, section, to_dataclass
 from tlt_jax.models.load import from_pretrained, is_gguf_path, load_tokenizer
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer

@@ -15,8 +15,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tests.models.random_model import random_model
-from tlt_jax import train
-from tlt_jax.config import load_config_file
+from tlt_jax.job.build import DEFAULT_CONFIG, build_job
+from tlt_jax.job.typed_config import load_config_file
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import CONFIG_FILE, PARAMS_FILE, Drafter, load_drafter, save_drafter
 from tlt_jax.models.weights import WeightsError
@@ -172,9 +172,9 @@ def test_truncated_garbled_and_broken_config_are_one_line_errors(tmp_path, saved
 
 
 def test_train_cli_reports_a_damaged_drafter_in_one_line(tmp_path):
-  cfg = load_config_file(train._DEFAULT_CONFIG)  # pylint: disable=protected-access
+  cfg = load_config_file(DEFAULT_CONFIG)
   cfg.logdir = str(tmp_path / "run")
-  policy_config = train.build_job(cfg).model_config  # the default job's policy
+  policy_config = build_job(cfg).model_config  # the default job's policy
   root = Path(__file__).resolve().parents[2]
   env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
   drafter_dir = tmp_path / "drafter"

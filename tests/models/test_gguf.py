@@ -18,7 +18,7 @@ from flax import nnx
 from gguf.quants import quantize
 
 from tlt_jax import generate
-from tlt_jax.config import load_config_file
+from tlt_jax.job.typed_config import load_config_file
 from tlt_jax.models import from_pretrained, load_tokenizer
 from tlt_jax.models import gguf as tlt_gguf
 from tlt_jax.models.model_config import RopeScaling

@@ -352,7 +352,8 @@ def test_group_of_one_is_refused_as_no_learning_signal():
   assert np.all(np.asarray(group_advantages(jnp.array([0.0, 1.0, 1.0]), 1)) == 0.0)
   with pytest.raises(ValueError, match=r"GRPOConfig.group_size=1 .*zero gradients.*2 or more"):
     GRPOConfig(group_size=1)
-  from tlt_jax.config import ConfigError, to_dataclass  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from tlt_jax.job.typed_config import ConfigError, to_dataclass
   import ml_collections  # pylint: disable=import-outside-toplevel
   with pytest.raises(ConfigError, match=r"^config.grpo: GRPOConfig.group_size=1 [^\n]*$"):
     to_dataclass(GRPOConfig, ml_collections.ConfigDict(dict(group_size=1)), "grpo")

@@ -12,7 +12,8 @@ import pytest
 
 from tests.rl.chat_fixtures import write_chat_model
 from tlt_jax import train
-from tlt_jax.config import ConfigError, load_config_file
+from tlt_jax.job.build import build_job
+from tlt_jax.job.typed_config import ConfigError, load_config_file
 from tlt_jax.models.load import load_tokenizer
 from tlt_jax.models.tokenizer import HFTokenizer
 from tlt_jax.rl.external_tasks import ReasoningGymTask
@@ -52,7 +53,7 @@ def smollm2_config(name: str, model_dir, logdir, max_prompt_len: int = 256
 def test_smollm2_configs_build_a_chat_job(model_dir, tmp_path, name, task_name):
   # the tiny tokenizer's merges are SmolLM2's few: gsm_symbolic prompts run to ~300 of its tokens
   # (the job checks every prompt's length against max_prompt_len before any work)
-  job = train.build_job(smollm2_config(name, model_dir, tmp_path, max_prompt_len=512))
+  job = build_job(smollm2_config(name, model_dir, tmp_path, max_prompt_len=512))
   assert job.chat_template and job.model_path == model_dir
   assert isinstance(job.task, ReasoningGymTask) and job.task.dataset_name == task_name
   assert isinstance(job.tokenizer, HFTokenizer)
@@ -110,7 +111,7 @@ def test_chat_job_mistakes_name_the_field(model_dir, tmp_path, change, message):
       for key, value in fields.items():
         cfg[section][key] = value
   with pytest.raises(ConfigError, match=message):
-    train.build_job(cfg)
+    build_job(cfg)
 
 
 def test_chat_template_needs_a_tokenizer_that_has_one(tmp_path):
@@ -122,10 +123,10 @@ def test_chat_template_needs_a_tokenizer_that_has_one(tmp_path):
   cfg.task = ml_collections.ConfigDict(dict(kind="math_dataset", path=str(data),
                                             chat_template=True))
   with pytest.raises(ConfigError, match="chat_template=True but the tokenizer cannot render"):
-    train.build_job(cfg)
+    build_job(cfg)
   cfg.task.chat_template = False
   with pytest.raises(ConfigError, match="max_prompt_len=32 is shorter than the task's prompts"):
-    train.build_job(cfg)  # the record's prompt (with the math template) has 84 characters
+    build_job(cfg)  # the record's prompt (with the math template) has 84 characters
   cfg.rollout.max_prompt_len = 128
-  job = train.build_job(cfg)
+  job = build_job(cfg)
   assert job.task.problems[0].answer == "5" and set("What is 2+3?") <= set(job.task.alphabet)

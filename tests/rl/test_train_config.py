@@ -5,7 +5,7 @@ import pathlib
 import pytest
 
 from tlt_jax import train
-from tlt_jax.config import load_config_file
+from tlt_jax.job.typed_config import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

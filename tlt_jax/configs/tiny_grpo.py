@@ -6,6 +6,11 @@
 import ml_collections
 from ml_collections import config_dict
 
+from tlt_jax.job.rollout_config import drafter_training_section
+from tlt_jax.job.typed_config import dataclass_section
+from tlt_jax.rl.sft import SFTConfig
+from tlt_jax.rollout.tuner import TunerConfig
+
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -29,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2))
   # supervised warm start on correct traces (steps=0: none)
-  c.sft = ml_collections.ConfigDict(dict(steps=300, rows=8, row_len=256, learning_rate=3e-3))
+  c.sft = dataclass_section(SFTConfig)  # every field at SFTConfig's default
   # GRPOConfig: samples per prompt, PPO clip range (DAPO clip-higher), KL to the warm start
   c.grpo = ml_collections.ConfigDict(dict(
       group_size=8, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, loss_agg="token-mean",
@@ -56,9 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
   # TunerConfig of the adaptive engine: kind "beg_mab" (epsilon-greedy on windowed medians of
   # tokens/s), "ucb1" or "fixed" (fixed=((max_bucket, arm_name), ...), e.g. ((8, "chain d4"),
   # (64, "vanilla"))); what it learned is saved in every checkpoint and restored on resume
-  c.rollout.tuner = ml_collections.ConfigDict(dict(
-      kind="beg_mab", epsilon=0.1, epsilon_min=0.01, decay=True, window=16, ucb_c=1.0, fixed=(),
-      seed=0))
+  c.rollout.tuner = dataclass_section(TunerConfig)  # every field at TunerConfig's default
   # The drafter trained online from the rollouts' hidden states (online="auto": when
   # drafter="eagle"; True also trains a drafter loaded from a directory). With several rollout
   # devices it trains on the ones the tail leaves idle (spot); with one, serial_steps (and/or
@@ -66,7 +69,6 @@ def get_config() -> ml_collections.ConfigDict:
   # selective async saves of the drafter alone (0: none; the full checkpoint holds it too).
   # learning_rate: 1e-3 suits a drafter from scratch; fine-tuning a trained one wants ~1e-4 (at
   # 1e-3 it lost acceptance against a frozen copy: docs/benchmarks.md, "The adaptive drafter").
-  c.drafter_training = ml_collections.ConfigDict(dict(
-      online="auto", learning_rate=1e-3, rows=8, seq_len=128, buffer_mb=64.0, keep_steps=2,
-      collect=1.0, spot=True, serial_steps=8, serial_seconds=0.0, seed=0, save_every=1))
+  # Every field at its default (DrafterTrainingConfig's and the job's online / save_every).
+  c.drafter_training = drafter_training_section()
   return c

@@ -59,6 +59,28 @@ def to_dataclass(cls: type[T], section_: ml_collections.ConfigDict, where: str,
     raise ConfigError(f"config.{where}: {e}") from None
 
 
+def dataclass_section(cls: type, **values) -> ml_collections.ConfigDict:
+  """A config section of every field of the dataclass ``cls``, at its default unless given in
+  ``values`` (which may add fields of the job's own), so a default lives in the dataclass alone
+  and ``--help`` and ``--config.<section>.<field>`` still reach every field.
+
+  A field without a default must be given; one whose default is ``None`` too (a ConfigDict field
+  of value None takes no command-line override, so the config file picks a typed value).
+  """
+  fields = {}
+  for field in dataclasses.fields(cls):
+    if field.default is not dataclasses.MISSING:
+      fields[field.name] = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+      fields[field.name] = field.default_factory()
+  fields.update(values)
+  unset = sorted(f.name for f in dataclasses.fields(cls) if fields.get(f.name) is None)
+  if unset:
+    raise TypeError(f"dataclass_section({cls.__name__}): give values for the fields {unset} "
+                    "(no default, or a default of None)")
+  return ml_collections.ConfigDict(fields)
+
+
 def check_keys(section_: ml_collections.ConfigDict, allowed: set[str], where: str) -> None:
   """Rejects keys that nothing reads (usually a typo), naming them and the known ones."""
   unknown = sorted(set(section_.keys()) - set(allowed))

@@ -1,0 +1,192 @@
+"""The rollout side of the main job's config: the drafter, the rollout engine and the drafter's
+online training, as typed configs whose errors name ``config.drafter``, ``config.rollout.<field>``
+and ``config.drafter_training.<field>``."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import ml_collections
+
+from tlt_jax.job.typed_config import ConfigError, check_keys, dataclass_section, section
+from tlt_jax.models.model_config import ModelConfig
+from tlt_jax.models.drafter import Drafter, load_drafter
+from tlt_jax.drafter.online import DrafterTrainingConfig
+from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.tuner import TunerConfig
+
+
+_DRAFTER_CHOICES = ("'none', 'ngram', 'eagle' (a drafter trained online from scratch) or the "
+                   "directory of a drafter saved by tlt_jax.models.drafter.save_drafter")
+
+
+def check_drafter(value) -> None:
+  """Rejects a ``config.drafter`` that is neither a known kind nor an existing directory."""
+  if value in ("none", "ngram", "eagle"):
+    return
+  if not isinstance(value, str) or not value:
+    raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}, got {value!r}")
+  if not pathlib.Path(value).is_dir():
+    raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}; {value!r} is not an "
+                      "existing directory")
+
+
+def build_drafter(value, model_config: ModelConfig, seed: int = 0
+                  ) -> Drafter | NgramConfig | None:
+  """``config.drafter``: none, the n-gram drafter, a fresh EAGLE drafter (``eagle``) or a learned
+  drafter loaded for the policy."""
+  check_drafter(value)
+  if value == "none":
+    return None
+  if value == "ngram":
+    return NgramConfig()
+  if value == "eagle":
+    return Drafter.create(model_config, seed=seed)
+  try:
+    return load_drafter(value, model_config)
+  except Exception as e:  # pylint: disable=broad-except  # missing/garbled files, a misfit
+    raise ConfigError(f"config.drafter {value} does not load as a drafter of this policy: {e} "
+                      f"(config.drafter takes {_DRAFTER_CHOICES})") from None
+
+
+_ENGINE_SCALARS = ("verify", "sd_max_batch", "verify_budget", "segment_steps")
+_STRATEGY_HINT = "a list of [depth, topk, verify_tokens] triples, e.g. ((4, 1, 5), (4, 2, 8))"
+
+
+def _strategies(value) -> tuple[SpecConfig, ...]:
+  """``config.rollout.strategies`` as SpecConfigs; errors name the entry."""
+  if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+    raise ConfigError(f"config.rollout.strategies must be {_STRATEGY_HINT}, got {value!r}")
+  if value and all(isinstance(v, int) for v in value):
+    raise ConfigError(f"config.rollout.strategies must be {_STRATEGY_HINT}, got the flat "
+                      f"{tuple(value)!r}; one strategy is written ({tuple(value)!r},)")
+  specs = []
+  for i, entry in enumerate(value):
+    where = f"config.rollout.strategies[{i}]"
+    if isinstance(entry, SpecConfig):
+      specs.append(entry)
+      continue
+    if isinstance(entry, (dict, ml_collections.ConfigDict)):
+      args, kwargs = (), dict(entry)
+    elif isinstance(entry, (list, tuple)) and len(entry) == 3:
+      args, kwargs = tuple(entry), {}
+    else:
+      raise ConfigError(f"{where} must be a [depth, topk, verify_tokens] triple, got {entry!r}")
+    try:
+      spec = SpecConfig(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"{where} = {entry!r}: {e}") from None
+    specs.append(spec)
+  if len(set(specs)) != len(specs):
+    raise ConfigError(f"config.rollout.strategies lists a strategy twice: {value!r}")
+  return tuple(specs)
+
+
+def _tuner(value) -> TunerConfig:
+  """``config.rollout.tuner`` (a section of TunerConfig fields) as a TunerConfig."""
+  if isinstance(value, TunerConfig):
+    return value
+  if not isinstance(value, (dict, ml_collections.ConfigDict)):
+    raise ConfigError(f"config.rollout.tuner must be a section of TunerConfig fields (kind, "
+                      f"epsilon, window, ...), got {value!r}")
+  fields = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else dict(value)
+  check_keys(fields, {f.name for f in dataclasses.fields(TunerConfig)}, "rollout.tuner")
+  try:
+    return TunerConfig(**fields)
+  except (TypeError, ValueError) as e:
+    raise _named(e, "TunerConfig", "rollout.tuner") from None
+
+
+def _named(error: Exception, owner: str, where: str) -> ConfigError:
+  """``error`` of the dataclass ``owner`` (whose messages name a field as ``<owner>.<field>``)
+  as a ``ConfigError`` naming ``config.<where>.<field>``.
+
+  The one place where a message is rewritten: EngineConfig and TunerConfig name their fields
+  themselves, not as the job's config fields.
+  """
+  return ConfigError(str(error).replace(f"{owner}.", f"config.{where}."))
+
+
+def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
+                        **extra) -> EngineConfig:
+  """``config.rollout`` as an ``EngineConfig`` (``extra``: fields set by the job); a bad value of
+  the adaptive engine's fields names ``config.rollout.<field>``."""
+  fields = dict(rollout.items())
+  if "strategies" in fields:
+    fields["strategies"] = _strategies(fields["strategies"])
+  if fields.get("tuner") is not None:
+    fields["tuner"] = _tuner(fields["tuner"])
+  engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+  check_keys(fields, engine_fields - set(extra), "rollout")
+  values = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+  try:  # built once; the engine's own checks of its fields, named as config fields
+    engine = EngineConfig(**values, **extra)
+  except (TypeError, ValueError) as e:
+    named = re.match(r"EngineConfig\.(\w+)", str(e))
+    if named and named[1] in _ENGINE_SCALARS:  # the adaptive engine's: config.rollout.<field>
+      raise _named(e, "EngineConfig", "rollout") from None
+    raise ConfigError(f"config.rollout: {e}") from None
+  try:
+    engine.check_fixed_tuner(ngram=isinstance(drafter, NgramConfig))
+  except ValueError as e:
+    raise _named(e, "TunerConfig", "rollout.tuner") from None
+  if engine.strategies and drafter is None:
+    raise ConfigError("config.rollout.strategies needs a drafter: set config.drafter to 'ngram' "
+                      "or a saved drafter's directory, or leave strategies empty (vanilla)")
+  if isinstance(drafter, NgramConfig) and any(not s.is_chain for s in engine.strategies):
+    raise ConfigError(f"config.rollout.strategies {engine.strategies} has tree strategies "
+                      "(topk > 1) but the n-gram drafter drafts chains: use topk=1 entries")
+  return engine
+
+
+# config.drafter_training's fields of the job's own (the others are DrafterTrainingConfig's):
+# whether the drafter trains online ("auto": when config.drafter="eagle"), and the RL steps
+# between selective async saves of the drafter alone (0: none)
+DRAFTER_TRAINING_JOB_FIELDS = {"online": "auto", "save_every": 1}
+
+
+def drafter_training_section() -> ml_collections.ConfigDict:
+  """``config.drafter_training`` with every field at its default (the job's and
+  ``DrafterTrainingConfig``'s), for config files."""
+  return dataclass_section(DrafterTrainingConfig, **DRAFTER_TRAINING_JOB_FIELDS)
+
+
+EAGLE_STRATEGIES = ((3, 1, 4),)  # config.drafter="eagle" without rollout.strategies: chain d3
+
+
+def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
+                           ) -> tuple[DrafterTrainingConfig | None, int]:
+  """``config.drafter_training`` as a ``DrafterTrainingConfig`` when the drafter trains online
+  (``online="auto"``: when ``config.drafter="eagle"``), and the selective-save interval."""
+  fields = dict(DRAFTER_TRAINING_JOB_FIELDS)
+  if "drafter_training" in cfg:
+    fields.update(section(cfg, "drafter_training").items())
+  online = fields.pop("online")
+  # the field's default is the string "auto", so a command line's True/False arrives as text
+  online = {"true": True, "false": False}.get(str(online).lower(), online)
+  save_every = fields.pop("save_every")
+  if online not in ("auto", True, False):
+    raise ConfigError(f"config.drafter_training.online must be 'auto', True or False, got "
+                      f"{online!r}")
+  if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 0:
+    raise ConfigError(f"config.drafter_training.save_every must be an int >= 0, got "
+                      f"{save_every!r}")
+  try:  # checked even when unused, so a mistake shows before it matters
+    training = DrafterTrainingConfig(**fields)
+  except TypeError as e:
+    raise ConfigError(f"config.drafter_training: {e}") from None
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+  online = cfg.drafter == "eagle" if online == "auto" else online
+  if not online:
+    return None, 0
+  if not isinstance(drafter, Drafter):
+    raise ConfigError(f"config.drafter_training.online=True needs a learned drafter: set "
+                      f"config.drafter to 'eagle' or a saved drafter's directory, not "
+                      f"{cfg.drafter!r}")
+  return training, save_every
+

@@ -1,0 +1,202 @@
+"""The run directory of the main job: what a run leaves in its logdir, and what a resume reads.
+
+  <logdir>/config.json          the effective config without where the run lives (reused on resume)
+  <logdir>/metrics.jsonl        a row per step and evaluation, plus tensorboard events
+  <logdir>/checkpoints/         verified orbax checkpoints of the whole run
+  <logdir>/drafter_checkpoints/ selective async saves of the online drafter alone
+  <logdir>/final_model/         the policy with its tokenizer (``tlt_jax.generate`` loads it)
+  <logdir>/final_drafter/       the online-trained drafter (``load_drafter`` loads it)
+
+Finished directories are swapped in whole (``replace_dir``); a resumed run drops the metrics rows
+of the steps it does again.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import time
+from typing import TYPE_CHECKING, Iterable
+
+import jax
+import ml_collections
+from flax import nnx
+
+from tlt_jax.checkpoint import Checkpointer, count_nonfinite
+from tlt_jax.job.typed_config import ConfigError, flatten, read_json_config, set_dotted, \
+    write_json_config
+from tlt_jax.models import hf
+
+if TYPE_CHECKING:
+  from tlt_jax.job.build import Job
+  from tlt_jax.rl.trainer import GRPOTrainer
+
+RUN_FIELDS = {"logdir", "resume"}  # where a run lives, not what it does: never saved/compared
+CONFIG_FILE = "config.json"
+CHECKPOINTS = "checkpoints"
+FINAL_MODEL = "final_model"
+FINAL_DRAFTER = "final_drafter"
+DRAFTER_CHECKPOINTS = "drafter_checkpoints"
+
+
+def choose_logdir(cfg: ml_collections.ConfigDict) -> pathlib.Path:
+  """``config.logdir`` (``runs/<timestamp>`` when empty, set in ``cfg``), checked to be usable."""
+  if not cfg.logdir:
+    if cfg.resume:
+      raise ConfigError("config.resume=True needs the run's --config.logdir")
+    cfg.logdir = time.strftime("runs/%Y%m%d-%H%M%S")
+  logdir = pathlib.Path(cfg.logdir)
+  if logdir.exists() and not logdir.is_dir():
+    raise ConfigError(f"config.logdir {logdir} is a file, not a directory; choose another "
+                      "--config.logdir")
+  return logdir
+
+
+def open_run(cfg: ml_collections.ConfigDict, logdir: pathlib.Path,
+             overrides: Iterable[str] | None
+             ) -> tuple[ml_collections.ConfigDict, int | None, str | None]:
+  """The config the run goes on with, the latest checkpoint step in ``logdir`` and a line for
+  the console (or None). A resume (``cfg.resume``) needs a checkpoint and takes the saved
+  config, except ``overrides`` (see ``resume_config``); a new run refuses a logdir that holds
+  checkpoints. Writes nothing."""
+  checkpoint_dir = logdir / CHECKPOINTS
+  with Checkpointer(checkpoint_dir, keep=None) as probe:
+    latest = probe.latest_step()
+  if not cfg.resume:
+    if latest is not None:
+      raise ConfigError(f"{checkpoint_dir} already holds checkpoints (latest step "
+                        f"{latest}); pass --config.resume=True to continue that run, or choose "
+                        "another --config.logdir")
+    return cfg, latest, None
+  if latest is None:
+    raise ConfigError(f"config.resume=True but {checkpoint_dir} holds no checkpoint; "
+                      f"drop --config.resume to start a new run in {logdir}")
+  saved_file = logdir / CONFIG_FILE
+  if not saved_file.exists():
+    return cfg, latest, (f"resuming {logdir}: no {CONFIG_FILE} there, so the given config is "
+                         "used as is")
+  cfg, notes = resume_config(cfg, read_json_config(saved_file), overrides)
+  return cfg, latest, (f"resuming {logdir} with its saved config" +
+                       (", overridden:\n" + "\n".join(notes) if notes else ""))
+
+
+def save_run_config(cfg: ml_collections.ConfigDict, logdir: pathlib.Path) -> None:
+  """Writes the run's effective config (without where the run lives) to ``<logdir>/config.json``."""
+  logdir.mkdir(parents=True, exist_ok=True)
+  saved = ml_collections.ConfigDict({k: v for k, v in cfg.to_dict().items()
+                                     if k not in RUN_FIELDS})
+  write_json_config(saved, logdir / CONFIG_FILE)
+
+
+
+def resume_config(cfg: ml_collections.ConfigDict, saved: ml_collections.ConfigDict,
+                  overrides: Iterable[str] | None) -> tuple[ml_collections.ConfigDict, list[str]]:
+  """The saved run config with ``overrides`` (dotted names) taken from ``cfg``.
+
+  ``overrides=None`` takes every field of ``cfg`` that differs from the saved one. Returns the
+  merged config and one line per override or dropped field, for the console.
+  """
+  current, stored = flatten(cfg), flatten(saved)
+  if overrides is None:
+    overrides = {k for k, v in current.items() if k in stored and _differs(stored[k], v)}
+  overrides = set(overrides) - RUN_FIELDS
+  merged = ml_collections.ConfigDict(cfg.to_dict())
+  notes = []
+  for name, value in stored.items():
+    if name in RUN_FIELDS:
+      continue
+    if name not in current:
+      notes.append(f"  the saved field {name}={value!r} is no longer a config field: ignored")
+    elif name in overrides:
+      if _differs(value, current[name]):
+        notes.append(f"  {name}: {value!r} -> {current[name]!r} (override)")
+    else:
+      set_dotted(merged, name, value)
+  return merged, notes
+
+
+def _differs(a, b) -> bool:
+  return json.dumps(a, sort_keys=True, default=str) != json.dumps(b, sort_keys=True, default=str)
+
+
+class MetricsLog:
+  """``metrics.jsonl`` plus tensorboard events; on resume, rows after ``resume_step`` are dropped
+  (they belong to steps the resumed run does again)."""
+
+  def __init__(self, logdir: pathlib.Path, resume_step: int | None = None):
+    self.path = logdir / "metrics.jsonl"
+    if resume_step is not None and self.path.exists():
+      kept = []
+      for line in self.path.read_text(encoding="utf-8").splitlines():
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError:
+          continue  # a line torn by a kill
+        if isinstance(row, dict) and row.get("step", 0) <= resume_step:
+          kept.append(line)
+      tmp = self.path.with_name(self.path.name + ".tmp")
+      tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+      tmp.replace(self.path)
+    self.jsonl = open(self.path, "a", encoding="utf-8")
+    try:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      purge = None if resume_step is None else resume_step + 1
+      self.writer = SummaryWriter(str(logdir), purge_step=purge)
+    except ImportError:
+      self.writer = None
+
+  def write(self, step: int, metrics: dict) -> None:
+    self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+    self.jsonl.flush()
+    if self.writer is not None:
+      for key, value in metrics.items():
+        if isinstance(value, (int, float)):
+          self.writer.add_scalar(key, value, step)
+      self.writer.flush()
+
+  def rows(self) -> list[dict]:
+    """Every row written so far (this run's and, on resume, the kept earlier ones)."""
+    return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines()]
+
+  def close(self) -> None:
+    self.jsonl.close()
+    if self.writer is not None:
+      self.writer.close()
+
+
+def export_final_model(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
+  """Writes the policy and its tokenizer to ``<logdir>/final_model`` atomically (a complete new
+  directory replaces the old one), refusing non-finite weights."""
+  model = nnx.merge(trainer.graphdef, trainer.params)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]:
+    if count_nonfinite(leaf):
+      raise FloatingPointError(f"final model not written: {jax.tree_util.keystr(path)} holds "
+                               "non-finite values")
+  def write(tmp):
+    hf.save_pretrained(model, job.model_config, tmp)
+    job.tokenizer.save(tmp)
+  return replace_dir(job.logdir / FINAL_MODEL, write)
+
+
+def replace_dir(final: pathlib.Path, write) -> pathlib.Path:
+  """Has ``write(tmp)`` fill a fresh sibling directory, then swaps it in for ``final``: a reader
+  sees the old complete directory or the new one, never a partial one."""
+  tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+  for leftover in (tmp, old):
+    shutil.rmtree(leftover, ignore_errors=True)
+  write(tmp)
+  if final.exists():
+    final.rename(old)
+  tmp.rename(final)
+  shutil.rmtree(old, ignore_errors=True)
+  return final
+
+
+
+def export_final_drafter(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
+  """Writes the online-trained drafter to ``<logdir>/final_drafter`` atomically (loads with
+  ``tlt_jax.models.drafter.load_drafter``)."""
+  return replace_dir(job.logdir / FINAL_DRAFTER, lambda tmp: trainer.online.export(
+      tmp, policy=trainer.params, policy_name=str(job.logdir / FINAL_MODEL)))
+
