@@ -29,8 +29,7 @@ from flax import nnx
 
 import harness
 from harness import (ArithmeticTask, CharTokenizer, Drafter, SamplingParams, SpecConfig,
-                     strategy_name)
-from tlt_jax.rollout.tuner import TunerConfig
+                     TunerConfig, strategy_name)
 
 STRATEGIES = (SpecConfig(3, 1, 4), SpecConfig(7, 1, 8), SpecConfig(5, 4, 16), SpecConfig(7, 4, 16))
 

@@ -29,8 +29,7 @@ import numpy as np
 
 import harness
 from harness import (CharTokenizer, EngineConfig, GRPOTrainer, Problem, TrainerConfig,
-                     compile_count, init_model, write_report)
-from tlt_jax.rl.grpo import GRPOConfig
+                     compile_count, grpo, init_model, write_report)
 
 VOCAB = 512
 ALPHABET = "".join(chr(0x100 + i) for i in range(VOCAB - 3))  # + <pad>, <bos>, <eos>
@@ -60,7 +59,7 @@ def make_trainer(capacity: int, old: bool, steps: int) -> GRPOTrainer:
                                  warmup_steps=0, minibatches=1, epochs=1, max_new_tokens=capacity,
                                  temperature=1.0, **({"update_tokens": 0} if old else {}))
   return GRPOTrainer(init_model(config, seed=0), tokenizer, RandomTextTask(), engine,
-                     GRPOConfig(group_size=8), trainer_config)
+                     grpo.GRPOConfig(group_size=8), trainer_config)
 
 
 def main():

@@ -36,9 +36,8 @@ import numpy as np
 
 import harness
 from harness import (ArithmeticTask, CharTokenizer, EngineConfig, GRPOTrainer, TrainerConfig,
-                     bucket_rows, compile_count, init_model, plan_packs, update_buckets,
+                     bucket_rows, compile_count, grpo, init_model, plan_packs, update_buckets,
                      write_report)
-from tlt_jax.rl import grpo
 
 
 def completion_lengths(rng, rows, mean, tail_rows, max_new):

@@ -32,7 +32,7 @@ import optax
 import harness
 from harness import write_report
 from rl_bench import config_lib, train
-from tlt_jax.rl import trainer as trainer_lib  # the module whose learning-rate schedule is patched
+from tlt_jax.rl import trainer as trainer_lib  # its learning-rate schedule is patched
 
 KEYS = ("accuracy_start", "accuracy_end", "sampled_start", "sampled_end")
 

@@ -33,11 +33,10 @@ from jax.sharding import Mesh
 from harness import (Drafter, DrafterTrainingConfig, EngineConfig, GRPOTrainer, RolloutEngine,
                      SamplingParams, SpecConfig, evaluate, hf, load_drafter,
                      make_batch_from_sequences, make_eval_step, make_optimizer, make_train_step,
-                     save_drafter, split_drafter, write_report)
+                     save_drafter, split_drafter, warm_start, write_report)
 from tlt_jax import config as config_lib
 from tlt_jax import train
 from tlt_jax.configs.tiny_grpo import get_config
-from tlt_jax.rl.sft import warm_start
 from tlt_jax.train import Job, build_job, initial_model
 
 CACHE = pathlib.Path("experiments/out/rl_bench")

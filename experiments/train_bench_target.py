@@ -23,8 +23,8 @@ import optax
 from flax import nnx
 
 import harness
-from harness import ArithmeticTask, CharTokenizer, ModelConfig, hf, init_model
-from tlt_jax.rl.sft import PackedStream, greedy_accuracy, make_lm_step
+from harness import (ArithmeticTask, CharTokenizer, ModelConfig, PackedStream, greedy_accuracy,
+                     hf, init_model, make_lm_step)
 
 TOKENIZER_FILE = "char_tokenizer.json"  # not tokenizer.json: that name means an HF tokenizer
 
