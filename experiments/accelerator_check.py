@@ -388,8 +388,7 @@ def measure_batch(target, drafter, prompts, answers, strategies: dict, params: S
     return result.stats
 
   # interleaved, so drifts in clock or load hit every engine alike
-  runs = harness.interleaved({name: lambda rep, name=name: run(name, rep) for name in engines},
-                             repeats)
+  runs = harness.interleaved(run, engines, repeats)
   vanilla = runs["vanilla"]
   out: dict[str, Any] = {
       "prompts": len(prompts), "prompt_tokens_max": max(len(p) for p in prompts),

@@ -68,8 +68,7 @@ def main():
                 cache_bytes_peak=s["cache_bytes_peak"], kv_lens=sorted(set(s["segment_kv_lens"])))
 
   # repeat 0 compiles (a warm-up); runs interleaved
-  runs = harness.interleaved({name: lambda rep, name=name: run(name, rep) for name in engines},
-                             a.repeats, warmup=1)
+  runs = harness.interleaved(run, engines, a.repeats, warmup=1)
   lengths = np.array([len(t) for t in reference["tokens"]])
   base = "256-buckets" if "256-buckets" in runs else next(iter(runs))
   summary = {}

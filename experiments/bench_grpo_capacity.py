@@ -98,8 +98,7 @@ def main():
                 update_s_per_token=m["update_s"] / generated)
 
   # step 0 is a warm-up (eager host-side ops compile there); steps interleaved
-  runs = harness.interleaved({name: lambda rep, name=name: step(name, rep) for name in trainers},
-                             a.steps, warmup=1)
+  runs = harness.interleaved(step, trainers, a.steps, warmup=1)
 
   med = lambda name, key: statistics.median(r[key] for r in runs[name])
   summary = {name: {key: med(name, key) for key in runs[name][0]} for name in runs}

@@ -54,8 +54,7 @@ def main():
     return result.stats
 
   # interleaved so machine noise hits both alike
-  runs = harness.interleaved({name: lambda rep, name=name: run(name, rep) for name in engines},
-                             a.repeats)
+  runs = harness.interleaved(run, engines, a.repeats)
   ratios = harness.ratios(runs["bucketed"], runs["static"])
   lengths = np.array([len(t) for t in reference["tokens"]])
   summary = {

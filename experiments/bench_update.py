@@ -109,8 +109,8 @@ def measure(a, model_config, max_new):
     assert loss_diff <= 1e-4 * max(1.0, abs(first["padded"]["loss"])), first
   before = compile_count()
   # interleaved, alternating the order, so noise hits both alike
-  runs = harness.interleaved({name: lambda rep, t=trainer: harness.timed(t.policy_update, batch)
-                              for name, trainer in trainers.items()}, a.repeats, "alternate")
+  runs = harness.interleaved(lambda name, _rep: harness.timed(trainers[name].policy_update, batch),
+                             trainers, a.repeats, "alternate")
   assert compile_count() == before, "a timed update compiled"
   seconds = {name: [took for took, _ in rs] for name, rs in runs.items()}
   metrics = {name: rs[-1][1] for name, rs in runs.items()}

@@ -44,8 +44,8 @@ def main():
   for temperature in a.temperatures:
     sampling = lambda rep, t=temperature: SamplingParams(max_new_tokens=a.max_new, temperature=t,
                                                          seed=rep)
-    runs = harness.interleaved({name: lambda rep, e=engine: harness.timed(
-        e.generate, prompts, sampling(rep)) for name, engine in engines.items()}, a.repeats)
+    runs = harness.interleaved(lambda name, rep: harness.timed(
+        engines[name].generate, prompts, sampling(rep)), engines, a.repeats)
     per = {name: dict(speed=[], accept=[]) for name in engines if name != "vanilla"}
     for r, (vanilla_s, want) in enumerate(runs["vanilla"]):
       for name, v in per.items():

@@ -203,15 +203,15 @@ def repeat_order(names, rep: int, order: str = "same") -> list:
   return names
 
 
-def interleaved(fns: dict[str, Callable[[int], T]], repeats: int, order: str = "same",
+def interleaved(run: Callable[[str, int], T], names, repeats: int, order: str = "same",
                 warmup: int = 0) -> dict[str, list[T]]:
-  """Runs ``fns[name](rep)`` for every contender at each of ``warmup + repeats`` repeats, one
-  contender after another (``repeat_order``), so that drifts in clock or load hit all alike; the
-  results per contender, those of the first ``warmup`` repeats left out."""
-  runs: dict[str, list[T]] = {name: [] for name in fns}
+  """Calls ``run(name, rep)`` for every contender in ``names`` at each of ``warmup + repeats``
+  repeats, one contender after another (``repeat_order``), so that drifts in clock or load hit
+  all alike; the results per contender, those of the first ``warmup`` repeats left out."""
+  runs: dict[str, list[T]] = {name: [] for name in names}
   for rep in range(warmup + repeats):
-    for name in repeat_order(fns, rep, order):
-      result = fns[name](rep)
+    for name in repeat_order(runs, rep, order):
+      result = run(name, rep)
       if rep >= warmup:
         runs[name].append(result)
   return runs
@@ -280,7 +280,7 @@ def measure(target, drafter, prompts, strategies: dict[str, SpecConfig], params,
       assert tokens == reference["tokens"], f"{name}: greedy SD differs from vanilla"
     return stats
 
-  runs = interleaved({name: lambda rep, name=name: run(name, rep) for name in engines}, repeats)
+  runs = interleaved(run, engines, repeats)
   # Decode phase only (tokens after each row's first, over the decode segments' seconds): the
   # prefill is the same for both and, with short answers, a large share of the wall time.
   decode_rate = lambda s: (s["tokens"] - len(prompts)) / s["decode_s"]

@@ -415,8 +415,7 @@ def main():
   want = np.asarray(ref.tokens)[:, :a.steps + 1]
   assert np.array_equal(got, want), "the ablation step must reproduce the engine's tokens"
 
-  times = harness.interleaved({k: lambda _rep, run=run: run() for k, run in runners.items()},
-                              a.repeats)
+  times = harness.interleaved(lambda name, _rep: runners[name](), runners, a.repeats)
   med = {k: statistics.median(v) * 1e6 for k, v in times.items()}  # microseconds per step
   best = {k: min(v) * 1e6 for k, v in times.items()}
   # differences are taken of the minima (the least-disturbed run of each variant)
