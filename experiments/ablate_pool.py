@@ -19,21 +19,13 @@ target's shape is used (compile cost and memory do not depend on the weights).
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from tlt_jax.models import hf  # noqa: E402
-from tlt_jax.models.config import ModelConfig  # noqa: E402
-from tlt_jax.models.drafter import Drafter  # noqa: E402
-from tlt_jax.models.transformer import init_model  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.speculative import SpecConfig  # noqa: E402
-from tlt_jax.rollout.steps import strategy_name  # noqa: E402
+import harness
+from harness import (Drafter, EngineConfig, ModelConfig, RolloutEngine, SpecConfig, init_model,
+                     strategy_name)
 
 STRATEGIES = (SpecConfig(3, 1, 4), SpecConfig(7, 1, 8), SpecConfig(5, 4, 16), SpecConfig(7, 4, 16),
               SpecConfig(7, 4, 32))
@@ -56,7 +48,7 @@ def pool_of(engines: list[RolloutEngine]) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--target", default="experiments/out/bench_target")
   parser.add_argument("--max-batch", type=int, default=32)
   parser.add_argument("--max-new", type=int, default=256)
@@ -65,7 +57,7 @@ def main():
   parser.add_argument("--out", default="experiments/out/ablate_pool.json")
   a = parser.parse_args()
   if pathlib.Path(a.target).is_dir():
-    target, config = hf.from_pretrained(a.target)
+    target, config = harness.hf.from_pretrained(a.target)
   else:
     config = ModelConfig(vocab_size=19, hidden_size=256, intermediate_size=512, num_layers=6,
                          num_heads=8, num_kv_heads=4, head_dim=32)
@@ -74,10 +66,8 @@ def main():
   base = dict(max_batch=a.max_batch, max_prompt_len=48, max_new_tokens=a.max_new,
               prefill_buckets=(48,))
   rows = {}
-  naive = [RolloutEngine(target, config=EngineConfig(**base))]
-  naive += [RolloutEngine(target, drafter=drafter, config=EngineConfig(**base, spec=s))
-            for s in STRATEGIES]
-  rows["naive (every strategy x every bucket)"] = pool_of(naive)
+  naive = harness.engines_for(target, base, {strategy_name(s): s for s in STRATEGIES}, drafter)
+  rows["naive (every strategy x every bucket)"] = pool_of(list(naive.values()))
   print(rows, flush=True)
   rows["shared, SD at every bucket"] = pool_of([RolloutEngine(
       target, drafter=drafter, config=EngineConfig(**base, strategies=STRATEGIES,
@@ -93,9 +83,7 @@ def main():
                 served={b: [s.name for s in shared.strategies_for(b)]
                         for b in shared.config.batch_buckets},
                 pools=rows)
-  out = pathlib.Path(a.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(report, indent=2) + "\n")
+  out = harness.write_json(a.out, report)
   for name, row in rows.items():
     mem = "n/a" if row["memory_mb_total"] is None else f"{row['memory_mb_total']:.0f} MB"
     print(f"{name}: {row['executables']} executables, {row['compile_s']:.0f}s compile, {mem}")

@@ -20,26 +20,16 @@ half of the rounds (after learning), and the tuner's final choice per bucket.
 
 from __future__ import annotations
 
-import argparse
-import json
-import pathlib
 import statistics
 import sys
 import time
 
 import numpy as np
+from flax import nnx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from experiments.bench_sd import load_bench, long_prompts  # noqa: E402
-from tlt_jax.models.drafter import Drafter  # noqa: E402
-from tlt_jax.models.tokenizer import CharTokenizer  # noqa: E402
-from tlt_jax.rl.tasks import ArithmeticTask  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
-from tlt_jax.rollout.speculative import SpecConfig  # noqa: E402
-from tlt_jax.rollout.steps import strategy_name  # noqa: E402
-from tlt_jax.rollout.tuner import TunerConfig  # noqa: E402
+import harness
+from harness import (ArithmeticTask, CharTokenizer, Drafter, SamplingParams, SpecConfig,
+                     TunerConfig, strategy_name)
 
 STRATEGIES = (SpecConfig(3, 1, 4), SpecConfig(7, 1, 8), SpecConfig(5, 4, 16), SpecConfig(7, 4, 16))
 
@@ -63,9 +53,8 @@ def run_round(engines: dict, calls: list[list[list[int]]], params, order: list[s
   for name in order:
     seconds, tokens = 0.0, []
     for prompts in calls:
-      t0 = time.perf_counter()
-      result = engines[name].generate(prompts, params)
-      seconds += time.perf_counter() - t0
+      took, result = harness.timed(engines[name].generate, prompts, params)
+      seconds += took
       assert result.stats["compiles"] == 0, (name, result.stats["compiles"])
       tokens.append(result.tokens)
       if "tuner" in name:
@@ -79,7 +68,7 @@ def run_round(engines: dict, calls: list[list[list[int]]], params, order: list[s
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--target", default="experiments/out/bench_target")
   parser.add_argument("--drafter", default="experiments/out/bench_drafter")
   parser.add_argument("--rounds", type=int, default=10)
@@ -91,7 +80,7 @@ def main():
   parser.add_argument("--kv-buckets", default="default", choices=["default", "none"])
   parser.add_argument("--out", default="experiments/out/ablate_tuner.json")
   a = parser.parse_args()
-  target, config, trained, tokenizer = load_bench(a.target, a.drafter)
+  target, config, trained, tokenizer = harness.load_bench(a.target, a.drafter)
   useless = Drafter.create(config, seed=123)
   params = SamplingParams(max_new_tokens=a.max_new, temperature=0.0)
   # --kv-buckets none: one cache length. Every step then attends over the capacity, which holds
@@ -102,22 +91,21 @@ def main():
   base = dict(max_batch=32, max_prompt_len=48, max_new_tokens=a.max_new, prefill_buckets=(48,),
               kv_buckets=() if a.kv_buckets == "none" else None)
   t0 = time.perf_counter()
-  engines = {"vanilla": RolloutEngine(target, config=EngineConfig(**base))}
-  for spec in STRATEGIES:
-    engines[f"fixed {strategy_name(spec)}"] = RolloutEngine(
-        target, drafter=trained, config=EngineConfig(**base, spec=spec))
-  tuner_cfg = TunerConfig(kind=a.tuner, seed=a.seed)
-  engines["tuner"] = RolloutEngine(target, drafter=trained, config=EngineConfig(
-      **base, strategies=STRATEGIES, segment_steps=a.segment_steps, tuner=tuner_cfg))
+  tuner = dict(strategies=STRATEGIES, segment_steps=a.segment_steps,
+               tuner=TunerConfig(kind=a.tuner, seed=a.seed))
+  engines = harness.engines_for(target, base, {
+      **{f"fixed {strategy_name(spec)}": spec for spec in STRATEGIES}, "tuner": tuner}, trained)
   compiled = {name: e.precompile() for name, e in engines.items()}
   print(f"compiled {sum(compiled.values())} executables in {time.perf_counter() - t0:.0f}s",
         flush=True)
   workloads = {"sweep": [sweep_prompts(tokenizer, 32, a.seed)],
-               "tail": [[p] for p in long_prompts(tokenizer, a.tail_prompts, 12, a.seed)]}
+               "tail": [[p] for p in harness.long_prompts(tokenizer, a.tail_prompts, 12,
+                                                          a.seed)]}
   report = dict(command=" ".join(sys.argv), strategies=[strategy_name(s) for s in STRATEGIES],
-                tuner=a.tuner, segment_steps=a.segment_steps, kv_buckets=a.kv_buckets, rounds=a.rounds, results={})
+                tuner=a.tuner, segment_steps=a.segment_steps, kv_buckets=a.kv_buckets,
+                rounds=a.rounds, results={})
   for drafter_name, drafter in (("trained", trained), ("random", useless)):
-    dparams = __import__("flax").nnx.split(drafter)[1]
+    dparams = nnx.split(drafter)[1]
     for e in engines.values():
       if e.drafter_params is not None:
         e.update_params(e.params, dparams)
@@ -126,8 +114,7 @@ def main():
       names = list(engines)
       rounds = []
       for r in range(a.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        rounds.append(run_round(engines, calls, params, order))
+        rounds.append(run_round(engines, calls, params, harness.repeat_order(names, r, "rotate")))
         print(f"{drafter_name:8s} {workload:6s} round {r}: " + "  ".join(
             f"{n} {rounds[-1][n]['seconds']:.2f}s" for n in names), flush=True)
       speed = {n: [rd["vanilla"]["seconds"] / rd[n]["seconds"] for rd in rounds] for n in names}
@@ -149,9 +136,7 @@ def main():
       print(f"== {drafter_name}/{workload}: tuner {tuner_late:.2f}x vanilla, "
             f"{line['tuner_vs_best_fixed']:.2f}x best fixed ({best}); choices "
             f"{line['tuner_choice']}", flush=True)
-  out = pathlib.Path(a.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(report, indent=2) + "\n")
+  out = harness.write_json(a.out, report)
   print(f"wrote {out} in {time.perf_counter() - t0:.0f}s")
 
 

@@ -47,14 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import Drafter, load_drafter
-from tlt_jax.models.tokenizer import CharTokenizer, load_tokenizer
-from tlt_jax.models.transformer import Transformer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
+import harness
+from harness import (CharTokenizer, Drafter, ModelConfig, NgramConfig, SamplingParams, SpecConfig,
+                     Transformer, load_drafter, load_tokenizer)
 
 DEFAULT_OUT = "experiments/out/accelerator_check.json"
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -182,7 +177,7 @@ def random_model(config: ModelConfig, seed: int, scale: float) -> Transformer:
 def default_model_path() -> str:
   """SmolLM2's .gguf (``tlt_jax.models.gguf.smollm2_path()``), or an exit that says what to pass."""
   try:
-    from tlt_jax.models.gguf import smollm2_path  # pylint: disable=import-outside-toplevel
+    smollm2_path = harness.gguf().smollm2_path
   except ImportError as error:
     raise SystemExit(f"no --model given and the SmolLM2 default is unavailable ({error}); pass "
                      "--model with a Hugging Face model directory (config.json + "
@@ -211,7 +206,7 @@ def load_target(a) -> tuple[Transformer, Any, dict]:
     tokenizer = load_tokenizer(a.tokenizer) if a.tokenizer else None
     return (random_model(config, a.seed, scale=0.05), tokenizer,
             dict(source="random", weights="random (SmolLM2-135M shapes)"))
-  from tlt_jax.models import from_pretrained  # pylint: disable=import-outside-toplevel
+  from_pretrained = harness.from_pretrained
   p = pathlib.Path(path)
   if not p.exists():
     raise SystemExit(f"--model {p} does not exist; pass a Hugging Face model directory or a "
@@ -310,10 +305,9 @@ def hf_reference_parity(model32: Transformer, ids: np.ndarray) -> dict:
       return {"skipped": f"'{module}' is not installed here"}
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  from tlt_jax.models.hf import save_pretrained  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
-    save_pretrained(model32, model32.config, tmp)
+    harness.hf.save_pretrained(model32, model32.config, tmp)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
     hf_model.eval()
     with torch.no_grad():
@@ -329,13 +323,12 @@ def hf_reference_parity(model32: Transformer, ids: np.ndarray) -> dict:
 # ----------------------------------------------------------------------------- speed
 
 
-def engine_config(prompts: list[list[int]], max_new: int, pad: int, spec=None) -> EngineConfig:
+def engine_config(prompts: list[list[int]], max_new: int, pad: int) -> dict:
   """One static batch of exactly these prompts: one prefill and one decode executable (a single
-  full-capacity KV cache, no compaction), so every engine is measured on the same shapes."""
-  bs, plen = len(prompts), max(len(p) for p in prompts)
-  return EngineConfig(max_batch=bs, batch_buckets=(bs,), max_prompt_len=plen,
-                      prefill_buckets=(plen,), max_new_tokens=max_new, compaction=False,
-                      kv_buckets=(), pad_token_id=pad, spec=spec)
+  full-capacity KV cache, no compaction), so every engine is measured on the same shapes
+  (EngineConfig fields)."""
+  return harness.static_batch(len(prompts), max(len(p) for p in prompts), max_new,
+                              kv_buckets=(), pad_token_id=pad)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -381,29 +374,21 @@ def measure_batch(target, drafter, prompts, answers, strategies: dict, params: S
                   repeats: int, pad: int, decode, width: int) -> dict:
   """tokens/s of vanilla and each strategy on ``prompts``; ratios per repeat, their median."""
   max_new = params.max_new_tokens
-  engines = {"vanilla": RolloutEngine(target, config=engine_config(prompts, max_new, pad))}
-  for name, (kind, spec) in strategies.items():
-    if kind == "ngram":
-      engines[name] = RolloutEngine(target, drafter=spec,
-                                    config=engine_config(prompts, max_new, pad))
-    else:
-      engines[name] = RolloutEngine(target, drafter=drafter,
-                                    config=engine_config(prompts, max_new, pad, spec))
-  compile_s = {}
-  for name, engine in engines.items():
-    t0 = time.perf_counter()
-    engine.precompile()
-    engine.generate(prompts, params)  # warm-up, not measured
-    compile_s[name] = time.perf_counter() - t0
-  runs: dict[str, list[dict]] = {name: [] for name in engines}
+  engines = harness.engines_for(target, engine_config(prompts, max_new, pad), {
+      name: {"drafter": spec} if kind == "ngram" else spec
+      for name, (kind, spec) in strategies.items()}, drafter)
+  compile_s = harness.warm_up(engines, prompts, params)  # the warm-up run is not measured
   tokens: dict[str, list[list[int]]] = {}
-  for _ in range(repeats):  # interleaved, so drifts in clock or load hit every engine alike
-    for name, engine in engines.items():
-      result = engine.generate(prompts, params)
-      runs[name].append(result.stats)
-      tokens.setdefault(name, result.tokens)
-      if result.tokens != tokens[name]:
-        raise RuntimeError(f"{name}: greedy decoding gave different tokens on a repeat")
+
+  def run(name: str, _rep: int) -> dict:
+    result = engines[name].generate(prompts, params)
+    tokens.setdefault(name, result.tokens)
+    if result.tokens != tokens[name]:
+      raise RuntimeError(f"{name}: greedy decoding gave different tokens on a repeat")
+    return result.stats
+
+  # interleaved, so drifts in clock or load hit every engine alike
+  runs = harness.interleaved(run, engines, repeats)
   vanilla = runs["vanilla"]
   out: dict[str, Any] = {
       "prompts": len(prompts), "prompt_tokens_max": max(len(p) for p in prompts),
@@ -423,7 +408,7 @@ def measure_batch(target, drafter, prompts, answers, strategies: dict, params: S
     out["vanilla"]["sample_completion"] = texts[0][:400]
   for name, (kind, spec) in strategies.items():
     stats = runs[name]
-    ratios = [s["tokens_per_s"] / v["tokens_per_s"] for s, v in zip(stats, vanilla)]
+    ratios = harness.ratios(stats, vanilla)
     same_rows = [a == b for a, b in zip(tokens[name], tokens["vanilla"])]
     divergences = [first_divergence(a, b) for a, b in zip(tokens[name], tokens["vanilla"])]
     out[name] = dict(

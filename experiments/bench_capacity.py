@@ -15,22 +15,18 @@ bytes, and how often caches grew.
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import statistics
 
 import numpy as np
 
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.transformer import init_model
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.utils import write_report
+import harness
+from harness import EngineConfig, RolloutEngine, SamplingParams, init_model, write_report
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--capacities", default="256,4096,16384")
   parser.add_argument("--old-layout", default="256,4096",
@@ -40,14 +36,11 @@ def main():
   a = parser.parse_args()
 
   vocab, n_stops = 512, 13
-  config = ModelConfig(vocab_size=vocab, hidden_size=256, intermediate_size=768, num_layers=4,
-                       num_heads=8, num_kv_heads=4, architecture="qwen2", attention_bias=True,
-                       tie_word_embeddings=True)
-  model = init_model(config, seed=0)
+  model = init_model(harness.bench_config(vocab), seed=0)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(20, vocab, 32).tolist() for _ in range(a.batch)]
-  capacities = [int(c) for c in a.capacities.split(",")]
-  old = [int(c) for c in a.old_layout.split(",") if c]
+  capacities = harness.ints(a.capacities)
+  old = harness.ints(a.old_layout)
   variants = [(c, "buckets") for c in capacities] + [(c, "full") for c in old]
   engines, params = {}, {}
   for cap, layout in variants:
@@ -58,31 +51,30 @@ def main():
     params[name] = SamplingParams(max_new_tokens=cap, temperature=1.0, seed=0,
                                   stop_token_ids=tuple(range(1, 1 + n_stops)))
 
-  runs = {name: [] for name in engines}
-  reference = None
-  for rep in range(a.repeats + 1):  # repeat 0 compiles (warm-up); runs interleaved
-    for name, engine in engines.items():
-      result = engine.generate(prompts, params[name])
-      if reference is None:
-        reference = result.tokens
-      assert result.tokens == reference, f"{name} decoded other tokens"
-      if rep == 0:
-        continue
-      s = result.stats
-      assert s["compiles"] == 0, f"{name} compiled {s['compiles']} times in a timed run"
-      runs[name].append(dict(tokens_per_s=s["tokens_per_s"], wall_s=s["wall_s"],
-                             decode_s=s["decode_s"], grow_s=s["grow_s"], grows=s["grows"],
-                             compact_s=s["compact_s"], cache_bytes_peak=s["cache_bytes_peak"],
-                             kv_lens=sorted(set(s["segment_kv_lens"]))))
-      print(f"rep {rep} {name:>12}: {s['tokens_per_s']:8.0f} tok/s, wall {s['wall_s']:.2f}s, "
-            f"grows {s['grows']}, peak cache {s['cache_bytes_peak'] / 2**20:.1f} MiB", flush=True)
+  reference = {}  # the first run's tokens: every engine must decode them
 
-  lengths = np.array([len(t) for t in reference])
+  def run(name: str, rep: int) -> dict | None:
+    result = engines[name].generate(prompts, params[name])
+    assert result.tokens == reference.setdefault("tokens", result.tokens), \
+        f"{name} decoded other tokens"
+    if rep == 0:
+      return None
+    s = result.stats
+    assert s["compiles"] == 0, f"{name} compiled {s['compiles']} times in a timed run"
+    print(f"rep {rep} {name:>12}: {s['tokens_per_s']:8.0f} tok/s, wall {s['wall_s']:.2f}s, "
+          f"grows {s['grows']}, peak cache {s['cache_bytes_peak'] / 2**20:.1f} MiB", flush=True)
+    return dict(tokens_per_s=s["tokens_per_s"], wall_s=s["wall_s"], decode_s=s["decode_s"],
+                grow_s=s["grow_s"], grows=s["grows"], compact_s=s["compact_s"],
+                cache_bytes_peak=s["cache_bytes_peak"], kv_lens=sorted(set(s["segment_kv_lens"])))
+
+  # repeat 0 compiles (a warm-up); runs interleaved
+  runs = harness.interleaved(run, engines, a.repeats, warmup=1)
+  lengths = np.array([len(t) for t in reference["tokens"]])
   base = "256-buckets" if "256-buckets" in runs else next(iter(runs))
   summary = {}
   for name, rs in runs.items():
     # per-repeat ratio to the base engine of the same repeat, then the median
-    ratios = [b["tokens_per_s"] / r["tokens_per_s"] for r, b in zip(rs, runs[base])]
+    ratios = harness.ratios(runs[base], rs)
     summary[name] = dict(
         tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
         slowdown_vs_base=statistics.median(ratios), slowdown_runs=ratios,

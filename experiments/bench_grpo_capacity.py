@@ -20,7 +20,6 @@ tokens run by the update vs valid tokens.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,14 +27,9 @@ import time
 
 import numpy as np
 
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.tokenizer import CharTokenizer
-from tlt_jax.models.transformer import init_model
-from tlt_jax.rl.grpo import GRPOConfig
-from tlt_jax.rl.tasks import Problem
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
-from tlt_jax.rollout.engine import EngineConfig
-from tlt_jax.utils import compile_count, write_report
+import harness
+from harness import (CharTokenizer, EngineConfig, GRPOTrainer, Problem, TrainerConfig,
+                     compile_count, grpo, init_model, write_report)
 
 VOCAB = 512
 ALPHABET = "".join(chr(0x100 + i) for i in range(VOCAB - 3))  # + <pad>, <bos>, <eos>
@@ -58,20 +52,18 @@ class RandomTextTask:
 def make_trainer(capacity: int, old: bool, steps: int) -> GRPOTrainer:
   tokenizer = CharTokenizer(ALPHABET)
   stops = tuple(range(3, 3 + 8))  # 8 stop ids: answers are geometric, mean ~64 tokens
-  config = ModelConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_layers=4,
-                       num_heads=8, num_kv_heads=4, architecture="qwen2", attention_bias=True,
-                       tie_word_embeddings=True, eos_token_id=stops)
+  config = harness.bench_config(VOCAB, eos_token_id=stops)
   engine = EngineConfig(max_batch=64, max_prompt_len=32, max_new_tokens=capacity,
                         kv_buckets=() if old else None, max_stop_ids=8)
   trainer_config = TrainerConfig(steps=steps, prompts_per_step=8, learning_rate=1e-5,
                                  warmup_steps=0, minibatches=1, epochs=1, max_new_tokens=capacity,
                                  temperature=1.0, **({"update_tokens": 0} if old else {}))
   return GRPOTrainer(init_model(config, seed=0), tokenizer, RandomTextTask(), engine,
-                     GRPOConfig(group_size=8), trainer_config)
+                     grpo.GRPOConfig(group_size=8), trainer_config)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--trainers", default="128-padded,128,1024")
   parser.add_argument("--out", default="experiments/out/bench_grpo_capacity.json")
@@ -86,39 +78,39 @@ def main():
     trainers[name] = trainer
     print(f"{name}: compiled {n} executables in {time.perf_counter() - t0:.0f}s", flush=True)
 
-  runs = {name: [] for name in trainers}
-  for step in range(a.steps + 1):  # step 0 is a warm-up (eager host-side ops compile there)
-    for name, trainer in trainers.items():
-      before = compile_count()
-      m = trainer.step()
-      compiles = compile_count() - before
-      if step == 0:
-        continue
-      assert compiles == 0, f"{name} step {step} compiled {compiles} executables"
-      generated = int(trainer.last_lengths.sum())
-      row = dict(step_s=m["step_s"], rollout_s=m["rollout_s"], update_s=m["update_s"],
-                 generated=generated, len_p50=m["len_p50"], len_max=m["len_max"],
-                 update_tokens_padded=m["update_tokens_padded"],
-                 update_tokens_valid=m["update_tokens_valid"],
-                 update_s_per_token=m["update_s"] / generated)
-      runs[name].append(row)
-      print(f"step {step} {name:>10}: step {m['step_s']:.2f}s (rollout {m['rollout_s']:.2f}, "
-            f"update {m['update_s']:.2f}), answers p50 {m['len_p50']:.0f} max {m['len_max']}, "
-            f"update tokens {m['update_tokens_padded']} run / {m['update_tokens_valid']} valid",
-            flush=True)
+  def step(name: str, rep: int) -> dict | None:
+    trainer = trainers[name]
+    before = compile_count()
+    m = trainer.step()
+    compiles = compile_count() - before
+    if rep == 0:
+      return None
+    assert compiles == 0, f"{name} step {rep} compiled {compiles} executables"
+    generated = int(trainer.last_lengths.sum())
+    print(f"step {rep} {name:>10}: step {m['step_s']:.2f}s (rollout {m['rollout_s']:.2f}, "
+          f"update {m['update_s']:.2f}), answers p50 {m['len_p50']:.0f} max {m['len_max']}, "
+          f"update tokens {m['update_tokens_padded']} run / {m['update_tokens_valid']} valid",
+          flush=True)
+    return dict(step_s=m["step_s"], rollout_s=m["rollout_s"], update_s=m["update_s"],
+                generated=generated, len_p50=m["len_p50"], len_max=m["len_max"],
+                update_tokens_padded=m["update_tokens_padded"],
+                update_tokens_valid=m["update_tokens_valid"],
+                update_s_per_token=m["update_s"] / generated)
+
+  # step 0 is a warm-up (eager host-side ops compile there); steps interleaved
+  runs = harness.interleaved(step, trainers, a.steps, warmup=1)
 
   med = lambda name, key: statistics.median(r[key] for r in runs[name])
   summary = {name: {key: med(name, key) for key in runs[name][0]} for name in runs}
   ratios = {}
   if "128" in runs and "1024" in runs:
-    ratios["step_1024_over_128"] = statistics.median(
-        b["step_s"] / a_["step_s"] for a_, b in zip(runs["128"], runs["1024"]))
+    ratios["step_1024_over_128"] = harness.median_ratio(runs["1024"], runs["128"],
+                                                        lambda r: r["step_s"])
   if "128-padded" in runs:
     for name in runs:
       if name != "128-padded":
-        ratios[f"update_per_token_padded128_over_{name}"] = statistics.median(
-            p["update_s_per_token"] / r["update_s_per_token"]
-            for p, r in zip(runs["128-padded"], runs[name]))
+        ratios[f"update_per_token_padded128_over_{name}"] = harness.median_ratio(
+            runs["128-padded"], runs[name], lambda r: r["update_s_per_token"])
   out = dict(steps=a.steps, summary=summary, ratios=ratios, runs=runs, cpus=os.cpu_count())
   print(json.dumps(dict(summary=summary, ratios=ratios), indent=2))
   write_report(a.out, out)

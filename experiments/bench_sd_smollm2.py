@@ -17,12 +17,8 @@ costs), and the n-gram drafter on GRPO-style groups of sibling responses (one pr
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pathlib
-import sys
-import statistics
 import time
 
 import jax
@@ -30,12 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # experiments.*
-from experiments.bench_sd import (depth_table, forward_cost, heatmap, ints, measure,
-                                  phase_split, tree_for)
-from experiments.train_drafter_smollm2 import chat_prompts, default_model, task_questions
-from tlt_jax.models import Drafter, from_pretrained, load_drafter, load_tokenizer
-from tlt_jax.rollout import NgramConfig, SamplingParams
+import harness
+from harness import (Drafter, NgramConfig, SamplingParams, depth_table, forward_cost, heatmap,
+                     ints, measure, phase_split, tree_for)
 
 
 def drafter_pass_ms(target, drafter, batch: int, repeats: int = 100) -> float:
@@ -52,15 +45,7 @@ def drafter_pass_ms(target, drafter, batch: int, repeats: int = 100) -> float:
   cache = drafter.init_cache(batch, 256).with_lengths(jnp.full((batch,), 100, jnp.int32))
   tokens = jnp.zeros((batch, 1), jnp.int32)
   feats = jnp.zeros((batch, 1, target.config.hidden_size), target.config.jnp_dtype)
-  jax.block_until_ready(step(params, tparams, tokens, feats, cache))
-  times = []
-  for _ in range(5):
-    t0 = time.perf_counter()
-    for _ in range(repeats // 5):
-      r = step(params, tparams, tokens, feats, cache)
-    jax.block_until_ready(r)
-    times.append((time.perf_counter() - t0) / (repeats // 5) * 1e3)
-  return statistics.median(times)
+  return harness.pass_ms(lambda: step(params, tparams, tokens, feats, cache), repeats)
 
 
 def cost_table(target, drafter, batches) -> dict:
@@ -87,7 +72,7 @@ def cost_table(target, drafter, batches) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--model", default=None, help="a .gguf file or HF dir (default: SmolLM2)")
   parser.add_argument("--drafter", default="experiments/out/smollm2_drafter")
   parser.add_argument("--batches", type=ints, default=[1, 4, 8])
@@ -112,12 +97,12 @@ def main():
   pathlib.Path(a.out_dir).mkdir(parents=True, exist_ok=True)
   if not pathlib.Path(a.drafter).is_dir():
     raise SystemExit(f"{a.drafter} not found: run experiments/train_drafter_smollm2.py first")
-  model_path = a.model or default_model()
-  target, config = from_pretrained(model_path)
-  tokenizer = load_tokenizer(model_path)
-  drafter = load_drafter(a.drafter, config)
+  model_path = a.model or harness.default_model()
+  target, config = harness.from_pretrained(model_path)
+  tokenizer = harness.load_tokenizer(model_path)
+  drafter = harness.load_drafter(a.drafter, config)
   stop = (tokenizer.eos_token_id,)
-  prompts = chat_prompts(tokenizer, task_questions(max(a.prompts, *a.batches),
+  prompts = harness.chat_prompts(tokenizer, harness.task_questions(max(a.prompts, *a.batches),
                                                    seed=5000 + a.seed, gsm_share=1.0))
   params = SamplingParams(max_new_tokens=a.max_new, temperature=a.temperature, seed=a.seed,
                           stop_token_ids=stop)
@@ -180,9 +165,7 @@ def main():
     summary["ngram_siblings"] = ngram
 
   summary["wall_s"] = time.time() - t0
-  out = pathlib.Path(a.out_dir) / "bench_sd_smollm2.json"
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(summary, indent=2, default=str))
+  out = harness.write_json(pathlib.Path(a.out_dir) / "bench_sd_smollm2.json", summary)
   print(f"wrote {out} in {summary['wall_s']:.0f}s")
 
 

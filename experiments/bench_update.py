@@ -26,7 +26,6 @@ measured runs check their token counts against the offline ones.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,14 +34,10 @@ import time
 import jax
 import numpy as np
 
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.tokenizer import CharTokenizer
-from tlt_jax.models.transformer import init_model
-from tlt_jax.rl import grpo
-from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, bucket_rows, plan_packs, update_buckets
-from tlt_jax.rollout.engine import EngineConfig
-from tlt_jax.utils import compile_count, write_report
+import harness
+from harness import (ArithmeticTask, CharTokenizer, EngineConfig, GRPOTrainer, TrainerConfig,
+                     bucket_rows, compile_count, grpo, init_model, plan_packs, update_buckets,
+                     write_report)
 
 
 def completion_lengths(rng, rows, mean, tail_rows, max_new):
@@ -112,15 +107,13 @@ def measure(a, model_config, max_new):
   if not failed:
     loss_diff = abs(first["padded"]["loss"] - first["packed"]["loss"])
     assert loss_diff <= 1e-4 * max(1.0, abs(first["padded"]["loss"])), first
-  seconds = {name: [] for name in trainers}
-  metrics = {}
   before = compile_count()
-  for rep in range(a.repeats):  # interleaved, alternating the order, so noise hits both alike
-    for name in (list(trainers) if rep % 2 == 0 else list(trainers)[::-1]):
-      t0 = time.perf_counter()
-      metrics[name] = trainers[name].policy_update(batch)
-      seconds[name].append(time.perf_counter() - t0)
+  # interleaved, alternating the order, so noise hits both alike
+  runs = harness.interleaved(lambda name, _rep: harness.timed(trainers[name].policy_update, batch),
+                             trainers, a.repeats, "alternate")
   assert compile_count() == before, "a timed update compiled"
+  seconds = {name: [took for took, _ in rs] for name, rs in runs.items()}
+  metrics = {name: rs[-1][1] for name, rs in runs.items()}
   generated = int(lengths.sum())
   padded, packed, valid = offline_tokens(a, max_new, a.update_tokens)
   for name, tokens in (("padded", padded), ("packed", packed)):  # per update, x epochs (1)
@@ -153,7 +146,7 @@ def measure(a, model_config, max_new):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--max-new-tokens", default="128,1024",
                       help="comma-separated rollout capacities to measure")
@@ -176,14 +169,11 @@ def main():
   parser.add_argument("--out", default="experiments/out/bench_update.json")
   a = parser.parse_args()
 
-  model_config = ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden,
-                             intermediate_size=3 * a.hidden, num_layers=a.layers, num_heads=8,
-                             num_kv_heads=4, architecture="qwen2", attention_bias=True,
-                             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                             max_position_embeddings=4096)
+  model_config = harness.bench_config(a.vocab, a.hidden, a.layers, bos_token_id=1,
+                                      eos_token_id=2, max_position_embeddings=4096)
   offline = []
-  for max_new in (int(v) for v in a.offline_max_new_tokens.split(",")):
-    for budget in sorted({a.update_tokens} | {int(v) for v in a.offline_budgets.split(",")}):
+  for max_new in harness.ints(a.offline_max_new_tokens):
+    for budget in sorted({a.update_tokens} | set(harness.ints(a.offline_budgets))):
       padded, packed, valid = offline_tokens(a, max_new, budget)
       offline.append(dict(max_new_tokens=max_new, update_tokens=budget, padded=padded,
                           packed=packed, valid=valid, ratio=padded / packed,
@@ -192,7 +182,7 @@ def main():
             f"{padded}/{packed} = {padded / packed:.2f}x (padded / valid {padded / valid:.2f}x)",
             flush=True)
   results = []
-  for max_new in ([] if a.offline_only else (int(v) for v in a.max_new_tokens.split(","))):
+  for max_new in ([] if a.offline_only else harness.ints(a.max_new_tokens)):
     result = measure(a, model_config, max_new)
     results.append(result)
     padded, packed = result["padded"], result["packed"]

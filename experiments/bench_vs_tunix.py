@@ -27,8 +27,8 @@ pad id would silently change the outputs whenever the model generates that token
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -37,7 +37,12 @@ import statistics
 import sys
 import time
 
+import jax
 import numpy as np
+
+import harness
+from harness import (EngineConfig, RolloutEngine, SamplingParams, compile_count, hf,
+                     write_report)
 
 INSTALL_HINT = """\
 google-tunix is not importable from this interpreter ({python}).
@@ -51,19 +56,18 @@ Create a separate venv for it (do not install it into the project venv):
   /tmp/tunix_venv/bin/python experiments/bench_vs_tunix.py
 """
 
-try:
-  from tunix.generate import sampler as tunix_sampler
-  from tunix.models.qwen2 import model as tunix_qwen2
-  from tunix.models.qwen2 import params as tunix_qwen2_params
-except ImportError as e:  # pragma: no cover - depends on the venv
-  sys.exit(f"{INSTALL_HINT.format(python=sys.executable)}\n(import error: {e})")
 
-import jax  # pylint: disable=wrong-import-position
+def import_tunix():
+  """tunix's sampler, Qwen2 model and Qwen2 params modules, or an exit saying how to install it
+  (imported in ``main``, so that ``--help`` works without tunix)."""
+  try:
+    # pylint: disable=import-outside-toplevel
+    from tunix.generate import sampler
+    from tunix.models.qwen2 import model, params
+  except ImportError as e:  # pragma: no cover - depends on the venv
+    sys.exit(f"{INSTALL_HINT.format(python=sys.executable)}\n(import error: {e})")
+  return sampler, model, params
 
-from tlt_jax.models import hf  # pylint: disable=wrong-import-position
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # pylint: disable=wrong-import-position
-from tlt_jax.rollout.sampling import SamplingParams  # pylint: disable=wrong-import-position
-from tlt_jax.utils import compile_count, write_report  # pylint: disable=wrong-import-position
 
 # The checkpoint: 4 layers, hidden 256, 8 heads / 4 KV heads (head dim 32), SwiGLU 768, vocab 512.
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -98,13 +102,15 @@ def make_checkpoint(path: pathlib.Path, seed: int) -> bool:
   except ImportError as e:
     sys.exit(f"Creating the checkpoint needs torch and transformers ({e}); "
              "pip install transformers torch==2.13.0 (the CPU wheel)")
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo's tests/
-  from tests.hf_fixtures import randomize_parameters  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("hf_fixtures",
+                                                harness.ROOT / "tests" / "hf_fixtures.py")
+  fixtures = importlib.util.module_from_spec(spec)  # the tests' random HF weights
+  spec.loader.exec_module(fixtures)
   torch.manual_seed(seed)
   config = transformers.Qwen2Config(**MODEL, rope_theta=ROPE_THETA, bos_token_id=1,
                                     eos_token_id=2, dtype="float32")
   model = transformers.Qwen2ForCausalLM(config)
-  randomize_parameters(model, seed, scale=WEIGHT_SCALE)
+  fixtures.randomize_parameters(model, seed, scale=WEIGHT_SCALE)
   model.eval()
   path.mkdir(parents=True, exist_ok=True)
   model.save_pretrained(str(path))
@@ -142,8 +148,9 @@ class IdTokenizer:
     return self.vocab_size
 
 
-def load_tunix(path: pathlib.Path):
-  """Tunix's Qwen2 from the HF directory, with tunix's own safetensors loader."""
+def load_tunix(path: pathlib.Path, tunix_qwen2, tunix_qwen2_params):
+  """Tunix's Qwen2 from the HF directory, with tunix's own safetensors loader (the modules
+  ``tunix.models.qwen2.model`` and ``.params``)."""
   hf_config = json.loads((path / "config.json").read_text())
   rope = dict(hf_config.get("rope_parameters") or {})
   heads = hf_config["num_attention_heads"]
@@ -188,7 +195,7 @@ def _median_or_none(values):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--batches", default="1,8,32")
   parser.add_argument("--prompt-len", type=int, default=64)
@@ -202,6 +209,7 @@ def main():
   parser.add_argument("--checkpoint", default="experiments/out/bench_vs_tunix_qwen2")
   parser.add_argument("--out", default="experiments/out/bench_vs_tunix.json")
   a = parser.parse_args()
+  tunix_sampler, tunix_qwen2, tunix_qwen2_params = import_tunix()
   batches = [int(b) for b in a.batches.split(",")]
   if a.repeats < 1 or a.warmup < 1 or not batches or min(batches) < 1:
     parser.error("--repeats, --warmup and every --batches entry must be >= 1")
@@ -211,7 +219,7 @@ def main():
   print(f"checkpoint {ckpt} ({'written' if wrote else 'reused'})", flush=True)
 
   model, config = hf.from_pretrained(ckpt)
-  tmodel, tconfig = load_tunix(ckpt)
+  tmodel, tconfig = load_tunix(ckpt, tunix_qwen2, tunix_qwen2_params)
   tokenizer = IdTokenizer(config.vocab_size)
   cache_size = a.prompt_len + a.new_tokens  # tunix needs prompt + generation steps <= cache size
   sampler = tunix_sampler.Sampler(tmodel, tokenizer, tunix_sampler.CacheConfig(
@@ -271,7 +279,7 @@ def main():
       runs["tunix"].append(dict(wall_s=wall, tokens=n, tokens_per_s=n / wall))
       print(f"  rep {rep}: ours {runs['ours'][-1]['tokens_per_s']:8.0f} tok/s   tunix "
             f"{runs['tunix'][-1]['tokens_per_s']:8.0f} tok/s", flush=True)
-    ratios = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(runs["ours"], runs["tunix"])]
+    ratios = harness.ratios(runs["ours"], runs["tunix"])
     results[str(batch)] = dict(
         tokens_per_s={k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()},
         ratio_ours_over_tunix=statistics.median(ratios), ratios=ratios,

@@ -12,30 +12,17 @@ probability 1 - TV(p, q), coupled with at least (1 - TV) / (1 + TV) (Daliri et a
 
 from __future__ import annotations
 
-import argparse
-import json
-import pathlib
 import statistics
 import sys
-import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from experiments.bench_sd import load_bench, long_prompts  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
-from tlt_jax.rollout.speculative import SpecConfig  # noqa: E402
-from tlt_jax.rollout.steps import strategy_name  # noqa: E402
+import harness
+from harness import SamplingParams, SpecConfig, floats, strategy_name
 
 STRATEGIES = (SpecConfig(3, 1, 4), SpecConfig(7, 1, 8), SpecConfig(7, 4, 16))
 
 
-def floats(text: str) -> list[float]:
-  return [float(x) for x in text.split(",") if x]
-
-
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--target", default="experiments/out/bench_target")
   parser.add_argument("--drafter", default="experiments/out/bench_drafter")
   parser.add_argument("--temperatures", type=floats, default=[1.0, 0.7])
@@ -45,45 +32,36 @@ def main():
   parser.add_argument("--max-new", type=int, default=160)
   parser.add_argument("--out", default="experiments/out/coupled_vs_rejection.json")
   a = parser.parse_args()
-  target, config, drafter, tokenizer = load_bench(a.target, a.drafter)
-  prompts = long_prompts(tokenizer, a.prompts, 10, 0)
+  target, _, drafter, tokenizer = harness.load_bench(a.target, a.drafter)
+  prompts = harness.long_prompts(tokenizer, a.prompts, 10, 0)
   base = dict(max_batch=a.batch, max_prompt_len=48, max_new_tokens=a.max_new,
               prefill_buckets=(48,), compaction=False)
-  engines = {"vanilla": RolloutEngine(target, config=EngineConfig(**base))}
-  for spec in STRATEGIES:
-    for mode in ("rejection", "coupled"):
-      engines[f"{strategy_name(spec)} {mode}"] = RolloutEngine(
-          target, drafter=drafter, config=EngineConfig(**base, spec=spec, verify=mode))
-  for e in engines.values():
-    e.precompile()
+  engines = harness.engines_for(target, base, {
+      f"{strategy_name(spec)} {mode}": dict(spec=spec, verify=mode)
+      for spec in STRATEGIES for mode in ("rejection", "coupled")}, drafter)
+  harness.warm_up(engines)
   rows = {}
   for temperature in a.temperatures:
+    sampling = lambda rep, t=temperature: SamplingParams(max_new_tokens=a.max_new, temperature=t,
+                                                         seed=rep)
+    runs = harness.interleaved(lambda name, rep: harness.timed(
+        engines[name].generate, prompts, sampling(rep)), engines, a.repeats)
     per = {name: dict(speed=[], accept=[]) for name in engines if name != "vanilla"}
-    for r in range(a.repeats):
-      params = SamplingParams(max_new_tokens=a.max_new, temperature=temperature, seed=r)
-      timed = {}
-      for name, engine in engines.items():
-        t0 = time.perf_counter()
-        result = engine.generate(prompts, params)
-        timed[name] = (time.perf_counter() - t0, result)
-      want = timed["vanilla"][1].tokens
-      for name, (seconds, result) in timed.items():
-        if name == "vanilla":
-          continue
+    for r, (vanilla_s, want) in enumerate(runs["vanilla"]):
+      for name, v in per.items():
+        seconds, result = runs[name][r]
         if name.endswith("coupled"):
-          assert result.tokens == want, f"{name} at T={temperature} differs from vanilla"
-        per[name]["speed"].append(timed["vanilla"][0] / seconds)
-        per[name]["accept"].append(result.stats["mean_accept_len"])
+          assert result.tokens == want.tokens, f"{name} at T={temperature} differs from vanilla"
+        v["speed"].append(vanilla_s / seconds)
+        v["accept"].append(result.stats["mean_accept_len"])
     rows[str(temperature)] = {name: dict(speed_vs_vanilla=statistics.median(v["speed"]),
                                          mean_accept_len=statistics.median(v["accept"]))
                               for name, v in per.items()}
     for name, v in rows[str(temperature)].items():
       print(f"T={temperature} {name:28s} {v['speed_vs_vanilla']:.2f}x vanilla, "
             f"accepted/step {v['mean_accept_len']:.2f}", flush=True)
-  out = pathlib.Path(a.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(dict(command=" ".join(sys.argv), batch=a.batch, prompts=a.prompts,
-                                 repeats=a.repeats, results=rows), indent=2) + "\n")
+  out = harness.write_json(a.out, dict(command=" ".join(sys.argv), batch=a.batch,
+                                       prompts=a.prompts, repeats=a.repeats, results=rows))
   print(f"wrote {out}")
 
 

@@ -14,7 +14,6 @@ arm and seed, with their mean and spread, the rollout's tail share and the comma
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from concurrent import futures
 import datetime
@@ -30,19 +29,17 @@ from unittest import mock
 import numpy as np
 import optax
 
-from tlt_jax import config as config_lib
-from tlt_jax import train
-from tlt_jax.rl import trainer as trainer_lib
-from tlt_jax.utils import write_report
+import harness
+from harness import write_report
+from rl_bench import config_lib, train
+from tlt_jax.rl import trainer as trainer_lib  # its learning-rate schedule is patched
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "tlt_jax" / "configs" / "tiny_grpo.py"
 KEYS = ("accuracy_start", "accuracy_end", "sampled_start", "sampled_end")
 
 
 def job_config(seed: int, overrides: list[str], logdir: str):
   """The default config with ``seed``, ``logdir`` and ``name=value`` overrides applied."""
-  cfg = config_lib.load_config_file(CONFIG)
+  cfg = config_lib.load_config_file(harness.TINY_GRPO)
   cfg.seed, cfg.logdir = seed, logdir
   for item in overrides:
     name, value = item.split("=", 1)
@@ -101,7 +98,7 @@ def spread(values) -> dict:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                       help="config overrides, e.g. trainer.learning_rate=1e-4")
@@ -110,7 +107,8 @@ def main() -> None:
   parser.add_argument("--control-seeds", type=int, nargs="*", default=None,
                       help="seeds that also run the no-update control (default: every seed)")
   parser.add_argument("--jobs", type=int, default=1, help="runs at once (processes)")
-  parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "default_learns.json"))
+  parser.add_argument("--out",
+                      default=str(harness.ROOT / "docs" / "results" / "default_learns.json"))
   a = parser.parse_args()
   control = a.seeds if a.control_seeds is None else a.control_seeds
   todo = [(seed, True) for seed in a.seeds] + [(seed, False) for seed in control

@@ -33,9 +33,7 @@ distance of its params from the warm start.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import pathlib
 import sys
 import time
 
@@ -43,18 +41,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from experiments import rl_bench as rb  # noqa: E402
-from tlt_jax.drafter.train import make_eval_step  # noqa: E402
-from tlt_jax.rl.online_drafter import DrafterTrainingConfig  # noqa: E402
-from tlt_jax.rollout.speculative import SpecConfig  # noqa: E402
+import harness
+import rl_bench as rb
+from harness import DrafterTrainingConfig, SpecConfig, make_eval_step
 
 ARMS = ("adapted", "frozen", "scratch")
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   rb.add_job_args(parser, steps=20, out="docs/results/drafter_drift.json")
   parser.add_argument("--depth", type=int, default=5, help="draft depth of the fixed chain")
   parser.add_argument("--drafter-lr", type=float, default=1e-4, help="online lr of the "
@@ -85,7 +80,7 @@ def main():
   rows = {name: [] for name in ARMS}
   drift = []
   for step in range(a.steps):
-    order = ARMS[step % 3:] + ARMS[:step % 3]
+    order = harness.repeat_order(ARMS, step, "rotate")
     # the weights each arm drafts this step's rollout with (the engine's copy, never donated)
     # (copies: the drafter steps and the policy update donate the buffers they were given)
     drafting = {name: jax.tree.map(jnp.copy, arms[name].engine.drafter_params) for name in ARMS}

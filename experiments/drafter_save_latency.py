@@ -14,7 +14,6 @@ The paper's Fig. 17: 893 ms (full) -> 97 ms (selective async) on its setup.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import time
@@ -24,12 +23,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+import harness
+from harness import (Drafter, DrafterTrainingConfig, ModelConfig, OnlineDrafter, init_model,
+                     write_report)
 from tlt_jax import checkpoint as ckpt
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.transformer import init_model
-from tlt_jax.rl.online_drafter import DrafterTrainingConfig, OnlineDrafter
-from tlt_jax.utils import write_report
 
 SHAPES = {
     "tiny (default job)": dict(vocab_size=19, hidden_size=128, intermediate_size=256,
@@ -86,7 +83,7 @@ def measure(name: str, fields: dict, repeats: int) -> dict:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default="docs/results/drafter_save_latency.json")
   a = parser.parse_args()

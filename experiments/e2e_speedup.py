@@ -28,16 +28,13 @@ coincide) and step times.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from experiments import rl_bench as rb  # noqa: E402
-from tlt_jax.rl.online_drafter import DrafterTrainingConfig  # noqa: E402
-from tlt_jax.rollout.speculative import SpecConfig  # noqa: E402
+import harness
+import rl_bench as rb
+from harness import DrafterTrainingConfig, SpecConfig
 
 ARMS = ("vanilla", "sd_frozen", "tlt")
 
@@ -142,7 +139,7 @@ def plot(rows: dict, path: pathlib.Path) -> str | None:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   rb.add_job_args(parser, steps=20, out="docs/results/e2e_speedup.json")
   parser.add_argument("--engine", default="adaptive", choices=["adaptive", "fixed"])
   parser.add_argument("--strategies", type=chains, default=chains("3,5"),
@@ -173,7 +170,7 @@ def main():
   print(f"built and compiled {len(arms)} arms in {build_s:.0f}s", flush=True)
   rows = {name: [] for name in ARMS}
   for step in range(a.steps):
-    for name in ARMS[step % 3:] + ARMS[:step % 3]:
+    for name in harness.repeat_order(ARMS, step, "rotate"):
       rows[name].append(rb.step_row(arms[name].step()))
     print(f"step {step + 1:3d} reward {rows['vanilla'][-1]['reward']:.3f}  step s " +
           "  ".join(f"{n} {rows[n][-1]['step_s']:.3f}" for n in ARMS) + "  rollout s " +

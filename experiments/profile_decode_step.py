@@ -41,7 +41,6 @@ On a loaded machine the op times are inflated, but their shares are still tellin
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import glob
@@ -59,19 +58,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import harness
+from harness import (EngineConfig, ModelConfig, RolloutEngine, SamplingParams, init_model,
+                     write_report)
 from tlt_jax.models import transformer as tr
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.transformer import init_model
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.sampling import (SamplerArgs, SamplingParams, filtered_logprobs, row_keys,
-                                      sample_tokens)
-from tlt_jax.utils import write_report
+from tlt_jax.rollout.sampling import SamplerArgs, filtered_logprobs, row_keys, sample_tokens
 
 
 def make_engine(batch: int, prompt_len: int, new_tokens: int, seed: int):
-  config = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=4,
-                       num_heads=8, num_kv_heads=4, architecture="qwen2", attention_bias=True,
-                       tie_word_embeddings=False)
+  config = harness.bench_config(tie_word_embeddings=False)
   model = init_model(config, seed=seed)
   engine = RolloutEngine(model, config=EngineConfig(
       max_batch=batch, max_prompt_len=prompt_len, max_new_tokens=new_tokens, kv_buckets=(),
@@ -337,7 +332,7 @@ def trace_segment(segment, run, steps_of, top: int):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--prompt-len", type=int, default=64)
   parser.add_argument("--new-tokens", type=int, default=128)
@@ -420,10 +415,7 @@ def main():
   want = np.asarray(ref.tokens)[:, :a.steps + 1]
   assert np.array_equal(got, want), "the ablation step must reproduce the engine's tokens"
 
-  times = {k: [] for k in runners}
-  for _ in range(a.repeats):  # interleaved
-    for name, run in runners.items():
-      times[name].append(run())
+  times = harness.interleaved(lambda name, _rep: runners[name](), runners, a.repeats)
   med = {k: statistics.median(v) * 1e6 for k, v in times.items()}  # microseconds per step
   best = {k: min(v) * 1e6 for k, v in times.items()}
   # differences are taken of the minima (the least-disturbed run of each variant)

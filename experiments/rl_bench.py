@@ -1,10 +1,13 @@
-"""Shared pieces of the RL experiments (drafter_drift.py, spot_utilization.py, e2e_speedup.py).
+"""Shared pieces of the RL experiments (drafter_drift.py, spot_utilization.py, e2e_speedup.py;
+the main job's ``train`` and ``config_lib`` for default_learns.py and rollout_share.py).
 
-Not a script. It builds the default job (configs/tiny_grpo.py through ``tlt_jax.train.build_job``)
-with overrides, warm-starts the tiny policy once and caches it on disk, trains the initial EAGLE
-drafter offline on the warm policy's own temperature-1 rollouts (cached too), and makes
-``GRPOTrainer`` arms that each own a fresh copy of the policy and drafter (the policy update and
-the drafter steps donate their buffers, so arms must never share arrays).
+Not a script: the RL half of ``harness`` (kept apart because the main job's config needs
+``ml_collections``, which the accelerator driver must not). It builds the default job
+(configs/tiny_grpo.py through ``tlt_jax.train.build_job``) with overrides, warm-starts the tiny
+policy once and caches it on disk, trains the initial EAGLE drafter offline on the warm policy's
+own temperature-1 rollouts (cached too), and makes ``GRPOTrainer`` arms that each own a fresh
+copy of the policy and drafter (the policy update and the drafter steps donate their buffers, so
+arms must never share arrays).
 
 Every arm rolls out with ``verify="coupled"``: speculative decoding then emits exactly vanilla
 sampling's tokens for a seed, whatever the drafter, so all arms follow one policy trajectory.
@@ -26,20 +29,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from configs.tiny_grpo import get_config
+# pylint: disable=unused-import  # train: for default_learns.py and rollout_share.py
+from harness import (Drafter, DrafterTrainingConfig, EngineConfig, GRPOTrainer, RolloutEngine,
+                     SamplingParams, SpecConfig, evaluate, hf, load_drafter,
+                     make_batch_from_sequences, make_eval_step, make_optimizer, make_train_step,
+                     save_drafter, split_drafter, warm_start, write_report)
 from tlt_jax import config as config_lib
-from tlt_jax.drafter.train import (make_batch_from_sequences, make_eval_step, make_optimizer,
-                                   make_train_step, split_drafter)
-from tlt_jax.models import hf
-from tlt_jax.models.drafter import Drafter, load_drafter, save_drafter
-from tlt_jax.rl.online_drafter import DrafterTrainingConfig
-from tlt_jax.rl.sft import warm_start
-from tlt_jax.rl.trainer import GRPOTrainer
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax import train
+from tlt_jax.configs.tiny_grpo import get_config
 from tlt_jax.train import Job, build_job, initial_model
-from tlt_jax.utils import write_report
 
 CACHE = pathlib.Path("experiments/out/rl_bench")
 PAPER_TABLE6 = {"stale_drafter_accept_len": 4.59, "adapted_drafter_accept_len": 6.53,
@@ -138,21 +136,12 @@ def initial_drafter_dir(job: Job, policy_dir: pathlib.Path, steps: int = 300,
     if (i + 1) % 50 == 0 or i + 1 == steps:
       m = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
       log.append(dict(m, step=i + 1))
-  # top-1 over every training row, in fixed-size chunks
-  agree = tokens = 0.0
-  for start in range(0, batch.num_rows, batch_rows):
-    index = np.arange(start, start + batch_rows) % batch.num_rows
-    part = batch.take(index)
-    part = part._replace(mask=part.mask * (np.arange(start, start + batch_rows)
-                                           < batch.num_rows)[:, None])
-    m = jax.device_get(eval_step(params, target_params, part))
-    agree += float(m["top1"]) * float(m["num_tokens"])
-    tokens += float(m["num_tokens"])
+  train_top1 = evaluate(eval_step, params, target_params, batch, batch_rows)["top1"]  # every row
   save_drafter(nnx.merge(graphdef, params), path)
   report = dict(steps=steps, prompts=prompts, rows=int(batch.num_rows), row_len=row_len,
                 batch_rows=batch_rows, learning_rate=learning_rate, temperature=temperature,
                 trained_positions=int(batch.mask.sum()), generate_s=round(generate_s, 1),
-                total_s=round(time.perf_counter() - t0, 1), train_top1=agree / max(tokens, 1),
+                total_s=round(time.perf_counter() - t0, 1), train_top1=train_top1,
                 mean_completion=float(np.mean([len(t) for t in result.tokens])), log=log)
   (path / "train_log.json").write_text(json.dumps(report, indent=2))
   say(f"initial drafter: {steps} offline steps on {prompts} own rollouts, top-1 "

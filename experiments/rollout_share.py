@@ -9,25 +9,22 @@ completion-length distribution (JSON + a PNG histogram). The paper reports ~85% 
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 
 import numpy as np
 
-from tlt_jax import train
-from tlt_jax.config import load_config_file
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+import harness
+from rl_bench import config_lib, train
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--steps", type=int, default=80)
   parser.add_argument("--sft-steps", type=int, default=300)
   parser.add_argument("--out-dir", default="experiments/out")
   a = parser.parse_args()
-  cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
+  cfg = config_lib.load_config_file(harness.TINY_GRPO)
   cfg.trainer.steps, cfg.sft.steps = a.steps, a.sft_steps
   cfg.logdir = str(pathlib.Path(a.out_dir) / "rollout_share_run")
   summary = train.run(cfg)
@@ -48,8 +45,7 @@ def main():
                    for m in history],
   }
   out = pathlib.Path(a.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "rollout_share.json").write_text(json.dumps(result, indent=2))
+  harness.write_json(out / "rollout_share.json", result)
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel

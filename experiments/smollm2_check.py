@@ -15,7 +15,6 @@ argmax agreement, and whether greedy decoding of up to ``--new-tokens`` tokens (
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -23,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tlt_jax.models.gguf import load_gguf, smollm2_path, tokenizer_from_gguf
-from tlt_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
-from tlt_jax.utils import write_report
+import harness
+from harness import EngineConfig, RolloutEngine, SamplingParams, write_report
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -44,13 +42,13 @@ def _logits(model, ids):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--new-tokens", type=int, default=32)
   parser.add_argument("--demo-tokens", type=int, default=96)
   parser.add_argument("--out", default="experiments/out/smollm2_check.json")
   a = parser.parse_args()
   try:
-    path = smollm2_path()
+    path = harness.smollm2_path()
   except FileNotFoundError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
@@ -60,8 +58,8 @@ def main():
   transformers.utils.logging.disable_progress_bar()
 
   t0 = time.perf_counter()
-  model, config = load_gguf(path)
-  tokenizer = tokenizer_from_gguf(path)
+  model, config = harness.gguf().load_gguf(path)
+  tokenizer = harness.gguf().tokenizer_from_gguf(path)
   our_load_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   reference = transformers.AutoModelForCausalLM.from_pretrained(

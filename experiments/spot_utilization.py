@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import pathlib
 import sys
 import time
 
@@ -59,16 +58,15 @@ def main():
   flag = f"--xla_force_host_platform_device_count={devices}"
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
   # pylint: disable=import-outside-toplevel
   import jax
   import numpy as np
   from jax.sharding import Mesh
-  from experiments import rl_bench as rb
-  from tlt_jax.rl.online_drafter import DrafterTrainingConfig
-  from tlt_jax.rollout.speculative import SpecConfig
+  import harness
+  import rl_bench as rb
+  from harness import DrafterTrainingConfig, SpecConfig
 
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[devices_arg])
+  parser = harness.parser(__doc__, parents=[devices_arg])
   rb.add_job_args(parser, steps=16, out="docs/results/spot_utilization.json")
   parser.add_argument("--depth", type=int, default=3, help="draft depth of the fixed chain")
   a = parser.parse_args()
@@ -90,7 +88,7 @@ def main():
         f"{build_s:.0f}s", flush=True)
   rows = {name: [] for name in ARMS}
   for step in range(a.steps):
-    order = ARMS if step % 2 == 0 else ARMS[::-1]
+    order = harness.repeat_order(ARMS, step, "alternate")
     for name in order:
       trainer = arms[name]
       row = rb.step_row(trainer.step())

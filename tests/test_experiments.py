@@ -1,0 +1,115 @@
+"""The benchmark scripts in experiments/ keep running: every one answers ``--help`` (its flags are
+parsed in ``main``, so importing it runs nothing), and the cheapest ones run end to end at tiny
+sizes and write the JSON keys that docs/benchmarks.md reads its figures from.
+
+Each test is one subprocess that runs the scripts in turn with ``runpy`` (as
+``python experiments/NAME.py`` would: experiments/ first on ``sys.path``), so JAX is imported
+once rather than once a script."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
+LIBRARIES = {"harness.py", "rl_bench.py"}  # shared modules, not scripts
+
+RUNNER = """\
+import contextlib, io, json, runpy, sys
+sys.path.insert(0, {experiments!r})
+codes = {{}}
+for script, args in json.loads(sys.argv[1]):
+  sys.argv = [script, *args]
+  out = io.StringIO()
+  try:
+    with contextlib.redirect_stdout(out):
+      runpy.run_path(script, run_name="__main__")
+    codes[script] = "returned"
+  except SystemExit as e:
+    codes[script] = e.code
+  if args == ["--help"] and "usage:" not in out.getvalue():
+    codes[script] = "no usage printed"
+print(json.dumps(codes))
+"""
+
+
+def run_scripts(runs: list[tuple[str, list[str]]], cwd, timeout: int) -> dict:
+  """Runs each ``(script, args)`` in one subprocess; what each ended with (the SystemExit code,
+  or "returned")."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, "-c", RUNNER.format(experiments=str(EXPERIMENTS)),
+                         json.dumps(runs)], cwd=cwd, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def scripts() -> list[pathlib.Path]:
+  return sorted(p for p in EXPERIMENTS.glob("*.py") if p.name not in LIBRARIES)
+
+
+def test_every_script_answers_help():
+  found = scripts()
+  assert len(found) >= 20  # the glob found the scripts
+  codes = run_scripts([(str(p), ["--help"]) for p in found], ROOT, timeout=240)
+  assert codes == {str(p): 0 for p in found}
+
+
+def test_no_script_edits_sys_path():
+  """Scripts import ``harness`` from their own folder, never a path they put on sys.path."""
+  for path in EXPERIMENTS.glob("*.py"):
+    text = path.read_text()
+    assert "sys.path.insert" not in text and "sys.path.append" not in text, path.name
+
+
+@pytest.mark.slow
+def test_cheapest_benchmarks_run_at_tiny_sizes(tmp_path):
+  out = {name: tmp_path / f"{name}.json" for name in ("rollout", "capacity", "update")}
+  tiny_model = ["--hidden", "32", "--layers", "1"]
+  runs = [
+      (str(EXPERIMENTS / "bench_rollout.py"),
+       ["--repeats", "2", "--batch", "2", "--max-new-tokens", "16", *tiny_model,
+        "--out", str(out["rollout"])]),
+      (str(EXPERIMENTS / "bench_capacity.py"),  # one capacity: a capacity cuts answers short
+       ["--repeats", "1", "--capacities", "48", "--old-layout", "48", "--batch", "2",
+        "--out", str(out["capacity"])]),
+      (str(EXPERIMENTS / "bench_update.py"),
+       ["--repeats", "1", "--max-new-tokens", "32", "--offline-max-new-tokens", "32",
+        "--offline-budgets", "256", "--update-tokens", "256", "--prompts", "2", "--group", "2",
+        "--prompt-len", "8", "--mean-length", "6", "--tail-rows", "0", "--vocab", "64",
+        *tiny_model, "--out", str(out["update"])]),
+  ]
+  codes = run_scripts(runs, tmp_path, timeout=300)
+  assert set(codes.values()) == {"returned"}, codes
+
+  rollout = json.loads(out["rollout"].read_text())
+  assert set(rollout["tokens_per_s"]) == {"bucketed", "static"}
+  assert set(rollout["row_steps"]) == {"bucketed", "static"}
+  assert len(rollout["speedup_all"]) == 2 and rollout["speedup_median"] > 0
+  assert rollout["workload"]["tokens"] > 0 and "length_p99" in rollout["workload"]
+
+  capacity = json.loads(out["capacity"].read_text())
+  assert capacity["base"] == "48-buckets" and set(capacity["engines"]) == {"48-buckets", "48-full"}
+  for engine in capacity["engines"].values():
+    assert engine["tokens_per_s"] > 0 and engine["pool"] > 0
+    assert {"slowdown_vs_base", "slowdown_runs", "cache_bytes_peak", "grows", "kv_lens"} <= set(
+        engine)
+  assert capacity["engines"]["48-buckets"]["slowdown_vs_base"] == 1.0
+  assert {"p50", "p90", "max", "tokens"} <= set(capacity["lengths"])
+
+  update = json.loads(out["update"].read_text())
+  (offline,) = update["offline_tokens"]
+  assert offline["padded"] >= offline["packed"] >= offline["valid"] > 0
+  (result,) = update["results"]
+  assert result["speedup"] > 0 and result["tokens_ratio"] >= 1.0
+  assert result["first_update_loss_abs_diff"] <= 1e-4
+  for name in ("padded", "packed"):
+    assert {"update_s", "s_per_valid_generated_token", "tokens_padded", "tokens_valid",
+            "passes"} <= set(result[name])
+  assert result["packed"]["tokens_padded"] == offline["packed"]
