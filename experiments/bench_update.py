@@ -125,8 +125,8 @@ def measure(a, model_config, max_new):
          "generated_tokens": generated,
          "length_p50": float(np.median(lengths)), "length_p90": float(np.percentile(lengths, 90)),
          "length_max": int(lengths.max()),
-         "buckets": list(trainers["packed"].update_buckets),
-         "rows_per_bucket": {str(k): v for k, v in trainers["packed"].update_rows.items()},
+         "buckets": list(trainers["packed"].policy.update_buckets),
+         "rows_per_bucket": {str(k): v for k, v in trainers["packed"].policy.update_rows.items()},
          "first_update_loss_abs_diff": loss_diff}
   for name, trainer in trainers.items():
     median = statistics.median(seconds[name])

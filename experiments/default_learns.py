@@ -32,7 +32,7 @@ import optax
 import harness
 from harness import write_report
 from rl_bench import config_lib, train
-from tlt_jax.rl import trainer as trainer_lib  # its learning-rate schedule is patched
+from tlt_jax.rl import update as update_lib  # its learning-rate schedule is patched
 
 KEYS = ("accuracy_start", "accuracy_end", "sampled_start", "sampled_end")
 
@@ -61,7 +61,7 @@ def run_arm(cfg, update: bool) -> dict:
   """One job run; ``update=False`` applies its policy updates at learning rate 0."""
   patch = contextlib.nullcontext()
   if not update:
-    patch = mock.patch.object(trainer_lib, "learning_rate_schedule",
+    patch = mock.patch.object(update_lib, "learning_rate_schedule",
                               lambda _config: optax.constant_schedule(0.0))
   t0 = time.perf_counter()
   with patch, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -40,20 +40,20 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 # pylint: disable=unused-import  # names re-used by the scripts (see the module docstring)
-from tlt_jax.drafter.train import (DrafterBatch, make_batch_from_sequences, make_eval_step,
-                                   make_optimizer, make_train_step, split_drafter)
+from tlt_jax.drafter.objective import (DrafterBatch, make_batch_from_sequences, make_eval_step,
+                                       make_optimizer, make_train_step, split_drafter)
 from tlt_jax.models import from_pretrained, hf, load_tokenizer
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import (Drafter, load_drafter, most_frequent_ids, save_drafter,
                                     token_frequencies)
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import grpo
-from tlt_jax.rl.online_drafter import DrafterTrainingConfig, OnlineDrafter
+from tlt_jax.drafter.online import DrafterTrainingConfig, OnlineDrafter
 from tlt_jax.rl.sft import PackedStream, greedy_accuracy, make_lm_step, warm_start
 from tlt_jax.rl.tasks import ArithmeticTask, Problem, chat_prompt
-from tlt_jax.rl.trainer import (GRPOTrainer, TrainerConfig, bucket_rows, plan_packs,
-                                update_buckets)
+from tlt_jax.rl.packing import bucket_rows, plan_packs, update_buckets
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams

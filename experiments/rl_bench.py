@@ -3,7 +3,7 @@ the main job's ``train`` and ``config_lib`` for default_learns.py and rollout_sh
 
 Not a script: the RL half of ``harness`` (kept apart because the main job's config needs
 ``ml_collections``, which the accelerator driver must not). It builds the default job
-(configs/tiny_grpo.py through ``tlt_jax.train.build_job``) with overrides, warm-starts the tiny
+(configs/tiny_grpo.py through ``tlt_jax.job.build.build_job``) with overrides, warm-starts the tiny
 policy once and caches it on disk, trains the initial EAGLE drafter offline on the warm policy's
 own temperature-1 rollouts (cached too), and makes ``GRPOTrainer`` arms that each own a fresh
 copy of the policy and drafter (the policy update and the drafter steps donate their buffers, so
@@ -34,10 +34,11 @@ from harness import (Drafter, DrafterTrainingConfig, EngineConfig, GRPOTrainer, 
                      SamplingParams, SpecConfig, evaluate, hf, load_drafter,
                      make_batch_from_sequences, make_eval_step, make_optimizer, make_train_step,
                      save_drafter, split_drafter, warm_start, write_report)
-from tlt_jax import config as config_lib
 from tlt_jax import train
 from tlt_jax.configs.tiny_grpo import get_config
-from tlt_jax.train import Job, build_job, initial_model
+from tlt_jax.job import typed_config as config_lib
+from tlt_jax.job.build import Job, build_job
+from tlt_jax.job.runner import initial_model
 
 CACHE = pathlib.Path("experiments/out/rl_bench")
 PAPER_TABLE6 = {"stale_drafter_accept_len": 4.59, "adapted_drafter_accept_len": 6.53,
@@ -100,7 +101,7 @@ def initial_drafter_dir(job: Job, policy_dir: pathlib.Path, steps: int = 300,
                         learning_rate: float = 2e-3, seed: int = 0, say=print) -> pathlib.Path:
   """An EAGLE drafter trained offline, before RL, on the warm policy's own rollouts: ``prompts``
   problems (drawn apart from the RL data) completed at the RL temperature, packed into rows, and
-  ``steps`` drafter steps (``tlt_jax.drafter.train``). Made once, then read from the cache."""
+  ``steps`` drafter steps (``tlt_jax.drafter.objective``). Made once, then read from the cache."""
   temperature = job.trainer.temperature
   key = _key(policy_dir.name, steps, prompts, row_len, batch_rows, learning_rate, seed,
              temperature, job.trainer.max_new_tokens)
