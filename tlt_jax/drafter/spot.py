@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from tlt_jax.aot import AotCache
 from tlt_jax.drafter.buffer import DataBuffer, EmptyBufferError
 from tlt_jax.drafter.train import (CE_WEIGHT, DrafterBatch, make_eval_step, make_optimizer,
                                    make_train_step, split_drafter)
@@ -70,7 +71,7 @@ class SpotTrainer:
     self._train_step = make_train_step(self.graphdef, target, self.optimizer, ce_weight=ce_weight)
     self._eval_step = make_eval_step(self.graphdef, target, ce_weight=ce_weight)
     self.hidden_size = drafter.config.hidden_size
-    self._compiled: dict[tuple[str, Any], Any] = {}  # ahead-of-time, per (kind, device)
+    self._compiled = AotCache()  # ahead-of-time, per (kind, device)
     self._run_lock = threading.Lock()  # one run at a time
     self._state_lock = threading.RLock()  # (params, opt_state, steps) change together
 
@@ -123,7 +124,7 @@ class SpotTrainer:
       began = time.perf_counter()
       batch = jax.device_put(batch, device)
       with self._state_lock:
-        step = self._compiled.get(("train", device), self._train_step)
+        step = self._step("train", device)
         self.params, self.opt_state, metrics = step(self.params, self.opt_state, target_params,
                                                     batch)
         self.steps += 1
@@ -176,11 +177,17 @@ class SpotTrainer:
     with self._state_lock:
       params, opt_state = jax.tree.map(spec, (self.params, self.opt_state))
     target, batch = jax.tree.map(spec, target_params), self._batch_spec(device)
-    if ("train", device) not in self._compiled:
-      self._compiled[("train", device)] = self._train_step.lower(params, opt_state, target,
-                                                                 batch).compile()
-    if ("eval", device) not in self._compiled:
-      self._compiled[("eval", device)] = self._eval_step.lower(params, target, batch).compile()
+    self._compiled.get(("train", device),
+                       lambda: self._train_step.lower(params, opt_state, target, batch))
+    self._compiled.get(("eval", device), lambda: self._eval_step.lower(params, target, batch))
+
+  def _step(self, kind: str, device: jax.Device):
+    """The train or eval step for ``device``: its ahead-of-time executable once ``precompile``
+    made one, else the jitted function (which compiles on first use)."""
+    compiled = self._compiled.lookup((kind, device))
+    if compiled is not None:
+      return compiled
+    return self._train_step if kind == "train" else self._eval_step
 
   def evaluate(self, target_params: nnx.State, batch: DrafterBatch | None = None,
                device: jax.Device | None = None, params: nnx.State | None = None) -> dict:
@@ -197,7 +204,7 @@ class SpotTrainer:
       params = self.params if params is None else params
       if not _on_device(params, device):
         params = jax.device_put(params, device)
-      step = self._compiled.get(("eval", device), self._eval_step)
+      step = self._step("eval", device)
       metrics = jax.device_get(step(params, target_params, jax.device_put(batch, device)))
     out = {key: float(metrics[key]) for key in ("loss", "feature_loss", "ce_loss", "top1")}
     return dict(out, tokens=int(metrics["num_tokens"]))

@@ -16,13 +16,13 @@ has one layout for all of them (``steps.DecodeState``).
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.aot import AotCache
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
 from tlt_jax.rollout.steps import StepFunctions
@@ -41,9 +41,11 @@ class ExecutablePool:
     self.weights = weights
     self.groups_for = groups_for
     self.needs_catchup = needs_catchup
-    self.executables: dict[tuple, Any] = {}
-    self.compile_seconds = 0.0
-    self.compile_seconds_by_key: dict[tuple, float] = {}
+    self.executables = AotCache()
+
+  @property
+  def compile_seconds(self) -> float:
+    return self.executables.seconds
 
   def args_spec(self):
     return jax.eval_shape(lambda: SamplerArgs.from_params(
@@ -68,9 +70,10 @@ class ExecutablePool:
 
   def get(self, key: tuple):
     """The compiled executable for ``key`` (compiled on first use, then reused)."""
-    if key in self.executables:
-      return self.executables[key]
-    t0 = time.perf_counter()
+    return self.executables.get(key, lambda: self.lower(key))
+
+  def lower(self, key: tuple) -> jax.stages.Lowered:
+    """The executable of ``key`` lowered for the weights' shapes and device."""
     kind, batch = key[0], key[1]
     args = self.args_spec()
     steps = self.steps
@@ -78,28 +81,22 @@ class ExecutablePool:
       ids = jax.ShapeDtypeStruct((batch, key[2]), jnp.int32)
       vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
       fn = functools.partial(steps.prefill, kv_len=self.config.prefill_kv_len(key[2]))
-      lowered = jax.jit(fn).lower(self.weights(), ids, vec, vec, vec, args)
-    elif kind == "segment":
+      return jax.jit(fn).lower(self.weights(), ids, vec, vec, vec, args)
+    if kind == "segment":
       fn = functools.partial(steps.segment, stop_at=key[3], group=key[4])
       choice = jax.ShapeDtypeStruct((), jnp.int32)
-      lowered = jax.jit(fn, donate_argnums=1).lower(self.weights(),
-                                                     self.state_spec(batch, key[2]), args, choice)
-    elif kind == "catchup":
-      lowered = jax.jit(steps.catch_up, donate_argnums=1).lower(self.weights(),
-                                                                self.state_spec(batch, key[2]))
-    elif kind == "compact":
+      return jax.jit(fn, donate_argnums=1).lower(self.weights(), self.state_spec(batch, key[2]),
+                                                 args, choice)
+    if kind == "catchup":
+      return jax.jit(steps.catch_up, donate_argnums=1).lower(self.weights(),
+                                                             self.state_spec(batch, key[2]))
+    if kind == "compact":
       index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self.sharding())
-      lowered = jax.jit(steps.compact).lower(self.state_spec(batch, key[3]), index)
-    elif kind == "grow":
+      return jax.jit(steps.compact).lower(self.state_spec(batch, key[3]), index)
+    if kind == "grow":
       fn = jax.jit(functools.partial(steps.grow, kv_len=key[3]))  # new shapes: no donation
-      lowered = fn.lower(self.state_spec(batch, key[2]))
-    else:
-      raise KeyError(key)
-    self.executables[key] = lowered.compile()
-    seconds = time.perf_counter() - t0
-    self.compile_seconds += seconds
-    self.compile_seconds_by_key[key] = seconds
-    return self.executables[key]
+      return fn.lower(self.state_spec(batch, key[2]))
+    raise KeyError(key)
 
   def stop_at(self, batch: int) -> int:
     """Live rows at which a segment of ``batch`` rows ends to compact (0: never)."""
@@ -130,12 +127,7 @@ class ExecutablePool:
   def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
     """Compiles every key now; returns how many were compiled (``progress(done, total)`` after
     each)."""
-    missing = [key for key in self.keys() if key not in self.executables]
-    for done, key in enumerate(missing, 1):
-      self.get(key)
-      if progress is not None:
-        progress(done, len(missing))
-    return len(missing)
+    return self.executables.compile_all(self.keys(), self.lower, progress)
 
   def stats(self) -> dict[str, Any]:
     """Executables per kind (and per strategy group), compile seconds, and the device memory each

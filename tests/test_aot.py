@@ -1,0 +1,64 @@
+"""The ahead-of-time cache: each key lowered and compiled once, then reused."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tlt_jax.aot import AotCache
+from tlt_jax.utils import compile_count
+
+
+def _lowering(calls: list, n: int):
+  """A ``lower`` callable for a length-``n`` vector op that records each call in ``calls``."""
+  def lower():
+    calls.append(n)
+    return jax.jit(lambda x: x * 2 + 1).lower(jax.ShapeDtypeStruct((n,), jnp.float32))
+  return lower
+
+
+def test_compiles_once_per_key_and_a_second_get_compiles_nothing():
+  cache, calls = AotCache(), []
+  first = cache.get(("double", 3), _lowering(calls, 3))
+  before = compile_count()
+  again = cache.get(("double", 3), _lowering(calls, 3))
+  assert again is first and calls == [3]
+  assert compile_count() == before  # neither lowered nor compiled again
+  np.testing.assert_allclose(first(jnp.arange(3.0)), [1.0, 3.0, 5.0])
+  assert ("double", 3) in cache and ("double", 4) not in cache and len(cache) == 1
+  assert cache.lookup(("double", 4)) is None and cache.lookup(("double", 3)) is first
+  assert cache.seconds >= 0.0 and set(cache.seconds_by_key) == {("double", 3)}
+
+
+def test_compile_all_counts_only_what_it_compiled_now():
+  cache, calls, ticks = AotCache(), [], []
+  cache.get(2, _lowering(calls, 2))
+  lower_of = lambda n: _lowering(calls, n)()
+  assert cache.compile_all([1, 2, 3, 3], lower_of, lambda done, total: ticks.append((done, total))) \
+      == 2
+  assert ticks == [(1, 2), (2, 2)] and sorted(calls) == [1, 2, 3]
+  assert cache.keys() == [2, 1, 3] and list(cache) == [2, 1, 3] and len(cache) == 3
+  assert cache.compile_all([1, 2, 3], lower_of) == 0 and len(calls) == 3
+  temp = cache.temp_bytes()
+  assert set(temp) == {1, 2, 3}
+  assert all(v is None or (isinstance(v, int) and v >= 0) for v in temp.values())
+
+
+def test_threads_asking_for_one_key_compile_it_once():
+  cache, calls = AotCache(), []
+  start = threading.Barrier(4)
+  got = []
+
+  def ask():
+    start.wait()
+    got.append(cache.get("k", _lowering(calls, 5)))
+
+  threads = [threading.Thread(target=ask) for _ in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert calls == [5] and len(got) == 4 and all(g is got[0] for g in got)
