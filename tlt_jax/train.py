@@ -53,11 +53,12 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.sft import SFTConfig, warm_start
 from tlt_jax.rl.tasks import ArithmeticTask, Task, chat_prompt
 from tlt_jax.rl.trainer import GRPOTrainer, NonFiniteUpdateError, TrainerConfig, \
-    arm_line, check_update_layout, encode_prompt, eval_problems, run_sd_summary, step_problems
+    check_update_layout, encode_prompt, eval_problems, step_problems
 from tlt_jax.rl.online_drafter import DrafterTrainingConfig
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.stats import arm_line, run_sd_summary
 from tlt_jax.rollout.tuner import TunerConfig
 from tlt_jax.utils import progress_bar
 
