@@ -163,7 +163,7 @@ MUTANTS = [
            "    return lax.top_k(shaken, k)",
            ("tests/rollout/test_adaptive.py", "-k", "coupled and tree-plain"),
            "coupled trees rank candidates by perturbed score, so kept nodes need not form a tree"),
-    Mutant("checkpoint_forgets_the_tuner", "tlt_jax/rl/trainer.py",
+    Mutant("checkpoint_forgets_the_tuner", "tlt_jax/rollout/interface.py",
            "    tuner.load_state_dict(saved)",
            "    pass",
            ("tests/rl/test_adaptive_trainer.py", "-k", "through_a_checkpoint"),

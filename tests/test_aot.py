@@ -37,8 +37,8 @@ def test_compile_all_counts_only_what_it_compiled_now():
   cache, calls, ticks = AotCache(), [], []
   cache.get(2, _lowering(calls, 2))
   lower_of = lambda n: _lowering(calls, n)()
-  assert cache.compile_all([1, 2, 3, 3], lower_of, lambda done, total: ticks.append((done, total))) \
-      == 2
+  tick = lambda done, total: ticks.append((done, total))
+  assert cache.compile_all([1, 2, 3, 3], lower_of, tick) == 2
   assert ticks == [(1, 2), (2, 2)] and sorted(calls) == [1, 2, 3]
   assert cache.keys() == [2, 1, 3] and list(cache) == [2, 1, 3] and len(cache) == 3
   assert cache.compile_all([1, 2, 3], lower_of) == 0 and len(calls) == 3

@@ -13,9 +13,9 @@ from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import (GRPOTrainer, TrainerConfig, arm_line, rollout_metrics,
-                                run_sd_summary)
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
 from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.stats import ArmTally, RolloutStats, arm_line, rollout_metrics, run_sd_summary
 from tlt_jax.rollout.tuner import TunerConfig, make_tuner
 
 STRATEGY = (2, 1, 3)  # a chain of depth 2: arm "chain d2"
@@ -75,9 +75,9 @@ def test_an_adaptive_step_reports_switches_acceptance_and_arm_shares(stepped):
 def test_rollout_metrics_of_hand_made_stats():
   """Only buckets with a choice that were decoded; an arm that did not run has share 0 and no
   speed; spaces in arm names become underscores."""
-  arm = lambda steps, tps: dict(segments=1, steps=steps, tokens=0, row_steps=0, seconds=1.0,
-                                mean_accept_len=None, tokens_per_s=tps)
-  stats = dict(switches=3, switch_s=0.5, mean_accept_len=2.5,
+  arm = lambda steps, tps: ArmTally(segments=1, steps=steps, tokens=0, row_steps=0, seconds=1.0,
+                                    mean_accept_len=None, tokens_per_s=tps)
+  stats = RolloutStats(switches=3, switch_s=0.5, mean_accept_len=2.5,
                arms={"2": {"vanilla": arm(3, 10.0), "tree d4 k2 v8": arm(1, 30.0)},
                      "4": {"vanilla": arm(8, 40.0)},
                      "64": {"vanilla": arm(4, 90.0)}})
@@ -92,11 +92,11 @@ def test_rollout_metrics_of_hand_made_stats():
       "arm_steps/2/tree_d4_k2_v8": 0.25, "arm_tps/2/tree_d4_k2_v8": 30.0,
       "arm_steps/4/vanilla": 1.0, "arm_tps/4/vanilla": 40.0, "arm_steps/4/tree_d4_k2_v8": 0.0}
   assert arm_line(rollout_metrics(stats, offered)) == "vanilla 94% chain_d4 0% tree_d4_k2_v8 6%"
-  vanilla = dict(switches=0, switch_s=0.0, arms={"8": {"vanilla": arm(4, 5.0)}})
+  vanilla = RolloutStats(switches=0, switch_s=0.0, arms={"8": {"vanilla": arm(4, 5.0)}})
   assert rollout_metrics(vanilla) == {"sd_switches": 0, "sd_switch_s": 0.0}  # no arm to tell
   assert arm_line(rollout_metrics(vanilla)) == ""
   # one fixed strategy (no tuner, so nothing offered): no arms to compare
-  fixed = dict(switches=0, switch_s=0.0, arms={"8": {"chain d2": arm(6, 5.0)}})
+  fixed = RolloutStats(switches=0, switch_s=0.0, arms={"8": {"chain d2": arm(6, 5.0)}})
   assert rollout_metrics(fixed) == {"sd_switches": 0, "sd_switch_s": 0.0}
 
 

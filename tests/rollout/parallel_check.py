@@ -49,11 +49,11 @@ for name, d, cfg, temperature in cases:
   assert many.finish_reasons == one.finish_reasons, name
   for a, b in zip(many.logprobs, one.logprobs):
     np.testing.assert_allclose(a, b, atol=1e-5)
-  assert [s["rows"] for s in many.stats["devices"]] == [4, 4], many.stats["devices"]
-  assert many.stats["tokens"] == sum(len(t) for t in one.tokens)
+  assert [s.rows for s in many.stats.devices] == [4, 4], many.stats.devices
+  assert many.stats.tokens == sum(len(t) for t in one.tokens)
   # the tail is wall time: one device's tail (the longest), not the sum over devices
-  assert many.stats["tail_s"] in [d["tail_s"] for d in many.stats["devices"]], many.stats
-  assert many.stats["tail_s"] <= many.stats["rollout_wall_s"], many.stats
+  assert many.stats.tail_s in [d.tail_s for d in many.stats.devices], many.stats
+  assert many.stats.tail_s <= many.stats.rollout_wall_s, many.stats
   for k, engine in enumerate(dp.engines):  # each shard ran on its own device
     assert engine.pool.executables, (name, k)
     for leaf in jax.tree.leaves(engine.params):
@@ -102,10 +102,10 @@ out = dp.generate(prompts[:1], params, idle=idle, shard_done=shard_done)
 assert compile_count() == compiles, "warmed up: the rollout compiled nothing"
 assert shard_seen == [(0, 0, 1)], shard_seen
 assert steps_during.get(1, 0) >= 5 and 0 not in steps_during, steps_during
-assert out.stats["idle"][1] == {"steps": steps_during[1]}
-dev = out.stats["devices"]
-assert dev[1]["rows"] == 0 and 0 < dev[1]["idle_used_s"] <= dev[1]["idle_s"], dev
-assert dev[1]["idle_s"] >= 0.9 * out.stats["rollout_wall_s"], dev
+assert out.stats.idle[1] == {"steps": steps_during[1]}
+dev = out.stats.devices
+assert dev[1].rows == 0 and 0 < dev[1].idle_used_s <= dev[1].idle_s, dev
+assert dev[1].idle_s >= 0.9 * out.stats.rollout_wall_s, dev
 print(f"idle device ran {steps_during[1]} steps while device 0 decoded; devices: {dev}")
 
 # an error in a shard reaches the caller and stops the idle devices

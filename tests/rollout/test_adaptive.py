@@ -78,14 +78,14 @@ def test_greedy_with_switching_every_segment_equals_vanilla(engines, kind):
   for a, b in zip(got.logprobs, want.logprobs):
     np.testing.assert_allclose(a, b, atol=1e-4)
   stats = got.stats
-  used = {name for per_bucket in stats["arms"].values() for name in per_bucket}
+  used = {name for per_bucket in stats.arms.values() for name in per_bucket}
   assert used == {"vanilla", "chain d4", "tree d3 k2 v6", "tree d4 k3 v6"}, used
-  assert stats["switches"] > 2 and stats["switch_s"] > 0  # vanilla -> SD, several times
-  assert len({b for b, *_ in stats["segments"]}) > 1, "rows must move buckets"
+  assert stats.switches > 2 and stats.switch_s > 0  # vanilla -> SD, several times
+  assert len({b for b, *_ in stats.segments}) > 1, "rows must move buckets"
   if kind == "mirror":  # a good drafter stays good after catching up
-    chain = [a for per_bucket in stats["arms"].values() for n, a in per_bucket.items()
+    chain = [a for per_bucket in stats.arms.values() for n, a in per_bucket.items()
              if n == "chain d4"]
-    assert sum(a["tokens"] for a in chain) / sum(a["row_steps"] for a in chain) > 3.0
+    assert sum(a.tokens for a in chain) / sum(a.row_steps for a in chain) > 3.0
 
 
 def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models, engines):
@@ -150,7 +150,7 @@ def test_coupled_speculative_emits_vanillas_sampled_tokens(engines, sampling, mo
   for a, b in zip(got.logprobs, want.logprobs):
     np.testing.assert_allclose(a, b, atol=1e-4)
   assert "stop" in got.finish_reasons  # rows stop, many inside accepted drafts
-  assert got.stats["mean_accept_len"] > 1.5  # drafts were really accepted, not just bonuses
+  assert got.stats.mean_accept_len > 1.5  # drafts were really accepted, not just bonuses
 
 
 def test_rejection_sampling_does_not_reproduce_vanillas_tokens(engines):
@@ -181,7 +181,7 @@ def test_coupled_tokens_do_not_depend_on_the_drafter_or_the_batch(models, engine
       **dict(BASE, max_batch=2), verify="coupled")).generate(prompts, params).tokens
   assert first == useless.tokens == ngram
   # the random drafter really drafted worse
-  assert useless.stats["mean_accept_len"] < good_run.stats["mean_accept_len"] - 0.5
+  assert useless.stats.mean_accept_len < good_run.stats.mean_accept_len - 0.5
 
 
 def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(engines):
@@ -196,9 +196,9 @@ def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(engines):
   for seed in range(3):
     result = engine.generate(prompts_of([9, 2, 14, 5, 7, 1, 11], seed=seed), SamplingParams(
         max_new_tokens=40, temperature=1.0, seed=seed, stop_token_ids=STOPS))
-    assert result.stats["compiles"] == 0
-    switches += result.stats["switches"]
-  summary = result.stats["tuner"]
+    assert result.stats.compiles == 0
+    switches += result.stats.switches
+  summary = result.stats.tuner
   pulls = sum(arm["pulls"] for per_bucket in summary.values() for name, arm in per_bucket.items()
               if name != "best")
   assert pulls > 10 and switches > 0, (pulls, switches)  # the tuner was consulted and switched
@@ -238,8 +238,8 @@ def test_a_shared_group_runs_each_member_strategy(engines):
   for name in ("tree d3 k2 v6", "tree d4 k3 v6"):
     engine.set_tuner(make_tuner(TunerConfig(kind="fixed", fixed=((4, name),))))
     result = engine.generate(prompts, params)
-    assert set(result.stats["arms"]["4"]) == {name}
-    accept[name] = result.stats["accept_hist"]  # [i]: steps that emitted i + 1 tokens
+    assert set(result.stats.arms["4"]) == {name}
+    accept[name] = result.stats.accept_hist  # [i]: steps that emitted i + 1 tokens
     if name == "tree d3 k2 v6":
       first = result.tokens
     else:
@@ -283,10 +283,10 @@ def test_every_change_of_arm_is_a_switch_with_the_ngram_drafter_too(models):
   prompts = prompts_of([9, 2, 14, 5, 7, 1, 11], seed=3)  # 7 rows: chunks of 4 and 3
   stats = engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0.0,
                                                   stop_token_ids=STOPS)).stats
-  names = [name for *_, name in stats["segments"]]
+  names = [name for *_, name in stats.segments]
   assert {"vanilla", "ngram d4", "ngram d2"} <= set(names), names
-  assert stats["switches"] == len(names) - 2 > 0, (stats["switches"], names)
-  assert stats["catchups"] == 0 and stats["switch_s"] == 0.0  # nothing to catch up
+  assert stats.switches == len(names) - 2 > 0, (stats.switches, names)
+  assert stats.catchups == 0 and stats.switch_s == 0.0  # nothing to catch up
 
 
 def test_the_tuner_is_charged_the_catch_up_of_its_segment(engines, monkeypatch):
@@ -312,8 +312,8 @@ def test_the_tuner_is_charged_the_catch_up_of_its_segment(engines, monkeypatch):
   prompts = prompts_of([9, 2, 14, 5], seed=3)  # one chunk
   stats = engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0.0,
                                                   stop_token_ids=())).stats
-  names = [name for *_, name in stats["segments"]]
+  names = [name for *_, name in stats.segments]
   caught_up = [i > 0 and n != "vanilla" and names[i - 1] == "vanilla" for i, n in enumerate(names)]
   want = [(n, 2.0 if c else 1.0) for n, c in zip(names, caught_up)]
   assert tuner.updates == want, (tuner.updates, want)
-  assert stats["catchups"] == sum(caught_up) > 0 and stats["switch_s"] == stats["catchups"]
+  assert stats.catchups == sum(caught_up) > 0 and stats.switch_s == stats.catchups

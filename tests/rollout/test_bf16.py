@@ -89,7 +89,7 @@ def test_greedy_speculative_equals_vanilla_in_bf16(engines, vanilla_greedy, stra
   experiments/accelerator_check.py records where and by how much."""
   result = engines[strategy].generate(prompts(), GREEDY)
   assert result.tokens == vanilla_greedy.tokens
-  assert result.stats["mean_accept_len"] >= 1.0
+  assert result.stats.mean_accept_len >= 1.0
   for got, want in zip(result.logprobs, vanilla_greedy.logprobs):
     # the same tokens; their log-probs come from a T-token verify pass instead of T one-token
     # passes, so in bf16 they agree up to rounding (see test_bf16_logits_close_to_fp32)
@@ -99,12 +99,12 @@ def test_greedy_speculative_equals_vanilla_in_bf16(engines, vanilla_greedy, stra
 @pytest.mark.parametrize("strategy", ["vanilla", *STRATEGIES])
 def test_sampled_bf16_decoding_runs(engines, strategy):
   result = engines[strategy].generate(prompts(), SAMPLED)  # same executables, traced params
-  assert result.stats["compiles"] == 0
+  assert result.stats.compiles == 0
   for row, lp in zip(result.tokens, result.logprobs):
     assert 1 <= len(row) <= 24 and all(0 <= t < VOCAB for t in row)
     assert lp.dtype == np.float32 and np.all(np.isfinite(lp)) and np.all(lp <= 0)
   if strategy != "vanilla":
-    assert result.stats["mean_accept_len"] >= 1.0
+    assert result.stats.mean_accept_len >= 1.0
 
 
 def test_bf16_logits_close_to_fp32():

@@ -79,9 +79,9 @@ def test_bucketed_decode_equals_static_batch(engines, temperature):
   lengths = sorted(len(t) for t in bucketed.tokens)
   assert lengths[0] < lengths[-1], "rows must finish at different times for this test to bite"
   # Compaction really happened: some segment ran in a bucket smaller than the first one.
-  buckets = [segment[0] for segment in bucketed.stats["segments"]]  # (bucket, steps, seconds)
+  buckets = [segment[0] for segment in bucketed.stats.segments]  # (bucket, steps, seconds)
   assert min(buckets) < max(buckets)
-  assert bucketed.stats["row_steps"] < static.stats["row_steps"]
+  assert bucketed.stats.row_steps < static.stats.row_steps
 
 
 def test_greedy_tokens_and_logprobs_match_uncached_forward(model, engines):
@@ -144,8 +144,8 @@ def test_no_recompilation_after_precompile(engines):
     result = engine.generate(prompts_of(lengths, seed), SamplingParams(
         max_new_tokens=30 - seed, temperature=0.5 + seed, seed=seed, top_p=0.9,
         stop_token_ids=STOPS[:seed + 1]))
-    assert result.stats["compiles"] == 0, result.stats
-    assert result.stats["compile_s"] == 0.0
+    assert result.stats.compiles == 0, result.stats
+    assert result.stats.compile_s == 0.0
 
 
 def test_lazy_compiles_happen_once(model):
@@ -153,13 +153,13 @@ def test_lazy_compiles_happen_once(model):
   params = SamplingParams(max_new_tokens=20, temperature=1.0, stop_token_ids=STOPS)
   first = engine.generate(prompts_of([4, 6, 8]), params)
   # (<=: JAX may serve an executable another engine already compiled from its own cache)
-  assert 0 < first.stats["compiles"] <= len(engine._executables)
+  assert 0 < first.stats.compiles <= len(engine._executables)
   for lengths, seed in (([5, 7, 3], 1), ([2], 2), ([9, 9, 9, 9], 3), ([5, 7, 3], 1)):
     before = set(engine._executables)
     again = engine.generate(prompts_of(lengths, seed), params)
     # every XLA compile is a new bucket executable: nothing else ever compiles
-    assert again.stats["compiles"] <= len(set(engine._executables) - before)
-  assert again.stats["compiles"] == 0
+    assert again.stats.compiles <= len(set(engine._executables) - before)
+  assert again.stats.compiles == 0
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -194,11 +194,11 @@ def test_prompts_that_are_not_lists_of_token_ids_are_rejected(model, bad, error,
 
 
 def test_integer_arrays_and_tuples_are_accepted_as_prompts(model):
-  checked = make_engine(model)._check_prompts(
+  checked = make_engine(model).check_prompts(
       ([np.int32(7), 8], np.array([9, 10], np.int64), (11,), jax.numpy.array([12, 13])))
   assert checked == [[7, 8], [9, 10], [11], [12, 13]]
   assert all(type(t) is int for p in checked for t in p)  # pylint: disable=unidiomatic-typecheck
-  assert make_engine(model)._check_prompts(np.array([[7, 8], [9, 10]])) == [[7, 8], [9, 10]]
+  assert make_engine(model).check_prompts(np.array([[7, 8], [9, 10]])) == [[7, 8], [9, 10]]
 
 
 def test_progress_callbacks_count_compiles_and_finished_rows(model):
@@ -214,8 +214,8 @@ def test_progress_callbacks_count_compiles_and_finished_rows(model):
   result = engine.generate(prompts_of([3, 9, 5]), SamplingParams(
       max_new_tokens=40, temperature=1.0, seed=3, stop_token_ids=STOPS),
       progress=lambda done, n: calls.append((done, n)))
-  assert result.stats["compiles"] == 0
-  assert len(calls) == len(result.stats["segments"])  # once per segment, no extra syncs
+  assert result.stats.compiles == 0
+  assert len(calls) == len(result.stats.segments)  # once per segment, no extra syncs
   assert all(n == 3 for _, n in calls) and calls[-1] == (3, 3)
   done = [d for d, _ in calls]
   assert done == sorted(done) and 2 in done  # the first chunk (2 rows) ends before the second
@@ -247,7 +247,7 @@ def test_compacted_rows_match_an_uncached_forward(model, engines):
   for temperature in (0.0, 1.0):
     result = engine.generate(prompts, SamplingParams(
         max_new_tokens=40, temperature=temperature, seed=2, stop_token_ids=STOPS))
-    assert len({s[0] for s in result.stats["segments"]}) > 1, "rows must move buckets"
+    assert len({s[0] for s in result.stats.segments}) > 1, "rows must move buckets"
     for prompt, toks, lps in zip(prompts, result.tokens, result.logprobs):
       np.testing.assert_allclose(lps, full_logprobs(model, prompt, toks), atol=1e-4)
       if temperature == 0.0:

@@ -73,7 +73,7 @@ def test_hidden_states_match_the_targets_own_pass(engines, target, name, tempera
       again = engines[name].generate(prompts[::-1], SamplingParams(
           max_new_tokens=24, temperature=1.0, seed=seed, stop_token_ids=(3, 4, 5, 6)),
           collect_hidden=True)
-      assert again.stats["compiles"] == 0
+      assert again.stats.compiles == 0
 
 
 def test_collect_a_fraction_or_given_rows(engines):
@@ -97,7 +97,7 @@ def test_mean_accept_len_is_none_without_a_speculative_step(engines):
     stats = engine.generate([[7, 8, 9]], SamplingParams(max_new_tokens=6)).stats
   finally:
     engine.set_tuner(RoundRobin())
-  assert stats["mean_accept_len"] is None  # not 0.0, which would drag averages over steps down
+  assert stats.mean_accept_len is None  # not 0.0, which would drag averages over steps down
 
 
 def test_collect_hidden_errors(engines):

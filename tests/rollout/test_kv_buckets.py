@@ -83,21 +83,21 @@ def check_same(engine, full, grown):
   for a, b in zip(grown.logprobs, full.logprobs):
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
   # the small ladder was really used: chunks started small and grew as rows got longer
-  assert grown.stats["grows"] >= 2
-  assert len(set(grown.stats["segment_kv_lens"])) >= 3
-  assert min(grown.stats["segment_kv_lens"]) <= 40 < engine.config.cache_len
-  assert set(full.stats["segment_kv_lens"]) == {engine.config.cache_len}
+  assert grown.stats.grows >= 2
+  assert len(set(grown.stats.segment_kv_lens)) >= 3
+  assert min(grown.stats.segment_kv_lens) <= 40 < engine.config.cache_len
+  assert set(full.stats.segment_kv_lens) == {engine.config.cache_len}
   # cache slots attended over, summed over decode steps and rows: fewer than at capacity
   def slot_steps(stats):
-    return sum(b * n * kv for (b, n, *_), kv in zip(stats["segments"], stats["segment_kv_lens"]))
+    return sum(b * n * kv for (b, n, *_), kv in zip(stats.segments, stats.segment_kv_lens))
   assert slot_steps(grown.stats) < slot_steps(full.stats)
-  assert grown.stats["cache_bytes_peak"] <= full.stats["cache_bytes_peak"]
+  assert grown.stats.cache_bytes_peak <= full.stats.cache_bytes_peak
 
 
 def test_without_compaction_a_chunk_keeps_its_batch_while_it_grows(target):
   result = generate(make(target, "vanilla", LADDER, compaction=False), 1.0)
-  assert result.stats["grows"] >= 2
-  assert result.stats["compact_s"] == 0.0  # no chunk was compacted
+  assert result.stats.grows >= 2
+  assert result.stats.compact_s == 0.0  # no chunk was compacted
 
 
 def test_default_ladder_and_capacity(target):
@@ -138,5 +138,5 @@ def test_precompiled_pool_covers_every_growth(engines, kind):
     params = SamplingParams(max_new_tokens=72, temperature=temperature, seed=seed,
                             stop_token_ids=STOPS[temperature])
     result = engine.generate(prompts(seed), params)
-    assert result.stats["grows"] >= 1
-    assert result.stats["compiles"] == 0
+    assert result.stats.grows >= 1
+    assert result.stats.compiles == 0

@@ -122,17 +122,17 @@ def test_every_draft_level_and_bonus_keep_the_target_law(setup, case):
   # Coverage. accept_hist[i] counts live-row steps that emitted i + 1 tokens: full acceptance
   # (depth drafts + the bonus after them) must be common.
   s = result.stats
-  hist = np.asarray(s["accept_hist"], np.float64)
+  hist = np.asarray(s.accept_hist, np.float64)
   assert hist[-1] / hist.sum() > 0.1, hist
   # At most one bonus token per live-row step, so over a third of the decoded tokens are
   # accepted drafts: many of the stop ids sampled in the stop cases end a row inside a draft.
   # (A third of the adaptive case's steps are vanilla steps, which emit one token each.)
-  assert 1 - s["live_row_steps"] / (s["tokens"] - SAMPLES) > (
+  assert 1 - s.live_row_steps / (s.tokens - SAMPLES) > (
       0.25 if strategy == "adaptive" else 0.33), s
-  assert {batch for batch, *_ in s["segments"]} == {512, 4096}  # rows were compacted
+  assert {batch for batch, *_ in s.segments} == {512, 4096}  # rows were compacted
   if strategy == "adaptive":  # every strategy decoded, and SD followed vanilla many times
-    assert {name for *_, name in s["segments"]} == {"vanilla", "chain d3", "tree d3 k2 v11"}
-    assert s["switches"] >= 8
+    assert {name for *_, name in s.segments} == {"vanilla", "chain d3", "tree d3 k2 v11"}
+    assert s.switches >= 8
     return  # the strategy sequence differs between calls: no row-by-row comparison below
   if kw["stop_token_ids"]:
     assert 0.3 < result.finish_reasons.count("stop") / SAMPLES < 0.7

@@ -30,7 +30,7 @@ def test_one_device_is_the_plain_engine():
   dp = DataParallelRollout(target, None, cfg)
   out = dp.generate(prompts, params)
   assert out.tokens == RolloutEngine(target, None, cfg).generate(prompts, params).tokens
-  assert len(out.stats["devices"]) == 1 and out.stats["devices"][0]["idle_s"] == 0.0
+  assert len(out.stats.devices) == 1 and out.stats.devices[0].idle_s == 0.0
   with pytest.raises(ValueError, match="devices repeat"):
     DataParallelRollout(target, None, cfg, devices=[dp.devices[0]] * 2)
 

@@ -77,10 +77,10 @@ def test_greedy_speculative_equals_vanilla(spec_engines, vanilla_results, drafte
     for a, b in zip(got.logprobs, want.logprobs):
       np.testing.assert_allclose(a, b, atol=1e-4)
   stats_ = got.stats
-  assert sum(stats_["accept_hist"]) > 0 and stats_["mean_accept_len"] >= 1.0
+  assert sum(stats_.accept_hist) > 0 and stats_.mean_accept_len >= 1.0
   if drafter_kind == "mirror":
     # most drafts accepted, so stop ids were necessarily met inside accepted drafts
-    assert stats_["mean_accept_len"] > 2.5, stats_
+    assert stats_.mean_accept_len > 2.5, stats_
     assert "stop" in got.finish_reasons
 
 
@@ -92,7 +92,7 @@ def test_speculative_engine_does_not_recompile(spec_engines):
   for lengths, temperature in (([4, 9], 0.0), ([16, 1, 3], 1.0), ([2, 2, 2, 2, 2], 0.6)):
     result = engine.generate(prompts_of(lengths), SamplingParams(
         max_new_tokens=30, temperature=temperature, top_k=7, stop_token_ids=STOPS))
-    assert result.stats["compiles"] == 0
+    assert result.stats.compiles == 0
 
 
 # ---- sampling: chi-square against the exact joint distribution of the first tokens ---------
@@ -148,7 +148,7 @@ def test_sampled_speculative_matches_target_distribution(small_vocab, drafter_ki
     marginal = np.bincount(seqs[:, i], weights=joint, minlength=VOCAB)
     assert chi_square_pvalue(np.bincount(np.array(result.tokens)[:, i], minlength=VOCAB),
                              marginal) > 1e-3
-  assert result.stats["mean_accept_len"] > 1.1  # drafts were really accepted, not all rejected
+  assert result.stats.mean_accept_len > 1.1  # drafts were really accepted, not all rejected
 
 
 def test_ngram_greedy_equals_vanilla(targets, vanilla_results):
@@ -162,7 +162,7 @@ def test_ngram_greedy_equals_vanilla(targets, vanilla_results):
     grouped = [p for p in prompts for _ in range(2)]
     got = engine.generate(grouped, params)
     assert got.tokens[::2] == want.tokens and got.tokens[1::2] == want.tokens
-  assert got.stats["mean_accept_len"] > 1.2  # greedy siblings repeat each other: drafts land
+  assert got.stats.mean_accept_len > 1.2  # greedy siblings repeat each other: drafts land
 
 
 def test_bad_spec_configs_are_rejected(targets):
@@ -185,5 +185,5 @@ def test_phase_timing_reports_draft_and_verify_time(targets, vanilla_results):
   result = engine.generate(prompts_of(GREEDY_BATCHES[1], seed=3), params)
   assert result.tokens == vanilla_results["mirror"][1].tokens  # timing changes nothing
   s = result.stats
-  assert s["draft_s"] > 0 and s["verify_s"] > 0
-  assert s["draft_s"] + s["verify_s"] <= s["decode_s"]
+  assert s.draft_s > 0 and s.verify_s > 0
+  assert s.draft_s + s.verify_s <= s.decode_s

@@ -34,6 +34,7 @@ from flax import nnx
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.models.drafter import Drafter, save_drafter
+from tlt_jax.rollout.stats import RolloutStats
 
 BUFFER_FILE = "drafter_buffer.npz"
 BUFFER_KEY = "drafter_buffer_sha256"  # checkpoint metadata: the buffer file's checksum
@@ -283,7 +284,7 @@ def _unpure(pure, like):
   return pure
 
 
-def step_metrics(stats: dict, spot_runs: list[dict], serial: dict | None,
+def step_metrics(stats: RolloutStats, spot_runs: list[dict], serial: dict | None,
                  evaluation: dict) -> dict[str, float]:
   """The drafter's per-step metrics.
 
@@ -293,15 +294,15 @@ def step_metrics(stats: dict, spot_runs: list[dict], serial: dict | None,
   steps (in-sample). Spot and serial steps and seconds; the device-seconds the tail left idle,
   the part the spot trainer used, and how long the rollout waited past its last shard for a
   drafter step in flight (``spot_overrun_s``)."""
-  devices = stats.get("devices") or []
+  devices = stats.devices or []
   runs = list(spot_runs) + ([serial] if serial and serial.get("steps") else [])
   out = {"drafter_spot_steps": int(sum(r["steps"] for r in spot_runs)),
          "drafter_spot_s": float(sum(r["seconds"] for r in spot_runs)),
          "drafter_serial_steps": int((serial or {}).get("steps", 0)),
          "drafter_serial_s": float((serial or {}).get("seconds", 0.0)),
-         "tail_idle_device_s": float(sum(d["idle_s"] for d in devices)),
-         "tail_idle_used_device_s": float(sum(d.get("idle_used_s", 0.0) for d in devices)),
-         "spot_overrun_s": float(stats.get("idle_overrun_s", 0.0))}
+         "tail_idle_device_s": float(sum(d.idle_s for d in devices)),
+         "tail_idle_used_device_s": float(sum(d.idle_used_s for d in devices)),
+         "spot_overrun_s": float(stats.idle_overrun_s or 0.0)}
   if evaluation.get("loss") is not None:
     out["drafter_loss"] = float(evaluation["loss"])
     out["drafter_top1"] = float(evaluation["top1"])

@@ -24,8 +24,9 @@ from tlt_jax.models.load import from_pretrained
 from tlt_jax.models.drafter import Drafter, drafter_policy_mismatch
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl.sft import warm_start
-from tlt_jax.rl.trainer import GRPOTrainer, arm_line, check_update_layout, run_sd_summary
+from tlt_jax.rl.trainer import GRPOTrainer, check_update_layout
 from tlt_jax.rl.update import NonFiniteUpdateError
+from tlt_jax.rollout.stats import arm_line, run_sd_summary
 from tlt_jax.utils import progress_bar
 
 

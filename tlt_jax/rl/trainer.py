@@ -35,8 +35,9 @@ from tlt_jax.rl.packing import UPDATE_BUCKET_MIN, padded_batch
 from tlt_jax.rl.tasks import Problem, chat_prompt
 from tlt_jax.rl.update import PolicyUpdate
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.parallel import DataParallelRollout, on_device
+from tlt_jax.rollout.parallel import DataParallelRollout
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.stats import rollout_metrics
 from tlt_jax.utils import require_positive_ints
 
 TUNER_KEY = "tuner"  # checkpoint metadata: the adaptive rollout tuner's state_dict()
@@ -174,7 +175,8 @@ class GRPOTrainer:
     if len(self.rollout_devices) > 1:
       self.engine = DataParallelRollout(model, drafter, engine_config, devices=self.rollout_devices)
     else:
-      self.engine = RolloutEngine(model, drafter=drafter, config=engine_config)
+      self.engine = RolloutEngine(model, drafter=drafter, config=engine_config,
+                                  device=self.rollout_devices[0])
     self.online = None
     if drafter_training is not None:
       if not isinstance(drafter, Drafter):
@@ -211,10 +213,7 @@ class GRPOTrainer:
     self._update_engine()
 
   def _update_engine(self, drafter: nnx.State | None = None) -> None:
-    if isinstance(self.engine, DataParallelRollout):  # each device's zero-copy shard
-      self.engine.update_params(self.params, drafter)
-    else:
-      self.engine.update_params(on_device(self.params, self.rollout_devices[0]), drafter)
+    self.engine.update_params(self.params, drafter)  # each device's zero-copy shard
 
   def _sync_drafter(self) -> None:
     """Hands the engines a copy of the online drafter's current weights (no recompile)."""
@@ -284,7 +283,7 @@ class GRPOTrainer:
                len_p50=float(np.percentile(lengths, 50)), len_p90=float(np.percentile(lengths, 90)),
                len_p99=float(np.percentile(lengths, 99)), len_max=int(lengths.max()),
                rollout_s=t_rollout, update_s=t_update, step_s=time.perf_counter() - t0,
-               tail_s=result.stats["tail_s"], compiles=result.stats["compiles"])
+               tail_s=result.stats.tail_s, compiles=result.stats.compiles)
     offered = None
     if self.engine.tuner is not None:
       offered = {b: [s.name for s in self.engine.strategies_for(b)]
@@ -313,8 +312,8 @@ class GRPOTrainer:
     the metadata holds what the adaptive engine's tuner learned (``"tuner"``), if it has one;
     the online drafter's data buffer is a file beside the step's arrays."""
     metadata = {"format": 1, "trainer": dataclasses.asdict(self.config), **(metadata or {})}
-    if self.engine.tuner is not None:
-      metadata[TUNER_KEY] = self.engine.tuner.state_dict()
+    if (tuner := self.engine.tuner_state()) is not None:
+      metadata[TUNER_KEY] = tuner
     write_buffer = (None if self.online is None else
                     self.online.save_buffer(checkpointer, self.step_count, metadata))
     checkpointer.save(self.step_count, self._checkpoint_state(), metadata)
@@ -325,7 +324,7 @@ class GRPOTrainer:
               report=print) -> dict:
     """Loads ``step``, or by default the newest checkpoint that passes verification (a corrupt
     newer one is reported through ``report`` and moved aside), and its tuner state into the
-    adaptive engine's tuner (see ``_restore_tuner``); returns its metadata."""
+    adaptive engine's tuner (``Rollout.load_tuner_state``); returns its metadata."""
     like = self._checkpoint_state()
     if step is None:
       _, state, metadata = checkpointer.restore_latest_good(like=like, report=report)
@@ -337,21 +336,8 @@ class GRPOTrainer:
     if self.online is not None:
       self.online.restore(state["drafter"], checkpointer, self.step_count, metadata, report)
       self._sync_drafter()
-    self._restore_tuner(metadata.get(TUNER_KEY), report)
+    self.engine.load_tuner_state(metadata.get(TUNER_KEY), report)
     return metadata
-
-  def _restore_tuner(self, saved: dict | None, report) -> None:
-    """Loads a checkpoint's tuner state into the engine's tuner. One of another kind (the run was
-    resumed with another ``tuner.kind``) is reported and left: the tuner starts fresh."""
-    tuner = self.engine.tuner
-    if saved is None or tuner is None:
-      return
-    if saved.get("kind") != tuner.config.kind:
-      report(f"the checkpoint's tuner state is of kind {saved.get('kind')!r} but this rollout "
-             f"engine's tuner is {tuner.config.kind!r}: the tuner starts fresh (set the tuner's "
-             f"kind back to {saved.get('kind')!r} to keep what it learned)")
-      return
-    tuner.load_state_dict(saved)
 
   def evaluate(self, n: int | None = None, seed: int = EVAL_SEED, temperature: float = 0.0,
                progress=None) -> float:
@@ -365,93 +351,3 @@ class GRPOTrainer:
         progress=progress)
     texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
     return float(np.mean([self.task.reward(p, t) for p, t in zip(problems, texts)]))
-
-
-def _metric_name(arm: str) -> str:
-  """An arm's name as a metric key part: ``"chain d4"`` -> ``"chain_d4"``."""
-  return arm.replace(" ", "_")
-
-
-def rollout_metrics(stats: dict, offered: dict[int, list[str]] | None = None) -> dict[str, float]:
-  """Scalar metrics of a rollout's ``RolloutResult.stats``: speculative-decoding switches (every
-  change of arm between segments) and the catch-up seconds, the mean accepted length (with SD)
-  and, where ``offered`` (bucket -> arm names; the adaptive engine's) gives a choice, each arm's
-  share of all the rollout's decode steps (``arm_share/<arm>``, with ``decode_steps``) and, per
-  such batch bucket, its share of the bucket's decode steps (``arm_steps/<bucket>/<arm>``) and
-  tokens per second (``arm_tps/...``)."""
-  out = {"sd_switches": int(stats.get("switches", 0)),
-         "sd_switch_s": float(stats.get("switch_s", 0.0))}
-  if stats.get("mean_accept_len") is not None:
-    out["mean_accept_len"] = float(stats["mean_accept_len"])
-  steps_of: dict[str, int] = {}  # arm -> decode steps, all buckets together
-  for per_bucket in stats.get("arms", {}).values():
-    for name, arm in per_bucket.items():
-      steps_of[name] = steps_of.get(name, 0) + arm["steps"]
-  shared = dict.fromkeys(n for ns in (offered or {}).values() if len(ns) > 1 for n in ns)
-  total = sum(steps_of.values())
-  if shared and total:  # no choice anywhere (vanilla, or one fixed strategy): nothing to share
-    shared.update(dict.fromkeys(steps_of))  # e.g. vanilla in a bucket too big for SD
-    for name in shared:
-      out[f"arm_share/{_metric_name(name)}"] = steps_of.get(name, 0) / total
-    out["decode_steps"] = int(total)
-  for bucket, names in (offered or {}).items():
-    ran = stats.get("arms", {}).get(str(bucket), {})
-    steps = sum(arm["steps"] for arm in ran.values())
-    if len(names) < 2 or not steps:
-      continue  # no choice there, or the bucket was not decoded in this rollout
-    for name in names:
-      arm = ran.get(name, {})
-      key = f"{bucket}/{_metric_name(name)}"
-      out[f"arm_steps/{key}"] = arm.get("steps", 0) / steps
-      if arm.get("tokens_per_s") is not None:
-        out[f"arm_tps/{key}"] = float(arm["tokens_per_s"])
-  return out
-
-
-def _shares(shares: dict[str, float]) -> str:
-  """``{"vanilla": 0.8, "chain_d3": 0.2}`` -> ``"vanilla 80% chain_d3 20%"``."""
-  return " ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items())
-
-
-def arm_line(metrics: dict) -> str:
-  """The step's ``arm_share/*`` metrics for the console, e.g. ``"vanilla 80% chain_d3 20%"``
-  (empty without them)."""
-  prefix = "arm_share/"
-  return _shares({k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)})
-
-
-def run_sd_summary(history: list[dict]) -> str:
-  """A run's speculative decoding in one line from its steps' metrics: each arm's share of the
-  decode steps, the mean accepted length over the steps where SD ran, switches and catch-up
-  seconds, and the online drafter's steps and held-out top-1 first -> last (empty when no step
-  could speculate). Rows without ``sd_switches`` (e.g. evaluations) are not RL steps: skipped."""
-  history = [m for m in history if "sd_switches" in m]
-  steps: dict[str, float] = {}
-  for m in history:
-    weight = m.get("decode_steps", 1)
-    for key, share in m.items():
-      if key.startswith("arm_share/"):
-        steps[key[len("arm_share/"):]] = steps.get(key[len("arm_share/"):], 0.0) + share * weight
-  accept = [m["mean_accept_len"] for m in history if m.get("mean_accept_len") is not None]
-  drafter = [m for m in history if m.get("drafter_top1") is not None or
-             m.get("drafter_serial_steps") or m.get("drafter_spot_steps")]  # an online drafter
-  if not steps and not accept and not drafter:
-    return ""
-  parts = []
-  total = sum(steps.values())
-  if total:
-    parts.append(f"{_shares({k: v / total for k, v in steps.items()})} of decode steps")
-  if accept:
-    parts.append(f"mean accepted length {np.mean(accept):.2f} ({len(accept)} of "
-                 f"{len(history)} steps with SD)")
-  parts.append(f"{sum(m.get('sd_switches', 0) for m in history)} switches "
-               f"({sum(m.get('sd_switch_s', 0.0) for m in history):.2f} s catch-up)")
-  if drafter:
-    top1 = [m["drafter_top1"] for m in drafter if m.get("drafter_top1") is not None]
-    line = (f"drafter {sum(m.get('drafter_spot_steps', 0) for m in history)} spot + "
-            f"{sum(m.get('drafter_serial_steps', 0) for m in history)} serial steps "
-            f"({sum(m.get('drafter_serial_s', 0.0) for m in history):.2f} s serial)")
-    if top1:
-      line += f", held-out top-1 {top1[0]:.3f} -> {top1[-1]:.3f}"
-    parts.append(line)
-  return "SD: " + "; ".join(parts)

@@ -27,19 +27,19 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout import buckets as bk
+from tlt_jax.rollout.interface import Rollout, check_prompts, collect_mask, is_integer, on_device
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
-from tlt_jax.rollout.scheduler import (Scheduler, Strategy, finish_arm_stats, mean_accept_len,
-                                       new_stats, tail_seconds)
+from tlt_jax.rollout.scheduler import ChunkResult, Request, Scheduler, Strategy
 from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.stats import RolloutStats, mean_accept_len, tail_seconds
 from tlt_jax.rollout.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
 from tlt_jax.rollout.tuner import Tuner, TunerConfig, fixed_arm, make_tuner
 from tlt_jax.utils import compile_count, require_positive_ints
@@ -226,39 +226,28 @@ class RolloutResult:
   tokens: list[list[int]]
   logprobs: list[np.ndarray]
   finish_reasons: list[str]  # "stop" (a stop id was sampled; it is included) or "length"
-  stats: dict[str, Any]
+  stats: RolloutStats
   # generate(collect_hidden=...): per row, the target's last-layer hidden states [L - 1, H] at
   # positions 0 .. L - 2 of prompt + completion (L tokens); None for rows not collected
   hidden: list[np.ndarray | None] | None = None
 
 
-def _a(x) -> str:
-  """``"an int"``, ``"a str"``: the type of ``x`` with its article, for error messages."""
-  name = type(x).__name__
-  return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
-def _is_integer(x) -> bool:
-  """A Python or NumPy integer, or a 0-d integer array; never a bool or a float like 1.0."""
-  if isinstance(x, (bool, np.bool_)):
-    return False
-  if isinstance(x, (int, np.integer)):
-    return True
-  return (isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0
-          and jnp.issubdtype(x.dtype, jnp.integer))
-
-
-class RolloutEngine:
+class RolloutEngine(Rollout):
   """Generates completions for a list of prompts with bucketed, jitted decode segments.
 
   With a ``drafter`` (and ``config.spec``, default ``SpecConfig()``), every decode step is a
   lossless speculative step: draft, verify in one target pass, accept per row. With
   ``config.strategies`` the strategy (vanilla included) is chosen per segment by ``tuner``
   (default: ``make_tuner(config.tuner)``; pass one to share or restore what it learned).
+
+  ``device``: where it decodes; the weights it is given (the model's included) are placed there
+  (zero-copy where they already have a full copy there, e.g. a replicated array's shard). None:
+  the weights are used where they are.
   """
 
   def __init__(self, model: Transformer, drafter: Drafter | NgramConfig | None = None,
-               config: EngineConfig = EngineConfig(), tuner: Tuner | None = None):
+               config: EngineConfig = EngineConfig(), tuner: Tuner | None = None,
+               device: jax.Device | None = None):
     self.ngram = drafter if isinstance(drafter, NgramConfig) else None
     if self.ngram is not None:
       # model-free drafting: chains of tokens copied from the row's group
@@ -312,13 +301,30 @@ class RolloutEngine:
         groups_for=lambda b: list(dict.fromkeys(s.group for s in self._strategies[b])),
         needs_catchup=lambda b: learned and config.adaptive and len(self._strategies[b]) > 1)
     self.scheduler = Scheduler(self.pool, self.strategies_for, self.tuner, self._weights, learned)
+    self.device = device
+    if device is not None:
+      self.update_params(self.params, self.drafter_params)
 
   # ---- weights and strategies ------------------------------------------------------------------
   def update_params(self, params: nnx.State, drafter_params: nnx.State | None = None) -> None:
-    """Swaps in new target (and optionally drafter) weights of the same shapes; no recompiles."""
+    """Swaps in new target (and optionally drafter) weights of the same shapes; no recompiles.
+    With a ``device`` they are placed there first (``on_device``: the drafter's are copied
+    unless they are there already, and used as they are on their own: do not donate them
+    afterwards)."""
+    if self.device is not None:
+      params = on_device(params, self.device)
+      drafter_params = None if drafter_params is None else on_device(drafter_params, self.device)
     self.params = params
     if drafter_params is not None:
       self.drafter_params = drafter_params
+
+  @property
+  def devices(self) -> list:
+    """The one device this engine decodes on (its ``device``, else where its weights are)."""
+    if self.device is not None:
+      return [self.device]
+    return sorted(set().union(*(leaf.devices() for leaf in jax.tree.leaves(self.params))),
+                  key=lambda d: d.id)[:1]
 
   def target_params(self, index: int = 0) -> nnx.State:
     """The target weights this engine decodes with (the one-device case of
@@ -326,11 +332,6 @@ class RolloutEngine:
     if index != 0:
       raise IndexError(f"a RolloutEngine decodes on one device: target_params({index})")
     return self.params
-
-  @property
-  def devices(self) -> list:
-    """The one device this engine decodes on: that of its target weights."""
-    return [next(iter(jax.tree.leaves(self.params)[0].devices()))]
 
   def _weights(self):
     return (self.params, self.drafter_params)
@@ -376,75 +377,19 @@ class RolloutEngine:
     return self.pool.precompile(progress)
 
   # ---- generate ----------------------------------------------------------------------------
-  def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-    """The prompts as lists of Python ints; a clear error for anything but a list of token-id
-    lists within the vocabulary and ``max_prompt_len``."""
-    expected = "pass a list of prompts, each a list of token ids"
-    if isinstance(prompts, (str, bytes)):
-      raise TypeError(f"prompts is {_a(prompts)}: {expected} (encode text with the "
-                      f"tokenizer first)")
-    try:
-      prompts = list(prompts)
-    except TypeError:
-      raise TypeError(f"prompts is {_a(prompts)}: {expected}") from None
-    if len(prompts) == 0:
-      raise ValueError("generate() needs at least one prompt")
-    checked = []
-    vocab = self.model_config.vocab_size
-    for i, p in enumerate(prompts):
-      if isinstance(p, (str, bytes)):
-        raise TypeError(f"prompts[{i}] is {_a(p)}: {expected} (encode text with the "
-                        f"tokenizer first)")
-      if _is_integer(p):
-        raise TypeError(f"prompts[{i}] is an int: {expected} (for one prompt, pass [prompt])")
-      try:
-        p = list(p)
-      except TypeError:
-        raise TypeError(f"prompts[{i}] is {_a(p)}: {expected}") from None
-      for j, t in enumerate(p):
-        if not _is_integer(t):
-          raise TypeError(f"prompts[{i}][{j}] is {t!r} ({type(t).__name__}): token ids must be "
-                          f"ints ({expected})")
-      p = [int(t) for t in p]
-      if not p:
-        raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-      if len(p) > self.config.max_prompt_len:
-        raise ValueError(
-            f"prompt {i} has {len(p)} tokens but EngineConfig.max_prompt_len is "
-            f"{self.config.max_prompt_len}; truncate the prompt or raise max_prompt_len")
-      bad = [t for t in p if not 0 <= t < vocab]
-      if bad:
-        raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-      checked.append(p)
-    return checked
+  def check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The prompts as lists of Python ints (see ``interface.check_prompts``)."""
+    return check_prompts(prompts, self.model_config.vocab_size, self.config.max_prompt_len)
 
-
-  def _collect_mask(self, collect_hidden, n: int, seed: int) -> np.ndarray | None:
-    """Which of ``n`` rows return hidden states: all (True), none (False), a seeded random
-    fraction (a float in (0, 1]) or a per-row sequence of bools."""
-    if collect_hidden is False or collect_hidden is None:
-      return None
-    if self.steps.drafter_graphdef is None:
-      raise ValueError("collect_hidden needs a learned drafter on the engine (the hidden states "
-                       "are the feature history it decodes with); pass drafter=Drafter(...)")
-    if collect_hidden is True:
-      return np.ones(n, bool)
-    if isinstance(collect_hidden, float):
-      if not 0.0 < collect_hidden <= 1.0:
-        raise ValueError(f"collect_hidden as a fraction must be in (0, 1], got {collect_hidden}")
-      mask = np.zeros(n, bool)
-      picked = np.random.default_rng(seed).permutation(n)[:max(1, round(collect_hidden * n))]
-      mask[picked] = True
-      return mask
-    mask = np.asarray(collect_hidden)
-    if mask.dtype != bool or mask.shape != (n,):
-      raise ValueError(f"collect_hidden must be a bool, a fraction in (0, 1] or {n} bools (one "
-                       f"per prompt), got {collect_hidden!r}")
-    return mask
+  def collect_mask(self, collect_hidden, n: int, seed: int) -> np.ndarray | None:
+    """Which of ``n`` rows return hidden states (see ``interface.collect_mask``)."""
+    return collect_mask(collect_hidden, n, seed, self.steps.drafter_graphdef is not None)
 
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
                progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
-               collect_hidden: bool | float | Sequence[bool] = False) -> RolloutResult:
+               collect_hidden: bool | float | Sequence[bool] = False,
+               shard_done: Callable[[int, int, RolloutResult], Any] | None = None,
+               idle: Callable[[int, Any], Any] | None = None) -> RolloutResult:
     """Completes every prompt; rows finish on a stop id or at ``params.max_new_tokens``.
 
     ``progress(rows_done, rows_total)``, if given, is called after every decode segment (where
@@ -453,12 +398,16 @@ class RolloutEngine:
     its first row's index there). ``collect_hidden`` (needs a learned drafter) fills
     ``RolloutResult.hidden`` for all rows (True), a seeded random fraction of them (a float) or
     the rows given by one bool per prompt.
+
+    The data-parallel hooks (``DataParallelRollout.generate``) on one device: ``shard_done(0,
+    row_offset, result)`` is called once with the whole result before it is returned; ``idle``
+    never (no device is left idle while another decodes).
     """
-    prompts = self._check_prompts(prompts)
-    if not _is_integer(row_offset) or int(row_offset) < 0:
+    del idle  # one device: never idle while another decodes
+    prompts = self.check_prompts(prompts)
+    if not is_integer(row_offset) or int(row_offset) < 0:
       raise ValueError(f"row_offset must be an int >= 0, got {row_offset!r}")
-    collect = self._collect_mask(collect_hidden, len(prompts), params.seed)
-    hidden = None if collect is None else [None] * len(prompts)
+    collect = self.collect_mask(collect_hidden, len(prompts), params.seed)
     if params.max_new_tokens > self.config.max_new_tokens:
       raise ValueError(
           f"SamplingParams.max_new_tokens={params.max_new_tokens} exceeds "
@@ -466,37 +415,49 @@ class RolloutEngine:
     stop_ids = (self.model_config.eos_token_ids if params.stop_token_ids is None
                 else params.stop_token_ids)
     args = SamplerArgs.from_params(params, stop_ids, self.config.max_stop_ids)
-    stats = new_stats()
+    request = Request(prompts, args, stop_ids, int(row_offset), collect, progress)
+    stats = RolloutStats()
     compiles0, compile_s0 = compile_count(), self._compile_seconds
     self.steps.phase_marks.clear()
     t_start = time.perf_counter()
-    tokens: list[list[int]] = [[] for _ in prompts]
-    logprobs: list[np.ndarray] = [np.zeros(0, np.float32) for _ in prompts]
-    reasons = ["length"] * len(prompts)
+    rows = ChunkResult([], [], [], [])
     for start in range(0, len(prompts), self.config.max_batch):
       chunk = range(start, min(start + self.config.max_batch, len(prompts)))
-      self.scheduler.run_chunk(prompts, chunk, args, stop_ids, tokens, logprobs, reasons, stats,
-                               progress, row_offset=int(row_offset), collect=collect,
-                               hidden=hidden)
-    stats["compile_s"] = self._compile_seconds - compile_s0
-    stats["compiles"] = compile_count() - compiles0
-    stats["wall_s"] = time.perf_counter() - t_start
-    stats["tokens"] = sum(len(t) for t in tokens)
-    stats["tokens_per_s"] = stats["tokens"] / max(stats["wall_s"] - stats["compile_s"], 1e-9)
-    finish_arm_stats(stats)
-    stats["tail_s"] = tail_seconds(stats["segments"])
+      done = self.scheduler.run_chunk(request, chunk, stats)
+      rows.tokens += done.tokens
+      rows.logprobs += done.logprobs
+      rows.reasons += done.reasons
+      rows.hidden += done.hidden
+    self._finish_stats(stats, rows.tokens, compiles0, compile_s0, t_start)
+    result = RolloutResult(rows.tokens, rows.logprobs, rows.reasons, stats,
+                           None if collect is None else rows.hidden)
+    if shard_done is not None:
+      shard_done(0, int(row_offset), result)
+    return result
+
+  def _finish_stats(self, stats: RolloutStats, tokens: list[list[int]], compiles0: int,
+                    compile_s0: float, t_start: float) -> None:
+    """The totals of a finished ``generate``: compiles, wall time, throughput, the arms' means,
+    the tail, accepted lengths (with SD) and the tuner's summary."""
+    stats.compile_s = self._compile_seconds - compile_s0
+    stats.compiles = compile_count() - compiles0
+    stats.wall_s = time.perf_counter() - t_start
+    stats.tokens = sum(len(t) for t in tokens)
+    stats.tokens_per_s = stats.tokens / max(stats.wall_s - stats.compile_s, 1e-9)
+    stats.finish_arms()
+    stats.tail_s = tail_seconds(stats.segments)
     if self.config.specs:
       # tokens emitted per live row per speculative step (accepted drafts + the bonus token)
-      hist = np.asarray(stats.get("accept_hist", np.zeros(self.config.pending_width)))
-      stats["accept_hist"] = hist.tolist()  # index i: SD steps that emitted i + 1 tokens
-      stats["mean_accept_len"] = mean_accept_len(hist)
+      hist = np.asarray(stats.accept_hist if stats.accept_hist is not None
+                        else np.zeros(self.config.pending_width))
+      stats.accept_hist = hist.tolist()  # index i: SD steps that emitted i + 1 tokens
+      stats.mean_accept_len = mean_accept_len(hist)
       if self.config.time_phases:
         marks = self.steps.phase_marks
         spans = {1: 0.0, 2: 0.0}  # phase 1 ends drafting, phase 2 ends verification
         for (p0, t0), (p1, t1) in zip(marks, marks[1:]):
           if p1 == p0 + 1:
             spans[p1] += t1 - t0
-        stats["draft_s"], stats["verify_s"] = spans[1], spans[2]
+        stats.draft_s, stats.verify_s = spans[1], spans[2]
     if self.tuner is not None:
-      stats["tuner"] = self.tuner.summary()
-    return RolloutResult(tokens, logprobs, reasons, stats, hidden)
+      stats.tuner = self.tuner.summary()

@@ -28,19 +28,19 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 from flax import nnx
 
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
+from tlt_jax.rollout.interface import Rollout
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.scheduler import arm_tally, finish_arm_stats, mean_accept_len
+from tlt_jax.rollout.stats import DeviceStats, RolloutStats
 from tlt_jax.rollout.tuner import Tuner, make_tuner
 from tlt_jax.utils import compile_count
 
-__all__ = ["DataParallelRollout", "LockedTuner", "on_device", "shard_ranges"]
+__all__ = ["DataParallelRollout", "LockedTuner", "shard_ranges"]
 
 
 class RolloutCancelled(Exception):
@@ -66,19 +66,6 @@ class LockedTuner:
     return getattr(self.tuner, name)
 
 
-def on_device(tree, device):
-  """``tree`` with every array on ``device``: an array that already has a full copy there (e.g. a
-  replicated array's shard) is used as is (zero-copy), anything else is copied with
-  ``device_put``."""
-  def put(x):
-    if isinstance(x, jax.Array):
-      for shard in x.addressable_shards:
-        if shard.device == device and shard.data.shape == x.shape:
-          return shard.data
-    return jax.device_put(x, device)
-  return jax.tree.map(put, tree)
-
-
 def shard_ranges(n: int, shards: int) -> list[range]:
   """``n`` rows cut into ``shards`` contiguous ranges whose sizes differ by at most one (the
   first ones are the bigger; some are empty when ``n < shards``)."""
@@ -91,54 +78,12 @@ def shard_ranges(n: int, shards: int) -> list[range]:
   return out
 
 
-def _sum_into(total: dict, stats: dict) -> None:
-  for key, value in stats.items():
-    if isinstance(value, bool):
-      continue
-    if isinstance(value, (int, float, np.integer, np.floating)) and key not in (
-        "tokens_per_s", "mean_accept_len", "wall_s", "cache_bytes_peak"):
-      total[key] = total.get(key, 0) + value
-  total["cache_bytes_peak"] = max(total.get("cache_bytes_peak", 0),
-                                  stats.get("cache_bytes_peak", 0))
-
-
-def merge_stats(shard_stats: list[dict | None], wall_s: float) -> dict[str, Any]:
-  """One stats dict for a data-parallel rollout: counters and seconds summed over devices
-  (seconds are then device-seconds), segments and per-arm tallies concatenated/summed, and the
-  per-device stats under ``"devices"``."""
-  merged: dict[str, Any] = dict(segments=[], segment_kv_lens=[], arms={})
-  hist = None
-  for stats in shard_stats:
-    if stats is None:
-      continue
-    _sum_into(merged, stats)
-    merged["segments"] += stats["segments"]
-    merged["segment_kv_lens"] += stats["segment_kv_lens"]
-    for bucket, arms in stats["arms"].items():
-      for name, arm in arms.items():
-        into = arm_tally(merged, bucket, name)
-        for k in into:
-          into[k] += arm[k]
-    if "accept_hist" in stats:
-      h = np.asarray(stats["accept_hist"])
-      hist = h if hist is None else hist + h
-  finish_arm_stats(merged)
-  if hist is not None:
-    merged["accept_hist"] = hist.tolist()
-    merged["mean_accept_len"] = mean_accept_len(hist)
-  merged["wall_s"] = wall_s
-  merged["tokens_per_s"] = merged.get("tokens", 0) / max(wall_s - merged.get("compile_s", 0.0)
-                                                         / max(len(shard_stats), 1), 1e-9)
-  return merged
-
-
-class DataParallelRollout:
+class DataParallelRollout(Rollout):
   """Rollouts over several devices: the rows split into one shard per device, each decoded by
   that device's own engine in a host thread of its own (see the module docstring).
 
-  It offers the ``RolloutEngine`` API the trainer uses (``generate``, ``update_params``,
-  ``precompile``, ``config``, ``tuner``, ``strategies_for``), plus per-device stats and the
-  ``shard_done``/``idle`` hooks of ``generate``.
+  It implements the ``Rollout`` interface (``interface.py``) as ``RolloutEngine`` does, plus
+  per-device stats and the ``shard_done``/``idle`` hooks of ``generate`` in earnest.
   """
 
   def __init__(self, model: Transformer, drafter: Drafter | NgramConfig | None = None,
@@ -152,12 +97,12 @@ class DataParallelRollout:
     shared = None
     if config.strategies:
       shared = LockedTuner(tuner if tuner is not None else make_tuner(config.tuner))
-    self.engines = [RolloutEngine(model, drafter=drafter, config=config, tuner=shared)
-                    for _ in self.devices]
+    # each engine places the weights it is given on its own device
+    self.engines = [RolloutEngine(model, drafter=drafter, config=config, tuner=shared,
+                                  device=device) for device in self.devices]
     self.shared_tuner = shared
-    self.update_params(self.engines[0].params, self.engines[0].drafter_params)
 
-  # ---- the RolloutEngine API the trainer uses ----------------------------------------------------
+  # ---- the Rollout interface -------------------------------------------------------------------
   @property
   def config(self) -> EngineConfig:
     return self.engines[0].config
@@ -183,11 +128,10 @@ class DataParallelRollout:
     """Gives every device's engine the weights, on its device (zero-copy where ``params`` already
     has a full copy there, e.g. a replicated array's shard). ``drafter_params`` are copied to the
     other devices and used as they are on their own: do not donate them afterwards."""
-    for device, engine in zip(self.devices, self.engines):
-      engine.update_params(on_device(params, device),
-                           None if drafter_params is None else on_device(drafter_params, device))
+    for engine in self.engines:
+      engine.update_params(params, drafter_params)
 
-  def target_params(self, index: int) -> nnx.State:
+  def target_params(self, index: int = 0) -> nnx.State:
     """The target weights device ``index``'s engine decodes with (on that device)."""
     return self.engines[index].params
 
@@ -267,17 +211,18 @@ class DataParallelRollout:
     its shard is complete (e.g. to hand its hidden states to the drafter's buffer);
     ``idle(device_index, stop)`` is then called there while other devices still decode (and at
     once for devices that got no rows), and must return soon after ``stop`` is set, which happens
-    when the last shard completes. Its return value is kept in ``stats["idle"]``.
+    when the last shard completes. Its return value is kept in ``stats.idle``.
 
-    Stats: counters and seconds summed over devices, ``wall_s`` the rollout's wall time, and
-    ``devices``: per device ``rows``, ``busy_s`` (its shard's wall time), ``idle_s`` (the rest of
-    the rollout, the tail it waited through) and ``idle_used_s`` (the part of it ``idle`` ran);
+    Stats (``RolloutStats.merge``): counters and seconds summed over devices, ``wall_s`` the
+    rollout's wall time, and ``devices`` (``DeviceStats``): per device ``rows``, ``busy_s`` (its
+    shard's wall time), ``idle_s`` (the rest of the rollout, the tail it waited through) and
+    ``idle_used_s`` (the part of it ``idle`` ran);
     ``idle_overrun_s``: how long the rollout waited past its last shard for ``idle`` hooks to
     return (e.g. a drafter step in flight when ``stop`` was set).
     """
     lead = self.engines[0]
-    prompts = lead._check_prompts(prompts)  # pylint: disable=protected-access
-    collect = lead._collect_mask(collect_hidden, len(prompts), params.seed)  # pylint: disable=protected-access
+    prompts = lead.check_prompts(prompts)
+    collect = lead.collect_mask(collect_hidden, len(prompts), params.seed)
     shards = shard_ranges(len(prompts), len(self.engines))
     results: list[RolloutResult | None] = [None] * len(shards)
     busy = [0.0] * len(shards)
@@ -346,25 +291,25 @@ class DataParallelRollout:
       reasons += r.finish_reasons
       if hidden is not None:
         hidden += r.hidden
-    stats = merge_stats([r.stats if r else None for r in results], wall)
-    stats["rollout_wall_s"] = rollout_wall
+    stats = RolloutStats.merge([r.stats if r else None for r in results], wall)
+    stats.rollout_wall_s = rollout_wall
     # the counter is per process: every thread's engine saw all threads' compiles (and those of
     # the idle hooks, e.g. a drafter step compiled for a new device)
-    stats["compiles"] = compile_count() - compiles0
+    stats.compiles = compile_count() - compiles0
     # a hook's time inside the tail (its device's idle window) counts as used; what it ran past
     # the last shard's end (a drafter step in flight when stop was set) made the rollout wait
-    stats["devices"] = [
-        dict(rows=len(shards[k]), busy_s=busy[k], idle_s=rollout_wall - busy[k],
-             idle_used_s=max(0.0, min(hook_span[k][1], rollout_wall) - hook_span[k][0]),
-             tokens=(results[k].stats["tokens"] if results[k] else 0),
-             tail_s=(results[k].stats["tail_s"] if results[k] else 0.0))
+    stats.devices = [
+        DeviceStats(rows=len(shards[k]), busy_s=busy[k], idle_s=rollout_wall - busy[k],
+                    idle_used_s=max(0.0, min(hook_span[k][1], rollout_wall) - hook_span[k][0]),
+                    tokens=(results[k].stats.tokens if results[k] else 0),
+                    tail_s=(results[k].stats.tail_s if results[k] else 0.0))
         for k in range(len(shards))]
     # the devices decode at once: the rollout's tail is its longest device tail (summing them
     # would count device-seconds, not wall time; the tail's idle devices are in ``idle_s``)
-    stats["tail_s"] = max(d["tail_s"] for d in stats["devices"])
-    stats["idle_overrun_s"] = max([0.0] + [end - rollout_wall for start, end in hook_span
-                                           if end > start])
-    stats["idle"] = idle_out
+    stats.tail_s = max(d.tail_s for d in stats.devices)
+    stats.idle_overrun_s = max([0.0] + [end - rollout_wall for start, end in hook_span
+                                        if end > start])
+    stats.idle = idle_out
     if self.tuner is not None:
-      stats["tuner"] = self.tuner.summary()
+      stats.tuner = self.tuner.summary()
     return RolloutResult(tokens, logprobs, reasons, stats, hidden)

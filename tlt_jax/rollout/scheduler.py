@@ -24,6 +24,7 @@ import numpy as np
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.stats import RolloutStats
 from tlt_jax.rollout.tuner import Arm, Tuner
 
 
@@ -42,21 +43,35 @@ class Strategy:
     return Arm(self.name, 1 if self.spec is None else self.spec.verify_tokens)
 
 
-def new_stats() -> dict[str, Any]:
-  """The per-call statistics a rollout fills in. ``switches``: changes of arm between two
-  consecutive segments of a chunk (vanilla <-> SD and one strategy to another, learned or n-gram
-  drafter alike; a chunk's first segment is none); ``catchups``: the learned drafter's catch-ups
-  (one per vanilla -> SD switch), whose seconds are ``switch_s``."""
-  return dict(prefill_s=0.0, decode_s=0.0, compact_s=0.0, grow_s=0.0, compile_s=0.0,
-              switch_s=0.0, switches=0, catchups=0, decode_steps=0, row_steps=0, live_row_steps=0,
-              segments=[], segment_kv_lens=[], grows=0, cache_bytes_peak=0, tokens=0, arms={})
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One ``generate`` call as every chunk of it sees it: the checked ``prompts``, the sampler's
+  ``args`` and ``stop_ids``, ``row_offset`` (row ``i`` samples with the keys of row
+  ``i + row_offset``), ``collect`` (per row: keep its hidden states; None: none) and
+  ``progress(rows_done, rows_total)``."""
+
+  prompts: list[list[int]]
+  args: Any
+  stop_ids: Sequence[int]
+  row_offset: int = 0
+  collect: np.ndarray | None = None
+  progress: Callable[[int, int], Any] | None = None
 
 
-def arm_tally(stats: dict, batch: int | str, name: str) -> dict:
-  """The running per-arm tally ``stats["arms"][str(batch)][name]`` (created empty)."""
-  per_bucket = stats["arms"].setdefault(str(batch), {})
-  return per_bucket.setdefault(name, dict(segments=0, steps=0, tokens=0, row_steps=0,
-                                          seconds=0.0))
+@dataclasses.dataclass
+class ChunkResult:
+  """The rows of one chunk, in the chunk's order: generated ``tokens``, their ``logprobs``, the
+  finish ``reasons`` and, where collected, the ``hidden`` states (None for other rows)."""
+
+  tokens: list[list[int]]
+  logprobs: list[np.ndarray]
+  reasons: list[str]
+  hidden: list[np.ndarray | None]
+
+  @classmethod
+  def empty(cls, n: int) -> ChunkResult:
+    return cls([[] for _ in range(n)], [np.zeros(0, np.float32) for _ in range(n)],
+               ["length"] * n, [None] * n)
 
 
 class Scheduler:
@@ -71,14 +86,14 @@ class Scheduler:
     self.weights = weights
     self.learned = learned_drafter
 
-  def _run_timed(self, stats: dict, stat: str, key: tuple, *args):
-    """Runs executable ``key`` on ``args`` to completion, adding its seconds to ``stats[stat]``
-    (compiling first, untimed, if it is not in the pool yet)."""
+  def _run_timed(self, stats: RolloutStats, stat: str, key: tuple, *args):
+    """Runs executable ``key`` on ``args`` to completion, adding its seconds to the field ``stat``
+    of ``stats`` (compiling first, untimed, if it is not in the pool yet)."""
     executable = self.pool.get(key)
     t0 = time.perf_counter()
     out = jax.block_until_ready(executable(*args))
     seconds = time.perf_counter() - t0
-    stats[stat] += seconds
+    setattr(stats, stat, getattr(stats, stat) + seconds)
     return out, seconds
 
   def _choose(self, batch: int) -> tuple[Strategy, bool]:
@@ -89,19 +104,20 @@ class Scheduler:
     name = self.tuner.choose(batch, [s.arm for s in options])
     return next(s for s in options if s.name == name), True
 
-  def run_chunk(self, prompts, chunk: range, args, stop_ids, tokens, logprobs, reasons,
-                stats: dict, progress=None, *, row_offset: int = 0,
-                collect: np.ndarray | None = None, hidden: list | None = None) -> None:
-    """Prefills and decodes ``prompts[chunk]``, writing each row's results into ``tokens``,
-    ``logprobs`` and ``reasons`` as it finishes.
+  def run_chunk(self, request: Request, chunk: range, stats: RolloutStats) -> ChunkResult:
+    """Prefills and decodes ``request.prompts[chunk]``; returns the chunk's rows, adding the
+    chunk's seconds and counters to ``stats``.
 
     Row ``i``'s sampling keys derive from ``i + row_offset`` (a data-parallel shard passes its
     first row's index in the whole request, so tokens do not depend on the split). Where
-    ``collect[i]``, ``hidden[i]`` receives the target's last-layer hidden states ``[L - 1, H]``
-    of the row's sequence (prompt + completion, ``L`` tokens) at positions ``0 .. L - 2``: the
-    prompt's from the prefill, the completion's from the decode state's feature history, so no
-    second forward pass."""
+    ``collect[i]``, the row's ``hidden`` entry holds the target's last-layer hidden states
+    ``[L - 1, H]`` of the row's sequence (prompt + completion, ``L`` tokens) at positions
+    ``0 .. L - 2``: the prompt's from the prefill, the completion's from the decode state's
+    feature history, so no second forward pass."""
     cfg = self.config
+    prompts, args, row_offset = request.prompts, request.args, request.row_offset
+    collect, progress = request.collect, request.progress
+    out = ChunkResult.empty(len(chunk))
     batch = bk.bucket_for(len(chunk), cfg.batch_buckets)
     plen = bk.bucket_for(max(len(prompts[i]) for i in chunk), cfg.prefill_buckets)
     ids = np.full((batch, plen), cfg.pad_token_id, np.int32)
@@ -124,7 +140,7 @@ class Scheduler:
       for k, slot in enumerate(wanted):
         prompt_feats[chunk[slot] + row_offset] = ph[k, :lens[slot] - 1]
     del prompt_hidden
-    stop_set = set(stop_ids)
+    stop_set = set(request.stop_ids)
     before = dict(steps=0, tokens=0, row_steps=0)
     lagging = False  # the drafter may be more than one step's pairs behind (after vanilla)
     live_len = int(lens[:len(chunk)].max())  # the longest live row's committed length
@@ -132,19 +148,19 @@ class Scheduler:
     while True:
       strategy, tuned = self._choose(batch)
       if previous is not None and strategy.name != previous:
-        stats["switches"] += 1
+        stats.switches += 1
       previous = strategy.name
       need = 1 if strategy.spec is None else cfg.step_slots
       while live_len + need > kv_len:  # a live row needs more room for this strategy's steps
         bigger = cfg.kv_lengths[cfg.kv_lengths.index(kv_len) + 1]
         state, _ = self._run_timed(stats, "grow_s", ("grow", batch, kv_len, bigger), state)
-        stats["grows"] += 1
+        stats.grows += 1
         kv_len = bigger
       switch_s = 0.0
       if strategy.spec is not None and lagging:
         state, switch_s = self._run_timed(stats, "switch_s", ("catchup", batch, kv_len),
                                           self.weights(), state)
-        stats["catchups"] += 1
+        stats.catchups += 1
         lagging = False
       segment = self.pool.get(("segment", batch, kv_len, self.pool.stop_at(batch),
                                strategy.group))
@@ -158,37 +174,39 @@ class Scheduler:
       before = {k: int(counters[k]) for k in before}
       if tuned and delta["steps"] > 0:
         self.tuner.update(batch, strategy.name, delta["tokens"], seconds + switch_s)
-      arm = arm_tally(stats, batch, strategy.name)
-      arm["segments"] += 1
-      arm["seconds"] += seconds + switch_s
-      for k in ("steps", "tokens", "row_steps"):
-        arm[k] += delta[k]
-      stats["decode_s"] += seconds
-      stats["segments"].append((batch, delta["steps"], seconds, strategy.name))
-      stats["segment_kv_lens"].append(kv_len)
-      stats["cache_bytes_peak"] = max(stats["cache_bytes_peak"], self.pool.steps.cache_bytes(state))
-      stats["decode_steps"] += delta["steps"]
-      stats["row_steps"] += delta["steps"] * batch
+      arm = stats.arm(batch, strategy.name)
+      arm.segments += 1
+      arm.seconds += seconds + switch_s
+      arm.steps += delta["steps"]
+      arm.tokens += delta["tokens"]
+      arm.row_steps += delta["row_steps"]
+      stats.decode_s += seconds
+      stats.segments.append((batch, delta["steps"], seconds, strategy.name))
+      stats.segment_kv_lens.append(kv_len)
+      stats.cache_bytes_peak = max(stats.cache_bytes_peak, self.pool.steps.cache_bytes(state))
+      stats.decode_steps += delta["steps"]
+      stats.row_steps += delta["steps"] * batch
       finished = [s for s in range(batch) if done[s] and rows[s] >= 0]
       if finished:
         toks, lps = jax.device_get((state.tokens, state.logprobs))
         keep = [s for s in finished if rows[s] in prompt_feats]
         feats = np.asarray(jax.device_get(state.feats))[np.asarray(keep)] if keep else None
         for s in finished:
-          n, i = int(n_gen[s]), rows[s] - row_offset
-          tokens[i] = toks[s, :n].tolist()
-          logprobs[i] = lps[s, :n]
-          reasons[i] = "stop" if n and tokens[i][-1] in stop_set else "length"
+          n, j = int(n_gen[s]), rows[s] - row_offset - chunk.start  # j: the row in the chunk
+          out.tokens[j] = toks[s, :n].tolist()
+          out.logprobs[j] = lps[s, :n]
+          out.reasons[j] = "stop" if n and out.tokens[j][-1] in stop_set else "length"
           if rows[s] in prompt_feats:
-            hidden[i] = np.concatenate([prompt_feats.pop(rows[s]), feats[keep.index(s), :n]])
+            out.hidden[j] = np.concatenate([prompt_feats.pop(rows[s]), feats[keep.index(s), :n]])
       live = np.flatnonzero(~done)
       if progress is not None:  # rows of earlier chunks are all done
         progress(chunk.start + len(chunk) - live.size, len(prompts))
       if live.size == 0:
-        stats["live_row_steps"] += int(counters["row_steps"])
+        stats.live_row_steps += int(counters["row_steps"])
         if "accept_hist" in counters:
-          stats["accept_hist"] = stats.get("accept_hist", 0) + counters["accept_hist"]
-        return
+          stats.accept_hist = (0 if stats.accept_hist is None else stats.accept_hist) + \
+              counters["accept_hist"]
+        return out
       smaller = bk.bucket_for(live.size, cfg.batch_buckets)
       if cfg.compaction and smaller < batch:
         index = np.full((smaller,), -1, np.int32)
@@ -197,29 +215,3 @@ class Scheduler:
                                    index)
         batch = smaller
       live_len = int(cache_lens[live].max())
-
-
-def mean_accept_len(hist) -> float | None:
-  """Mean tokens emitted per live row per speculative step from ``accept_hist`` (index i: steps
-  that emitted i + 1 tokens); None when no speculative step ran (e.g. the tuner chose vanilla
-  throughout), not 0.0, which would drag averages over rollouts down."""
-  hist = np.asarray(hist)
-  return float((hist * np.arange(1, hist.size + 1)).sum() / hist.sum()) if hist.sum() else None
-
-
-def tail_seconds(segments) -> float:
-  """Decode seconds spent in segments where fewer than half of the first segment's rows were
-  live (the rollout's long tail); ``segments``: ``stats["segments"]`` of one engine's rollout."""
-  if not segments:
-    return 0.0
-  first = segments[0][0]
-  return float(sum(seconds for bucket, _, seconds, *_ in segments if bucket < first / 2))
-
-
-def finish_arm_stats(stats: dict) -> None:
-  """Adds each arm's mean tokens per live row-step (its mean accepted length; vanilla: 1) and
-  throughput to ``stats["arms"]``."""
-  for per_bucket in stats["arms"].values():
-    for arm in per_bucket.values():
-      arm["mean_accept_len"] = arm["tokens"] / arm["row_steps"] if arm["row_steps"] else None
-      arm["tokens_per_s"] = arm["tokens"] / arm["seconds"] if arm["seconds"] > 0 else None

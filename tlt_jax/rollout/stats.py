@@ -1,0 +1,301 @@
+"""What a rollout reports: one typed stats object, its data-parallel merge, and the metrics and
+console lines made of it.
+
+``RolloutStats`` is filled in by the scheduler as a rollout runs (seconds per phase, counters,
+one tally per (batch bucket, arm)), finished by the engine (wall time, throughput, accepted
+lengths), and merged over devices by the data-parallel rollout. ``rollout_metrics`` turns one
+into the trainer's scalar metrics; ``arm_line`` and ``run_sd_summary`` turn metrics into lines.
+
+For reports that treat a rollout's stats as a record (JSON files, the benchmarks' tables) the
+object also reads as a mapping: ``stats["tokens"]``, ``dict(stats)``, ``"devices" in stats``.
+A field that is None (not measured in this rollout) is absent there, as a key of a dict that
+was never set; nested tallies read as plain dicts. ``to_dict()`` gives all of it at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class ArmTally:
+  """One arm's running tally in one batch bucket: segments decoded, decode steps, tokens
+  emitted, live row-steps and seconds (its segments' and their catch-ups'). ``finish`` adds its
+  mean tokens per live row-step (its mean accepted length; vanilla: 1) and throughput."""
+
+  segments: int = 0
+  steps: int = 0
+  tokens: int = 0
+  row_steps: int = 0
+  seconds: float = 0.0
+  mean_accept_len: float | None = None
+  tokens_per_s: float | None = None
+
+  def add(self, other: ArmTally) -> None:
+    for name in ("segments", "steps", "tokens", "row_steps", "seconds"):
+      setattr(self, name, getattr(self, name) + getattr(other, name))
+
+  def finish(self) -> None:
+    self.mean_accept_len = self.tokens / self.row_steps if self.row_steps else None
+    self.tokens_per_s = self.tokens / self.seconds if self.seconds > 0 else None
+
+
+@dataclasses.dataclass
+class DeviceStats:
+  """One device of a data-parallel rollout: its ``rows``, ``busy_s`` (its shard's wall time),
+  ``idle_s`` (the rest of the rollout, the tail it waited through), ``idle_used_s`` (the part of
+  it the ``idle`` hook ran), and its shard's ``tokens`` and ``tail_s``."""
+
+  rows: int
+  busy_s: float
+  idle_s: float
+  idle_used_s: float
+  tokens: int
+  tail_s: float
+
+
+# summed over devices by ``RolloutStats.merge`` (seconds become device-seconds)
+_SUMMED = ("prefill_s", "decode_s", "compact_s", "grow_s", "compile_s", "switch_s", "switches",
+           "catchups", "decode_steps", "row_steps", "live_row_steps", "grows", "tokens")
+
+
+@dataclasses.dataclass(eq=False)
+class RolloutStats(Mapping):
+  """The per-call statistics of a rollout. ``switches``: changes of arm between two consecutive
+  segments of a chunk (vanilla <-> SD and one strategy to another, learned or n-gram drafter
+  alike; a chunk's first segment is none); ``catchups``: the learned drafter's catch-ups (one
+  per vanilla -> SD switch), whose seconds are ``switch_s``.
+
+  ``segments``: per segment ``(batch bucket, decode steps, seconds, arm)``, with its cache
+  length in ``segment_kv_lens``; ``arms``: the tally of each arm per batch bucket
+  (``arms[str(bucket)][name]``). ``accept_hist`` (with SD; index i: SD steps that emitted i + 1
+  tokens) and ``mean_accept_len`` (None when no speculative step ran, e.g. the tuner chose
+  vanilla throughout); ``draft_s``/``verify_s`` with ``EngineConfig.time_phases``; ``tuner``:
+  the adaptive engine's tuner summary. A data-parallel rollout adds ``rollout_wall_s``,
+  ``devices``, ``idle_overrun_s`` and ``idle`` (see ``DataParallelRollout.generate``).
+  """
+
+  prefill_s: float = 0.0
+  decode_s: float = 0.0
+  compact_s: float = 0.0
+  grow_s: float = 0.0
+  compile_s: float = 0.0
+  switch_s: float = 0.0
+  switches: int = 0
+  catchups: int = 0
+  decode_steps: int = 0
+  row_steps: int = 0
+  live_row_steps: int = 0
+  segments: list[tuple] = dataclasses.field(default_factory=list)
+  segment_kv_lens: list[int] = dataclasses.field(default_factory=list)
+  grows: int = 0
+  cache_bytes_peak: int = 0
+  tokens: int = 0
+  arms: dict[str, dict[str, ArmTally]] = dataclasses.field(default_factory=dict)
+  compiles: int = 0
+  wall_s: float = 0.0
+  tokens_per_s: float = 0.0
+  tail_s: float = 0.0
+  accept_hist: Any = None  # a counter array while decoding, a list once finished
+  mean_accept_len: float | None = None
+  draft_s: float | None = None
+  verify_s: float | None = None
+  tuner: dict | None = None
+  # a data-parallel rollout's
+  rollout_wall_s: float | None = None
+  devices: list[DeviceStats] | None = None
+  idle_overrun_s: float | None = None
+  idle: list | None = None
+
+  def arm(self, batch: int | str, name: str) -> ArmTally:
+    """The running tally ``arms[str(batch)][name]`` (created empty)."""
+    return self.arms.setdefault(str(batch), {}).setdefault(name, ArmTally())
+
+  def finish_arms(self) -> None:
+    """Adds each arm's mean accepted length and throughput to its tally."""
+    for per_bucket in self.arms.values():
+      for tally in per_bucket.values():
+        tally.finish()
+
+  @classmethod
+  def merge(cls, shards: list[RolloutStats | None], wall_s: float) -> RolloutStats:
+    """One stats object for a data-parallel rollout: counters and seconds summed over devices
+    (seconds are then device-seconds), segments and per-arm tallies concatenated/summed (None:
+    a device that got no rows). The caller adds what only it knows (``devices``, ...)."""
+    merged = cls()
+    hist = None
+    draft = [s for s in shards if s is not None and s.draft_s is not None]
+    for stats in shards:
+      if stats is None:
+        continue
+      for name in _SUMMED:
+        setattr(merged, name, getattr(merged, name) + getattr(stats, name))
+      merged.cache_bytes_peak = max(merged.cache_bytes_peak, stats.cache_bytes_peak)
+      merged.segments += stats.segments
+      merged.segment_kv_lens += stats.segment_kv_lens
+      for bucket, arms in stats.arms.items():
+        for name, tally in arms.items():
+          merged.arm(bucket, name).add(tally)
+      if stats.accept_hist is not None:
+        h = np.asarray(stats.accept_hist)
+        hist = h if hist is None else hist + h
+    if draft:
+      merged.draft_s = sum(s.draft_s for s in draft)
+      merged.verify_s = sum(s.verify_s for s in draft)
+    merged.finish_arms()
+    if hist is not None:
+      merged.accept_hist = hist.tolist()
+      merged.mean_accept_len = mean_accept_len(hist)
+    merged.wall_s = wall_s
+    merged.tokens_per_s = merged.tokens / max(wall_s - merged.compile_s / max(len(shards), 1),
+                                              1e-9)
+    return merged
+
+  # ---- read as a record ----------------------------------------------------------------------
+  def to_dict(self) -> dict[str, Any]:
+    """Every field that is set (not None), nested tallies as plain dicts."""
+    return {name: self[name] for name in self}
+
+  def __getitem__(self, name: str):
+    value = getattr(self, name, None) if name in _FIELDS else None
+    if value is None:
+      raise KeyError(name)
+    return _plain(value)
+
+  def __contains__(self, name) -> bool:
+    return name in _FIELDS and getattr(self, name) is not None
+
+  def __iter__(self) -> Iterator[str]:
+    return (name for name in _FIELDS if getattr(self, name) is not None)
+
+  def __len__(self) -> int:
+    return sum(1 for _ in self)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutStats))
+
+
+def _plain(value):
+  """``value`` with dataclasses as dicts and arrays as lists (recursively)."""
+  if dataclasses.is_dataclass(value):
+    return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+  if isinstance(value, dict):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_plain(v) for v in value]
+  if isinstance(value, np.ndarray):
+    return value.tolist()
+  return value
+
+
+def mean_accept_len(hist) -> float | None:
+  """Mean tokens emitted per live row per speculative step from ``accept_hist`` (index i: steps
+  that emitted i + 1 tokens); None when no speculative step ran (e.g. the tuner chose vanilla
+  throughout), not 0.0, which would drag averages over rollouts down."""
+  hist = np.asarray(hist)
+  return float((hist * np.arange(1, hist.size + 1)).sum() / hist.sum()) if hist.sum() else None
+
+
+def tail_seconds(segments) -> float:
+  """Decode seconds spent in segments where fewer than half of the first segment's rows were
+  live (the rollout's long tail); ``segments``: ``RolloutStats.segments`` of one engine's
+  rollout."""
+  if not segments:
+    return 0.0
+  first = segments[0][0]
+  return float(sum(seconds for bucket, _, seconds, *_ in segments if bucket < first / 2))
+
+
+# ---- metrics and console lines ----------------------------------------------------------------
+def _metric_name(arm: str) -> str:
+  """An arm's name as a metric key part: ``"chain d4"`` -> ``"chain_d4"``."""
+  return arm.replace(" ", "_")
+
+
+def rollout_metrics(stats: RolloutStats,
+                    offered: dict[int, list[str]] | None = None) -> dict[str, float]:
+  """Scalar metrics of a rollout's ``RolloutResult.stats``: speculative-decoding switches (every
+  change of arm between segments) and the catch-up seconds, the mean accepted length (with SD)
+  and, where ``offered`` (bucket -> arm names; the adaptive engine's) gives a choice, each arm's
+  share of all the rollout's decode steps (``arm_share/<arm>``, with ``decode_steps``) and, per
+  such batch bucket, its share of the bucket's decode steps (``arm_steps/<bucket>/<arm>``) and
+  tokens per second (``arm_tps/...``)."""
+  out = {"sd_switches": int(stats.switches), "sd_switch_s": float(stats.switch_s)}
+  if stats.mean_accept_len is not None:
+    out["mean_accept_len"] = float(stats.mean_accept_len)
+  steps_of: dict[str, int] = {}  # arm -> decode steps, all buckets together
+  for per_bucket in stats.arms.values():
+    for name, arm in per_bucket.items():
+      steps_of[name] = steps_of.get(name, 0) + arm.steps
+  shared = dict.fromkeys(n for ns in (offered or {}).values() if len(ns) > 1 for n in ns)
+  total = sum(steps_of.values())
+  if shared and total:  # no choice anywhere (vanilla, or one fixed strategy): nothing to share
+    shared.update(dict.fromkeys(steps_of))  # e.g. vanilla in a bucket too big for SD
+    for name in shared:
+      out[f"arm_share/{_metric_name(name)}"] = steps_of.get(name, 0) / total
+    out["decode_steps"] = int(total)
+  for bucket, names in (offered or {}).items():
+    ran = stats.arms.get(str(bucket), {})
+    steps = sum(arm.steps for arm in ran.values())
+    if len(names) < 2 or not steps:
+      continue  # no choice there, or the bucket was not decoded in this rollout
+    for name in names:
+      arm = ran.get(name, ArmTally())
+      key = f"{bucket}/{_metric_name(name)}"
+      out[f"arm_steps/{key}"] = arm.steps / steps
+      if arm.tokens_per_s is not None:
+        out[f"arm_tps/{key}"] = float(arm.tokens_per_s)
+  return out
+
+
+def _shares(shares: dict[str, float]) -> str:
+  """``{"vanilla": 0.8, "chain_d3": 0.2}`` -> ``"vanilla 80% chain_d3 20%"``."""
+  return " ".join(f"{name} {100 * share:.0f}%" for name, share in shares.items())
+
+
+def arm_line(metrics: dict) -> str:
+  """The step's ``arm_share/*`` metrics for the console, e.g. ``"vanilla 80% chain_d3 20%"``
+  (empty without them)."""
+  prefix = "arm_share/"
+  return _shares({k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)})
+
+
+def run_sd_summary(history: list[dict]) -> str:
+  """A run's speculative decoding in one line from its steps' metrics: each arm's share of the
+  decode steps, the mean accepted length over the steps where SD ran, switches and catch-up
+  seconds, and the online drafter's steps and held-out top-1 first -> last (empty when no step
+  could speculate). Rows without ``sd_switches`` (e.g. evaluations) are not RL steps: skipped."""
+  history = [m for m in history if "sd_switches" in m]
+  steps: dict[str, float] = {}
+  for m in history:
+    weight = m.get("decode_steps", 1)
+    for key, share in m.items():
+      if key.startswith("arm_share/"):
+        steps[key[len("arm_share/"):]] = steps.get(key[len("arm_share/"):], 0.0) + share * weight
+  accept = [m["mean_accept_len"] for m in history if m.get("mean_accept_len") is not None]
+  drafter = [m for m in history if m.get("drafter_top1") is not None or
+             m.get("drafter_serial_steps") or m.get("drafter_spot_steps")]  # an online drafter
+  if not steps and not accept and not drafter:
+    return ""
+  parts = []
+  total = sum(steps.values())
+  if total:
+    parts.append(f"{_shares({k: v / total for k, v in steps.items()})} of decode steps")
+  if accept:
+    parts.append(f"mean accepted length {np.mean(accept):.2f} ({len(accept)} of "
+                 f"{len(history)} steps with SD)")
+  parts.append(f"{sum(m.get('sd_switches', 0) for m in history)} switches "
+               f"({sum(m.get('sd_switch_s', 0.0) for m in history):.2f} s catch-up)")
+  if drafter:
+    top1 = [m["drafter_top1"] for m in drafter if m.get("drafter_top1") is not None]
+    line = (f"drafter {sum(m.get('drafter_spot_steps', 0) for m in history)} spot + "
+            f"{sum(m.get('drafter_serial_steps', 0) for m in history)} serial steps "
+            f"({sum(m.get('drafter_serial_s', 0.0) for m in history):.2f} s serial)")
+    if top1:
+      line += f", held-out top-1 {top1[0]:.3f} -> {top1[-1]:.3f}"
+    parts.append(line)
+  return "SD: " + "; ".join(parts)
