@@ -55,11 +55,11 @@ def run_round(engines: dict, calls: list[list[list[int]]], params, order: list[s
     for prompts in calls:
       took, result = harness.timed(engines[name].generate, prompts, params)
       seconds += took
-      assert result.stats["compiles"] == 0, (name, result.stats["compiles"])
+      assert result.stats.compiles == 0, (name, result.stats.compiles)
       tokens.append(result.tokens)
       if "tuner" in name:
         out.setdefault("switch_s", 0.0)
-        out["switch_s"] += result.stats["switch_s"]
+        out["switch_s"] += result.stats.switch_s
     out[name] = dict(seconds=seconds, tokens=tokens)
   reference = out["vanilla"]["tokens"]
   for name in order:

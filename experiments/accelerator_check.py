@@ -385,7 +385,7 @@ def measure_batch(target, drafter, prompts, answers, strategies: dict, params: S
     tokens.setdefault(name, result.tokens)
     if result.tokens != tokens[name]:
       raise RuntimeError(f"{name}: greedy decoding gave different tokens on a repeat")
-    return result.stats
+    return result.stats.to_dict()
 
   # interleaved, so drifts in clock or load hit every engine alike
   runs = harness.interleaved(run, engines, repeats)

@@ -59,7 +59,7 @@ def main():
         f"{name} decoded other tokens"
     if rep == 0:
       return None
-    s = result.stats
+    s = result.stats.to_dict()
     assert s["compiles"] == 0, f"{name} compiled {s['compiles']} times in a timed run"
     print(f"rep {rep} {name:>12}: {s['tokens_per_s']:8.0f} tok/s, wall {s['wall_s']:.2f}s, "
           f"grows {s['grows']}, peak cache {s['cache_bytes_peak'] / 2**20:.1f} MiB", flush=True)

@@ -48,10 +48,10 @@ def main():
 
   def run(name: str, _rep: int) -> dict:
     result = engines[name].generate(prompts, params)
-    assert result.stats["compiles"] == 0, "the benchmark must not recompile"
+    assert result.stats.compiles == 0, "the benchmark must not recompile"
     assert result.tokens == reference.setdefault("tokens", result.tokens), \
         "both engines must produce identical tokens"
-    return result.stats
+    return result.stats.to_dict()
 
   # interleaved so machine noise hits both alike
   runs = harness.interleaved(run, engines, a.repeats)

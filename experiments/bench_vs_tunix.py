@@ -241,7 +241,7 @@ def main():
     # parity check
     for _ in range(a.warmup):
       ours_ref = engine.generate(prompts, params)
-      assert ours_ref.stats["compiles"] == 0, "precompile() must cover the workload"
+      assert ours_ref.stats.compiles == 0, "precompile() must cover the workload"
     c0, t0 = compile_count(), time.perf_counter()
     for _ in range(a.warmup):
       tunix_ref = tunix_generate(sampler, prompts, a.prompt_len, a.new_tokens, a.tunix_logprobs)
@@ -260,7 +260,7 @@ def main():
     runs = {"ours": [], "tunix": []}
     for rep in range(a.repeats):  # interleaved so machine noise hits both alike
       result = engine.generate(prompts, params)
-      st = result.stats
+      st = result.stats.to_dict()
       assert st["compiles"] == 0, f"our engine recompiled in a timed run: {st['compiles']}"
       assert result.tokens == ours_ref.tokens, "our engine is not deterministic"
       assert st["tokens"] == batch * a.new_tokens

@@ -53,7 +53,7 @@ def main():
         if name.endswith("coupled"):
           assert result.tokens == want.tokens, f"{name} at T={temperature} differs from vanilla"
         v["speed"].append(vanilla_s / seconds)
-        v["accept"].append(result.stats["mean_accept_len"])
+        v["accept"].append(result.stats.mean_accept_len)
     rows[str(temperature)] = {name: dict(speed_vs_vanilla=statistics.median(v["speed"]),
                                          mean_accept_len=statistics.median(v["accept"]))
                               for name, v in per.items()}

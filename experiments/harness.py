@@ -247,10 +247,10 @@ def tree_for(verify: int, depth: int, topk: int) -> SpecConfig:
 def combined_stats(results) -> dict:
   """One stats dict for several ``generate`` calls run one after another (sums; tokens/s and
   mean accepted length over all of them)."""
-  stats = {key: sum(r.stats[key] for r in results)
+  stats = {key: sum(getattr(r.stats, key) for r in results)
            for key in ("tokens", "wall_s", "compile_s", "decode_s", "compiles")}
   stats["tokens_per_s"] = stats["tokens"] / max(stats["wall_s"] - stats["compile_s"], 1e-9)
-  hists = [np.asarray(r.stats["accept_hist"]) for r in results if "accept_hist" in r.stats]
+  hists = [np.asarray(r.stats.accept_hist) for r in results if r.stats.accept_hist is not None]
   if hists:
     hist = np.sum(hists, axis=0)
     stats["mean_accept_len"] = float((hist * np.arange(1, hist.size + 1)).sum() /
@@ -319,7 +319,7 @@ def phase_split(target, drafter, prompts, strategies: dict[str, SpecConfig], par
     engine = RolloutEngine(target, drafter=drafter if spec else None,
                            config=EngineConfig(**base, spec=spec, time_phases=spec is not None))
     warm_up({name: engine}, prompts, params)
-    s = engine.generate(prompts, params).stats
+    s = engine.generate(prompts, params).stats.to_dict()
     n = s["decode_steps"]
     out[name] = {"step_ms": 1e3 * s["decode_s"] / n}
     if spec is not None:

@@ -240,10 +240,10 @@ def record_rollouts(trainer: GRPOTrainer) -> None:
     result = inner(prompts, params, *args, **kwargs)
     tokens = hashlib.sha256(json.dumps(result.tokens).encode()).hexdigest()[:16]
     trainer.rollout_digests.append(tokens)
-    if "devices" in result.stats:
+    if result.stats.devices is not None:
       trainer.rollout_devices_stats.append(dict(
-          rollout_wall_s=result.stats["rollout_wall_s"], wall_s=result.stats["wall_s"],
-          devices=result.stats["devices"]))
+          rollout_wall_s=result.stats.rollout_wall_s, wall_s=result.stats.wall_s,
+          devices=result.stats.to_dict()["devices"]))
     return result
 
   trainer.engine.generate = generate

@@ -125,7 +125,7 @@ def main():
       logits=dict(max_rel_diff=max(r["max_rel_diff"] for r in rows),
                   max_abs_diff=max(r["max_abs_diff"] for r in rows), prompts=rows),
       greedy=dict(new_tokens=a.new_tokens, all_identical=all(r["identical"] for r in greedy_rows),
-                  engine_wall_s=engine_s, engine_compile_s=greedy.stats["compile_s"],
+                  engine_wall_s=engine_s, engine_compile_s=greedy.stats.compile_s,
                   prompts=greedy_rows),
       demo=dict(prompt=demo_messages[0]["content"], completion=demo_text,
                 finish_reason=demo.finish_reasons[0], tokens=len(demo.tokens[0])),

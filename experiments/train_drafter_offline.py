@@ -49,7 +49,7 @@ def own_completions(engine: RolloutEngine, prompts: list[list[int]], max_new_tok
     sequences += [p + t for p, t in zip(prompts, result.tokens)]
     prompt_lens += [len(p) for p in prompts]
     stats[f"t{temperature:g}"] = dict(
-        wall_s=round(result.stats["wall_s"], 2),
+        wall_s=round(result.stats.wall_s, 2),
         mean_len=float(np.mean([len(t) for t in result.tokens])),
         p99_len=float(np.percentile([len(t) for t in result.tokens], 99)),
         stopped=float(np.mean([r == "stop" for r in result.finish_reasons])))

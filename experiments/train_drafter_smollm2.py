@@ -50,8 +50,8 @@ def generate(engine: RolloutEngine, prompts, max_new: int, temperatures, seed: i
     prompt_lens += [len(p) for p in chunk]
     lengths = [len(t) for t in result.tokens]
     stats[f"t{temperature:g}"] = dict(
-        rows=len(chunk), wall_s=round(result.stats["wall_s"], 1),
-        tokens_per_s=round(result.stats["tokens_per_s"], 1), mean_len=float(np.mean(lengths)),
+        rows=len(chunk), wall_s=round(result.stats.wall_s, 1),
+        tokens_per_s=round(result.stats.tokens_per_s, 1), mean_len=float(np.mean(lengths)),
         p90_len=float(np.percentile(lengths, 90)),
         stopped=float(np.mean([r == "stop" for r in result.finish_reasons])))
     print(f"  T={temperature:g}: {len(chunk)} rows, {stats[f't{temperature:g}']}", flush=True)

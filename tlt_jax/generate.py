@@ -103,7 +103,7 @@ def run(cfg, overrides=None, prompts: list[str] | None = None, chat: bool = Fals
   for text, completion in list(zip(texts, completions))[:shown]:
     print(f"{text!r} -> {completion!r}")
   lengths = np.array([len(t) for t in result.tokens])
-  s = result.stats
+  s = result.stats.to_dict()
   print(f"lengths p50={np.percentile(lengths, 50):.0f} p90={np.percentile(lengths, 90):.0f} "
         f"max={lengths.max()} | segments (bucket, steps): {[seg[:2] for seg in s['segments']]}")
   print(f"{s['tokens']} tokens in {s['wall_s']:.2f}s ({s['tokens_per_s']:.0f} tok/s excl. "

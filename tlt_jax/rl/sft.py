@@ -133,7 +133,7 @@ def greedy_accuracy(model, tokenizer: CharTokenizer, task: ArithmeticTask,
              for lo, hi in ((1, 2), (3, 5), (6, 12)) if np.any((longest >= lo) & (longest <= hi))}
   return dict(accuracy=float(rewards.mean()), accuracy_by_digits=by_size,
               mean_completion_len=float(np.mean([len(t) for t in result.tokens])),
-              generate_s=result.stats["wall_s"], example=texts[0],
+              generate_s=result.stats.wall_s, example=texts[0],
               example_prompt=problems[0].prompt)
 
 

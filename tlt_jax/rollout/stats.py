@@ -6,17 +6,14 @@ one tally per (batch bucket, arm)), finished by the engine (wall time, throughpu
 lengths), and merged over devices by the data-parallel rollout. ``rollout_metrics`` turns one
 into the trainer's scalar metrics; ``arm_line`` and ``run_sd_summary`` turn metrics into lines.
 
-For reports that treat a rollout's stats as a record (JSON files, the benchmarks' tables) the
-object also reads as a mapping: ``stats["tokens"]``, ``dict(stats)``, ``"devices" in stats``.
-A field that is None (not measured in this rollout) is absent there, as a key of a dict that
-was never set; nested tallies read as plain dicts. ``to_dict()`` gives all of it at once.
+Code reads the fields as attributes (``stats.tail_s``); reports that want a record (JSON files,
+the benchmarks' tables) take ``to_dict()``, nested tallies and devices as plain dicts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +61,7 @@ _SUMMED = ("prefill_s", "decode_s", "compact_s", "grow_s", "compile_s", "switch_
 
 
 @dataclasses.dataclass(eq=False)
-class RolloutStats(Mapping):
+class RolloutStats:
   """The per-call statistics of a rollout. ``switches``: changes of arm between two consecutive
   segments of a chunk (vanilla <-> SD and one strategy to another, learned or n-gram drafter
   alike; a chunk's first segment is none); ``catchups``: the learned drafter's catch-ups (one
@@ -155,28 +152,9 @@ class RolloutStats(Mapping):
                                               1e-9)
     return merged
 
-  # ---- read as a record ----------------------------------------------------------------------
   def to_dict(self) -> dict[str, Any]:
-    """Every field that is set (not None), nested tallies as plain dicts."""
-    return {name: self[name] for name in self}
-
-  def __getitem__(self, name: str):
-    value = getattr(self, name, None) if name in _FIELDS else None
-    if value is None:
-      raise KeyError(name)
-    return _plain(value)
-
-  def __contains__(self, name) -> bool:
-    return name in _FIELDS and getattr(self, name) is not None
-
-  def __iter__(self) -> Iterator[str]:
-    return (name for name in _FIELDS if getattr(self, name) is not None)
-
-  def __len__(self) -> int:
-    return sum(1 for _ in self)
-
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutStats))
+    """Every field as plain data (tallies and devices as dicts, arrays as lists), for reports."""
+    return _plain(self)
 
 
 def _plain(value):
