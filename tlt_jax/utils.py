@@ -39,12 +39,23 @@ def compile_count() -> int:
     return _compiles
 
 
+class FieldError(ValueError):
+  """A bad value of one field of a config dataclass; the message reads ``<owner>.<field>
+  <problem>``. ``owner``, ``field`` and ``problem`` stay readable, so an entry point that calls
+  the field by another name (the job's ``config.rollout.<field>``) says so without rewriting the
+  message."""
+
+  def __init__(self, owner: str, field: str, problem: str):
+    super().__init__(f"{owner}.{field} {problem}")
+    self.owner, self.field, self.problem = owner, field, problem
+
+
 def require_positive_ints(obj, *names: str) -> None:
-  """Raises ``ValueError`` naming ``Class.field`` for the first field that is not an int >= 1."""
+  """Raises ``FieldError`` naming ``Class.field`` for the first field that is not an int >= 1."""
   for name in names:
     value = getattr(obj, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")
+      raise FieldError(type(obj).__name__, name, f"must be a positive int, got {value!r}")
 
 
 def progress_bar(total: int, desc: str, unit: str):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import re
 
 import ml_collections
 
@@ -18,6 +17,7 @@ from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.tuner import TunerConfig
+from tlt_jax.utils import FieldError
 
 
 _DRAFTER_CHOICES = ("'none', 'ngram', 'eagle' (a drafter trained online from scratch) or the "
@@ -98,17 +98,16 @@ def _tuner(value) -> TunerConfig:
   try:
     return TunerConfig(**fields)
   except (TypeError, ValueError) as e:
-    raise _named(e, "TunerConfig", "rollout.tuner") from None
+    raise _named(e, "rollout.tuner") from None
 
 
-def _named(error: Exception, owner: str, where: str) -> ConfigError:
-  """``error`` of the dataclass ``owner`` (whose messages name a field as ``<owner>.<field>``)
-  as a ``ConfigError`` naming ``config.<where>.<field>``.
-
-  The one place where a message is rewritten: EngineConfig and TunerConfig name their fields
-  themselves, not as the job's config fields.
-  """
-  return ConfigError(str(error).replace(f"{owner}.", f"config.{where}."))
+def _named(error: Exception, where: str) -> ConfigError:
+  """``error`` of a dataclass built from ``config.<where>`` as a ``ConfigError``: a
+  ``FieldError`` names the field as ``config.<where>.<field>``; any other error is prefixed with
+  ``config.<where>``."""
+  if isinstance(error, FieldError):
+    return ConfigError(f"config.{where}.{error.field} {error.problem}")
+  return ConfigError(f"config.{where}: {error}")
 
 
 def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
@@ -126,14 +125,13 @@ def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
   try:  # built once; the engine's own checks of its fields, named as config fields
     engine = EngineConfig(**values, **extra)
   except (TypeError, ValueError) as e:
-    named = re.match(r"EngineConfig\.(\w+)", str(e))
-    if named and named[1] in _ENGINE_SCALARS:  # the adaptive engine's: config.rollout.<field>
-      raise _named(e, "EngineConfig", "rollout") from None
+    if isinstance(e, FieldError) and e.field in _ENGINE_SCALARS:  # config.rollout.<field>
+      raise _named(e, "rollout") from None
     raise ConfigError(f"config.rollout: {e}") from None
   try:
     engine.check_fixed_tuner(ngram=isinstance(drafter, NgramConfig))
   except ValueError as e:
-    raise _named(e, "TunerConfig", "rollout.tuner") from None
+    raise _named(e, "rollout.tuner") from None
   if engine.strategies and drafter is None:
     raise ConfigError("config.rollout.strategies needs a drafter: set config.drafter to 'ngram' "
                       "or a saved drafter's directory, or leave strategies empty (vanilla)")

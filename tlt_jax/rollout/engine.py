@@ -42,7 +42,7 @@ from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.stats import RolloutStats, mean_accept_len, tail_seconds
 from tlt_jax.rollout.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
 from tlt_jax.rollout.tuner import Tuner, TunerConfig, fixed_arm, make_tuner
-from tlt_jax.utils import compile_count, require_positive_ints
+from tlt_jax.utils import FieldError, compile_count, require_positive_ints
 
 __all__ = ["DecodeState", "EngineConfig", "RolloutEngine", "RolloutResult"]
 
@@ -100,24 +100,25 @@ class EngineConfig:
       object.__setattr__(self, "spec", _as_spec(self.spec, "EngineConfig.spec"))
     if isinstance(self.strategies, (SpecConfig, str)) or not isinstance(
         self.strategies, (tuple, list)):
-      raise ValueError(f"EngineConfig.strategies must be a tuple of SpecConfig, got "
+      raise FieldError("EngineConfig", "strategies", f"must be a tuple of SpecConfig, got "
                        f"{self.strategies!r}")
     strategies = tuple(_as_spec(s, f"EngineConfig.strategies[{i}]")
                        for i, s in enumerate(self.strategies))
     if len(set(strategies)) != len(strategies):
-      raise ValueError(f"EngineConfig.strategies has duplicates: {strategies}")
+      raise FieldError("EngineConfig", "strategies", f"has duplicates: {strategies}")
     object.__setattr__(self, "strategies", strategies)
     if strategies and self.spec is not None:
       raise ValueError("set either EngineConfig.spec (one fixed strategy) or "
                        "EngineConfig.strategies (the adaptive engine), not both")
     if self.verify not in VERIFY_MODES:
-      raise ValueError(f"EngineConfig.verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+      raise FieldError("EngineConfig", "verify",
+                       f"must be one of {VERIFY_MODES}, got {self.verify!r}")
     tuner = TunerConfig() if self.tuner is None else self.tuner
     if not isinstance(tuner, TunerConfig):
       try:
         tuner = TunerConfig(**dict(tuner))
       except (TypeError, ValueError) as e:
-        raise ValueError(f"EngineConfig.tuner must be a TunerConfig or a dict of its fields: "
+        raise FieldError("EngineConfig", "tuner", f"must be a TunerConfig or a dict of its fields: "
                          f"{e}") from None
     object.__setattr__(self, "tuner", tuner)
     if self.segment_steps is None:
@@ -125,7 +126,7 @@ class EngineConfig:
     for name in ("segment_steps", "verify_budget"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"EngineConfig.{name} must be an int >= 0 (0: no limit), got {value!r}")
+        raise FieldError("EngineConfig", name, f"must be an int >= 0 (0: no limit), got {value!r}")
     require_positive_ints(self, "max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids",
                           "sd_max_batch")
     defaults = (("batch_buckets", self.max_batch, bk.powers_of_two_up_to(self.max_batch)),
@@ -143,7 +144,7 @@ class EngineConfig:
       value = tuple(self.kv_buckets)
       if (any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 for v in value)
           or list(value) != sorted(set(value))):
-        raise ValueError(f"EngineConfig.kv_buckets must be strictly increasing positive ints "
+        raise FieldError("EngineConfig", "kv_buckets", f"must be strictly increasing positive ints "
                          f"(or None for the default ladder), got {self.kv_buckets!r}")
       object.__setattr__(self, "kv_buckets", tuple(int(v) for v in value))
 
@@ -253,7 +254,7 @@ class RolloutEngine(Rollout):
       # model-free drafting: chains of tokens copied from the row's group
       chain = SpecConfig(depth=self.ngram.depth, topk=1, verify_tokens=self.ngram.depth + 1)
       if config.spec is not None and config.spec != chain:
-        raise ValueError(f"EngineConfig.spec {config.spec} does not fit the n-gram drafter; "
+        raise FieldError("EngineConfig", "spec", f"{config.spec} does not fit the n-gram drafter; "
                          f"leave it None (it becomes {chain})")
       if any(not s.is_chain for s in config.strategies):
         raise ValueError("the n-gram drafter drafts chains: every EngineConfig.strategies entry "
@@ -265,7 +266,7 @@ class RolloutEngine(Rollout):
       config = dataclasses.replace(config, spec=SpecConfig())
     if config.specs and drafter is None and self.ngram is None:
       field = "strategies" if config.adaptive else "spec"
-      raise ValueError(f"EngineConfig.{field} is set but no drafter was given; pass drafter=... "
+      raise FieldError("EngineConfig", field, f"is set but no drafter was given; pass drafter=... "
                        f"or leave it unset for vanilla decoding")
     if drafter is not None and drafter.config.hidden_size != model.config.hidden_size:
       raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} does not match the "

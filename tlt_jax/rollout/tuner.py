@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tlt_jax.utils import require_positive_ints
+from tlt_jax.utils import FieldError, require_positive_ints
 
 KINDS = ("beg_mab", "ucb1", "fixed")
 _SUMMARY_BEST = "best"  # the summary's per-bucket key for the best arm; no arm may use this name
@@ -82,53 +82,53 @@ class TunerConfig:
 
   def __post_init__(self):
     if self.kind not in KINDS:
-      raise ValueError(f"TunerConfig.kind must be one of {', '.join(map(repr, KINDS))}, "
+      raise FieldError("TunerConfig", "kind", f"must be one of {', '.join(map(repr, KINDS))}, "
                        f"got {self.kind!r}")
     for name in ("epsilon", "epsilon_min", "ucb_c"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"TunerConfig.{name} must be a finite number, got {value!r}")
+        raise FieldError("TunerConfig", name, f"must be a finite number, got {value!r}")
     if not 0 <= self.epsilon <= 1:
-      raise ValueError(f"TunerConfig.epsilon must be in [0, 1], got {self.epsilon!r}")
+      raise FieldError("TunerConfig", "epsilon", f"must be in [0, 1], got {self.epsilon!r}")
     if not 0 <= self.epsilon_min <= self.epsilon:
-      raise ValueError(f"TunerConfig.epsilon_min must be in [0, epsilon={self.epsilon!r}], got "
-                       f"{self.epsilon_min!r}; lower epsilon_min or raise epsilon")
+      raise FieldError("TunerConfig", "epsilon_min", f"must be in [0, epsilon={self.epsilon!r}], "
+                       f"got {self.epsilon_min!r}; lower epsilon_min or raise epsilon")
     if not isinstance(self.decay, bool):
-      raise ValueError(f"TunerConfig.decay must be a bool, got {self.decay!r}")
+      raise FieldError("TunerConfig", "decay", f"must be a bool, got {self.decay!r}")
     require_positive_ints(self, "window")
     if self.ucb_c < 0:
-      raise ValueError(f"TunerConfig.ucb_c must be >= 0, got {self.ucb_c!r}")
+      raise FieldError("TunerConfig", "ucb_c", f"must be >= 0, got {self.ucb_c!r}")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-      raise ValueError(f"TunerConfig.seed must be an int >= 0, got {self.seed!r}")
+      raise FieldError("TunerConfig", "seed", f"must be an int >= 0, got {self.seed!r}")
     object.__setattr__(self, "fixed", _normalize_fixed(self.fixed))
     if self.kind == "fixed" and not self.fixed:
-      raise ValueError("TunerConfig.fixed is empty but kind='fixed' needs a mapping: give "
+      raise FieldError("TunerConfig", "fixed", "is empty but kind='fixed' needs a mapping: give "
                        "((max_bucket, arm_name), ...), e.g. ((32, 'chain d4'), (256, 'vanilla'))")
 
 
 def _normalize_fixed(fixed) -> tuple:
   """``fixed`` as a tuple of ``(int, str)`` pairs (a JSON/ml_collections list of lists is fine)."""
   if isinstance(fixed, (str, bytes)) or not isinstance(fixed, collections.abc.Iterable):
-    raise ValueError(f"TunerConfig.fixed must be a sequence of (max_bucket, arm_name) pairs, "
+    raise FieldError("TunerConfig", "fixed", f"must be a sequence of (max_bucket, arm_name) pairs, "
                      f"got {fixed!r}")
   out = []
   for entry in fixed:
-    bad = (f"TunerConfig.fixed entries must be (max_bucket: int >= 1, arm_name: non-empty str) "
-           f"pairs, got {entry!r}")
+    bad = FieldError("TunerConfig", "fixed", f"entries must be (max_bucket: int >= 1, arm_name: "
+                     f"non-empty str) pairs, got {entry!r}")
     if isinstance(entry, (str, bytes)) or not isinstance(entry, collections.abc.Sequence):
-      raise ValueError(bad)
+      raise bad
     if len(entry) != 2:
-      raise ValueError(bad)
+      raise bad
     max_bucket, name = entry
     if isinstance(max_bucket, bool) or not isinstance(max_bucket, (int, np.integer)):
-      raise ValueError(bad)
+      raise bad
     if max_bucket < 1 or not isinstance(name, str) or not name:
-      raise ValueError(bad)
+      raise bad
     out.append((int(max_bucket), name))
   bounds = [b for b, _ in out]
   if len(set(bounds)) != len(bounds):
-    raise ValueError(f"TunerConfig.fixed has a repeated max_bucket in {tuple(out)!r}; give each "
-                     "max_bucket once")
+    raise FieldError("TunerConfig", "fixed", f"has a repeated max_bucket in {tuple(out)!r}; give "
+                     "each max_bucket once")
   return tuple(sorted(out))
 
 
@@ -343,10 +343,10 @@ def fixed_arm(fixed: tuple, bucket: int, names: Sequence[str]) -> str:
   raises ``ValueError`` when the bucket is unmapped or the arm is not offered there."""
   target = next((name for max_bucket, name in fixed if bucket <= max_bucket), None)
   if target is None:
-    raise ValueError(f"TunerConfig.fixed maps buckets up to {fixed[-1][0]} but the engine asks "
-                     f"about bucket {bucket}; add an entry with max_bucket >= {bucket}")
+    raise FieldError("TunerConfig", "fixed", f"maps buckets up to {fixed[-1][0]} but the engine "
+                     f"asks about bucket {bucket}; add an entry with max_bucket >= {bucket}")
   if target not in names:
-    raise ValueError(f"TunerConfig.fixed maps bucket {bucket} to {target!r}, which is not "
+    raise FieldError("TunerConfig", "fixed", f"maps bucket {bucket} to {target!r}, which is not "
                      f"offered there; offered arms: {list(names)}")
   return target
 
