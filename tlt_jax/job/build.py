@@ -25,7 +25,8 @@ from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.sft import SFTConfig
 from tlt_jax.rl.tasks import ArithmeticTask, Task, chat_prompt
-from tlt_jax.rl.trainer import TrainerConfig, encode_prompt, eval_problems, step_problems
+from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prompt, eval_problems, \
+    step_problems
 from tlt_jax.rollout.engine import EngineConfig
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.py"
@@ -184,11 +185,10 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
                                       max_new_tokens=trainer_config.max_new_tokens,
                                       pad_token_id=pad)
   check_prompt_lengths(task, tokenizer, chat, trainer_config, engine_config.max_prompt_len)
-  rollout_devices = cfg.get("rollout_devices", 0)
-  if not isinstance(rollout_devices, int) or isinstance(rollout_devices, bool) or \
-      rollout_devices < 0:
-    raise ConfigError(f"config.rollout_devices must be an int >= 0 (0: every device of the "
-                      f"mesh), got {rollout_devices!r}")
+  try:
+    check_rollout_devices(cfg.get("rollout_devices", 0), name="config.rollout_devices")
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   return Job(cfg=cfg, logdir=pathlib.Path(cfg.logdir), task=task, tokenizer=tokenizer,
              model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
              engine=engine_config, drafter=drafter, model_path=model_path, chat_template=chat,
@@ -228,11 +228,11 @@ def job_devices(cfg: ml_collections.ConfigDict) -> list:
     raise ConfigError(f"config.mesh_devices={cfg.mesh_devices} but only {len(devices)} devices "
                       "are visible; use 0 for all of them")
   devices = devices[:cfg.mesh_devices or len(devices)]
-  rollout_devices = cfg.get("rollout_devices", 0)  # an int >= 0, checked by build_job
   local = [d for d in devices if d.process_index == jax.process_index()]
-  if rollout_devices > len(local):
-    raise ConfigError(f"config.rollout_devices={rollout_devices} but the mesh has "
-                      f"{len(local)} devices in this process; use 0 for all of them")
+  try:
+    check_rollout_devices(cfg.get("rollout_devices", 0), len(local), "config.rollout_devices")
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   return devices
 
 

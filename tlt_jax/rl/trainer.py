@@ -109,6 +109,18 @@ def check_update_layout(config: TrainerConfig, grpo_config: grpo.GRPOConfig, dev
         f"{devices} devices (set --config.mesh_devices, or change those fields)")
 
 
+def check_rollout_devices(value, available: int | None = None,
+                          name: str = "rollout_devices") -> None:
+  """Raises ``ValueError`` unless ``value`` (how many devices roll out; 0: all of them) is an int
+  >= 0 and, where ``available`` (this process's devices of the mesh) is given, at most that.
+  ``name``: what the message calls the value (the job's ``config.rollout_devices``)."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f"{name} must be an int >= 0 (0: every device of the mesh), got {value!r}")
+  if available is not None and value > available:
+    raise ValueError(f"{name}={value} but the mesh has {available} devices in this process; use "
+                     f"0 for all of them")
+
+
 EVAL_SEED = 10_000  # the held-out problems' generator seed (independent of training data)
 
 
@@ -167,10 +179,7 @@ class GRPOTrainer:
                        f"EngineConfig.max_new_tokens={engine_config.max_new_tokens}")
     # this process's devices of the mesh (on several hosts each one rolls out on its own)
     devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
-    if isinstance(rollout_devices, bool) or not isinstance(rollout_devices, int) or not (
-        0 <= rollout_devices <= len(devices)):
-      raise ValueError(f"rollout_devices must be an int in [0, {len(devices)}] (the mesh's "
-                       f"devices; 0: all of them), got {rollout_devices!r}")
+    check_rollout_devices(rollout_devices, len(devices))
     self.rollout_devices = devices[:rollout_devices or len(devices)]
     if len(self.rollout_devices) > 1:
       self.engine = DataParallelRollout(model, drafter, engine_config, devices=self.rollout_devices)
