@@ -219,15 +219,13 @@ class GRPOTrainer:
     redundantly on all devices.) The views die with the params they view, which the update
     donates: call this after every update.
     """
-    self._update_engine()
+    self.engine.update_params(self.params)
 
-  def _update_engine(self, drafter: nnx.State | None = None) -> None:
-    self.engine.update_params(self.params, drafter)  # each device's zero-copy shard
 
   def _sync_drafter(self) -> None:
     """Hands the engines a copy of the online drafter's current weights (no recompile)."""
     if self.online is not None:
-      self._update_engine(self.online.engine_params(self.rollout_devices[0]))
+      self.engine.update_params(self.params, self.online.engine_params(self.rollout_devices[0]))
 
   def precompile_drafter(self) -> int:
     """Compiles the online drafter's train and eval steps for every rollout device; returns how

@@ -146,8 +146,13 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
   ``metrics["finite"]`` says whether the update was applied: when the loss, the gradient norm or
   any new param is not finite, the old params and optimizer state come back unchanged.
   """
-  jitted = _jit_padded_update(graphdef, optimizer, config, mesh, temperature)
-  return lambda params, opt_state, batch, ref_params=None: jitted(params, opt_state, batch,
+  return _ref_optional(_jit_padded_update(graphdef, optimizer, config, mesh, temperature))
+
+
+def _ref_optional(update):
+  """``update(params, opt_state, batch, ref_params)`` callable with ``ref_params`` left out (no
+  KL term)."""
+  return lambda params, opt_state, batch, ref_params=None: update(params, opt_state, batch,
                                                                   ref_params)
 
 
@@ -218,8 +223,7 @@ class PolicyUpdate:
     self._padded_update = _jit_padded_update(graphdef, self.optimizer, grpo_config, mesh,
                                              config.temperature)
     # the full-length update (what runs with update_tokens=0), callable directly
-    self.update_fn = lambda params, opt_state, batch, ref_params=None: self._padded_update(
-        params, opt_state, batch, ref_params)
+    self.update_fn = _ref_optional(self._padded_update)
     self._packed = make_packed_update_fns(graphdef, self.optimizer, grpo_config, mesh,
                                           temperature=config.temperature)
     self.executables = AotCache()  # ahead-of-time compiled update pieces, by key

@@ -266,8 +266,8 @@ class RolloutEngine(Rollout):
       config = dataclasses.replace(config, spec=SpecConfig())
     if config.specs and drafter is None and self.ngram is None:
       field = "strategies" if config.adaptive else "spec"
-      raise FieldError("EngineConfig", field, f"is set but no drafter was given; pass drafter=... "
-                       f"or leave it unset for vanilla decoding")
+      raise FieldError("EngineConfig", field, "is set but no drafter was given; pass drafter=... "
+                       "or leave it unset for vanilla decoding")
     if drafter is not None and drafter.config.hidden_size != model.config.hidden_size:
       raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} does not match the "
                        f"target's {model.config.hidden_size}")
