@@ -63,7 +63,7 @@ def main():
   job, policy_dir, drafter_dir = rb.prepare(a)
   spec = SpecConfig(a.depth, 1, a.depth + 1)
   training = DrafterTrainingConfig(learning_rate=a.drafter_lr, serial_steps=a.serial_steps,
-                                   seed=a.seed)
+                                   serial_budget="fixed", seed=a.seed)
   scratch_training = dataclasses.replace(training, learning_rate=a.scratch_lr)
   t0 = time.perf_counter()
   arms = {

@@ -6,17 +6,20 @@ vanilla rollouts vs the same speculative rollouts with a frozen drafter, as rati
 
 The default job (configs/tiny_grpo.py) at a small size on one device: the tiny policy is
 warm-started once and an initial EAGLE drafter trained offline on its own rollouts (both cached
-under experiments/out/rl_bench/). Three GRPO trainers start from the same weights and seeds:
+under experiments/out/rl_bench/). Four GRPO trainers start from the same weights and seeds:
 
 * ``vanilla``: no drafter;
 * ``sd_frozen``: the initial drafter, never updated;
 * ``tlt``: the initial drafter trained online (one device: serial drafter steps between rollout
-  and update, DrafterTrainingConfig at --drafter-lr), its new weights in the engine every step.
+  and update, DrafterTrainingConfig at --drafter-lr) under the default budget, the ledger: paid
+  from what SD saved, after a bounded bootstrap grant; its new weights in the engine whenever
+  training changed them;
+* ``tlt_fixed``: the same with ``serial_budget="fixed"``: --serial-steps every RL step.
 
 Both speculative arms use the same engine: ``--engine adaptive`` (default; TLT's: vanilla plus
-the chain strategies of --strategies, chosen per segment and batch bucket by the BEG-MAB tuner,
+the chain strategies of --strategies, chosen per segment and batch bucket by the tuner,
 SD only in buckets <= sd_max_batch) or ``fixed`` (every segment the first chain). Every arm
-verifies with ``coupled`` sampling, so all three emit exactly the tokens of vanilla sampling and
+verifies with ``coupled`` sampling, so all four emit exactly the tokens of vanilla sampling and
 follow the same policy trajectory (tokens and rewards checked equal at every step): only speed
 differs. The arms step in turn, the order rotating every step, so that load from other
 processes falls on all of them; each step's time is compared with vanilla's at the same step
@@ -36,7 +39,7 @@ import harness
 import rl_bench as rb
 from harness import DrafterTrainingConfig, SpecConfig
 
-ARMS = ("vanilla", "sd_frozen", "tlt")
+ARMS = ("vanilla", "sd_frozen", "tlt", "tlt_fixed")
 
 
 def chains(text: str) -> tuple[SpecConfig, ...]:
@@ -118,7 +121,8 @@ def plot(rows: dict, path: pathlib.Path) -> str | None:
   except ImportError:
     return None
   fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-  styles = {"vanilla": ("-", "o", 9), "sd_frozen": ("--", "s", 6), "tlt": (":", "^", 4)}
+  styles = {"vanilla": ("-", "o", 9), "sd_frozen": ("--", "s", 6), "tlt": (":", "^", 4),
+            "tlt_fixed": ("-.", "v", 4)}
   for name, arm_rows in rows.items():
     steps = range(1, len(arm_rows) + 1)
     line, marker, size = styles[name]
@@ -161,10 +165,11 @@ def main():
   arms = {
       "vanilla": rb.make_arm(job, policy_dir),
       "sd_frozen": rb.make_arm(job, policy_dir, drafter=drafter_dir, **sd),
-      "tlt": rb.make_arm(job, policy_dir, drafter=drafter_dir, **sd,
-                         training=DrafterTrainingConfig(learning_rate=a.drafter_lr,
-                                                        serial_steps=a.serial_steps,
-                                                        seed=a.seed)),
+      **{name: rb.make_arm(job, policy_dir, drafter=drafter_dir, **sd,
+                           training=DrafterTrainingConfig(learning_rate=a.drafter_lr,
+                                                          serial_steps=a.serial_steps,
+                                                          serial_budget=budget, seed=a.seed))
+         for name, budget in (("tlt", "ledger"), ("tlt_fixed", "fixed"))},
   }
   build_s = time.perf_counter() - t0
   print(f"built and compiled {len(arms)} arms in {build_s:.0f}s", flush=True)

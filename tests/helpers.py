@@ -8,6 +8,7 @@ from flax import nnx
 
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.transformer import Transformer, init_model
+from tlt_jax.rollout.tuner import Decision
 
 
 def sharp_random_model(config: ModelConfig, seed: int = 0, scale: float = 8.0) -> Transformer:
@@ -62,8 +63,17 @@ class RoundRobin:
     self.calls.append((bucket, arm))
     return arm
 
-  def update(self, bucket, arm, tokens, seconds):
+  def plan(self, bucket, arms):
+    return Decision(self.choose(bucket, arms))
+
+  def update(self, bucket, arm, tokens, seconds, **measured):
     assert tokens >= 0 and seconds > 0
+
+  def step_cost(self, bucket, arm):  # nothing measured: the rollout's SD saving is unknown
+    return None
+
+  def observe_drafter(self, quality=None):
+    pass
 
   def summary(self):
     return {}

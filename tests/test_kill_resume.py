@@ -3,7 +3,8 @@ step (SIGKILL, Ctrl-C's SIGINT, or the SIGTERM of a preemption) and resumed logs
 metrics as an uninterrupted run with the same seed, and ends with the same weights.
 
 Cases: the default job; ``drafter=eagle`` (drafter, optimizer, data buffer, selective saves, the
-tuner of its adaptive engine) on one device and data-parallel on two; the n-gram drafter with the
+tuner of its adaptive engine) on one device with a fixed serial budget and with the ledger's
+(its balance and bootstrap grant), and data-parallel on two; the n-gram drafter with the
 adaptive engine. Whatever depends on the machine's timing differs between any two runs, so the
 cases avoid it: the tuners map buckets to arms (``kind="fixed"``; a bandit's choices follow
 measured speeds, and with rejection sampling the tokens follow the arms), their saved state
@@ -43,10 +44,15 @@ def fixed_tuner(sd_arm: str) -> dict:
 
 
 EAGLE = {"drafter": "eagle", "drafter_training.rows": 2, "drafter_training.seq_len": 32,
-         "drafter_training.serial_steps": 2, **fixed_tuner("chain d3")}
+         "drafter_training.serial_steps": 2, "drafter_training.serial_budget": "fixed",
+         **fixed_tuner("chain d3")}
 CASES = {
     "default": ({}, 1),
     "eagle": (EAGLE, 1),
+    # the ledger's bootstrap grant runs out at step 3; the fixed tuner's buckets give the
+    # ledger no vanilla step cost to estimate a saving from, so it grants nothing after it
+    "eagle_ledger": ({**EAGLE, "drafter_training.serial_budget": "ledger",
+                      "drafter_training.bootstrap_steps": 5}, 1),
     "eagle_2_devices": ({**EAGLE, "drafter_training.spot": False, "rollout_devices": 2}, 2),
     "ngram_adaptive": ({"drafter": "ngram", "rollout.strategies": "((2, 1, 3),)",
                         "rollout.segment_steps": 4, **fixed_tuner("ngram d2")}, 1),
@@ -123,6 +129,7 @@ def references(tmp_path_factory):
 
 SIGNAL_CASES = [("default", signal.SIGKILL), ("default", signal.SIGTERM),
                 ("eagle", signal.SIGKILL), ("eagle", signal.SIGINT),
+                ("eagle_ledger", signal.SIGKILL),
                 ("eagle_2_devices", signal.SIGKILL), ("ngram_adaptive", signal.SIGTERM)]
 
 

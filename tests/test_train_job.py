@@ -542,7 +542,7 @@ def test_eagle_drafter_trains_online_saves_resumes_and_exports(tmp_path):
   from tlt_jax.models.drafter import load_drafter  # pylint: disable=import-outside-toplevel
   logdir = tmp_path / "eagle"
   cfg = tiny_config(logdir, drafter="eagle")
-  cfg.drafter_training.update(rows=2, seq_len=32, serial_steps=2)
+  cfg.drafter_training.update(rows=2, seq_len=32, serial_steps=2, serial_budget="fixed")
   train.run(cfg)
   rows = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
   steps = [r for r in rows if "reward" in r]

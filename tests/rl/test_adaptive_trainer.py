@@ -168,7 +168,7 @@ def test_a_tuner_of_another_kind_starts_fresh_and_says_so(stepped, tmp_path):
     other.restore(ckpt, report=notes.append)
   assert other.step_count == 1
   assert other.engine.tuner.state_dict() == fresh
-  assert len(notes) == 1 and "'beg_mab'" in notes[0] and "'ucb1'" in notes[0], notes
+  assert len(notes) == 1 and "'cost'" in notes[0] and "'ucb1'" in notes[0], notes
   assert "starts fresh" in notes[0]
 
 

@@ -20,7 +20,8 @@ from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.utils import compile_count
 
-TRAINING = DrafterTrainingConfig(rows=4, seq_len=32, serial_steps=3, learning_rate=3e-3)
+TRAINING = DrafterTrainingConfig(rows=4, seq_len=32, serial_steps=3, learning_rate=3e-3,
+                                 serial_budget="fixed")
 
 
 def online_trainer(training=TRAINING) -> GRPOTrainer:

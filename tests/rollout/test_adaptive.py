@@ -107,7 +107,7 @@ def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models, engines):
   state, _ = pool.get(("prefill", 4, 16))(weights, ids, lens, rows, rows, args)
   vanilla = pool.get(("segment", 4, kv_len, pool.stop_at(4), "vanilla"))
   for _ in range(4):  # 4 segments of segment_steps=3 vanilla steps
-    state = vanilla(weights, state, args, np.int32(0))
+    state = vanilla(weights, state, args, np.int32(0), np.int32(cfg.segment_steps))
   lag = np.asarray(state.cache.lengths - state.dcache.lengths)[:3]
   assert (lag > cfg.pending_width).all(), lag  # far behind after 12 vanilla steps
   state = pool.get(("catchup", 4, kv_len))(weights, state)
@@ -299,9 +299,10 @@ def test_the_tuner_is_charged_the_catch_up_of_its_segment(engines, monkeypatch):
       super().__init__()
       self.updates = []
 
-    def update(self, bucket, arm, tokens, seconds):
-      super().update(bucket, arm, tokens, seconds)
+    def update(self, bucket, arm, tokens, seconds, **measured):
+      super().update(bucket, arm, tokens, seconds, **measured)
       self.updates.append((arm, seconds))
+      assert measured["switch_s"] == seconds - 1.0  # the catch-up's part, said apart
 
   clock = iter(range(10**9))
   monkeypatch.setattr(scheduler, "time", type("FakeTime", (), {

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from tlt_jax.rollout.tuner import Arm, BegMab, FixedMapping, TunerConfig, Ucb1, make_tuner
+from tlt_jax.rollout.tuner import (Arm, BegMab, CostModel, FixedMapping, TunerConfig, Ucb1,
+                                    acceptance_from_length, accepted_length, make_tuner)
 
 ARMS = [Arm("vanilla", 1), Arm("chain d4", 5), Arm("tree d4 k4 v16", 16), Arm("tree d6 k8 v64", 64)]
 NAMES = [a.name for a in ARMS]
@@ -44,18 +45,19 @@ def rng_state(tuner):
 
 
 def test_make_tuner_builds_each_kind():
-  assert type(make_tuner(TunerConfig())) is BegMab
+  assert type(make_tuner(TunerConfig())) is CostModel  # the default
+  assert type(make_tuner(TunerConfig(kind="beg_mab"))) is BegMab
   assert type(make_tuner(TunerConfig(kind="ucb1"))) is Ucb1
   assert type(make_tuner(TunerConfig(kind="fixed", fixed=((8, "vanilla"),)))) is FixedMapping
 
 
 def test_beg_mab_converges_to_best_arm():
-  chosen = run_bandit(make_tuner(TunerConfig(seed=0)), SD_PAYS, steps=1000)
+  chosen = run_bandit(make_tuner(TunerConfig(kind="beg_mab", seed=0)), SD_PAYS, steps=1000)
   assert np.mean(chosen[-200:] == 2) >= 0.85
 
 
 def test_beg_mab_converges_to_vanilla_when_sd_does_not_pay():
-  cfg = TunerConfig(seed=0)
+  cfg = TunerConfig(kind="beg_mab", seed=0)
   steps = 1000
   chosen = run_bandit(make_tuner(cfg), SD_DOES_NOT_PAY, steps=steps)
   assert np.mean(chosen[-200:] == 0) >= 0.85
@@ -78,9 +80,9 @@ def explore_counts(tuner, steps, bucket=4):
 
 
 @pytest.mark.parametrize("cfg", [
-    TunerConfig(epsilon=1.0, epsilon_min=0.0, seed=1),  # the decay law itself
-    TunerConfig(epsilon=0.5, epsilon_min=0.2, seed=2),  # the floor
-    TunerConfig(epsilon=0.5, epsilon_min=0.2, decay=False, seed=3),
+    TunerConfig(kind="beg_mab", epsilon=1.0, epsilon_min=0.0, seed=1),  # the decay law itself
+    TunerConfig(kind="beg_mab", epsilon=0.5, epsilon_min=0.2, seed=2),  # the floor
+    TunerConfig(kind="beg_mab", epsilon=0.5, epsilon_min=0.2, decay=False, seed=3),
 ], ids=["decay", "floor", "no_decay"])
 def test_beg_mab_exploration_rate_follows_the_formula(cfg):
   decay = cfg.decay
@@ -105,7 +107,7 @@ def test_beg_mab_exploration_rate_follows_the_formula(cfg):
 
 
 def test_median_not_mean_decides():
-  tuner = make_tuner(TunerConfig(epsilon=0.0, epsilon_min=0.0))
+  tuner = make_tuner(TunerConfig(kind="beg_mab", epsilon=0.0, epsilon_min=0.0))
   arms = [Arm("vanilla", 1), Arm("chain d4", 5)]
   assert tuner.choose(1, arms) == "vanilla"
   feed(tuner, 1, "vanilla", [100.0, 101.0, 99.0])
@@ -130,7 +132,7 @@ def test_ties_go_to_the_arm_offered_first(kind):
 
 
 def test_sliding_window_follows_a_change():
-  cfg = TunerConfig(epsilon=0.0, epsilon_min=0.0, window=16)
+  cfg = TunerConfig(kind="beg_mab", epsilon=0.0, epsilon_min=0.0, window=16)
   tuner = make_tuner(cfg)
   arms = [Arm("a", 1), Arm("b", 4), Arm("c", 8)]
   means = {"a": 300.0, "b": 200.0, "c": 100.0}
@@ -152,7 +154,7 @@ def test_sliding_window_follows_a_change():
 
 
 def test_every_arm_is_tried_first_in_the_given_order():
-  tuner = make_tuner(TunerConfig(epsilon=1.0, epsilon_min=1.0, seed=3))
+  tuner = make_tuner(TunerConfig(kind="beg_mab", epsilon=1.0, epsilon_min=1.0, seed=3))
   state = rng_state(tuner)
   arms = ARMS + [Arm("ngram d8", 9)]
   first = []
@@ -168,7 +170,7 @@ def test_every_arm_is_tried_first_in_the_given_order():
 
 
 def test_buckets_are_independent():
-  tuner = make_tuner(TunerConfig(epsilon=0.0, epsilon_min=0.0))
+  tuner = make_tuner(TunerConfig(kind="beg_mab", epsilon=0.0, epsilon_min=0.0))
   for _ in range(len(ARMS)):
     name = tuner.choose(1, ARMS)
     feed(tuner, 1, name, [500.0 if name == "tree d6 k8 v64" else 10.0])
@@ -340,7 +342,7 @@ def test_state_dict_round_trip_continues_identically(cfg):
 def test_load_state_dict_rejects_another_kind():
   state = make_tuner(TunerConfig(kind="ucb1")).state_dict()
   with pytest.raises(ValueError, match=r"saved by a 'ucb1' tuner.*'beg_mab'"):
-    make_tuner(TunerConfig()).load_state_dict(state)
+    make_tuner(TunerConfig(kind="beg_mab")).load_state_dict(state)
 
 
 # ---------------------------------------------------------------- errors
@@ -378,7 +380,7 @@ def test_arm_validation():
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
-    (dict(kind="greedy"), r"TunerConfig\.kind must be one of 'beg_mab', 'ucb1', 'fixed'"),
+    (dict(kind="greedy"), r"TunerConfig\.kind must be one of 'cost', 'beg_mab', 'ucb1', 'fixed'"),
     (dict(epsilon=1.5), r"TunerConfig\.epsilon must be in \[0, 1\]"),
     (dict(epsilon=-0.1, epsilon_min=0.0), r"TunerConfig\.epsilon must be in \[0, 1\]"),
     (dict(epsilon=float("nan")), r"TunerConfig\.epsilon must be a finite number"),
@@ -400,3 +402,144 @@ def test_arm_validation():
 def test_config_validation(kwargs, pattern):
   with pytest.raises(ValueError, match=pattern):
     TunerConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- the cost model (kind="cost")
+
+COST_ARMS = [Arm("vanilla", 1), Arm("chain d3", 4, 3, 1), Arm("chain d7", 8, 7, 1),
+             Arm("tree d5 k4 v16", 16, 5, 4)]
+# seconds per step: a speculative step costs 2.5-8x a vanilla one, more at bigger buckets
+COSTS = {(b, a.name): (1.0 if a.depth == 0 else r * (1 + b / 8)) * 1e-3
+         for b in (1, 2, 4, 8) for a, r in zip(COST_ARMS, (1, 2.5, 4.0, 6.0))}
+OVERHEAD = 0.5e-3
+
+
+def play_cost(tuner, alpha, rounds, buckets=(8, 4, 2, 1), arms=COST_ARMS, calibrated=True):
+  """Rounds of a rollout whose live batch sweeps ``buckets``; each decision's segment emits the
+  expected accepted length of ``arms`` under a drafter of per-token acceptance ``alpha`` and
+  takes the calibrated cost per step plus the boundary. Returns (bucket, arm, max_steps)."""
+  if calibrated:
+    tuner.set_costs(COSTS, OVERHEAD)
+  log = []
+  for _ in range(rounds):
+    for b in buckets:
+      for _ in range(3):  # a few segments per bucket
+        d = tuner.plan(b, arms)
+        steps = d.max_steps or 32
+        meta = next(a for a in arms if a.name == d.arm)
+        length = accepted_length(alpha, meta.depth, meta.topk) if meta.depth else 1.0
+        tokens = int(round(length * b * steps))
+        tuner.update(b, d.arm, tokens, steps * COSTS[(b, d.arm)] + OVERHEAD, steps=steps,
+                     row_steps=b * steps)
+        log.append((b, d.arm, d.max_steps))
+  return log
+
+
+def test_accepted_length_and_its_inverse():
+  assert accepted_length(0.0, 7) == 1.0 and accepted_length(1.0, 7) == 8.0
+  assert accepted_length(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+  assert accepted_length(0.5, 3, topk=2) == pytest.approx(accepted_length(0.75, 3))
+  for alpha in (0.05, 0.3, 0.8, 0.97):
+    for depth, topk in ((3, 1), (7, 1), (5, 4)):
+      assert acceptance_from_length(accepted_length(alpha, depth, topk), depth, topk) == \
+          pytest.approx(alpha, abs=1e-6)
+  assert acceptance_from_length(0.9, 3) == 0.0 and acceptance_from_length(9.0, 7) == 1.0
+
+
+def test_a_useless_drafter_costs_one_probe_in_the_whole_run():
+  """What one probe measured (acceptance ~0.05) makes every arm hopeless at every bucket:
+  afterwards every segment is vanilla, run to the bucket's boundary."""
+  log = play_cost(make_tuner(TunerConfig()), alpha=0.05, rounds=10)
+  sd = [(b, arm, steps) for b, arm, steps in log if arm != "vanilla"]
+  assert len(sd) == 1 and sd[0][2] == TunerConfig().probe_steps, sd
+  assert sd[0][1] == "chain d7"  # the most optimistic arm: 8 tokens for 4x the cost
+  after = log[log.index(sd[0]) + 1:]
+  assert after and all(arm == "vanilla" and steps == 0 for _, arm, steps in after)
+
+
+def test_a_good_drafter_is_used_where_it_pays_and_not_where_it_does_not():
+  """Acceptance 0.9: chain d7 emits ~5.7 tokens a step, so it pays where it costs < 5.7 vanilla
+  steps (buckets 1, 2, 4: 4.5-6x ... ) and vanilla wins at bucket 8 (8x)."""
+  tuner = make_tuner(TunerConfig())
+  log = play_cost(tuner, alpha=0.9, rounds=8)
+  last = {b: arm for b, arm, _ in log[-12:]}
+  length = accepted_length(0.9, 7)
+  for b in (1, 2, 4, 8):
+    speeds = {a.name: (accepted_length(0.9, a.depth, a.topk) if a.depth else 1.0) /
+              COSTS[(b, a.name)] for a in COST_ARMS}
+    assert last[b] == max(speeds, key=speeds.get), (b, last[b], speeds)
+  assert last[1] != "vanilla" and last[8] == "vanilla" and length < 8 * (1 + 8 / 8) / 2 * 4
+  probes = [e for e in log if e[2] == TunerConfig().probe_steps]
+  assert len(probes) <= len(COST_ARMS) - 1  # each arm is probed at most once per drafter
+
+
+def test_without_calibration_arms_are_probed_and_compared_by_their_segments():
+  tuner = make_tuner(TunerConfig())
+  log = play_cost(tuner, alpha=0.05, rounds=4, calibrated=False)
+  probes = [e for e in log if e[1] != "vanilla"]
+  # where an arm's step cost is unknown it is probed if it could pay at vanilla's cost, once
+  assert 1 <= len(probes) and len({(b, arm) for b, arm, _ in probes}) == len(probes)
+  assert all(steps == TunerConfig().probe_steps for _, _, steps in probes)
+  assert all(arm == "vanilla" for _, arm, _ in log[12:])  # after the first round: none
+
+
+def test_an_improved_drafter_is_probed_again_and_used():
+  """``observe_drafter(q)`` reports the top-1 of the weights that drafted since the last call;
+  measurements of older versions shift by how much it moved."""
+  tuner = make_tuner(TunerConfig())
+  play_cost(tuner, alpha=0.05, rounds=3)
+  tuner.observe_drafter(0.05)  # the drafter that measured 0.05 had top-1 0.05
+  tuner.observe_drafter(0.07)  # the next (it never drafted) is hardly better: nothing to probe
+  log = play_cost(tuner, alpha=0.07, rounds=3)
+  assert all(arm == "vanilla" for _, arm, _ in log)
+  tuner.observe_drafter(0.9)  # much better: the predicted acceptance moves with its top-1
+  log = play_cost(tuner, alpha=0.9, rounds=4)
+  assert any(arm != "vanilla" for _, arm, _ in log[:4])  # probed at once
+  assert log[-1][1] != "vanilla"  # and used at bucket 1, where it pays
+  tuner.observe_drafter(0.9)
+  log = play_cost(tuner, alpha=0.05, rounds=3)  # it got useless: its first segment shows it
+  assert [arm for _, arm, _ in log[-6:]] == ["vanilla"] * 6
+
+
+def test_cost_model_state_round_trips_and_continues_identically():
+  uninterrupted, first = make_tuner(TunerConfig()), make_tuner(TunerConfig())
+  expected = play_cost(uninterrupted, 0.9, 2) + play_cost(uninterrupted, 0.9, 2)
+  before = play_cost(first, 0.9, 2)
+  state = json.loads(json.dumps(first.state_dict()))
+  restored = make_tuner(TunerConfig())
+  restored.load_state_dict(state)
+  assert restored.state_dict() == first.state_dict()
+  assert before + play_cost(restored, 0.9, 2) == expected
+
+
+def test_cost_model_errors():
+  tuner = make_tuner(TunerConfig())
+  with pytest.raises(ValueError, match="seconds per step of 'chain d3' at bucket 4 must be"):
+    tuner.set_costs({(4, "chain d3"): 0.0})
+  with pytest.raises(ValueError, match="overhead_s must be"):
+    tuner.set_costs({}, overhead_s=-1.0)
+  with pytest.raises(ValueError, match=r"quality must be in \[0, 1\]"):
+    tuner.observe_drafter(1.5)
+  with pytest.raises(ValueError, match="probe_margin"):
+    TunerConfig(probe_margin=2.0)
+  with pytest.raises(ValueError, match="probe_steps"):
+    TunerConfig(probe_steps=0)
+
+
+def test_an_arm_the_calibration_flattered_is_left_once_its_long_segments_say_so():
+  """Calibrated, chain d3 costs 1.5 vanilla steps (so at acceptance 0.9 it would win ~2.3x); its
+  real segments cost 5, more than the 3.4 tokens it emits: the tuner follows the segments."""
+  arms = COST_ARMS[:2]
+  tuner = make_tuner(TunerConfig())
+  tuner.set_costs({(1, "vanilla"): 1e-3, (1, "chain d3"): 1.5e-3})
+  real = {"vanilla": 1e-3, "chain d3": 5e-3}
+  chosen = []
+  for _ in range(40):
+    d = tuner.plan(1, arms)
+    steps = d.max_steps or 32
+    length = accepted_length(0.9, 3) if d.arm == "chain d3" else 1.0
+    tuner.update(1, d.arm, int(length * steps), steps * real[d.arm], steps=steps, row_steps=steps)
+    chosen.append(d.arm)
+  assert chosen[0] == "chain d3"  # the calibration's promise is tried ...
+  assert chosen[-10:] == ["vanilla"] * 10  # ... and dropped once measured
+  assert chosen.count("chain d3") <= 3

@@ -25,6 +25,7 @@ import io
 import math
 import os
 import threading
+import time
 
 
 import jax
@@ -32,12 +33,15 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.drafter.buffer import DataBuffer
+from tlt_jax.drafter.ledger import DrafterLedger
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.models.drafter import Drafter, save_drafter
 from tlt_jax.rollout.stats import RolloutStats
 
+SERIAL_BUDGETS = ("ledger", "fixed")
 BUFFER_FILE = "drafter_buffer.npz"
 BUFFER_KEY = "drafter_buffer_sha256"  # checkpoint metadata: the buffer file's checksum
+STATE_KEY = "drafter_host_state"  # checkpoint metadata: the ledger and the evaluation flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +55,14 @@ class DrafterTrainingConfig:
   keep_steps: int = 2  # RL steps the buffer keeps (2: the previous step's long responses too)
   collect: float = 1.0  # fraction of each rollout's rows whose hidden states are kept
   spot: bool = True  # with several rollout devices: train on the devices the tail leaves idle
-  serial_steps: int = 8  # with one rollout device: drafter steps between rollout and update
-  serial_seconds: float = 0.0  # ... and/or a time budget for them (0: none)
+  # Drafter steps between rollout and update (one rollout device, or spot off): "ledger" pays for
+  # them from what speculative decoding saved (``drafter/ledger.py``), "fixed" runs serial_steps
+  # (and/or serial_seconds) every RL step whether SD pays or not.
+  serial_budget: str = "ledger"
+  serial_steps: int = 8  # "fixed": drafter steps per RL step; "ledger": the most per RL step
+  serial_seconds: float = 0.0  # "fixed": and/or a time budget for them (0: none)
+  savings_share: float = 0.5  # "ledger": the share of SD's estimated saving spent on the drafter
+  bootstrap_steps: int = 64  # "ledger": drafter steps granted before SD has saved anything
   seed: int = 0
 
   def __post_init__(self):
@@ -74,6 +84,13 @@ class DrafterTrainingConfig:
     if not isinstance(self.serial_seconds, (int, float)) or self.serial_seconds < 0:
       raise ValueError(f"drafter_training.serial_seconds must be >= 0, got "
                        f"{self.serial_seconds!r}")
+    if self.serial_budget not in SERIAL_BUDGETS:
+      raise ValueError(f"drafter_training.serial_budget must be one of {SERIAL_BUDGETS}, got "
+                       f"{self.serial_budget!r}")
+    if self.serial_budget == "ledger" and self.serial_seconds:
+      raise ValueError("drafter_training.serial_seconds is a fixed budget: set "
+                       "drafter_training.serial_budget='fixed' with it, or leave it 0")
+    DrafterLedger(self.savings_share, self.bootstrap_steps, self.serial_steps)  # checks them
 
 
 class OnlineDrafter:
@@ -91,6 +108,14 @@ class OnlineDrafter:
                             learning_rate=config.learning_rate)
     self._trainer_busy = threading.Lock()  # one idle device trains at a time
     self._spot_runs: list[dict] = []
+    self.ledger = (DrafterLedger(config.savings_share, config.bootstrap_steps, config.serial_steps)
+                   if config.serial_budget == "ledger" else None)
+    # the engines' drafter weights: scored yet? (an unchanged drafter is not scored again), and
+    # whether training changed the weights since the engines got theirs
+    self.evaluated = False
+    self.changed = False
+    self.quality: float | None = None  # the latest held-out top-1 (of the engines' weights)
+    self._copy_s = 0.0  # seconds of the latest copy of the weights to the engines
 
   # ---- the rollout's hooks -----------------------------------------------------------------------
   def collect_fraction(self) -> float | bool:
@@ -136,21 +161,43 @@ class OnlineDrafter:
 
     return shard_done, idle
 
-  def serial(self, target_params, device=None) -> dict:
+  def serial(self, target_params, device=None, saved_s: float | None = None) -> dict:
     """Drafter steps between rollout and update on ``device`` (where ``target_params`` live),
-    under the configured budget: with one rollout device, or with spot training off."""
+    under the configured budget (with one rollout device, or with spot training off): "fixed"
+    runs ``serial_steps``/``serial_seconds``; "ledger" credits the rollout's ``saved_s`` (its
+    ``RolloutStats.sd_saved_s``) and runs what the ledger grants. ``bootstrap``: how many of the
+    steps were the ledger's up-front grant."""
     c = self.config
-    if not c.serial_steps and not c.serial_seconds:
-      return dict(steps=0, seconds=0.0, loss=None, top1=None)
-    return self.spot.run(target_params, max_steps=c.serial_steps or None,
-                         max_seconds=c.serial_seconds or None, device=device)
+    none = dict(steps=0, seconds=0.0, loss=None, top1=None, bootstrap=0)
+    if self.ledger is None:
+      if not c.serial_steps and not c.serial_seconds:
+        return none
+      return dict(self.spot.run(target_params, max_steps=c.serial_steps or None,
+                                max_seconds=c.serial_seconds or None, device=device), bootstrap=0)
+    self.ledger.credit(saved_s)
+    steps, bootstrap = self.ledger.grant()
+    if not steps or self.buffer.num_samples == 0:
+      return none
+    out = self.spot.run(target_params, max_steps=steps, device=device)
+    return dict(out, bootstrap=min(bootstrap, out["steps"]))
 
   def spot_runs(self) -> list[dict]:
     return list(self._spot_runs)
 
   def engine_params(self, device=None) -> nnx.State:
     """A copy of the drafter weights for the engines (never donated by the trainer)."""
-    return self.spot.params_copy(device)
+    t0 = time.perf_counter()
+    params = self.spot.params_copy(device)
+    self._copy_s, self.changed = time.perf_counter() - t0, False
+    return params
+
+  def new_engine_params(self, device=None) -> nnx.State | None:
+    """``engine_params`` if training changed the weights since the engines got theirs, else
+    None (an unchanged drafter is not copied again)."""
+    if not self.changed:
+      self._copy_s = 0.0
+      return None
+    return self.engine_params(device)
 
   def precompile(self, target_params_by_device: dict) -> None:
     """Compiles the drafter's train and eval steps for every device that may train it (a dict
@@ -172,10 +219,12 @@ class OnlineDrafter:
     return self.config.spot and len(engine.devices) > 1
 
   def rollout_options(self, step: int, prompts, engine) -> dict:
-    """The extra ``engine.generate`` arguments of RL step ``step``: keep hidden states and, with
-    spot training, the hooks that take each finished shard into the buffer and train on idle
-    devices."""
+    """The extra ``engine.generate`` arguments of RL step ``step``: keep hidden states (unless
+    the ledger has nothing left to grant: no bootstrap and no savings) and, with spot training,
+    the hooks that take each finished shard into the buffer and train on idle devices."""
     options = {"collect_hidden": self.collect_fraction()}
+    if not self.spot_trains(engine) and self.ledger is not None and not self.ledger.can_grant():
+      options["collect_hidden"] = False  # nothing will train on them: keeping them is waste
     if self.spot_trains(engine):
       options["shard_done"], options["idle"] = self.hooks(step, prompts, engine)
     return options
@@ -186,13 +235,36 @@ class OnlineDrafter:
     (whichever device finished first), and the drafter trains between rollout and update under
     its serial budget. The held-out score is of the weights that drafted this rollout, on its
     freshest data. The caller hands the engines the new weights (``engine_params``) afterwards."""
+    t0 = time.perf_counter()
     spot = self.spot_trains(engine)
     if not spot:
       self.add(step, prompts, result)
     first = engine.devices[0]
-    evaluation = self.evaluate(engine.target_params(0), first, params=engine.drafter_params)
-    serial = None if spot else self.serial(engine.target_params(0), first)
-    return step_metrics(result.stats, self.spot_runs() if spot else [], serial, evaluation)
+    evaluation = {}
+    if not self.evaluated:  # the engines' weights were not scored yet
+      evaluation = self.evaluate(engine.target_params(0), first, params=engine.drafter_params)
+      self.evaluated = bool(evaluation)
+      if evaluation.get("top1") is not None:
+        self.quality = float(evaluation["top1"])
+    other_s = time.perf_counter() - t0 + self._copy_s  # the last copy to the engines, too
+    saved_s = result.stats.sd_saved_s
+    serial = None if spot else self.serial(engine.target_params(0), first, saved_s)
+    runs = self.spot_runs() if spot else []
+    if (serial or {}).get("steps") or any(r["steps"] for r in runs):
+      self.changed, self.evaluated = True, False
+    metrics = step_metrics(result.stats, runs, serial, evaluation)
+    if self.ledger is not None and serial is not None:
+      entry = self.ledger.spend(serial["steps"], serial["bootstrap"], serial["seconds"], other_s,
+                                saved_s)
+      metrics.update(ledger_balance_s=self.ledger.balance_s,
+                     drafter_bootstrap_steps=entry.bootstrap)
+      drafter_s = entry.drafter_s
+    else:  # spot steps run in the tail: what waits for them is the rollout's overrun
+      drafter_s = other_s + (serial or {}).get("seconds", 0.0) + metrics["spot_overrun_s"]
+    metrics.update(tlt_saved_s=0.0 if saved_s is None else float(saved_s),
+                   tlt_drafter_s=float(drafter_s))
+    metrics["tlt_net_s"] = metrics["tlt_saved_s"] - metrics["tlt_drafter_s"]
+    return metrics
 
   def precompile_on(self, engine) -> int:
     """Compiles the drafter's train and eval steps for every rollout device that may train it
@@ -220,6 +292,7 @@ class OnlineDrafter:
     """Before ``checkpointer.save(step, ...)``: records the buffer's checksum in ``metadata``;
     returns the function that writes the buffer beside the step's arrays once they are saved."""
     data, metadata[BUFFER_KEY] = self.buffer_bytes()
+    metadata[STATE_KEY] = self.host_state()
 
     def write() -> None:
       checkpointer.wait()
@@ -231,9 +304,24 @@ class OnlineDrafter:
     """Loads the drafter's part of checkpoint ``step`` (``checkpoint_state()``) and the buffer
     saved beside it (a missing or corrupt buffer file is reported: the buffer starts empty)."""
     self.load_checkpoint_state(saved)
+    if metadata.get(STATE_KEY) is not None:
+      self.load_host_state(metadata[STATE_KEY])
     problem = self.restore_buffer(checkpointer.step_dir(step), metadata.get(BUFFER_KEY))
     if problem:
       report(problem)
+
+  def host_state(self) -> dict:
+    """What the trainer's host keeps between steps (JSON): the ledger, whether the engines'
+    weights were scored, and their latest score."""
+    return dict(ledger=None if self.ledger is None else self.ledger.state_dict(),
+                evaluated=self.evaluated, changed=self.changed, quality=self.quality)
+
+  def load_host_state(self, state: dict) -> None:
+    if self.ledger is not None and state.get("ledger") is not None:
+      self.ledger.load_state_dict(state["ledger"])
+    self.evaluated = bool(state.get("evaluated", False))
+    self.changed = bool(state.get("changed", False))
+    self.quality = state.get("quality")
 
   def buffer_bytes(self) -> tuple[bytes, str]:
     """The buffer as npz bytes and their sha256 (written next to a checkpoint)."""

@@ -16,6 +16,7 @@ import ml_collections
 import numpy as np
 
 from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.drafter import ledger as ledger_lines
 from tlt_jax.job.build import Job, build_job, check_top_level, describe, job_devices
 from tlt_jax.job.run_dir import CHECKPOINTS, DRAFTER_CHECKPOINTS, FINAL_MODEL, MetricsLog, \
     choose_logdir, export_final_drafter, export_final_model, open_run, save_run_config
@@ -80,8 +81,7 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
       _say("drafter: trained online from the rollouts' hidden states ("
            + ("on the devices the tail leaves idle" if len(trainer.rollout_devices) > 1 and
               job.drafter_training.spot else
-              f"{job.drafter_training.serial_steps} steps between rollout and update: one "
-              "rollout device leaves nothing idle") + ")")
+              _serial_words(job.drafter_training)) + ")")
     drafter_ckpt = None
     if trainer.online is not None and job.drafter_save_every:
       drafter_ckpt = Checkpointer(logdir / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
@@ -182,7 +182,20 @@ def _drafter_line(m: dict) -> str:
   if "drafter_spot_steps" in m:
     parts.append(f"drafter steps {m['drafter_spot_steps']} spot / "
                  f"{m['drafter_serial_steps']} serial")
+  if ledger := ledger_lines.step_line(m):
+    parts.append(ledger)
   return (" | " + ", ".join(parts)) if parts else ""
+
+
+def _serial_words(training) -> str:
+  """How the drafter trains between rollout and update, for the job's opening lines."""
+  if training.serial_budget == "fixed":
+    return (f"{training.serial_steps} steps between rollout and update: one rollout device "
+            "leaves nothing idle")
+  return (f"between rollout and update, paid from what speculative decoding saved (a "
+          f"{training.savings_share:.0%} share, after {training.bootstrap_steps} bootstrap "
+          f"steps; at most {training.serial_steps} a step): one rollout device leaves nothing "
+          "idle")
 
 
 def _resume_hint(job: Job) -> str:
@@ -270,6 +283,8 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
   sd = run_sd_summary(log.rows())  # the whole run's steps, those before a resume too
   if sd:
     _say(sd)
+  if ledger := ledger_lines.run_line(log.rows()):
+    _say(ledger)
   return summary
 
 

@@ -198,7 +198,7 @@ class GRPOTrainer:
                                engine_config.pad_token_id)
     self._sync_engine()  # before anything compiles: the engine's executables take these arrays
     # the engines decode with copies of the drafter: its train step donates its own arrays
-    self._sync_drafter()
+    self._sync_drafter(always=True)
     self.step_count = 0
     self.last_lengths = np.zeros(0, np.int64)  # completion lengths of the latest step
 
@@ -222,10 +222,18 @@ class GRPOTrainer:
     self.engine.update_params(self.params)
 
 
-  def _sync_drafter(self) -> None:
-    """Hands the engines a copy of the online drafter's current weights (no recompile)."""
-    if self.online is not None:
-      self.engine.update_params(self.params, self.online.engine_params(self.rollout_devices[0]))
+  def _sync_drafter(self, always: bool = False) -> None:
+    """Hands the engines a copy of the online drafter's weights (no recompile) when training
+    changed them (``always``: in any case), and tells their tuner how good the weights that
+    drafted until now were (their held-out top-1)."""
+    if self.online is None:
+      return
+    device = self.rollout_devices[0]
+    weights = (self.online.engine_params(device) if always else
+               self.online.new_engine_params(device))
+    if weights is not None:
+      self.engine.update_params(self.params, weights)
+      self.engine.observe_drafter(self.online.quality)
 
   def precompile_drafter(self) -> int:
     """Compiles the online drafter's train and eval steps for every rollout device; returns how
@@ -342,7 +350,7 @@ class GRPOTrainer:
     self._sync_engine()
     if self.online is not None:
       self.online.restore(state["drafter"], checkpointer, self.step_count, metadata, report)
-      self._sync_drafter()
+      self._sync_drafter(always=True)
     self.engine.load_tuner_state(metadata.get(TUNER_KEY), report)
     return metadata
 

@@ -39,7 +39,7 @@ from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
 from tlt_jax.rollout.scheduler import ChunkResult, Request, Scheduler, Strategy
 from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.stats import RolloutStats, mean_accept_len, tail_seconds
+from tlt_jax.rollout.stats import RolloutStats, mean_accept_len, saved_seconds, tail_seconds
 from tlt_jax.rollout.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
 from tlt_jax.rollout.tuner import Tuner, TunerConfig, fixed_arm, make_tuner
 from tlt_jax.utils import FieldError, compile_count, require_positive_ints
@@ -303,6 +303,7 @@ class RolloutEngine(Rollout):
         needs_catchup=lambda b: learned and config.adaptive and len(self._strategies[b]) > 1)
     self.scheduler = Scheduler(self.pool, self.strategies_for, self.tuner, self._weights, learned)
     self.device = device
+    self.calibration: tuple[dict, float] | None = None  # ``calibrate``'s step costs, once measured
     if device is not None:
       self.update_params(self.params, self.drafter_params)
 
@@ -343,6 +344,8 @@ class RolloutEngine(Rollout):
       raise ValueError("set_tuner: this engine has no EngineConfig.strategies to tune")
     self.tuner = self.scheduler.tuner = tuner if tuner is not None else make_tuner(
         self.config.tuner)
+    if tuner is None and self.calibration is not None:  # a fresh tuner keeps the step costs
+      self.tuner.set_costs(*self.calibration)
 
   def strategies_for(self, batch: int) -> list[Strategy]:
     """The strategies that may decode a ``batch`` bucket (the first is the default)."""
@@ -369,13 +372,59 @@ class RolloutEngine(Rollout):
     executable where the backend reports it."""
     return self.pool.stats()
 
-  def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
+  def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
+                 calibrate: bool = True) -> int:
     """Compiles every bucket's executables now; returns how many were compiled.
 
     ``progress(done, total)``, if given, is called after each executable compiles, ``total``
-    being how many this call compiles (executables compiled earlier are not counted).
+    being how many this call compiles (executables compiled earlier are not counted). With a
+    tuner that uses a cost model (``TunerConfig(kind="cost")``) and ``calibrate``, the strategies'
+    step costs are then measured once (``calibrate``) and handed to it.
     """
-    return self.pool.precompile(progress)
+    compiled = self.pool.precompile(progress)
+    if calibrate and self.tuner is not None and self.config.tuner.kind == "cost":
+      self.calibration = self.calibrate()
+      self.tuner.set_costs(*self.calibration)
+    return compiled
+
+  def calibrate(self, steps: int = 8, repeats: int = 5) -> tuple[dict, float]:
+    """Times the decode step of every strategy at every batch bucket where the tuner chooses:
+    ``({(bucket, strategy name): seconds per step}, seconds of one segment boundary)``.
+
+    Each bucket's rows are dummy one-token prompts decoded without stop ids at temperature 1 at
+    the first cache length; segments of 1 step and of ``1 + steps`` steps are timed ``repeats``
+    times each, and the fastest of each (the least disturbed by other work on the host) give the
+    step (their difference) and the boundary (dispatch and the host's read of the finished rows,
+    what is left of the 1-step segment). Costs follow shapes, not weights: this runs once."""
+    cfg, pool = self.config, self.pool
+    args = SamplerArgs.from_params(SamplingParams(max_new_tokens=cfg.max_new_tokens), (),
+                                   cfg.max_stop_ids)
+    plen = cfg.prefill_buckets[0]
+    kv_len = cfg.prefill_kv_len(plen)
+    costs, overheads = {}, []
+    for b in cfg.batch_buckets:
+      if len(self._strategies[b]) < 2:
+        continue
+      prompt = (np.full((b, plen), cfg.pad_token_id, np.int32), np.ones((b,), np.int32),
+                np.arange(b, dtype=np.int32), np.arange(b, dtype=np.int32))
+      for strategy in self._strategies[b]:
+        segment = pool.get(("segment", b, kv_len, pool.stop_at(b), strategy.group))
+        fastest = {}  # steps run -> fastest seconds
+        for _ in range(repeats):
+          for n in (1, 1 + steps):
+            state, _ = pool.get(("prefill", b, plen))(self._weights(), *prompt, args)
+            state = jax.block_until_ready(state)
+            t0 = time.perf_counter()
+            state = segment(self._weights(), state, args, np.int32(strategy.choice), np.int32(n))
+            ran = int(jax.device_get(state.counters["steps"]))
+            fastest[ran] = min(fastest.get(ran, np.inf), time.perf_counter() - t0)
+        if len(fastest) < 2:  # the rows could not run more than one step (a tiny cache)
+          continue
+        (n1, t1), (nn, tn) = min(fastest.items()), max(fastest.items())
+        per_step = max((tn - t1) / (nn - n1), 1e-7)
+        costs[(b, strategy.name)] = per_step
+        overheads.append(max(t1 - per_step * n1, 0.0))
+    return costs, float(np.median(overheads)) if overheads else 0.0
 
   # ---- generate ----------------------------------------------------------------------------
   def check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -462,3 +511,4 @@ class RolloutEngine(Rollout):
         stats.draft_s, stats.verify_s = spans[1], spans[2]
     if self.tuner is not None:
       stats.tuner = self.tuner.summary()
+      stats.sd_saved_s = saved_seconds(stats.arms, lambda b: self.tuner.step_cost(b, "vanilla"))

@@ -72,6 +72,13 @@ class Rollout(abc.ABC):
   def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
     """Compiles every executable now; returns how many were compiled."""
 
+  def observe_drafter(self, quality: float | None = None) -> None:
+    """The drafter's weights changed; ``quality``: the held-out top-1 of the weights that drafted
+    until now (None: unknown). The tuner re-judges its speculative arms
+    (``Tuner.observe_drafter``)."""
+    if self.tuner is not None:
+      self.tuner.observe_drafter(quality)
+
   # ---- the tuner in checkpoints --------------------------------------------------------------
   def tuner_state(self) -> dict | None:
     """What the adaptive engine's tuner learned (its ``state_dict``), or None without one."""

@@ -58,9 +58,21 @@ class LockedTuner:
     with self._lock:
       return self.tuner.choose(bucket, arms)
 
-  def update(self, bucket, arm, tokens, seconds):
+  def plan(self, bucket, arms):
     with self._lock:
-      return self.tuner.update(bucket, arm, tokens, seconds)
+      return self.tuner.plan(bucket, arms)
+
+  def update(self, bucket, arm, tokens, seconds, **measured):
+    with self._lock:
+      return self.tuner.update(bucket, arm, tokens, seconds, **measured)
+
+  def observe_drafter(self, quality=None):
+    with self._lock:
+      return self.tuner.observe_drafter(quality)
+
+  def step_cost(self, bucket, arm):
+    with self._lock:
+      return self.tuner.step_cost(bucket, arm)
 
   def __getattr__(self, name):  # config, summary, state_dict, load_state_dict, ...
     return getattr(self.tuner, name)
@@ -120,6 +132,8 @@ class DataParallelRollout(Rollout):
     if self.shared_tuner is None:
       raise ValueError("set_tuner: this engine has no EngineConfig.strategies to tune")
     self.shared_tuner.tuner = tuner if tuner is not None else make_tuner(self.config.tuner)
+    if tuner is None and self.engines[0].calibration is not None:
+      self.shared_tuner.set_costs(*self.engines[0].calibration)
 
   def strategies_for(self, batch: int):
     return self.engines[0].strategies_for(batch)
@@ -158,9 +172,14 @@ class DataParallelRollout(Rollout):
           progress(done[0], total)
 
     def work(k):
-      counts[k] = self.engines[k].precompile(tick)
+      counts[k] = self.engines[k].precompile(tick, calibrate=False)
 
     self._run_threads(work, range(len(self.engines)), cancel.set)
+    if self.shared_tuner is not None and self.config.tuner.kind == "cost":
+      # the devices are alike: one engine's measured step costs serve the shared tuner (timing
+      # every device at once would measure them competing for the host)
+      self.engines[0].calibration = self.engines[0].calibrate()
+      self.shared_tuner.set_costs(*self.engines[0].calibration)
     return sum(counts)
 
   def pool_stats(self) -> list[dict[str, Any]]:

@@ -84,9 +84,9 @@ class ExecutablePool:
       return jax.jit(fn).lower(self.weights(), ids, vec, vec, vec, args)
     if kind == "segment":
       fn = functools.partial(steps.segment, stop_at=key[3], group=key[4])
-      choice = jax.ShapeDtypeStruct((), jnp.int32)
+      scalar = jax.ShapeDtypeStruct((), jnp.int32)
       return jax.jit(fn, donate_argnums=1).lower(self.weights(), self.state_spec(batch, key[2]),
-                                                 args, choice)
+                                                 args, scalar, scalar)
     if kind == "catchup":
       return jax.jit(steps.catch_up, donate_argnums=1).lower(self.weights(),
                                                              self.state_spec(batch, key[2]))

@@ -40,7 +40,9 @@ class Strategy:
 
   @property
   def arm(self) -> Arm:
-    return Arm(self.name, 1 if self.spec is None else self.spec.verify_tokens)
+    if self.spec is None:
+      return Arm(self.name, 1)
+    return Arm(self.name, self.spec.verify_tokens, self.spec.depth, self.spec.topk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,13 +98,15 @@ class Scheduler:
     setattr(stats, stat, getattr(stats, stat) + seconds)
     return out, seconds
 
-  def _choose(self, batch: int) -> tuple[Strategy, bool]:
-    """The strategy for the next segment at ``batch``, and whether the tuner chose it."""
+  def _choose(self, batch: int) -> tuple[Strategy, bool, int]:
+    """The strategy for the next segment at ``batch``, whether the tuner chose it, and the most
+    steps the segment may run (0: no limit; a bucket with one strategy runs to its boundary)."""
     options = list(self.strategies_for(batch))
     if len(options) == 1 or self.tuner is None:
-      return options[0], False
-    name = self.tuner.choose(batch, [s.arm for s in options])
-    return next(s for s in options if s.name == name), True
+      return options[0], False, 0 if len(options) == 1 else self.config.segment_steps
+    decision = self.tuner.plan(batch, [s.arm for s in options])
+    steps = self.config.segment_steps if decision.max_steps is None else decision.max_steps
+    return next(s for s in options if s.name == decision.arm), True, steps
 
   def run_chunk(self, request: Request, chunk: range, stats: RolloutStats) -> ChunkResult:
     """Prefills and decodes ``request.prompts[chunk]``; returns the chunk's rows, adding the
@@ -146,7 +150,7 @@ class Scheduler:
     live_len = int(lens[:len(chunk)].max())  # the longest live row's committed length
     previous = None  # the arm of the chunk's last segment
     while True:
-      strategy, tuned = self._choose(batch)
+      strategy, tuned, max_steps = self._choose(batch)
       if previous is not None and strategy.name != previous:
         stats.switches += 1
       previous = strategy.name
@@ -165,7 +169,7 @@ class Scheduler:
       segment = self.pool.get(("segment", batch, kv_len, self.pool.stop_at(batch),
                                strategy.group))
       t0 = time.perf_counter()
-      state = segment(self.weights(), state, args, np.int32(strategy.choice))
+      state = segment(self.weights(), state, args, np.int32(strategy.choice), np.int32(max_steps))
       done, n_gen, rows, counters, cache_lens = jax.device_get(
           (state.done, state.num_generated, state.row_id, state.counters, state.cache.lengths))
       seconds = time.perf_counter() - t0
@@ -173,7 +177,8 @@ class Scheduler:
       delta = {k: int(counters[k]) - before[k] for k in before}
       before = {k: int(counters[k]) for k in before}
       if tuned and delta["steps"] > 0:
-        self.tuner.update(batch, strategy.name, delta["tokens"], seconds + switch_s)
+        self.tuner.update(batch, strategy.name, delta["tokens"], seconds + switch_s,
+                          steps=delta["steps"], row_steps=delta["row_steps"], switch_s=switch_s)
       arm = stats.arm(batch, strategy.name)
       arm.segments += 1
       arm.seconds += seconds + switch_s

@@ -13,7 +13,7 @@ the benchmarks' tables) take ``to_dict()``, nested tallies and devices as plain 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -99,6 +99,9 @@ class RolloutStats:
   tail_s: float = 0.0
   accept_hist: Any = None  # a counter array while decoding, a list once finished
   mean_accept_len: float | None = None
+  # speculative decoding's estimated saving against vanilla (``saved_seconds``; negative where SD
+  # cost time, e.g. probes); None where nothing could be estimated
+  sd_saved_s: float | None = None
   draft_s: float | None = None
   verify_s: float | None = None
   tuner: dict | None = None
@@ -140,6 +143,9 @@ class RolloutStats:
       if stats.accept_hist is not None:
         h = np.asarray(stats.accept_hist)
         hist = h if hist is None else hist + h
+    saved = [s.sd_saved_s for s in shards if s is not None and s.sd_saved_s is not None]
+    if saved:
+      merged.sd_saved_s = float(sum(saved))  # device-seconds
     if draft:
       merged.draft_s = sum(s.draft_s for s in draft)
       merged.verify_s = sum(s.verify_s for s in draft)
@@ -178,6 +184,27 @@ def mean_accept_len(hist) -> float | None:
   return float((hist * np.arange(1, hist.size + 1)).sum() / hist.sum()) if hist.sum() else None
 
 
+def saved_seconds(arms: dict[str, dict[str, ArmTally]],
+                  vanilla_step_s: Callable[[int], float | None]) -> float | None:
+  """What speculative decoding saved in a rollout, in seconds, from its per-arm tallies: a
+  speculative arm's segments at bucket ``b`` emitted ``tokens`` in ``steps`` steps over
+  ``row_steps`` live rows, so vanilla would have needed ``tokens / row_steps * steps`` steps of
+  ``vanilla_step_s(b)`` seconds each; the saving is that minus the arm's seconds (catch-ups
+  included), negative where SD was slower. None when no speculative arm ran or vanilla's step
+  cost is unknown at every bucket where one did."""
+  total, known = 0.0, False
+  for bucket, per_bucket in arms.items():
+    for name, tally in per_bucket.items():
+      if name == "vanilla" or not tally.steps or not tally.row_steps:
+        continue
+      step_s = vanilla_step_s(int(bucket))
+      if step_s is None:
+        continue
+      total += tally.tokens / tally.row_steps * tally.steps * step_s - tally.seconds
+      known = True
+  return total if known else None
+
+
 def tail_seconds(segments) -> float:
   """Decode seconds spent in segments where fewer than half of the first segment's rows were
   live (the rollout's long tail); ``segments``: ``RolloutStats.segments`` of one engine's
@@ -205,6 +232,8 @@ def rollout_metrics(stats: RolloutStats,
   out = {"sd_switches": int(stats.switches), "sd_switch_s": float(stats.switch_s)}
   if stats.mean_accept_len is not None:
     out["mean_accept_len"] = float(stats.mean_accept_len)
+  if stats.sd_saved_s is not None:
+    out["sd_saved_s"] = float(stats.sd_saved_s)
   steps_of: dict[str, int] = {}  # arm -> decode steps, all buckets together
   for per_bucket in stats.arms.values():
     for name, arm in per_bucket.items():

@@ -336,10 +336,11 @@ class StepFunctions:
                      dcache=dcache, feats=feats)
 
   # ---- segments and the switch -------------------------------------------------------------
-  def segment(self, weights, state: DecodeState, args: SamplerArgs, choice: jax.Array, *,
-              group: str, stop_at: int) -> DecodeState:
+  def segment(self, weights, state: DecodeState, args: SamplerArgs, choice: jax.Array,
+              max_steps: jax.Array, *, group: str, stop_at: int) -> DecodeState:
     """Decodes with ``group`` (member ``choice``) until at most ``stop_at`` rows are live (0:
-    until all rows finish), after ``segment_steps`` steps (if set), or, below the largest length
+    until all rows finish), after ``max_steps`` steps (an int32 scalar, so a short probe and a
+    long settled segment share one executable; <= 0: no limit), or, below the largest length
     bucket, until a live row could write past the cache in its next step."""
     target, drafter = self.merge(weights)
     g = self.groups[group]
@@ -350,7 +351,6 @@ class StepFunctions:
     # a vanilla step writes one slot: vanilla segments may fill the cache that far (the host grows
     # it before a speculative segment needs more)
     kv_len, need = state.cache.max_len, 1 if g.is_vanilla else self.config.step_slots
-    max_steps = self.config.segment_steps
 
     def go_on(carry):
       s, i = carry
@@ -358,9 +358,7 @@ class StepFunctions:
       go = jnp.sum(live) > stop_at
       if kv_len < self.config.cache_len:
         go &= ~jnp.any(live & (s.cache.lengths + need > kv_len))
-      if max_steps:
-        go &= i < max_steps
-      return go
+      return go & ((max_steps <= 0) | (i < max_steps))
 
     state, _ = lax.while_loop(go_on, lambda c: (body(c[0]), c[1] + 1),
                               (state, jnp.zeros((), jnp.int32)))

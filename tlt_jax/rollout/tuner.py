@@ -1,10 +1,11 @@
 """Host-side strategy tuner: picks the decoding strategy (arm) for each decode segment.
 
 The engine decodes in segments (a bounded number of steps at one batch-size bucket). At every
-segment boundary it calls ``choose(bucket, arms)`` for the strategy of the next segment, and
-afterwards ``update(bucket, arm, tokens, seconds)`` with what that segment achieved; the reward is
+segment boundary it calls ``plan(bucket, arms)`` for the strategy of the next segment and how many
+steps it may run (``choose`` gives the arm alone), and afterwards ``update(bucket, arm, tokens,
+seconds, steps=..., row_steps=..., switch_s=...)`` with what that segment achieved; the reward is
 ``tokens / seconds``, where the scheduler's ``seconds`` include the drafter catch-up that a switch
-from vanilla ran before the segment. Nothing here touches JAX: the tuner is plain Python and numpy
+from vanilla ran before the segment (``switch_s`` of them). Nothing here touches JAX: the tuner is plain Python and numpy
 on the host.
 
 Grouping. The engine offers each batch-size bucket only the strategies whose verify width suits
@@ -15,6 +16,14 @@ vanilla instead of assuming a speedup.
 
 Kinds (``TunerConfig.kind``):
 
+* ``"cost"`` (the default; ``CostModel``). Chooses by predicted speed relative to vanilla: each
+  arm's step cost relative to a vanilla step (calibrated once at ``precompile``, then from the
+  arms' own long segments) against its accepted length (counted, not timed, and pooled over
+  buckets and arms through the drafter's per-token acceptance). It probes an arm (a short
+  segment of ``probe_steps`` steps) only while the arm could beat the best one and has not been
+  measured under the current drafter, so exploration is bounded in time: a useless drafter costs
+  one probe in a whole run. ``observe_drafter`` re-opens the question when the drafter changes.
+  Deterministic; a bucket settled on vanilla runs to its boundary in one segment.
 * ``"beg_mab"`` (the TLT paper's Bucketed Epsilon-Greedy MAB). Per bucket, every offered arm that
   has no reward yet is pulled first, in the order offered. After that, with probability
   ``eps_n = max(epsilon_min, epsilon / sqrt(1 + n / n_arms))`` (``n`` = decisions made in the
@@ -47,7 +56,7 @@ import numpy as np
 
 from tlt_jax.utils import FieldError, require_positive_ints
 
-KINDS = ("beg_mab", "ucb1", "fixed")
+KINDS = ("cost", "beg_mab", "ucb1", "fixed")
 _SUMMARY_BEST = "best"  # the summary's per-bucket key for the best arm; no arm may use this name
 
 
@@ -57,6 +66,8 @@ class Arm:
 
   name: str
   verify_width: int  # tokens per target pass (vanilla: 1)
+  depth: int = 0  # draft levels (vanilla: 0); the cost model's acceptance prediction uses it
+  topk: int = 1  # children per draft node (chains: 1)
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -64,14 +75,30 @@ class Arm:
     if self.name == _SUMMARY_BEST:
       raise ValueError(f"Arm.name {self.name!r} is reserved (Tuner.summary uses it as a key); "
                        "rename the strategy")
-    require_positive_ints(self, "verify_width")
+    require_positive_ints(self, "verify_width", "topk")
+    if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 0:
+      raise ValueError(f"Arm.depth must be an int >= 0, got {self.depth!r}")
+
+  @property
+  def speculative(self) -> bool:
+    return self.depth > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What ``Tuner.plan`` tells the scheduler: the arm of the next segment and how many steps the
+  segment may run (None: ``EngineConfig.segment_steps``; 0: no limit, to the bucket's boundary)."""
+
+  arm: str
+  max_steps: int | None = None
+  probe: bool = False  # a short segment that measures an arm the tuner is unsure of
 
 
 @dataclasses.dataclass(frozen=True)
 class TunerConfig:
   """How the engine picks a strategy per segment; see the module docstring for each ``kind``."""
 
-  kind: str = "beg_mab"  # "beg_mab" | "ucb1" | "fixed"
+  kind: str = "cost"  # "cost" | "beg_mab" | "ucb1" | "fixed"
   epsilon: float = 0.1  # exploration probability at the start (beg_mab)
   epsilon_min: float = 0.01  # floor of the decayed exploration probability
   decay: bool = True  # eps_n = max(epsilon_min, epsilon / sqrt(1 + n / n_arms))
@@ -79,6 +106,11 @@ class TunerConfig:
   ucb_c: float = 1.0  # UCB1 exploration constant
   fixed: tuple = ()  # kind="fixed": ((max_bucket, arm_name), ...), first max_bucket >= bucket wins
   seed: int = 0
+  # kind="cost": a probe (a short segment of an arm the tuner is unsure of) runs this many steps
+  probe_steps: int = 4
+  # kind="cost": optimism added to the drafter's estimated per-token acceptance before an arm is
+  # judged hopeless (an arm is probed only if it could beat the best arm with that much more)
+  probe_margin: float = 0.1
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -95,7 +127,11 @@ class TunerConfig:
                        f"got {self.epsilon_min!r}; lower epsilon_min or raise epsilon")
     if not isinstance(self.decay, bool):
       raise FieldError("TunerConfig", "decay", f"must be a bool, got {self.decay!r}")
-    require_positive_ints(self, "window")
+    require_positive_ints(self, "window", "probe_steps")
+    if isinstance(self.probe_margin, bool) or not isinstance(self.probe_margin, (int, float)) or \
+        not 0 <= self.probe_margin <= 1:
+      raise FieldError("TunerConfig", "probe_margin", f"must be a number in [0, 1], got "
+                       f"{self.probe_margin!r}")
     if self.ucb_c < 0:
       raise FieldError("TunerConfig", "ucb_c", f"must be >= 0, got {self.ucb_c!r}")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -132,12 +168,24 @@ def _normalize_fixed(fixed) -> tuple:
   return tuple(sorted(out))
 
 
-class _ArmStats:
-  """One (bucket, arm)'s record: total pulls and the window of its most recent rewards."""
+LONG_SEGMENT = 8  # decode steps from which a segment's seconds per step are trusted as a cost
 
-  def __init__(self, window: int, pulls: int = 0, rewards: Sequence[float] = ()):
+
+class _ArmStats:
+  """One (bucket, arm)'s record: total pulls, the window of its most recent rewards and (where
+  the scheduler reports steps) of its measured ``(seconds per decode step, steps)``."""
+
+  def __init__(self, window: int, pulls: int = 0, rewards: Sequence[float] = (),
+               step_s: Sequence = ()):
     self.pulls = pulls
     self.rewards = collections.deque((float(r) for r in rewards), maxlen=window)
+    self.step_s = collections.deque(((float(x), int(n)) for x, n in step_s), maxlen=window)
+
+  def step_cost(self, long_only: bool) -> float | None:
+    """Median seconds per step over the window's segments (of >= ``LONG_SEGMENT`` steps only,
+    with ``long_only``: short ones are dominated by the boundary); None without any."""
+    values = [x for x, n in self.step_s if n >= LONG_SEGMENT or not long_only]
+    return float(np.median(values)) if values else None
 
   def median(self) -> float | None:
     """Median of the windowed rewards, ``None`` before the first reward."""
@@ -171,13 +219,77 @@ class Tuner:
     self.config = config
     self._rng = np.random.default_rng(config.seed)
     self._buckets: dict[int, _BucketStats] = {}
+    self._meta: dict[str, Arm] = {}  # every arm offered so far, by name
+    self._segment: tuple[int | None, bool] = (None, False)
+    self._costs: dict[tuple[int, str], float] = {}  # calibrated seconds per step
+    self._overhead = 0.0  # calibrated seconds of one segment boundary
 
   def choose(self, bucket: int, arms: Sequence[Arm]) -> str:
     """Returns the name of the arm (one of ``arms``) that should decode the next segment."""
+    return self.plan(bucket, arms).arm
+
+  def plan(self, bucket: int, arms: Sequence[Arm]) -> Decision:
+    """The arm (one of ``arms``) that should decode the next segment, and how long it may run."""
     bucket, names, stats = self._register(bucket, arms)
-    choice = names[0] if len(names) == 1 else self._decide(bucket, stats, names)
+    self._segment = (None, False)  # (max_steps, probe): what a kind's _decide may set
+    if len(names) == 1:  # nothing to choose or to learn: run to the bucket's boundary
+      choice, self._segment = names[0], (0, False)
+    else:
+      choice = self._decide(bucket, stats, names)
     stats.decisions += 1
-    return choice
+    return Decision(choice, *self._segment)
+
+  def set_costs(self, step_seconds: dict, overhead_s: float = 0.0) -> None:
+    """Measured seconds per decode step of each ``(bucket, arm name)`` and of one segment
+    boundary (``RolloutEngine.calibrate``): ``step_cost``'s prior; the ``"cost"`` kind chooses
+    by them."""
+    for (bucket, arm), seconds in step_seconds.items():
+      if not seconds > 0 or not math.isfinite(seconds):
+        raise ValueError(f"Tuner.set_costs: seconds per step of {arm!r} at bucket {bucket} "
+                         f"must be a finite number > 0, got {seconds!r}")
+      self._costs[(_check_bucket(bucket), str(arm))] = float(seconds)
+    if not overhead_s >= 0 or not math.isfinite(overhead_s):
+      raise ValueError(f"Tuner.set_costs: overhead_s must be a finite number >= 0, got "
+                       f"{overhead_s!r}")
+    self._overhead = float(overhead_s)
+
+  def step_cost(self, bucket: int, arm: str) -> float | None:
+    """Seconds per decode step of ``arm`` at ``bucket``: the median of its long segments'
+    (boundary taken off), else the calibrated cost, else the median of any of its segments',
+    else None."""
+    record = self._record(bucket, arm)
+    for value in (None if record is None else record.step_cost(True),
+                  self._costs.get((bucket, arm)),
+                  None if record is None else record.step_cost(False)):
+      if value is not None:
+        return value
+    return None
+
+  def relative_cost(self, bucket: int, arm: str, vanilla: str = "vanilla") -> float | None:
+    """Seconds of a step of ``arm`` per second of a ``vanilla`` step at ``bucket``: both arms'
+    long segments, else ``arm``'s long segments against vanilla's calibrated step (a real
+    segment is rarely faster than the calibration's best, so this errs against ``arm`` until
+    vanilla runs long there too), else both calibrated costs (timed together), else any
+    segments of both; None when nothing compares them."""
+    mine, theirs = self._record(bucket, arm), self._record(bucket, vanilla)
+    mine_long = None if mine is None else mine.step_cost(True)
+    pairs = [(mine_long, None if theirs is None else theirs.step_cost(True)),
+             (mine_long, self._costs.get((bucket, vanilla))),
+             (self._costs.get((bucket, arm)), self._costs.get((bucket, vanilla))),
+             (None if mine is None else mine.step_cost(False),
+              None if theirs is None else theirs.step_cost(False))]
+    for a, b in pairs:
+      if a is not None and b is not None:
+        return a / b
+    return None
+
+  def _record(self, bucket: int, arm: str) -> _ArmStats | None:
+    stats = self._buckets.get(bucket)
+    return None if stats is None else stats.arms.get(arm)
+
+  def observe_drafter(self, quality: float | None = None) -> None:
+    """The drafter's weights changed (online training); ``quality`` is its latest held-out
+    top-1 agreement where known. Only the ``"cost"`` kind uses it."""
 
   def _register(self, bucket, arms: Sequence[Arm]) -> tuple[int, list[str], _BucketStats]:
     """Validates a ``choose`` call and makes sure the bucket has a record for every offered arm."""
@@ -193,9 +305,10 @@ class Tuner:
     if len(set(names)) != len(names):
       raise ValueError(f"Tuner.choose got repeated arm names for bucket {bucket}: {names}")
     stats = self._buckets.setdefault(bucket, _BucketStats())
-    for name in names:
-      if name not in stats.arms:
-        stats.arms[name] = _ArmStats(self.config.window)
+    for arm in arms:
+      if arm.name not in stats.arms:
+        stats.arms[arm.name] = _ArmStats(self.config.window)
+      self._meta[arm.name] = arm
     return bucket, names, stats
 
   def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> str:
@@ -207,8 +320,15 @@ class Tuner:
     """Chooses among ``names`` (>= 2 arms, every one pulled at least once)."""
     raise NotImplementedError
 
-  def update(self, bucket: int, arm: str, tokens: int, seconds: float) -> None:
-    """Records that ``arm`` produced ``tokens`` tokens in ``seconds`` seconds in ``bucket``."""
+  def update(self, bucket: int, arm: str, tokens: int, seconds: float, *,
+             steps: int | None = None, row_steps: int | None = None,
+             switch_s: float = 0.0) -> None:
+    """Records that ``arm`` produced ``tokens`` tokens in ``seconds`` seconds in ``bucket``.
+
+    The scheduler also says how many decode ``steps`` the segment ran, the live rows summed over
+    them (``row_steps``: a vanilla step emits one token per live row, so ``tokens / row_steps``
+    is a speculative arm's accepted length) and the part of ``seconds`` that was the switch's
+    drafter catch-up (``switch_s``); the ``"cost"`` kind learns from them."""
     bucket = _check_bucket(bucket)
     stats = self._buckets.get(bucket)
     if stats is None or arm not in stats.arms:
@@ -231,6 +351,15 @@ class Tuner:
     record.pulls += 1
     record.rewards.append(reward)
     stats.max_reward = max(stats.max_reward, reward)
+    if steps:
+      decoding = float(seconds) - float(switch_s)
+      record.step_s.append((max(decoding - self._overhead, 0.5 * decoding) / int(steps),
+                            int(steps)))
+      if row_steps:
+        self._learn(arm, int(tokens), int(row_steps))
+
+  def _learn(self, arm: str, tokens: int, row_steps: int) -> None:
+    """What a segment's accepted length taught (the ``"cost"`` kind)."""
 
   def _best_by_median(self, stats: _BucketStats, names: Sequence[str]) -> str | None:
     """The arm of ``names`` with the highest windowed median (first wins ties); ``None`` if none."""
@@ -248,10 +377,13 @@ class Tuner:
       buckets[str(bucket)] = {
           "decisions": stats.decisions,
           "max_reward": stats.max_reward,
-          "arms": [[name, rec.pulls, list(rec.rewards)] for name, rec in stats.arms.items()],
+          "arms": [[name, rec.pulls, list(rec.rewards), [list(x) for x in rec.step_s]]
+                   for name, rec in stats.arms.items()],
       }
     return {"kind": self.config.kind, "rng": _jsonable(self._rng.bit_generator.state),
-            "buckets": buckets}
+            "buckets": buckets,
+            "meta": [[a.name, a.verify_width, a.depth, a.topk] for a in self._meta.values()],
+            "costs": [[b, a, c] for (b, a), c in self._costs.items()], "overhead": self._overhead}
 
   def load_state_dict(self, state: dict) -> None:
     """Restores a ``state_dict`` snapshot of the same kind, so the choice sequence continues."""
@@ -266,10 +398,15 @@ class Tuner:
       stats = _BucketStats()
       stats.decisions = int(saved["decisions"])
       stats.max_reward = float(saved["max_reward"])
-      for name, pulls, rewards in saved["arms"]:
-        stats.arms[name] = _ArmStats(self.config.window, int(pulls), rewards)
+      for name, pulls, rewards, *step_s in saved["arms"]:  # step_s: saved since issue 21
+        stats.arms[name] = _ArmStats(self.config.window, int(pulls), rewards,
+                                     step_s[0] if step_s else ())
       buckets[_check_bucket(int(key))] = stats
-    self._rng, self._buckets = rng, buckets
+    meta = {name: Arm(name, int(width), int(depth), int(topk))
+            for name, width, depth, topk in state.get("meta", [])}
+    self._rng, self._buckets, self._meta = rng, buckets, meta
+    self._costs = {(int(b), str(a)): float(c) for b, a, c in state.get("costs", [])}
+    self._overhead = float(state.get("overhead", 0.0))
 
   def summary(self) -> dict:
     """Per bucket: each arm's pulls and windowed median reward, and the best arm by that median."""
@@ -278,9 +415,13 @@ class Tuner:
       stats = self._buckets[bucket]
       entry: dict[str, Any] = {name: {"pulls": rec.pulls, "median_reward": rec.median()}
                                for name, rec in stats.arms.items()}
-      entry[_SUMMARY_BEST] = self._best_by_median(stats, list(stats.arms))
+      entry[_SUMMARY_BEST] = self._summary_best(bucket, stats)
       out[str(bucket)] = entry
     return out
+
+  def _summary_best(self, bucket: int, stats: _BucketStats) -> str | None:
+    """The arm ``summary`` calls the bucket's best."""
+    return self._best_by_median(stats, list(stats.arms))
 
 
 def _jsonable(value):
@@ -330,6 +471,179 @@ class Ucb1(Tuner):
     return best
 
 
+def accepted_length(alpha: float, depth: int, topk: int = 1) -> float:
+  """Expected tokens one speculative step emits per live row when each drafted token is accepted
+  with probability ``alpha`` independently: a level of ``topk`` candidates passes with
+  ``1 - (1 - alpha) ** topk``, and ``depth`` levels plus the bonus token give
+  ``1 + a + a^2 + ... + a^depth``."""
+  a = 1.0 - (1.0 - min(max(alpha, 0.0), 1.0)) ** topk
+  return float(depth + 1) if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
+
+
+def acceptance_from_length(length: float, depth: int, topk: int = 1) -> float:
+  """The per-token acceptance ``alpha`` that ``accepted_length`` maps to ``length`` (bisection;
+  0 at or below 1 token, 1 at or above ``depth + 1``)."""
+  if length <= 1.0:
+    return 0.0
+  if length >= depth + 1:
+    return 1.0
+  lo, hi = 0.0, 1.0
+  for _ in range(40):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if accepted_length(mid, depth, topk) < length else (lo, mid)
+  return (lo + hi) / 2
+
+
+class CostModel(Tuner):
+  """Chooses by predicted speed: measured seconds per step times counted accepted lengths.
+
+  An arm's speed at bucket ``b`` is ``accepted length / seconds per step`` (vanilla: one token
+  per live row per step). Seconds per step come from the engine's calibration (``set_costs``:
+  every executable timed once at ``precompile``) and then from the arm's own segments at ``b``
+  (the median of a window, the segment boundary's overhead taken off). Accepted lengths are
+  counted, not timed: each speculative segment's ``tokens / row_steps`` gives the drafter's
+  per-token acceptance ``alpha`` (``acceptance_from_length``), pooled over buckets (what one
+  bucket learns, every bucket uses) and, for an arm never run, over the other arms; the
+  prediction of an arm is ``accepted_length(alpha, depth, topk)``.
+
+  Exploration is bounded in time. An arm is *probed* (a segment of ``probe_steps`` steps) only
+  while it has no acceptance measured under the current drafter and its optimistic speed
+  (``alpha + probe_margin``; an unknown drafter: every draft accepted) could beat the best arm.
+  So a useless drafter costs one probe: its first measured acceptance makes every arm hopeless
+  everywhere. ``observe_drafter(quality)`` starts a new drafter version: arms become unmeasured
+  again, and ``quality`` (the held-out top-1 of the weights that drafted since the last call)
+  shifts every older measurement's acceptance by how much the top-1 moved since its version, so
+  a drafter that improved is re-probed where it could now pay, and a hopeless one is not. A bucket
+  whose best arm is vanilla with no other arm within reach runs to its boundary in one segment
+  (``Decision.max_steps = 0``). No randomness: the choice sequence is a function of what was
+  measured.
+  """
+
+  CLOSE = 0.9  # an arm within this fraction of the best one's speed keeps segments bounded
+
+  def __init__(self, config: TunerConfig):
+    super().__init__(config)
+    self._quality: float | None = None  # the drafter's latest held-out top-1 (observe_drafter)
+    self._version = 0  # drafter versions seen
+    self._qualities: dict[int, float] = {}  # the top-1 reported for each version that has ended
+    # per arm: recent (alpha, drafter version) of its segments
+    self._accept: dict[str, collections.deque] = {}
+
+  # ---- what it is told -------------------------------------------------------------------
+  def observe_drafter(self, quality: float | None = None) -> None:
+    if quality is not None and (not math.isfinite(quality) or not 0 <= quality <= 1):
+      raise ValueError(f"CostModel.observe_drafter: quality must be in [0, 1] (a top-1 "
+                       f"agreement) or None, got {quality!r}")
+    if quality is not None:  # it describes the weights that drafted since the last call
+      self._quality = self._qualities[self._version] = float(quality)
+    self._version += 1
+    used = {v for window in self._accept.values() for _, v in window}
+    self._qualities = {v: q for v, q in self._qualities.items() if v in used}
+
+  def _learn(self, arm: str, tokens: int, row_steps: int) -> None:
+    meta = self._meta[arm]
+    if meta.speculative:
+      alpha = acceptance_from_length(tokens / row_steps, meta.depth, meta.topk)
+      window = self._accept.setdefault(arm, collections.deque(maxlen=self.config.window))
+      window.append((alpha, self._version))
+
+  # ---- predictions -------------------------------------------------------------------------
+  def alpha(self, arm: str | None = None) -> float | None:
+    """The drafter's per-token acceptance as ``arm``'s segments measured it (None, or an arm
+    never run: pooled over every arm), each measurement shifted by how much the drafter's
+    reported top-1 moved since the version that made it; None before any measurement."""
+    if arm is not None and self._accept.get(arm):
+      samples = self._accept[arm]
+    else:
+      samples = [x for window in self._accept.values() for x in window]
+    if not samples:
+      return None
+    shifted = []
+    for a, version in samples:
+      then = self._qualities.get(version)
+      shifted.append(a + (self._quality - then if then is not None else 0.0))
+    return float(min(max(np.median(shifted), 0.0), 1.0))
+
+  def _fresh(self, arm: str) -> bool:
+    """Whether ``arm`` was measured under the current drafter."""
+    return any(v == self._version for _, v in self._accept.get(arm, ()))
+
+  def _length(self, arm: str, optimistic: bool) -> float | None:
+    meta = self._meta[arm]
+    if not meta.speculative:
+      return 1.0
+    alpha = self.alpha(arm)
+    if alpha is None:
+      return float(meta.depth + 1) if optimistic else None
+    if optimistic:
+      alpha = min(1.0, alpha + self.config.probe_margin)
+    return accepted_length(alpha, meta.depth, meta.topk)
+
+  def speeds(self, bucket: int) -> dict[str, dict[str, float | None]]:
+    """Per arm offered at ``bucket``: its step's cost relative to vanilla's, its predicted
+    accepted length, and its predicted and optimistic speed relative to vanilla's (vanilla: 1;
+    None where unknown)."""
+    stats = self._buckets.get(_check_bucket(bucket))
+    if stats is None:
+      return {}
+    vanilla = next((n for n in stats.arms if not self._meta[n].speculative), None)
+    out = {}
+    for name in stats.arms:
+      cost = 1.0 if name == vanilla else (None if vanilla is None else
+                                          self.relative_cost(bucket, name, vanilla))
+      length, best_case = self._length(name, False), self._length(name, True)
+      out[name] = dict(
+          relative_cost=cost, accepted=length,
+          speed=None if cost is None or length is None else length / cost,
+          # an arm whose cost nothing measured yet: as cheap as vanilla
+          optimistic=best_case / (1.0 if cost is None else cost))
+    return out
+
+  # ---- the choice ----------------------------------------------------------------------------
+  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> str:
+    speeds = {n: v for n, v in self.speeds(bucket).items() if n in names}
+    known = [n for n in names if speeds[n]["speed"] is not None]
+    if not known:  # no vanilla offered: its first arm, until the others compare to it
+      return names[0]
+    greedy = max(known, key=lambda n: speeds[n]["speed"])  # ties: the arm offered first
+    best = speeds[greedy]["speed"]
+    probes = [n for n in names if n != greedy and self._meta[n].speculative
+              and not self._fresh(n) and speeds[n]["optimistic"] is not None
+              and speeds[n]["optimistic"] > best]
+    if probes:
+      self._segment = (self.config.probe_steps, True)
+      return max(probes, key=lambda n: speeds[n]["optimistic"])
+    close = any(n != greedy and speeds[n]["optimistic"] is not None
+                and speeds[n]["optimistic"] >= self.CLOSE * best for n in names)
+    settled = not self._meta[greedy].speculative and not close
+    self._segment = (0 if settled else None, False)
+    return greedy
+
+  def _summary_best(self, bucket: int, stats: _BucketStats) -> str | None:
+    speeds = self.speeds(bucket)
+    known = [n for n in stats.arms if speeds[n]["speed"] is not None]
+    return max(known, key=lambda n: speeds[n]["speed"]) if known else None
+
+  # ---- state --------------------------------------------------------------------------------
+  def state_dict(self) -> dict:
+    state = super().state_dict()
+    state["cost_model"] = {
+        "quality": self._quality, "version": self._version,
+        "qualities": [[v, q] for v, q in self._qualities.items()],
+        "accept": {a: [list(x) for x in w] for a, w in self._accept.items()}}
+    return state
+
+  def load_state_dict(self, state: dict) -> None:
+    super().load_state_dict(state)
+    saved = state.get("cost_model", {})
+    self._quality = saved.get("quality")
+    self._version = int(saved.get("version", 0))
+    self._qualities = {int(v): float(q) for v, q in saved.get("qualities", [])}
+    self._accept = {a: collections.deque(((float(x), int(v)) for x, v in w),
+                                         maxlen=self.config.window)
+                    for a, w in saved.get("accept", {}).items()}
+
+
 class FixedMapping(Tuner):
   """A fixed bucket -> arm mapping from ``TunerConfig.fixed``; rewards are only recorded."""
 
@@ -351,7 +665,7 @@ def fixed_arm(fixed: tuple, bucket: int, names: Sequence[str]) -> str:
   return target
 
 
-_KIND_TO_CLASS = {"beg_mab": BegMab, "ucb1": Ucb1, "fixed": FixedMapping}
+_KIND_TO_CLASS = {"cost": CostModel, "beg_mab": BegMab, "ucb1": Ucb1, "fixed": FixedMapping}
 
 
 def make_tuner(config: TunerConfig) -> Tuner:

@@ -1,0 +1,91 @@
+"""The drafter's ledger: bootstrap grant, steps bought from SD's savings, totals, resume."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tlt_jax.drafter.ledger import DrafterLedger, run_line, step_line
+
+
+def play(ledger: DrafterLedger, inputs) -> list[tuple[int, int]]:
+  """Runs RL steps: each credits its saving, takes the grant and spends it at its step cost."""
+  grants = []
+  for saved_s, step_s in inputs:
+    ledger.credit(saved_s)
+    steps, bootstrap = ledger.grant()
+    ledger.spend(steps, bootstrap, steps * step_s, other_s=0.001 if steps else 0.0,
+                 saved_s=saved_s)
+    grants.append((steps, bootstrap))
+  return grants
+
+
+def test_bootstrap_is_granted_up_front_and_bounded():
+  ledger = DrafterLedger(savings_share=0.5, bootstrap_steps=20, max_steps=8)
+  grants = play(ledger, [(None, 0.01)] * 6)  # SD never ran: nothing saved
+  assert grants == [(8, 8), (8, 8), (4, 4), (0, 0), (0, 0), (0, 0)]
+  assert ledger.totals()["bootstrap_steps"] == 20 and ledger.totals()["steps"] == 20
+
+
+def test_savings_buy_steps_at_the_measured_cost_and_losses_are_debited():
+  ledger = DrafterLedger(savings_share=0.5, bootstrap_steps=1, max_steps=8)
+  play(ledger, [(0.0, 0.01)])  # the bootstrap step measures the cost: 10 ms a step
+  ledger.credit(0.1)  # half of it, 0.05 s, buys 5 steps
+  steps, bootstrap = ledger.grant()
+  assert (steps, bootstrap) == (5, 0)
+  ledger.spend(steps, bootstrap, 0.05)
+  assert ledger.balance_s == pytest.approx(0.0, abs=1e-9)
+  ledger.credit(-0.2)  # SD cost time (probes): the debt is paid before anything is bought
+  ledger.credit(0.3)
+  assert ledger.grant() == (5, 0)
+  ledger.credit(10.0)
+  assert ledger.grant() == (8, 0)  # at most max_steps a step
+
+
+def test_a_drafter_that_never_pays_stops_costing_time():
+  ledger = DrafterLedger(savings_share=0.5, bootstrap_steps=16, max_steps=8)
+  grants = play(ledger, [(-0.02, 0.01)] * 10)  # SD probes lost a little every step
+  assert sum(s for s, _ in grants) == 16 and grants[2:] == [(0, 0)] * 8
+
+
+def test_totals_and_lines():
+  ledger = DrafterLedger(savings_share=1.0, bootstrap_steps=0, max_steps=8)
+  play(ledger, [(0.05, 0.01), (0.05, 0.01)])
+  totals = ledger.totals()
+  assert totals["saved_s"] == pytest.approx(0.1)
+  assert totals["net_s"] == pytest.approx(totals["saved_s"] - totals["drafter_s"])
+  m = {"tlt_saved_s": 0.12, "tlt_drafter_s": 0.05, "tlt_net_s": 0.07, "step_s": 1.0}
+  assert step_line(m) == "TLT saved 0.12s, drafter 0.05s, net +0.07s"
+  assert step_line({}) == "" and run_line([{"loss": 0.0}]) == ""
+  line = run_line([m, dict(m, drafter_bootstrap_steps=3)])
+  assert "saved ~0.24s" in line and "0.10s on the critical path (3 bootstrap" in line
+  assert "net +0.14s (+7.0% of the steps' time)" in line
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_ledger_stopped_at_a_random_step_and_resumed_reproduces_the_uninterrupted_one(seed):
+  rng = random.Random(seed)
+  inputs = [(rng.choice([None, -0.01, 0.0, 0.02, 0.08]), rng.choice([0.008, 0.01, 0.013]))
+            for _ in range(30)]
+  uninterrupted = DrafterLedger(0.5, 24, 8)
+  expected = play(uninterrupted, inputs)
+  stop = rng.randrange(1, len(inputs))
+  first = DrafterLedger(0.5, 24, 8)
+  before = play(first, inputs[:stop])
+  resumed = DrafterLedger(0.5, 24, 8)
+  resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+  assert before + play(resumed, inputs[stop:]) == expected
+  assert resumed.state_dict() == uninterrupted.state_dict()
+
+
+def test_bad_values_are_refused():
+  with pytest.raises(ValueError, match=r"savings_share must be in \[0, 1\]"):
+    DrafterLedger(savings_share=1.5)
+  with pytest.raises(ValueError, match="bootstrap_steps must be an int >= 0"):
+    DrafterLedger(bootstrap_steps=-1)
+  with pytest.raises(ValueError, match="saved_s must be finite"):
+    DrafterLedger().credit(float("nan"))
+  with pytest.raises(ValueError, match="malformed ledger state"):
+    DrafterLedger().load_state_dict({"balance_s": 1.0})

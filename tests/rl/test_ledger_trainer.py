@@ -1,0 +1,85 @@
+"""The one-device drafter budget in the RL loop (``serial_budget="ledger"``, the default): the
+bootstrap grant, no drafter time once it is spent and SD saves nothing, the engine's drafter and
+its tuner told only when the weights change, and the ledger's metrics."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from tests.rl.test_online_drafter import online_trainer
+from tlt_jax.drafter.online import DrafterTrainingConfig
+from tlt_jax.utils import compile_count
+
+LEDGER = DrafterTrainingConfig(rows=4, seq_len=32, serial_steps=2, learning_rate=3e-3,
+                               bootstrap_steps=3)
+
+
+def host(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module", name="run")
+def run_fixture():
+  """Four steps of a fixed-spec engine: no tuner, so no vanilla step cost, so no saving is ever
+  estimated and the ledger grants the bootstrap steps only."""
+  trainer = online_trainer(LEDGER)
+  trainer.engine.precompile()
+  trainer.precompile_update()
+  trainer.precompile_drafter()
+  engine_weights, rows, compiles = [], [], []
+  for _ in range(4):
+    before = compile_count()
+    rows.append(trainer.step())
+    compiles.append(compile_count() - before)
+    engine_weights.append(host(trainer.engine.drafter_params))
+  run_fixture.compiles = compiles
+  return trainer, rows, engine_weights
+
+
+def test_the_bootstrap_grant_is_spent_then_the_drafter_costs_nothing(run):
+  trainer, rows, _ = run
+  assert [m["drafter_serial_steps"] for m in rows] == [2, 1, 0, 0]
+  assert [m["drafter_bootstrap_steps"] for m in rows] == [2, 1, 0, 0]
+  assert trainer.online.spot.steps == 3
+  assert rows[3]["drafter_serial_s"] == 0.0
+  assert rows[3]["tlt_drafter_s"] < 0.5 * rows[0]["tlt_drafter_s"]
+  for m in rows:
+    assert m["tlt_saved_s"] == 0.0 and m["tlt_net_s"] == pytest.approx(-m["tlt_drafter_s"])
+
+
+def test_unchanged_weights_are_neither_scored_nor_copied_again(run):
+  _, rows, weights = run
+  # scored: the first drafter, and the weights each training step made (steps 2 and 3 draft
+  # with weights trained in the step before); step 4 drafts with step 3's unchanged weights
+  assert ["drafter_loss" in m for m in rows] == [True, True, True, False]
+  for a, b in zip(weights[2], weights[3]):
+    np.testing.assert_array_equal(a, b)
+  assert any(not np.array_equal(a, b) for a, b in zip(weights[0], weights[1]))
+
+
+def test_hidden_states_are_not_kept_once_nothing_can_train_on_them(run):
+  trainer, _, _ = run
+  assert not trainer.online.ledger.can_grant()
+  options = trainer.online.rollout_options(9, [[1, 2]], trainer.engine)
+  assert options["collect_hidden"] is False
+
+
+def test_the_ledger_resumes_from_a_checkpoint(run, tmp_path):
+  from tlt_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  trainer, _, _ = run
+  ckpt = Checkpointer(tmp_path / "ckpt")
+  trainer.save(ckpt)
+  other = online_trainer(LEDGER)
+  other.restore(ckpt)
+  assert other.online.host_state() == trainer.online.host_state()
+  assert other.online.ledger.totals() == trainer.online.ledger.totals()
+
+
+def test_no_compiles_during_ledger_steps(run):
+  _, rows, _ = run
+  # the rollouts compile nothing; after the first step (its host-side eager ops, e.g. the
+  # advantages), nothing compiles at all, with or without drafter steps
+  assert all(m["compiles"] == 0 for m in rows)
+  assert run_fixture.compiles[1:] == [0, 0, 0], run_fixture.compiles
