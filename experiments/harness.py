@@ -16,10 +16,11 @@ holds, from the bottom up:
 * models and prompts: the random Qwen2-style model of the synthetic benchmarks, the trained bench
   target with its drafter, its long addition prompts and the long-tail sweep of 1 to 12 digits,
   SmolLM2's chat prompts;
-* engines and timing: the bench target's strategy pool (``BENCH_STRATEGIES``), ``engines_for`` (vanilla plus one engine per strategy), ``warm_up``
-  (precompile and one untimed run), ``interleaved`` (repeats of several contenders in turn, so
-  that load from other processes falls on all of them), ``ratios`` / ``median_ratio`` (per-repeat
-  ratios, then their median: how every speedup here is reported);
+* engines and timing: the bench target's strategy pool (``BENCH_STRATEGIES``), ``engines_for``
+  (vanilla plus one engine per strategy), ``warm_up`` (precompile and one untimed run),
+  ``interleaved`` (repeats of several contenders in turn, so that load from other processes
+  falls on all of them), ``ratios`` / ``median_ratio`` (per-repeat ratios, then their median:
+  how every speedup here is reported);
 * the speculative-decoding tables of bench_sd.py and bench_sd_smollm2.py (``measure``,
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
 * offline drafter training (``evaluate``, ``train_steps``);
