@@ -24,27 +24,12 @@ import statistics
 import sys
 import time
 
-import numpy as np
 from flax import nnx
 
 import harness
-from harness import (ArithmeticTask, CharTokenizer, Drafter, SamplingParams, SpecConfig,
-                     TunerConfig, strategy_name)
+from harness import Drafter, SamplingParams, TunerConfig, strategy_name
 
-STRATEGIES = (SpecConfig(3, 1, 4), SpecConfig(7, 1, 8), SpecConfig(5, 4, 16), SpecConfig(7, 4, 16))
-
-
-def sweep_prompts(tokenizer: CharTokenizer, n: int, seed: int) -> list[list[int]]:
-  """``n`` additions of 1 .. 12 digits: solutions from a few to ~150 tokens."""
-  rng = np.random.default_rng(seed)
-  task = ArithmeticTask()
-  prompts = []
-  for i in range(n):
-    digits = 1 + i * 12 // n
-    lo, hi = 10 ** (digits - 1), 10 ** digits
-    p = task.make_problem(int(rng.integers(lo, hi)), int(rng.integers(lo, hi)))
-    prompts.append([tokenizer.bos_token_id] + tokenizer.encode(p.prompt))
-  return prompts
+STRATEGIES = harness.BENCH_STRATEGIES
 
 
 def run_round(engines: dict, calls: list[list[list[int]]], params, order: list[str]) -> dict:
@@ -98,7 +83,7 @@ def main():
   compiled = {name: e.precompile() for name, e in engines.items()}
   print(f"compiled {sum(compiled.values())} executables in {time.perf_counter() - t0:.0f}s",
         flush=True)
-  workloads = {"sweep": [sweep_prompts(tokenizer, 32, a.seed)],
+  workloads = {"sweep": [harness.sweep_prompts(tokenizer, 32, a.seed)],
                "tail": [[p] for p in harness.long_prompts(tokenizer, a.tail_prompts, 12,
                                                           a.seed)]}
   report = dict(command=" ".join(sys.argv), strategies=[strategy_name(s) for s in STRATEGIES],

@@ -14,11 +14,13 @@ holds, from the bottom up:
 
 * arguments: comma lists (``ints``, ``floats``) and the parser every script starts from;
 * models and prompts: the random Qwen2-style model of the synthetic benchmarks, the trained bench
-  target with its drafter and its long addition prompts, SmolLM2's chat prompts;
-* engines and timing: ``engines_for`` (vanilla plus one engine per strategy), ``warm_up``
-  (precompile and one untimed run), ``interleaved`` (repeats of several contenders in turn, so
-  that load from other processes falls on all of them), ``ratios`` / ``median_ratio`` (per-repeat
-  ratios, then their median: how every speedup here is reported);
+  target with its drafter, its long addition prompts and the long-tail sweep of 1 to 12 digits,
+  SmolLM2's chat prompts;
+* engines and timing: the bench target's strategy pool (``BENCH_STRATEGIES``), ``engines_for``
+  (vanilla plus one engine per strategy), ``warm_up`` (precompile and one untimed run),
+  ``interleaved`` (repeats of several contenders in turn, so that load from other processes
+  falls on all of them), ``ratios`` / ``median_ratio`` (per-repeat ratios, then their median:
+  how every speedup here is reported);
 * the speculative-decoding tables of bench_sd.py and bench_sd_smollm2.py (``measure``,
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
 * offline drafter training (``evaluate``, ``train_steps``);
@@ -120,6 +122,20 @@ def long_prompts(tokenizer: CharTokenizer, n: int, digits: int, seed: int) -> li
   return [[tokenizer.bos_token_id] + tokenizer.encode(p.prompt) for p in problems]
 
 
+def sweep_prompts(tokenizer: CharTokenizer, n: int, seed: int) -> list[list[int]]:
+  """``n`` additions of 1 .. 12 digits: solutions from a few to ~150 tokens, so that rows of one
+  batch finish at very different times and the live batch sweeps down to 1 (the long tail)."""
+  rng = np.random.default_rng(seed)
+  task = ArithmeticTask()
+  prompts = []
+  for i in range(n):
+    digits = 1 + i * 12 // n
+    lo, hi = 10 ** (digits - 1), 10 ** digits
+    p = task.make_problem(int(rng.integers(lo, hi)), int(rng.integers(lo, hi)))
+    prompts.append([tokenizer.bos_token_id] + tokenizer.encode(p.prompt))
+  return prompts
+
+
 def gguf():
   """The module ``tlt_jax.models.gguf`` (llama.cpp's format), imported on call: it needs the
   ``gguf`` package, which the accelerator image may lack."""
@@ -155,6 +171,12 @@ def task_questions(n: int, seed: int, gsm_share: float = 0.75) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- engines, timing
+
+
+# the adaptive engine's pool in the bench target's benchmarks (ablate_tuner.py, never_slower.py):
+# two chains and two trees
+BENCH_STRATEGIES = (SpecConfig(3, 1, 4), SpecConfig(7, 1, 8), SpecConfig(5, 4, 16),
+                    SpecConfig(7, 4, 16))
 
 
 def static_batch(batch: int, prompt_len: int, max_new: int, **fields) -> dict:

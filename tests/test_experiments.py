@@ -57,6 +57,7 @@ def scripts() -> list[pathlib.Path]:
 def test_every_script_answers_help():
   found = scripts()
   assert len(found) >= 20  # the glob found the scripts
+  assert {"never_slower.py", "e2e_default_job.py"} <= {p.name for p in found}  # issue 21's
   codes = run_scripts([(str(p), ["--help"]) for p in found], ROOT, timeout=240)
   assert codes == {str(p): 0 for p in found}
 
@@ -113,3 +114,33 @@ def test_cheapest_benchmarks_run_at_tiny_sizes(tmp_path):
     assert {"update_s", "s_per_valid_generated_token", "tokens_padded", "tokens_valid",
             "passes"} <= set(result[name])
   assert result["packed"]["tokens_padded"] == offline["packed"]
+
+
+@pytest.mark.slow
+def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
+  """The default job's eagle-vs-none benchmark at tiny sizes (~45 s): both arms follow one
+  trajectory (the script asserts it per step), the eagle-only override reaches the eagle arm
+  alone, and the report holds the paired ratios and the per-arm breakdown."""
+  out = tmp_path / "e2e.json"
+  tiny = ["trainer.prompts_per_step=2", "grpo.group_size=2", "rollout.max_batch=4",
+          "sft.steps=2", "model.hidden_size=32", "model.intermediate_size=64",
+          "model.num_layers=1", "trainer.max_new_tokens=16"]
+  args = ["--steps", "3", "--config-override", "drafter_training.serial_steps=2",
+          "--out", str(out)]
+  for item in tiny:
+    args += ["--set", item]
+  codes = run_scripts([(str(EXPERIMENTS / "e2e_default_job.py"), args)], tmp_path, timeout=300)
+  assert set(codes.values()) == {"returned"}, codes
+  report = json.loads(out.read_text())
+  assert report["identical_tokens_and_rewards"] and report["verify"] == "coupled"
+  assert report["eagle_overrides"] == {"drafter_training.serial_steps": 2}
+  assert report["job"]["drafter_training"]["serial_steps"] == 2
+  summary = report["summary"]
+  assert summary["steps"] == 3 and 1 not in summary["kept_steps"] and summary["kept_steps"]
+  assert summary["step_ratio"]["all"]["median"] > 0
+  breakdown = summary["breakdown"]
+  assert {"step_s", "rollout_s", "update_s"} <= set(breakdown)
+  assert breakdown["drafter_serial_s"]["none_median"] == 0.0  # no drafter in the none arm
+  rows = report["steps_metrics"]
+  assert [r["reward"] for r in rows["none"]] == [r["reward"] for r in rows["eagle"]]
+  assert all("drafter_serial_s" not in r for r in rows["none"])

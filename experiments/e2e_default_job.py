@@ -1,0 +1,248 @@
+"""End to end on one device: the default job with ``drafter=eagle`` against ``drafter=none``.
+
+  python experiments/e2e_default_job.py [--steps 16] [--set trainer.prompts_per_step=8 ...]
+      [--config-override drafter_training.serial_steps=8 ...]
+
+Issue 21's end-to-end test. Both arms are THE default job (``tlt_jax.job.build.DEFAULT_CONFIG``,
+configs/tiny_grpo.py, built by ``build_job``) with ``rollout.verify="coupled"``, the same seed
+and the same warm-started policy; they differ only in ``config.drafter``: ``none`` (vanilla
+rollouts) or ``eagle`` (whatever the job makes of it: a fresh EAGLE drafter trained online, the
+adaptive engine and its tuner). Coupled verification makes speculative decoding emit exactly
+vanilla sampling's tokens, so both arms follow one trajectory: tokens and rewards are asserted
+equal at every step, and only time differs.
+
+The warm start runs once (cached on disk by ``rl_bench.warm_policy_dir``, keyed by the model,
+sft, task and seed sections) and each arm loads its own copy. Each trainer is built as the job
+builds it and precompiled (rollout, policy update and the online drafter's steps); then the arms
+step in turn, the order rotating every step, so load from other processes falls on both. The
+eagle arm also makes the job's selective async drafter save after each step when
+``drafter_training.save_every`` asks for it (timed apart as ``drafter_save_s``).
+
+Reported: the paired per-step ratio eagle step seconds / none step seconds, its median over the
+steps (step 1 and every step in which either arm compiled left out), over the first quarter of
+the steps and over the rest, and the same for every ``*_s`` metric the trainer reports
+(rollout_s, update_s, drafter_serial_s, drafter_* / ledger_* seconds, ...), with each arm's
+medians: every such key whose values differ between the arms is printed. The issue's target:
+median step time <= 1.05x vanilla's.
+
+``--set KEY=VALUE`` changes both arms (e.g. smaller sizes); ``--config-override KEY=VALUE``
+the eagle arm only (e.g. ``drafter_training.serial_steps=8`` for the fixed budget). Values are
+Python literals (``8``, ``1e-4``, ``True``, ``"((3, 1, 4),)"``), anything else a string.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+import harness
+import rl_bench as rb
+from rl_bench import config_lib
+from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.job.build import DEFAULT_CONFIG, build_job, job_devices
+from tlt_jax.job.run_dir import DRAFTER_CHECKPOINTS
+
+ARMS = ("none", "eagle")
+TARGET = 1.05  # the issue's: eagle's median step time at most 1.05x vanilla's
+
+
+def literal(text: str):
+  """A ``--set`` value: a Python literal, else the text itself."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def assignment(text: str) -> tuple[str, object]:
+  if "=" not in text:
+    raise SystemExit(f"{text!r} is not KEY=VALUE (e.g. drafter_training.serial_steps=8)")
+  key, value = text.split("=", 1)
+  return key.strip(), literal(value)
+
+
+def job_config(seed: int, drafter: str, overrides: list[tuple[str, object]]):
+  """The default job's config with ``seed``, ``drafter``, coupled verification and the
+  ``overrides`` (dotted keys) applied."""
+  cfg = config_lib.load_config_file(DEFAULT_CONFIG)
+  cfg.seed, cfg.drafter = seed, drafter
+  cfg.rollout.verify = "coupled"
+  for key, value in overrides:
+    try:
+      config_lib.set_dotted(cfg, key, value)
+    except (KeyError, AttributeError) as e:
+      raise SystemExit(f"no config field {key!r} ({e}); see {DEFAULT_CONFIG}") from None
+  return cfg
+
+
+def make_trainer(job, policy_dir: pathlib.Path) -> harness.GRPOTrainer:
+  """The trainer the job's runner builds for ``job`` (``tlt_jax.job.runner.run``), on a fresh
+  copy of the warm-started policy, precompiled as the runner does; ``precompile_s`` says how
+  long each part took."""
+  cfg = job.cfg
+  mesh = jax.sharding.Mesh(np.array(job_devices(cfg)), ("data",))
+  trainer = harness.GRPOTrainer(
+      rb.load_policy(policy_dir), job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
+      mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
+      rollout_devices=cfg.get("rollout_devices", 0), drafter_training=job.drafter_training)
+  t0 = time.perf_counter()
+  rollout = trainer.engine.precompile()
+  t1 = time.perf_counter()
+  update = trainer.precompile_update()
+  t2 = time.perf_counter()
+  devices = trainer.precompile_drafter()
+  trainer.precompile_s = dict(rollout=round(t1 - t0, 1), update=round(t2 - t1, 1),
+                              drafter=round(time.perf_counter() - t2, 1),
+                              executables=dict(rollout=rollout, update=update),
+                              drafter_devices=devices)
+  rb.record_rollouts(trainer)
+  return trainer
+
+
+def seconds_keys(rows: dict[str, list[dict]]) -> list[str]:
+  """Every metric key ending in ``_s`` that either arm reported."""
+  return sorted({k for arm in rows.values() for r in arm for k in r if k.endswith("_s")})
+
+
+def paired(rows: dict[str, list[dict]], key: str, steps: list[int]) -> dict:
+  """``key`` per arm (its median over ``steps``, 0 where an arm lacks it) and the paired
+  per-step ratio eagle / none (median; None where none's value is 0) and difference."""
+  get = lambda arm, i: float(rows[arm][i].get(key, 0.0))
+  out = {f"{arm}_median": statistics.median(get(arm, i) for i in steps) for arm in ARMS}
+  out["diff_median"] = statistics.median(get("eagle", i) - get("none", i) for i in steps)
+  ratios = [get("eagle", i) / get("none", i) for i in steps if get("none", i) > 0]
+  out["ratio_median"] = statistics.median(ratios) if ratios else None
+  return out
+
+
+def summarize(rows: dict[str, list[dict]], compiled: list[bool], skip: int) -> dict:
+  """Paired step-time ratios over the kept steps (from ``skip`` on, none compiled), all of them,
+  the first quarter of the run's steps and the rest; every ``*_s`` key's breakdown."""
+  n = len(rows["none"])
+  kept = [i for i in range(skip, n) if not compiled[i]]
+  if not kept:
+    raise SystemExit(f"no step to report: {n} steps, the first {skip} skipped, compiles in "
+                     f"{sum(compiled)}; raise --steps")
+  quarter = max(1, n // 4)
+  spans = {"all": kept, "first_quarter": [i for i in kept if i < quarter],
+           "rest": [i for i in kept if i >= quarter]}
+  ratio = lambda i: rows["eagle"][i]["step_s"] / rows["none"][i]["step_s"]
+  out = dict(steps=n, kept_steps=[i + 1 for i in kept], quarter_steps=quarter,
+             step_ratio={span: dict(median=statistics.median(ratio(i) for i in s) if s else None,
+                                    steps=len(s),
+                                    total=(sum(rows["eagle"][i]["step_s"] for i in s) /
+                                           sum(rows["none"][i]["step_s"] for i in s)) if s
+                                    else None)
+                         for span, s in spans.items()})
+  out["breakdown"] = {key: paired(rows, key, kept) for key in seconds_keys(rows)}
+  if "drafter_save_s" in out["breakdown"]:  # the job's loop: the step plus the drafter save
+    loop = lambda arm, i: rows[arm][i]["step_s"] + rows[arm][i].get("drafter_save_s", 0.0)
+    out["step_plus_save_ratio_median"] = statistics.median(
+        loop("eagle", i) / loop("none", i) for i in kept)
+  return out
+
+
+def main():
+  parser = harness.parser(__doc__)
+  parser.add_argument("--steps", type=int, default=None, help="RL steps per arm (default: the "
+                      "default job's trainer.steps)")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--set", dest="both", type=assignment, action="append", default=[],
+                      metavar="KEY=VALUE", help="a config field of both arms (repeatable)")
+  parser.add_argument("--config-override", dest="eagle", type=assignment, action="append",
+                      default=[], metavar="KEY=VALUE",
+                      help="a config field of the eagle arm only (repeatable), e.g. "
+                      "drafter_training.serial_steps=8")
+  parser.add_argument("--skip", type=int, default=1, help="first steps left out of the medians")
+  parser.add_argument("--out", default="experiments/out/e2e_default_job.json")
+  a = parser.parse_args()
+  t_start = time.perf_counter()
+  cfgs = {"none": job_config(a.seed, "none", a.both),
+          "eagle": job_config(a.seed, "eagle", a.both + a.eagle)}
+  jobs = {arm: build_job(cfg) for arm, cfg in cfgs.items()}
+  steps = a.steps if a.steps is not None else jobs["none"].trainer.steps
+  if steps < 1:
+    raise SystemExit("--steps must be >= 1")
+  policy_dir = rb.warm_policy_dir(jobs["none"])  # model, sft, task and seed: both arms'
+  assert rb.warm_policy_dir(jobs["eagle"]) == policy_dir, "the arms' warm starts differ"
+  t0 = time.perf_counter()
+  trainers = {arm: make_trainer(job, policy_dir) for arm, job in jobs.items()}
+  build_s = time.perf_counter() - t0
+  print(f"built and compiled both trainers in {build_s:.0f}s: " + ", ".join(
+      f"{arm} {t.precompile_s}" for arm, t in trainers.items()), flush=True)
+  eagle_job = jobs["eagle"]
+  saves = None
+  with tempfile.TemporaryDirectory() as tmp:
+    if trainers["eagle"].online is not None and eagle_job.drafter_save_every:
+      saves = Checkpointer(pathlib.Path(tmp) / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
+    rows = {arm: [] for arm in ARMS}
+    compiled = []
+    try:
+      for step in range(steps):
+        c0 = harness.compile_count()
+        for arm in harness.repeat_order(ARMS, step, "rotate"):
+          trainer = trainers[arm]
+          m = trainer.step()
+          if arm == "eagle" and saves is not None and \
+              trainer.step_count % eagle_job.drafter_save_every == 0:
+            m["drafter_save_s"], _ = harness.timed(saves.save, trainer.step_count,
+                                                   trainer.online.checkpoint_state())
+          rows[arm].append({k: (v if isinstance(v, (bool, int)) else float(v))
+                            for k, v in m.items() if isinstance(v, (int, float, np.number))})
+        compiled.append(harness.compile_count() > c0)
+        digests = {arm: trainers[arm].rollout_digests[-1] for arm in ARMS}
+        assert digests["none"] == digests["eagle"], f"step {step + 1}: the arms' tokens differ"
+        assert rows["none"][-1]["reward"] == rows["eagle"][-1]["reward"], (
+            f"step {step + 1}: the arms' rewards differ")
+        n, e = rows["none"][-1], rows["eagle"][-1]
+        print(f"step {step + 1:3d} reward {n['reward']:.3f} step none {n['step_s']:.3f}s eagle "
+              f"{e['step_s']:.3f}s (x{e['step_s'] / n['step_s']:.2f}) rollout "
+              f"{n['rollout_s']:.3f}/{e['rollout_s']:.3f}s drafter serial "
+              f"{e.get('drafter_serial_s', 0.0):.3f}s accept "
+              f"{rb.fmt(e.get('mean_accept_len'), '.2f')} sd share "
+              f"{1 - e.get('arm_share/vanilla', 1.0):.2f}" +
+              (" (compiled)" if compiled[-1] else ""), flush=True)
+    finally:
+      if saves is not None:
+        saves.close()
+  summary = summarize(rows, compiled, a.skip)
+  tuner = trainers["eagle"].engine.tuner
+  report = dict(
+      command=" ".join(sys.argv), config=str(DEFAULT_CONFIG), seed=a.seed, steps=steps,
+      both=dict(a.both), eagle_overrides=dict(a.eagle), verify="coupled", target=TARGET,
+      target_met=summary["step_ratio"]["all"]["median"] <= TARGET,
+      job=dict(prompts_per_step=eagle_job.trainer.prompts_per_step,
+               group_size=eagle_job.grpo.group_size,
+               max_new_tokens=eagle_job.trainer.max_new_tokens,
+               strategies=[harness.strategy_name(s) for s in eagle_job.engine.strategies],
+               sd_max_batch=eagle_job.engine.sd_max_batch,
+               drafter_training=eagle_job.cfg.drafter_training.to_dict()),
+      build_s=round(build_s, 1), precompile_s={arm: t.precompile_s for arm, t in trainers.items()},
+      identical_tokens_and_rewards=True, summary=summary,
+      tuner=None if tuner is None else tuner.summary(), steps_metrics=rows,
+      wall_s=round(time.perf_counter() - t_start, 1))
+  out = harness.write_json(a.out, report)
+  ratio = summary["step_ratio"]
+  print("eagle / none step time, paired median: " + ", ".join(
+      f"{span} {rb.fmt(r['median'])} ({r['steps']} steps)" for span, r in ratio.items()) +
+      f"; target <= {TARGET}: {'met' if report['target_met'] else 'MISSED'}")
+  if "step_plus_save_ratio_median" in summary:
+    print(f"  with the job's drafter save after each step: "
+          f"{summary['step_plus_save_ratio_median']:.3f}")
+  print(f"{'metric':32s} {'none':>9s} {'eagle':>9s} {'diff':>9s} {'ratio':>7s}   (medians)")
+  for key, b in summary["breakdown"].items():
+    if b["none_median"] != b["eagle_median"] or b["diff_median"] != 0:
+      print(f"{key:32s} {b['none_median']:9.4f} {b['eagle_median']:9.4f} "
+            f"{b['diff_median']:+9.4f} {rb.fmt(b['ratio_median'], '7.3f')}")
+  print(f"wrote {out} in {time.perf_counter() - t_start:.0f}s")
+
+
+if __name__ == "__main__":
+  main()
