@@ -57,7 +57,10 @@ def main():
   parser.add_argument("--target", default="experiments/out/bench_target")
   parser.add_argument("--drafter", default="experiments/out/bench_drafter")
   parser.add_argument("--rounds", type=int, default=10)
-  parser.add_argument("--tuner", default="beg_mab", choices=["beg_mab", "ucb1"])
+  parser.add_argument("--tuner", default="cost", choices=["cost", "beg_mab", "ucb1"])
+  parser.add_argument("--sd-max-batch", type=int, default=32,
+                      help="buckets up to this may speculate in the tuned engine (the fixed "
+                      "engines speculate everywhere)")
   parser.add_argument("--segment-steps", type=int, default=32)
   parser.add_argument("--tail-prompts", type=int, default=4)
   parser.add_argument("--max-new", type=int, default=160)
@@ -76,7 +79,7 @@ def main():
   base = dict(max_batch=32, max_prompt_len=48, max_new_tokens=a.max_new, prefill_buckets=(48,),
               kv_buckets=() if a.kv_buckets == "none" else None)
   t0 = time.perf_counter()
-  tuner = dict(strategies=STRATEGIES, segment_steps=a.segment_steps,
+  tuner = dict(strategies=STRATEGIES, segment_steps=a.segment_steps, sd_max_batch=a.sd_max_batch,
                tuner=TunerConfig(kind=a.tuner, seed=a.seed))
   engines = harness.engines_for(target, base, {
       **{f"fixed {strategy_name(spec)}": spec for spec in STRATEGIES}, "tuner": tuner}, trained)
@@ -87,7 +90,8 @@ def main():
                "tail": [[p] for p in harness.long_prompts(tokenizer, a.tail_prompts, 12,
                                                           a.seed)]}
   report = dict(command=" ".join(sys.argv), strategies=[strategy_name(s) for s in STRATEGIES],
-                tuner=a.tuner, segment_steps=a.segment_steps, kv_buckets=a.kv_buckets,
+                tuner=a.tuner, segment_steps=a.segment_steps, sd_max_batch=a.sd_max_batch,
+                kv_buckets=a.kv_buckets,
                 rounds=a.rounds, results={})
   for drafter_name, drafter in (("trained", trained), ("random", useless)):
     dparams = nnx.split(drafter)[1]

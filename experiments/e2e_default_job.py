@@ -48,6 +48,7 @@ from rl_bench import config_lib
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.job.build import DEFAULT_CONFIG, build_job, job_devices
 from tlt_jax.job.run_dir import DRAFTER_CHECKPOINTS
+from tlt_jax.job import runner
 
 ARMS = ("none", "eagle")
 TARGET = 1.05  # the issue's: eagle's median step time at most 1.05x vanilla's
@@ -86,12 +87,8 @@ def make_trainer(job, policy_dir: pathlib.Path) -> harness.GRPOTrainer:
   """The trainer the job's runner builds for ``job`` (``tlt_jax.job.runner.run``), on a fresh
   copy of the warm-started policy, precompiled as the runner does; ``precompile_s`` says how
   long each part took."""
-  cfg = job.cfg
-  mesh = jax.sharding.Mesh(np.array(job_devices(cfg)), ("data",))
-  trainer = harness.GRPOTrainer(
-      rb.load_policy(policy_dir), job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
-      mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
-      rollout_devices=cfg.get("rollout_devices", 0), drafter_training=job.drafter_training)
+  mesh = jax.sharding.Mesh(np.array(job_devices(job.cfg)), ("data",))
+  trainer = runner.make_trainer(job, rb.load_policy(policy_dir), mesh)
   t0 = time.perf_counter()
   rollout = trainer.engine.precompile()
   t1 = time.perf_counter()

@@ -103,7 +103,7 @@ def main():
   parser.add_argument("--strategies", type=specs, default=harness.BENCH_STRATEGIES,
                       help="the adaptive pool besides vanilla: depth,topk,verify_tokens entries "
                       "separated by ';' (default: ablate_tuner.py's 3,1,4;7,1,8;5,4,16;7,4,16)")
-  parser.add_argument("--tuner", default=None, choices=["beg_mab", "ucb1"],
+  parser.add_argument("--tuner", default=None, choices=["cost", "beg_mab", "ucb1"],
                       help="TunerConfig.kind (default: the engine's default TunerConfig)")
   parser.add_argument("--segment-steps", type=int, default=None,
                       help="EngineConfig.segment_steps (default: the engine's)")

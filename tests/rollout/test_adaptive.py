@@ -189,7 +189,8 @@ def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(engines):
   # BEG-MAB exploring at every pull: its choices come from its seeded RNG, not from measured
   # speeds (with exploitation, whether it ever left the fastest arm depended on the machine's
   # timings and the test was flaky), so every arm and vanilla<->SD switches are exercised
-  engine.set_tuner(make_tuner(TunerConfig(epsilon=1.0, epsilon_min=1.0, decay=False)))
+  engine.set_tuner(make_tuner(TunerConfig(kind="beg_mab", epsilon=1.0, epsilon_min=1.0,
+                                          decay=False)))
   engine.precompile()
   assert set(engine.executable_keys()) <= set(engine._executables)
   switches = 0
@@ -202,6 +203,26 @@ def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(engines):
   pulls = sum(arm["pulls"] for per_bucket in summary.values() for name, arm in per_bucket.items()
               if name != "best")
   assert pulls > 10 and switches > 0, (pulls, switches)  # the tuner was consulted and switched
+
+
+def test_the_cost_tuner_is_calibrated_at_precompile_and_its_rollouts_compile_nothing(engines):
+  engine = engines("mirror/adaptive")
+  engine.set_tuner(make_tuner(TunerConfig()))  # kind="cost", the default
+  engine.precompile()
+  costs, overhead = engine.calibration
+  want = {(b, s.name) for b in engine.config.batch_buckets for s in engine.strategies_for(b)
+          if len(engine.strategies_for(b)) > 1}
+  assert set(costs) == want and all(c > 0 for c in costs.values()) and overhead >= 0
+  for b, s in want:  # a speculative step costs more than a vanilla step of its bucket
+    if s != "vanilla":
+      assert costs[(b, s)] > costs[(b, "vanilla")], (b, s, costs)
+  assert engine.tuner.step_cost(want.pop()[0], "vanilla") is not None
+  engine.set_tuner()  # a fresh tuner keeps the engine's calibration
+  assert engine.tuner._costs == costs  # pylint: disable=protected-access
+  for seed in range(2):
+    result = engine.generate(prompts_of([9, 2, 14, 5, 7, 1, 11], seed=seed), SamplingParams(
+        max_new_tokens=40, temperature=1.0, seed=seed, stop_token_ids=STOPS))
+    assert result.stats.compiles == 0
 
 
 def test_pool_compiles_only_what_each_bucket_may_use_and_shares_verify_groups(models):

@@ -70,10 +70,7 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
       warning = drafter_policy_mismatch(cfg.drafter, model)  # the policy RL starts from
       if warning:
         _say(f"warning: {warning}")
-    trainer = GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
-                          mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
-                          rollout_devices=cfg.get("rollout_devices", 0),
-                          drafter_training=job.drafter_training)
+    trainer = make_trainer(job, model, mesh)
     if len(trainer.rollout_devices) > 1:
       _say(f"rollout: data-parallel over {len(trainer.rollout_devices)} devices (an engine "
            "each)")
@@ -138,6 +135,14 @@ def _warm_start(model, job: Job):
   _say(f"warm start: {job.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
        f"loss {metrics.get('loss', float('nan')):.3f}")
   return model
+
+
+def make_trainer(job: Job, model: Transformer, mesh: jax.sharding.Mesh) -> GRPOTrainer:
+  """The job's GRPO trainer for ``model`` (the policy RL starts from) on ``mesh``."""
+  return GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
+                     mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
+                     rollout_devices=job.cfg.get("rollout_devices", 0),
+                     drafter_training=job.drafter_training)
 
 
 def _precompile(trainer: GRPOTrainer) -> None:

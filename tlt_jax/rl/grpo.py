@@ -73,9 +73,12 @@ def group_advantages(rewards: jax.Array, group_size: int, normalize_std: bool = 
                      eps: float = 1e-6) -> jax.Array:
   """Per-row advantages [N] from rewards [N]: reward minus its group's mean, over (std + eps).
 
-  Uses the population std (ddof=0); with ``normalize_std=False`` only centres (Dr.GRPO).
+  Uses the population std (ddof=0); with ``normalize_std=False`` only centres (Dr.GRPO). A
+  numpy array is computed with numpy on the host (the trainer's rewards: nothing to compile or
+  dispatch for a few floats), anything else with ``jax.numpy``.
   """
-  rewards = jnp.asarray(rewards, jnp.float32)
+  xp = np if isinstance(rewards, np.ndarray) else jnp
+  rewards = xp.asarray(rewards, xp.float32)
   if rewards.ndim != 1:
     raise ValueError(f"rewards must be 1-D [N], got shape {rewards.shape}")
   n = rewards.shape[0]
