@@ -6,10 +6,12 @@ Per RL step (``OnlineDrafter``):
 
 1. the rollout keeps the target's last-layer hidden states of (a fraction of) its rows, read from
    the passes that produced the tokens (``generate(collect_hidden=...)``);
-2. with several rollout devices, each device's finished shard goes into the buffer at once, and a
-   device whose shard is done runs drafter steps on buffer batches until the last shard finishes
-   (one device at a time trains: the drafter has one copy of params and optimizer state; the
-   others wait). These steps use time the tail leaves idle: *spot* steps;
+2. with several rollout devices, each device's finished shard goes into the buffer at once, and
+   the devices whose shards are done train the drafter together until the last shard finishes:
+   synchronous data-parallel rounds (``SpotTrainer.run_rounds``) over the devices idle when each
+   round starts, each computing a gradient on a batch of its own, averaged and applied on the
+   first idle device (where params and optimizer state live); a device that becomes idle joins
+   the next round. These steps use time the tail leaves idle: *spot* steps;
 3. with one rollout device nothing is idle, so the drafter trains between rollout and policy
    update under a budget (``serial_steps``/``serial_seconds``): these *serial* steps cost wall
    time and the metrics say so;
@@ -38,6 +40,7 @@ from tlt_jax.rollout.stats import RolloutStats
 
 BUFFER_FILE = "drafter_buffer.npz"
 BUFFER_KEY = "drafter_buffer_sha256"  # checkpoint metadata: the buffer file's checksum
+SPOT_DEVICES = None  # idle devices per spot round: None, every idle one (OnlineDrafter argument)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,8 @@ class OnlineDrafter:
   """Owns the drafter's buffer and spot trainer, and the hooks the rollout calls."""
 
   def __init__(self, drafter: Drafter, target_graphdef: nnx.GraphDef,
-               config: DrafterTrainingConfig = DrafterTrainingConfig()):
+               config: DrafterTrainingConfig = DrafterTrainingConfig(), *,
+               spot_devices: int | None = SPOT_DEVICES):
     self.config = config
     self.drafter_graphdef = nnx.split(drafter)[0]
     self.vocab_ids = drafter.vocab_ids
@@ -89,7 +93,14 @@ class OnlineDrafter:
                              keep_steps=config.keep_steps, seed=config.seed)
     self.spot = SpotTrainer(drafter, target_graphdef, self.buffer,
                             learning_rate=config.learning_rate)
-    self._trainer_busy = threading.Lock()  # one idle device trains at a time
+    # how many idle devices may take part in a spot round (None: every idle one; 1: one device
+    # at a time, the behaviour before rounds). A constructor argument until DrafterTrainingConfig
+    # has a field for it.
+    if spot_devices is not None and (isinstance(spot_devices, bool) or
+                                     not isinstance(spot_devices, int) or spot_devices < 1):
+      raise ValueError(f"OnlineDrafter: spot_devices must be None (every idle device) or a "
+                       f"positive int, got {spot_devices!r}")
+    self.spot_devices = spot_devices
     self._spot_runs: list[dict] = []
 
   # ---- the rollout's hooks -----------------------------------------------------------------------
@@ -115,24 +126,41 @@ class OnlineDrafter:
     return len(tokens)
 
   def hooks(self, step: int, prompts, engine):
-    """``shard_done`` and ``idle`` for a ``DataParallelRollout.generate`` of RL step ``step``."""
+    """``shard_done`` and ``idle`` for a ``DataParallelRollout.generate`` of RL step ``step``.
+
+    The first device to go idle leads: it runs ``SpotTrainer.run_rounds`` homed on itself until
+    the rollout's ``stop``; every device idle at a round's start (at most ``spot_devices`` of
+    them, the leader first) takes part in it. The others' hooks wait for ``stop`` (their device
+    is handed to the rounds meanwhile) and return None."""
     self._spot_runs = []
+    lock = threading.Lock()
+    idle_now: dict[int, tuple] = {}  # device index -> (index, device, target params)
+    leader: list[int] = []
 
     def shard_done(k, first_row, result):
       self.add(step, prompts, result, first_row)
 
+    def members():
+      with lock:
+        team = [idle_now[leader[0]]] + [idle_now[j] for j in sorted(idle_now) if j != leader[0]]
+      return team[:self.spot_devices] if self.spot_devices is not None else team
+
     def idle(k, stop):
-      if not self.config.spot or not self._trainer_busy.acquire(blocking=False):
-        return None  # another idle device is training the drafter
-      try:
-        if self.buffer.num_samples == 0:
-          return None
-        out = self.spot.run(engine.target_params(k), stop=stop, device=engine.devices[k])
-        out["device"] = k
-        self._spot_runs.append(out)
-        return out
-      finally:
-        self._trainer_busy.release()
+      if not self.config.spot or self.buffer.num_samples == 0:
+        return None
+      with lock:
+        idle_now[k] = (k, engine.devices[k], engine.target_params(k))
+        leads = not leader
+        if leads:
+          leader.append(k)
+      if not leads:
+        stop.wait()  # this device trains in the leader's rounds until the rollout is done
+        return None
+      out = self.spot.run_rounds(members, device=engine.devices[k], slots=len(engine.devices),
+                                 stop=stop)
+      out["device"] = k
+      self._spot_runs.append(out)
+      return out
 
     return shard_done, idle
 
@@ -152,11 +180,13 @@ class OnlineDrafter:
     """A copy of the drafter weights for the engines (never donated by the trainer)."""
     return self.spot.params_copy(device)
 
-  def precompile(self, target_params_by_device: dict) -> None:
+  def precompile(self, target_params_by_device: dict, slots: int | None = None) -> None:
     """Compiles the drafter's train and eval steps for every device that may train it (a dict
-    device -> the target params there), so no first step compiles inside a rollout's tail."""
+    device -> the target params there), so no first step compiles inside a rollout's tail; with
+    ``slots`` (the most devices in a spot round) also each device's gradient step and the apply
+    step of rounds homed there."""
     for device, target_params in target_params_by_device.items():
-      self.spot.precompile(target_params, device)
+      self.spot.precompile(target_params, device, slots)
 
   def evaluate(self, target_params, device=None, params=None) -> dict:
     """Loss and top-1 agreement on the buffer's freshest step (on ``device``, where
@@ -195,10 +225,13 @@ class OnlineDrafter:
     return step_metrics(result.stats, self.spot_runs() if spot else [], serial, evaluation)
 
   def precompile_on(self, engine) -> int:
-    """Compiles the drafter's train and eval steps for every rollout device that may train it
-    (spot steps run on every one; serial ones on the first); returns how many devices."""
-    n = len(engine.devices) if self.config.spot else 1
-    self.precompile({engine.devices[k]: engine.target_params(k) for k in range(n)})
+    """Compiles every drafter executable a rollout device may run (spot rounds: every device's
+    train, eval and gradient steps and the apply step of rounds homed there; serial steps: the
+    first device's train and eval steps); returns how many devices."""
+    spot = self.spot_trains(engine)
+    n = len(engine.devices) if spot else 1
+    self.precompile({engine.devices[k]: engine.target_params(k) for k in range(n)},
+                    slots=len(engine.devices) if spot else None)
     return n
 
   # ---- checkpoints -------------------------------------------------------------------------------
@@ -291,24 +324,43 @@ def step_metrics(stats: RolloutStats, spot_runs: list[dict], serial: dict | None
   ``drafter_loss``/``drafter_top1``: the weights that drafted this step's rollout, scored on its
   freshest data before the step's serial training (held out, except for what spot steps in the
   tail already trained on); ``drafter_train_loss``/``_top1``: the mean over this step's drafter
-  steps (in-sample). Spot and serial steps and seconds; the device-seconds the tail left idle,
-  the part the spot trainer used, and how long the rollout waited past its last shard for a
-  drafter step in flight (``spot_overrun_s``)."""
+  steps (in-sample). Spot and serial steps (optimizer updates) and seconds; the device-seconds
+  the tail left idle (``tail_idle_device_s``), the part the idle hooks ran in
+  (``tail_idle_used_device_s``), and how long the rollout waited past its last shard for a
+  drafter round in flight (``spot_overrun_s``: drafter time on the critical path).
+
+  Spot rounds (``SpotTrainer.run_rounds``): ``drafter_spot_contributions`` (gradients computed,
+  one per member per round), ``drafter_spot_devices`` (devices that contributed at least once),
+  ``drafter_spot_participants_max``/``_mean`` (members per round), ``drafter_spot_device_s``
+  (device-seconds of drafter work: the wall time of each round times its members) and, per
+  rollout device ``k`` that contributed, ``drafter_spot_device_s_<k>``."""
   devices = stats.devices or []
   runs = list(spot_runs) + ([serial] if serial and serial.get("steps") else [])
+  sizes = [n for r in spot_runs for n in r.get("participants", [])]
+  per_device: dict = {}
+  for r in spot_runs:
+    for label, mine in (r.get("devices") or {}).items():
+      per_device[label] = per_device.get(label, 0.0) + float(mine["seconds"])
   out = {"drafter_spot_steps": int(sum(r["steps"] for r in spot_runs)),
          "drafter_spot_s": float(sum(r["seconds"] for r in spot_runs)),
          "drafter_serial_steps": int((serial or {}).get("steps", 0)),
          "drafter_serial_s": float((serial or {}).get("seconds", 0.0)),
          "tail_idle_device_s": float(sum(d.idle_s for d in devices)),
          "tail_idle_used_device_s": float(sum(d.idle_used_s for d in devices)),
-         "spot_overrun_s": float(stats.idle_overrun_s or 0.0)}
+         "spot_overrun_s": float(stats.idle_overrun_s or 0.0),
+         "drafter_spot_contributions": int(sum(sizes)),
+         "drafter_spot_devices": len(per_device),
+         "drafter_spot_participants_max": int(max(sizes, default=0)),
+         "drafter_spot_participants_mean": float(np.mean(sizes)) if sizes else 0.0,
+         "drafter_spot_device_s": float(sum(per_device.values()))}
+  for label in sorted(per_device):
+    out[f"drafter_spot_device_s_{label}"] = per_device[label]
   if evaluation.get("loss") is not None:
     out["drafter_loss"] = float(evaluation["loss"])
     out["drafter_top1"] = float(evaluation["top1"])
   trained = [r for r in runs if r.get("loss") is not None]
   if trained:
-    weights = [r["steps"] for r in trained]
+    weights = [r.get("contributions") or r["steps"] for r in trained]  # a round: its members
     out["drafter_train_loss"] = float(np.average([r["loss"] for r in trained], weights=weights))
     out["drafter_train_top1"] = float(np.average([r["top1"] for r in trained], weights=weights))
   return out
