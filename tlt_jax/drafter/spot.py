@@ -20,10 +20,11 @@ optimizer's update count. Batches have fixed shapes and the frozen target's para
 argument, so after the first step on a device nothing recompiles (new policy weights included);
 ``precompile`` compiles every executable a device may need ahead.
 
-Threads: ``run`` may be called from any thread while others dispatch their own JAX work. One
-``run`` at a time: a second concurrent call raises RuntimeError. ``evaluate``, ``params_copy`` and
-``state_dict`` may be called while a run is going; they wait for the step in flight and read a
-consistent ``(params, opt_state, steps)``.
+Threads: ``run`` and ``run_rounds`` may be called from any thread while others dispatch their own
+JAX work (a round's members are dispatched from the calling thread; each device runs its part
+asynchronously). One run at a time: a second concurrent call raises RuntimeError. ``evaluate``,
+``params_copy`` and ``state_dict`` may be called while a run is going; they wait for the step in
+flight and read a consistent ``(params, opt_state, steps)``.
 """
 
 from __future__ import annotations
