@@ -31,10 +31,11 @@ Per step: ``tail_idle_device_s`` (device-seconds between each device's shard fin
 last one finishing), ``tail_idle_used_device_s`` (the part of that window the idle hooks ran
 in: with rounds, a device waiting for the next round counts), ``drafter_spot_device_s`` (the
 device-seconds of drafter work: each round's wall time times its members) and per device
-``drafter_spot_device_s_<k>``, ``drafter_spot_devices`` (devices that contributed),
-``drafter_spot_participants_max``/``_mean`` (members per round), ``drafter_spot_steps``
-(rounds: optimizer updates) and ``drafter_spot_contributions`` (gradients), ``spot_overrun_s``
-(how long the rollout waited past its last shard for a round in flight: drafter time on the
+``drafter_spot_device_s_<k>``, ``drafter_spot_tail_device_s`` (an estimate of its part inside
+the tail: the last round's members times the overrun taken off), ``drafter_spot_devices``
+(devices that contributed), ``drafter_spot_participants_max``/``_mean`` (members per round),
+``drafter_spot_steps`` (rounds: optimizer updates) and ``drafter_spot_contributions``
+(gradients), ``spot_overrun_s`` (how long the rollout waited past its last shard for a round in flight: drafter time on the
 critical path), the rollout's wall time (``rollout_s``), its decode wall time (the last
 shard's finish), the whole RL step's time and per-device busy/idle seconds. ``drafter_top1`` is
 held out (the weights that drafted the rollout, on its freshest data), ``drafter_train_top1``
@@ -162,7 +163,8 @@ def main():
         f"{name}: {m['updates_total']} updates from {m['contributions_total']} gradients; "
         f"idle {m['tail_idle_device_s_total']:.2f} dev-s, drafter work "
         f"{m['drafter_device_s_total']:.2f} dev-s ({rb.fmt(m['drafter_work_fraction_of_idle'])} "
-        f"of idle; per device {m['drafter_device_s_by_device']}), devices per step median "
+        f"of idle, {m['drafter_tail_device_s_total']:.2f} inside the tail; per device "
+        f"{m['drafter_device_s_by_device']}), devices per step median "
         f"{m['devices_participating_median']}, members per round mean "
         f"{rb.fmt(m['participants_mean'], '.2f')} max {m['participants_max']}; overrun median "
         f"{m['spot_overrun_s_median']:.3f}s max {m['spot_overrun_s_max']:.3f}s; decode median "
@@ -191,6 +193,7 @@ def arm_summary(rows: list[dict], devices: int, rb) -> dict:
       tail_idle_device_s_total=idle, tail_idle_used_device_s_total=sum(
           r["tail_idle_used_device_s"] for r in rows),
       drafter_device_s_total=work, drafter_work_fraction_of_idle=work / idle if idle else None,
+      drafter_tail_device_s_total=sum(r.get("drafter_spot_tail_device_s", 0.0) for r in rows),
       drafter_device_s_by_device=by_device,
       devices_participating_median=rb.median(r.get("drafter_spot_devices", 0) for r in rows),
       devices_participating_max=max(r.get("drafter_spot_devices", 0) for r in rows),

@@ -249,6 +249,12 @@ MUTANTS = [
            "slots=None)",
            ("tests/drafter/test_spot_rounds.py", "-k", "four_devices"),
            "precompile_on compiles no gradient/apply step: the first round compiles in the tail"),
+    Mutant("spot_full_rounds_keep_devices_waiting", "tlt_jax/drafter/online.py",
+           "          return None  # the rounds are full: this device can never take part",
+           "          pass",
+           ("tests/drafter/test_spot_rounds.py", "-k", "four_devices"),
+           "with spot_devices reached, a device going idle still waits in its hook (its idle "
+           "time counted as used)"),
     # the first hour of a user: resume, signals, checks before work, loading (issue 19)
     Mutant("drafter_saves_kept_on_resume", "tlt_jax/job/runner.py",
            "dropped = drafter_ckpt.delete_after(trainer.step_count)", "dropped = []",

@@ -141,8 +141,11 @@ def tail(online, engine, late: tuple[int, ...], rounds_before: int, rounds_after
   _, idle = online.hooks(1, [], engine)
   stop, returned = threading.Event(), {}
 
+  waited = {}
+
   def device(k):
     returned[k] = idle(k, stop)
+    waited[k] = stop.is_set()  # returned only once the rollout was done
 
   def wait_for(steps):
     deadline = time.monotonic() + 120
@@ -163,7 +166,7 @@ def tail(online, engine, late: tuple[int, ...], rounds_before: int, rounds_after
   runs = online.spot_runs()
   assert len(runs) == 1 and runs[0]["device"] == 0 and returned[0] is runs[0], (runs, returned)
   assert all(returned[k] is None for k in late)
-  return runs[0]
+  return runs[0], {k: waited[k] for k in late}
 
 
 def check_every_idle_device_trains(devs, target, samples, tps):
@@ -171,7 +174,8 @@ def check_every_idle_device_trains(devs, target, samples, tps):
   engine = types.SimpleNamespace(devices=devs, target_params=lambda k: tps[k])
   assert online.precompile_on(engine) == 4
   compiles = compile_count()
-  run = tail(online, engine, late=(2, 1), rounds_before=2, rounds_after=4)
+  run, waited = tail(online, engine, late=(2, 1), rounds_before=2, rounds_after=4)
+  assert all(waited.values()), waited  # their hooks waited for the stop: they were in rounds
   # device 0 alone first, then devices 1 and 2 joined it; device 3 never went idle
   assert run["participants"][:2] == [1, 1] and max(run["participants"]) == 3, run
   assert sorted(run["devices"]) == [0, 1, 2] and run["contributions"] == sum(run["participants"])
@@ -187,10 +191,13 @@ def check_every_idle_device_trains(devs, target, samples, tps):
   assert "drafter_spot_device_s_3" not in m and m["spot_overrun_s"] == 0.01, m
   assert abs(m["drafter_spot_device_s"] - sum(m[f"drafter_spot_device_s_{k}"]
                                               for k in range(3))) < 1e-9, m
+  overrun = m["drafter_spot_device_s"] - m["drafter_spot_tail_device_s"]
+  assert abs(overrun - 0.01 * run["participants"][-1]) < 1e-9, m
   # one idle device at a time (the behaviour before rounds): the others' hooks only wait
   online.spot_devices = 1
-  run = tail(online, engine, late=(1, 2, 3), rounds_before=1, rounds_after=3)
+  run, waited = tail(online, engine, late=(1, 2, 3), rounds_before=1, rounds_after=3)
   assert set(run["participants"]) == {1} and sorted(run["devices"]) == [0], run
+  assert not any(waited.values()), waited  # the full rounds' other devices returned at once
   # rounds homed elsewhere, with every team size, run() and evaluate(): all precompiled
   spot = online.spot
   for home, ks in ((2, (2,)), (2, (2, 0)), (1, (1, 3, 0, 2)), (3, (3, 1, 2))):

@@ -131,7 +131,8 @@ class OnlineDrafter:
     The first device to go idle leads: it runs ``SpotTrainer.run_rounds`` homed on itself until
     the rollout's ``stop``; every device idle at a round's start (at most ``spot_devices`` of
     them, the leader first) takes part in it. The others' hooks wait for ``stop`` (their device
-    is handed to the rounds meanwhile) and return None."""
+    is handed to the rounds meanwhile) and return None; once ``spot_devices`` devices are idle,
+    a device going idle later returns at once."""
     self._spot_runs = []
     lock = threading.Lock()
     idle_now: dict[int, tuple] = {}  # device index -> (index, device, target params)
@@ -149,6 +150,8 @@ class OnlineDrafter:
       if not self.config.spot or self.buffer.num_samples == 0:
         return None
       with lock:
+        if leader and self.spot_devices is not None and len(idle_now) >= self.spot_devices:
+          return None  # the rounds are full: this device can never take part
         idle_now[k] = (k, engine.devices[k], engine.target_params(k))
         leads = not leader
         if leads:
@@ -333,7 +336,10 @@ def step_metrics(stats: RolloutStats, spot_runs: list[dict], serial: dict | None
   one per member per round), ``drafter_spot_devices`` (devices that contributed at least once),
   ``drafter_spot_participants_max``/``_mean`` (members per round), ``drafter_spot_device_s``
   (device-seconds of drafter work: the wall time of each round times its members) and, per
-  rollout device ``k`` that contributed, ``drafter_spot_device_s_<k>``."""
+  rollout device ``k`` that contributed, ``drafter_spot_device_s_<k>``;
+  ``drafter_spot_tail_device_s`` estimates the part inside the tail (the last round's members
+  times the overrun taken off). With rounds, ``tail_idle_used_device_s`` also counts a device's
+  wait for the next round to start."""
   devices = stats.devices or []
   runs = list(spot_runs) + ([serial] if serial and serial.get("steps") else [])
   sizes = [n for r in spot_runs for n in r.get("participants", [])]
@@ -353,6 +359,9 @@ def step_metrics(stats: RolloutStats, spot_runs: list[dict], serial: dict | None
          "drafter_spot_participants_max": int(max(sizes, default=0)),
          "drafter_spot_participants_mean": float(np.mean(sizes)) if sizes else 0.0,
          "drafter_spot_device_s": float(sum(per_device.values()))}
+  last = [r["participants"][-1] for r in spot_runs if r.get("participants")]
+  out["drafter_spot_tail_device_s"] = max(0.0, out["drafter_spot_device_s"] - out[
+      "spot_overrun_s"] * max(last, default=0))
   for label in sorted(per_device):
     out[f"drafter_spot_device_s_{label}"] = per_device[label]
   if evaluation.get("loss") is not None:
