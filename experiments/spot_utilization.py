@@ -35,8 +35,8 @@ device-seconds of drafter work: each round's wall time times its members) and pe
 the tail: the last round's members times the overrun taken off), ``drafter_spot_devices``
 (devices that contributed), ``drafter_spot_participants_max``/``_mean`` (members per round),
 ``drafter_spot_steps`` (rounds: optimizer updates) and ``drafter_spot_contributions``
-(gradients), ``spot_overrun_s`` (how long the rollout waited past its last shard for a round in flight: drafter time on the
-critical path), the rollout's wall time (``rollout_s``), its decode wall time (the last
+(gradients), ``spot_overrun_s`` (how long the rollout waited past its last shard for a round
+in flight: drafter time on the critical path), the rollout's wall time (``rollout_s``), its decode wall time (the last
 shard's finish), the whole RL step's time and per-device busy/idle seconds. ``drafter_top1`` is
 held out (the weights that drafted the rollout, on its freshest data), ``drafter_train_top1``
 in-sample. Ratios against ``spot_one`` are per step (same tokens), then the median.
