@@ -27,19 +27,19 @@ verification (identical tokens, rewards and updates in every arm, checked):
 Every arm precompiles the drafter's executables for every rollout device before the timed steps
 (``GRPOTrainer.precompile_drafter``), so no drafter step compiles inside a rollout's tail.
 
-Per step: ``tail_idle_device_s`` (device-seconds between each device's shard finishing and the
-last one finishing), ``tail_idle_used_device_s`` (the part of that window the idle hooks ran
-in: with rounds, a device waiting for the next round counts), ``drafter_spot_device_s`` (the
-device-seconds of drafter work: each round's wall time times its members) and per device
-``drafter_spot_device_s_<k>``, ``drafter_spot_tail_device_s`` (an estimate of its part inside
-the tail: the last round's members times the overrun taken off), ``drafter_spot_devices``
-(devices that contributed), ``drafter_spot_participants_max``/``_mean`` (members per round),
-``drafter_spot_steps`` (rounds: optimizer updates) and ``drafter_spot_contributions``
-(gradients), ``spot_overrun_s`` (how long the rollout waited past its last shard for a round
-in flight: drafter time on the critical path), the rollout's wall time (``rollout_s``), its decode wall time (the last
-shard's finish), the whole RL step's time and per-device busy/idle seconds. ``drafter_top1`` is
-held out (the weights that drafted the rollout, on its freshest data), ``drafter_train_top1``
-in-sample. Ratios against ``spot_one`` are per step (same tokens), then the median.
+Per step: ``tail_idle_device_s`` (device-seconds between each device's shard finishing and the last
+one finishing), ``tail_idle_used_device_s`` (the part of that window the idle hooks ran in: with
+rounds, a device waiting for the next round counts), ``drafter_spot_device_s`` (the device-seconds
+of drafter work: each round's wall time times its members) and per device
+``drafter_spot_device_s_<k>``, ``drafter_spot_tail_device_s`` (an estimate of its part inside the
+tail: the last round's members times the overrun taken off), ``drafter_spot_devices`` (devices that
+contributed), ``drafter_spot_participants_max``/``_mean`` (members per round),
+``drafter_spot_steps`` (rounds: optimizer updates) and ``drafter_spot_contributions`` (gradients),
+``spot_overrun_s`` (how long the rollout waited past its last shard for a round in flight: drafter
+time on the critical path), the rollout's wall time (``rollout_s``), its decode wall time (the last
+shard's finish), the whole RL step's time and per-device busy/idle seconds. ``drafter_top1`` is held
+out (the weights that drafted the rollout, on its freshest data), ``drafter_train_top1`` in-sample.
+Ratios against ``spot_one`` are per step (same tokens), then the median.
 
 The simulated devices share this machine's CPU cores, so drafter work competes with the devices
 still decoding for the same cores, and more devices in a round means more of it: the change in
