@@ -1,42 +1,51 @@
-"""Spot drafter training in the rollout tail: idle device-seconds per RL step, the drafter steps run
-in them, and the rollout's wall time with spot training on vs off, on N simulated devices.
+"""Spot drafter training in the rollout tail: idle device-seconds per RL step, how many idle
+devices took part in the drafter's rounds and the device-seconds of drafter work they did, and
+the rollout's wall time, every idle device vs one at a time (vs no spot training), on N
+simulated devices.
 
   python experiments/spot_utilization.py [--devices 4] [--steps 16] [--depth 3]
-      [--out docs/results/spot_utilization.json]
+      [--arms spot_all,spot_one] [--compile-cache experiments/out/xla_cache]
+      [--out experiments/out/spot_utilization.json]
 
 XLA_FLAGS=--xla_force_host_platform_device_count=N is set before JAX is imported. The policy
 update runs data-parallel over a mesh of the N devices and the rollout too (rollout_devices=N:
 one engine and host thread per device, each decoding a contiguous shard of the rows; with
-``prompts`` = N the shards are whole GRPO groups, so they finish at different times). Two
-trainers run the same steps, interleaved in alternating order, from the same warm policy and
-the same offline-trained initial drafter, rolling out with one fixed speculative chain and
-coupled verification (identical tokens, rewards and updates in both, checked):
+``prompts`` = N the shards are whole GRPO groups, so they finish at different times). The arms
+run the same steps, interleaved in alternating order, from the same warm policy and the same
+offline-trained initial drafter, rolling out with one fixed speculative chain and coupled
+verification (identical tokens, rewards and updates in every arm, checked):
 
-* ``spot_on``: DrafterTrainingConfig(spot=True): a device whose shard is done trains the drafter
-  on the buffer (one device at a time) until the last shard finishes;
-* ``spot_off``: DrafterTrainingConfig(spot=False): no spot steps; the trainer then runs the
-  drafter's serial steps (``serial_steps`` per RL step, on the first rollout device) between
-  rollout and policy update, as it does with one device, and they cost step time.
+* ``spot_all``: spot training with rounds over every idle device
+  None, the default): each round, every device idle at its start computes a gradient on a batch
+  of its own; the mean is applied on the first idle device; a device that goes idle joins the
+  next round;
+* ``spot_one``: the same with ``spot_devices=1``: only the first idle device trains (a round of
+  one device is the fused train step), the others wait: the behaviour before rounds;
+* ``spot_off`` (not by default): DrafterTrainingConfig(spot=False): the drafter's serial steps
+  (``serial_steps``, on the first rollout device) between rollout and policy update instead.
 
-Both arms precompile the drafter's train/eval steps for every rollout device before the timed
-steps (``GRPOTrainer.precompile_drafter``), so no drafter step compiles inside a rollout's tail.
+Every arm precompiles the drafter's executables for every rollout device before the timed steps
+(``GRPOTrainer.precompile_drafter``), so no drafter step compiles inside a rollout's tail.
 
-Per step: ``tail_idle_device_s`` (device-seconds between each device's shard finishing and the
-last one finishing), ``tail_idle_used_device_s`` (the part of that window the spot hook ran in,
-so at most the idle time), ``spot_overrun_s`` (how long the rollout waited past its last shard
-for a drafter step in flight), ``drafter_spot_steps``/``drafter_spot_s``,
-``drafter_serial_steps``/``drafter_serial_s``, the rollout's wall time (``rollout_s``: until every
-thread, spot steps included, has returned), its decode wall time (the last shard's finish), the
-wait from there to the trainer's ``rollout_s`` (``preemption_wait_s``: the overrun plus thread
-joins and merging), the whole RL step's time and per-device busy/idle seconds. The drafter's
-``drafter_top1`` is held out (the weights that drafted the rollout, on its freshest data) and
-``drafter_train_top1`` in-sample (the step's drafter steps). Both arms' time ratios are per step
-(same tokens), then the median.
+Per step: ``tail_idle_device_s`` (device-seconds between each device's shard finishing and the last
+one finishing), ``tail_idle_used_device_s`` (the part of that window the idle hooks ran in: with
+rounds, a device waiting for the next round counts), ``drafter_spot_device_s`` (the device-seconds
+of drafter work: each round's wall time times its members) and per device
+``drafter_spot_device_s_<k>``, ``drafter_spot_tail_device_s`` (an estimate of its part inside the
+tail: the last round's members times the overrun taken off), ``drafter_spot_devices`` (devices that
+contributed), ``drafter_spot_participants_max``/``_mean`` (members per round),
+``drafter_spot_steps`` (rounds: optimizer updates) and ``drafter_spot_contributions`` (gradients),
+``spot_overrun_s`` (how long the rollout waited past its last shard for a round in flight: drafter
+time on the critical path), the rollout's wall time (``rollout_s``), its decode wall time (the last
+shard's finish), the whole RL step's time and per-device busy/idle seconds. ``drafter_top1`` is held
+out (the weights that drafted the rollout, on its freshest data), ``drafter_train_top1`` in-sample.
+Ratios against ``spot_one`` are per step (same tokens), then the median.
 
-The simulated devices share this machine's CPU cores, so spot steps compete with the devices
-still decoding for the same cores: the change in rollout wall time measures that contention (and
-the wait for the spot step in flight when the last shard finishes), not what separate
-accelerators would see. The point here is that the mechanism runs end to end.
+The simulated devices share this machine's CPU cores, so drafter work competes with the devices
+still decoding for the same cores, and more devices in a round means more of it: the change in
+decode wall time measures that contention (and the wait for the round in flight when the last
+shard finishes), not what separate accelerators would see, and the gradients a round gets
+through per second are bounded by the cores, not the devices.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ import os
 import sys
 import time
 
-ARMS = ("spot_on", "spot_off")
+ARMS = ("spot_all", "spot_one", "spot_off")
+PER_DEVICE = "drafter_spot_device_s_"
 
 
 def main():
@@ -67,9 +77,20 @@ def main():
   from harness import DrafterTrainingConfig, SpecConfig
 
   parser = harness.parser(__doc__, parents=[devices_arg])
-  rb.add_job_args(parser, steps=16, out="docs/results/spot_utilization.json")
+  rb.add_job_args(parser, steps=16, out="experiments/out/spot_utilization.json")
   parser.add_argument("--depth", type=int, default=3, help="draft depth of the fixed chain")
+  parser.add_argument("--arms", default="spot_all,spot_one",
+                      help=f"comma-separated, from {','.join(ARMS)}")
+  parser.add_argument("--compile-cache", default="experiments/out/xla_cache",
+                      help="JAX's persistent compilation cache (a directory, or off): the arms "
+                      "compile the same programs, so the second loads the first's")
   a = parser.parse_args()
+  from tlt_jax import compile_cache  # pylint: disable=import-outside-toplevel
+  compile_cache.enable(None if a.compile_cache.lower() in ("off", "0", "none") else
+                       a.compile_cache)
+  names = [n for n in a.arms.split(",") if n]
+  if not names or any(n not in ARMS for n in names) or len(set(names)) != len(names):
+    raise SystemExit(f"--arms takes distinct names from {ARMS}, got {a.arms!r}")
   if jax.device_count() < a.devices:
     raise SystemExit(f"asked for {a.devices} devices, JAX sees {jax.devices()} (was JAX "
                      "imported before XLA_FLAGS was set?)")
@@ -79,107 +100,128 @@ def main():
   mesh = Mesh(np.array(jax.devices()[:a.devices]), ("data",))
   spec = SpecConfig(a.depth, 1, a.depth + 1)
   t0 = time.perf_counter()
-  arms = {name: rb.make_arm(job, policy_dir, drafter=drafter_dir, spec=spec, mesh=mesh,
-                            rollout_devices=a.devices,
-                            training=DrafterTrainingConfig(spot=name == "spot_on", seed=a.seed))
-          for name in ARMS}
+  arms = {}
+  for name in names:
+    arms[name] = rb.make_arm(job, policy_dir, drafter=drafter_dir, spec=spec, mesh=mesh,
+                             rollout_devices=a.devices,
+                             training=DrafterTrainingConfig(
+                                 spot=name != "spot_off", spot_devices=int(name == "spot_one"),
+                                 serial_budget="fixed", seed=a.seed))
   build_s = time.perf_counter() - t0
   print(f"built and compiled {len(arms)} arms ({a.devices} rollout engines each) in "
         f"{build_s:.0f}s", flush=True)
-  rows = {name: [] for name in ARMS}
+  rows = {name: [] for name in names}
   for step in range(a.steps):
-    order = harness.repeat_order(ARMS, step, "alternate")
-    for name in order:
+    for name in harness.repeat_order(names, step, "alternate"):
       trainer = arms[name]
-      row = rb.step_row(trainer.step())
+      metrics = trainer.step()
+      row = rb.step_row(metrics)
+      row.update({k: (round(v, 5) if isinstance(v, float) else v) for k, v in metrics.items()
+                  if k.startswith("drafter_spot_")})
       seen = trainer.rollout_devices_stats[-1]
       row.update(decode_wall_s=round(seen["rollout_wall_s"], 5),
                  preemption_wait_s=round(row["rollout_s"] - seen["rollout_wall_s"], 5),
                  devices=[{k: (round(v, 5) if isinstance(v, float) else v) for k, v in d.items()}
                           for d in seen["devices"]])
       rows[name].append(row)
-    on, off = rows["spot_on"][-1], rows["spot_off"][-1]
-    print(f"step {step + 1:3d}  idle {on['tail_idle_device_s']:.3f} dev-s, spot steps "
-          f"{on['drafter_spot_steps']:3d} ({on['tail_idle_used_device_s']:.3f} dev-s used, "
-          f"overrun {on['spot_overrun_s']:.3f}s)  rollout on {on['rollout_s']:.3f}s off "
-          f"{off['rollout_s']:.3f}s  accept len on {rb.fmt(on.get('mean_accept_len'), '.2f')} "
-          f"off {rb.fmt(off.get('mean_accept_len'), '.2f')}  step on {on['step_s']:.3f}s off "
-          f"{off['step_s']:.3f}s (serial {off['drafter_serial_steps']} in "
-          f"{off['drafter_serial_s']:.3f}s)  held-out top-1 on "
-          f"{rb.fmt(on.get('drafter_top1'))} off {rb.fmt(off.get('drafter_top1'))}  compiles "
-          f"{on['compiles']}/{off['compiles']}", flush=True)
+    line = [f"step {step + 1:3d}"]
+    for name in names:
+      r = rows[name][-1]
+      line.append(f"{name}: idle {r['tail_idle_device_s']:.3f} dev-s, drafter "
+                  f"{r.get('drafter_spot_device_s', 0.0):.3f} dev-s on "
+                  f"{r.get('drafter_spot_devices', 0)} dev (max "
+                  f"{r.get('drafter_spot_participants_max', 0)}/round), "
+                  f"{r['drafter_spot_steps']} upd {r.get('drafter_spot_contributions', 0)} "
+                  f"grads, serial {r['drafter_serial_steps']}, overrun {r['spot_overrun_s']:.3f}s, "
+                  f"decode {r['decode_wall_s']:.3f}s step {r['step_s']:.3f}s top-1 "
+                  f"{rb.fmt(r.get('drafter_top1'))}, compiles {r['compiles']}")
+    print("  |  ".join(line), flush=True)
   check = rb.same_trajectory(arms, rows)
-  on, off = rows["spot_on"], rows["spot_off"]
-  ratios = [x["rollout_s"] / y["rollout_s"] for x, y in zip(on, off)]
-  step_ratios = [x["step_s"] / y["step_s"] for x, y in zip(on, off)]
-  decode_ratios = [x["decode_wall_s"] / y["decode_wall_s"] for x, y in zip(on, off)]
-  clean = [i for i, (x, y) in enumerate(zip(on, off)) if x["compiles"] == 0 and y["compiles"] == 0]
-  idle = sum(r["tail_idle_device_s"] for r in on)
-  used = sum(r["tail_idle_used_device_s"] for r in on)
-  summary = dict(
-      spot_steps_total=sum(r["drafter_spot_steps"] for r in on),
-      spot_steps_median_per_rl_step=rb.median(r["drafter_spot_steps"] for r in on),
-      tail_idle_device_s_median=rb.median(r["tail_idle_device_s"] for r in on),
-      tail_idle_device_s_total=idle, tail_idle_used_device_s_total=used,
-      idle_used_fraction=used / idle if idle else None,
-      idle_share_of_device_time=rb.median(
-          r["tail_idle_device_s"] / (a.devices * r["decode_wall_s"]) for r in on),
-      rollout_s_median=dict(spot_on=rb.median(r["rollout_s"] for r in on),
-                            spot_off=rb.median(r["rollout_s"] for r in off)),
-      rollout_on_over_off_median=rb.median(ratios),
-      rollout_on_over_off_median_no_compile_steps=rb.median(ratios[i] for i in clean),
-      decode_wall_on_over_off_median=rb.median(decode_ratios),
-      step_s_median=dict(spot_on=rb.median(r["step_s"] for r in on),
-                         spot_off=rb.median(r["step_s"] for r in off)),
-      step_on_over_off_median=rb.median(step_ratios),
-      step_on_over_off_median_no_compile_steps=rb.median(step_ratios[i] for i in clean),
-      drafter_steps_total=dict(spot_on=sum(r["drafter_spot_steps"] for r in on),
-                               spot_off=sum(r["drafter_serial_steps"] for r in off)),
-      drafter_s_median=dict(spot_on_spot=rb.median(r["drafter_spot_s"] for r in on),
-                            spot_off_serial=rb.median(r["drafter_serial_s"] for r in off)),
-      preemption_wait_s_median=rb.median(r["preemption_wait_s"] for r in on),
-      spot_overrun_s_median=rb.median(r["spot_overrun_s"] for r in on),
-      spot_overrun_s_max=max(r["spot_overrun_s"] for r in on),
-      rollout_s_max=dict(spot_on=max(r["rollout_s"] for r in on),
-                         spot_off=max(r["rollout_s"] for r in off)),
-      steps_without_compiles=len(clean),
-      compiles_during_steps=dict(spot_on=sum(r["compiles"] for r in on),
-                                 spot_off=sum(r["compiles"] for r in off)),
-      accept_len_mean=dict(spot_on=rb.mean(r.get("mean_accept_len") for r in on),
-                           spot_off=rb.mean(r.get("mean_accept_len") for r in off)),
-      # held out: the weights that drafted each rollout, on its freshest data
-      drafter_heldout_top1_last=dict(spot_on=on[-1].get("drafter_top1"),
-                                     spot_off=off[-1].get("drafter_top1")),
-      drafter_heldout_top1_mean_last_quarter=dict(
-          spot_on=rb.mean(r.get("drafter_top1") for r in on[-max(1, len(on) // 4):]),
-          spot_off=rb.mean(r.get("drafter_top1") for r in off[-max(1, len(off) // 4):])),
-      # in-sample: the mean over each step's drafter steps
-      drafter_train_top1_mean=dict(spot_on=rb.mean(r.get("drafter_train_top1") for r in on),
-                                   spot_off=rb.mean(r.get("drafter_train_top1") for r in off)),
-      precompile_s={name: arms[name].precompile_s for name in ARMS},
-      serial_steps_total=dict(spot_on=sum(r["drafter_serial_steps"] for r in on),
-                              spot_off=sum(r["drafter_serial_steps"] for r in off)))
+  summary = {name: arm_summary(rows[name], a.devices, rb) for name in names}
+  reference = "spot_one" if "spot_one" in names else names[-1]
+  for name in names:
+    if name != reference:
+      summary[name]["vs_" + reference] = ratios(rows[name], rows[reference], rb)
+  for name in names:
+    summary[name]["precompile_s"] = arms[name].precompile_s
   report = dict(
       command=" ".join(sys.argv), args=vars(a), devices=a.devices, cpu_cores=os.cpu_count(),
       rows_per_device=rows_per_device, spec=dict(depth=a.depth, topk=1,
                                                  verify_tokens=a.depth + 1),
       verify="coupled", initial_drafter=rb.drafter_report(drafter_dir), build_s=round(build_s, 1),
       trajectory=check, summary=summary,
-      note=("simulated devices share the machine's CPU cores: spot steps compete with the "
-            "devices still decoding, so the rollout wall-time change measures that contention, "
-            "not what separate accelerators would see; with spot=False the trainer trains the "
-            "drafter with serial steps between rollout and update instead"),
+      note=(f"{a.devices} simulated devices share the machine's {os.cpu_count()} CPU cores: "
+            "drafter rounds compete with the devices still decoding, and more devices in a "
+            "round means more of that, so decode wall-time changes measure the contention, not "
+            "what separate accelerators would see"),
       steps=rows, wall_s=round(time.perf_counter() - t_start, 1))
-  rb.finish(a.out, report, [
-      f"spot steps {summary['spot_steps_total']} in {idle:.2f} idle device-s ({used:.2f} used, "
-      f"overrun median {summary['spot_overrun_s_median']:.3f}s max "
-      f"{summary['spot_overrun_s_max']:.3f}s); serial steps (spot off) "
-      f"{summary['drafter_steps_total']['spot_off']}; rollout on/off median "
-      f"{summary['rollout_on_over_off_median']:.3f} (decode wall "
-      f"{summary['decode_wall_on_over_off_median']:.3f}), step on/off "
-      f"{summary['step_on_over_off_median']:.3f}; held-out top-1 last on "
-      f"{rb.fmt(summary['drafter_heldout_top1_last']['spot_on'])} off "
-      f"{rb.fmt(summary['drafter_heldout_top1_last']['spot_off'])}"])
+  lines = []
+  for name in names:
+    m = summary[name]
+    lines.append(
+        f"{name}: {m['updates_total']} updates from {m['contributions_total']} gradients; "
+        f"idle {m['tail_idle_device_s_total']:.2f} dev-s, drafter work "
+        f"{m['drafter_device_s_total']:.2f} dev-s ({rb.fmt(m['drafter_work_fraction_of_idle'])} "
+        f"of idle, {m['drafter_tail_device_s_total']:.2f} inside the tail; per device "
+        f"{m['drafter_device_s_by_device']}), devices per step median "
+        f"{m['devices_participating_median']}, members per round mean "
+        f"{rb.fmt(m['participants_mean'], '.2f')} max {m['participants_max']}; overrun median "
+        f"{m['spot_overrun_s_median']:.3f}s max {m['spot_overrun_s_max']:.3f}s; decode median "
+        f"{m['decode_wall_s_median']:.3f}s, step median {m['step_s_median']:.3f}s; held-out "
+        f"top-1 last quarter {rb.fmt(m['drafter_heldout_top1_mean_last_quarter'])}; compiles "
+        f"{m['compiles_during_steps']}")
+    if "vs_" + reference in m:
+      lines.append(f"  {name} / {reference} per-step medians: {m['vs_' + reference]}")
+  rb.finish(a.out, report, lines)
+
+
+def arm_summary(rows: list[dict], devices: int, rb) -> dict:
+  """One arm's totals and medians over its steps."""
+  idle = sum(r["tail_idle_device_s"] for r in rows)
+  work = sum(r.get("drafter_spot_device_s", 0.0) for r in rows)
+  by_device = {k: round(sum(r.get(PER_DEVICE + str(k), 0.0) for r in rows), 4)
+               for k in range(devices)}
+  sizes = [(r["drafter_spot_participants_mean"], r["drafter_spot_steps"]) for r in rows
+           if r.get("drafter_spot_steps")]
+  last = rows[-max(1, len(rows) // 4):]
+  return dict(
+      updates_total=sum(r["drafter_spot_steps"] + r["drafter_serial_steps"] for r in rows),
+      spot_updates_total=sum(r["drafter_spot_steps"] for r in rows),
+      contributions_total=sum(r.get("drafter_spot_contributions", 0) for r in rows),
+      serial_steps_total=sum(r["drafter_serial_steps"] for r in rows),
+      tail_idle_device_s_total=idle, tail_idle_used_device_s_total=sum(
+          r["tail_idle_used_device_s"] for r in rows),
+      drafter_device_s_total=work, drafter_work_fraction_of_idle=work / idle if idle else None,
+      drafter_tail_device_s_total=sum(r.get("drafter_spot_tail_device_s", 0.0) for r in rows),
+      drafter_device_s_by_device=by_device,
+      devices_participating_median=rb.median(r.get("drafter_spot_devices", 0) for r in rows),
+      devices_participating_max=max(r.get("drafter_spot_devices", 0) for r in rows),
+      participants_mean=(sum(m * n for m, n in sizes) / sum(n for _, n in sizes)
+                         if sizes else None),
+      participants_max=max(r.get("drafter_spot_participants_max", 0) for r in rows),
+      idle_share_of_device_time=rb.median(
+          r["tail_idle_device_s"] / (devices * r["decode_wall_s"]) for r in rows),
+      spot_overrun_s_median=rb.median(r["spot_overrun_s"] for r in rows),
+      spot_overrun_s_max=max(r["spot_overrun_s"] for r in rows),
+      preemption_wait_s_median=rb.median(r["preemption_wait_s"] for r in rows),
+      decode_wall_s_median=rb.median(r["decode_wall_s"] for r in rows),
+      rollout_s_median=rb.median(r["rollout_s"] for r in rows),
+      step_s_median=rb.median(r["step_s"] for r in rows),
+      drafter_serial_s_median=rb.median(r["drafter_serial_s"] for r in rows),
+      compiles_during_steps=sum(r["compiles"] for r in rows),
+      accept_len_mean=rb.mean(r.get("mean_accept_len") for r in rows),
+      # held out: the weights that drafted each rollout, on its freshest data
+      drafter_heldout_top1_last=rows[-1].get("drafter_top1"),
+      drafter_heldout_top1_mean_last_quarter=rb.mean(r.get("drafter_top1") for r in last),
+      drafter_train_top1_mean=rb.mean(r.get("drafter_train_top1") for r in rows))
+
+
+def ratios(rows: list[dict], reference: list[dict], rb) -> dict:
+  """Per-step ratios of an arm to the reference arm (the same tokens at every step), medians."""
+  out = {}
+  for key in ("decode_wall_s", "rollout_s", "step_s"):
+    out[key] = round(rb.median(x[key] / y[key] for x, y in zip(rows, reference)), 4)
+  return out
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ Per RL step (``OnlineDrafter``):
 
 1. the rollout keeps the target's last-layer hidden states of (a fraction of) its rows, read from
    the passes that produced the tokens (``generate(collect_hidden=...)``);
-2. with several rollout devices, each device's finished shard goes into the buffer at once, and a
-   device whose shard is done runs drafter steps on buffer batches until the last shard finishes
-   (one device at a time trains: the drafter has one copy of params and optimizer state; the
-   others wait). These steps use time the tail leaves idle: *spot* steps;
+2. with several rollout devices, each device's finished shard goes into the buffer at once, and
+   the devices whose shards are done train the drafter together until the last shard finishes:
+   synchronous data-parallel rounds (``SpotTrainer.run_rounds``) over the devices idle when each
+   round starts, each computing a gradient on a batch of its own, averaged and applied on the
+   first idle device (where params and optimizer state live); a device that becomes idle joins
+   the next round. These steps use time the tail leaves idle: *spot* steps;
 3. with one rollout device nothing is idle, so the drafter trains between rollout and policy
    update under a budget (``serial_steps``/``serial_seconds``): these *serial* steps cost wall
    time and the metrics say so;
@@ -55,6 +57,7 @@ class DrafterTrainingConfig:
   keep_steps: int = 2  # RL steps the buffer keeps (2: the previous step's long responses too)
   collect: float = 1.0  # fraction of each rollout's rows whose hidden states are kept
   spot: bool = True  # with several rollout devices: train on the devices the tail leaves idle
+  spot_devices: int = 0  # idle devices per spot round (0: every idle one; 1: one at a time)
   # Drafter steps between rollout and update (one rollout device, or spot off): "ledger" pays for
   # them from what speculative decoding saved (``drafter/ledger.py``), "fixed" runs serial_steps
   # (and/or serial_seconds) every RL step whether SD pays or not.
@@ -66,6 +69,10 @@ class DrafterTrainingConfig:
   seed: int = 0
 
   def __post_init__(self):
+    if isinstance(self.spot_devices, bool) or not isinstance(self.spot_devices, int) or \
+        self.spot_devices < 0:
+      raise ValueError(f"drafter_training.spot_devices must be an int >= 0 (0: every idle "
+                       f"device), got {self.spot_devices!r}")
     for name in ("rows", "seq_len", "keep_steps"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -106,7 +113,9 @@ class OnlineDrafter:
                              keep_steps=config.keep_steps, seed=config.seed)
     self.spot = SpotTrainer(drafter, target_graphdef, self.buffer,
                             learning_rate=config.learning_rate)
-    self._trainer_busy = threading.Lock()  # one idle device trains at a time
+    # how many idle devices may take part in a spot round (None: every idle one; 1: one device
+    # at a time, the behaviour before rounds)
+    self.spot_devices = config.spot_devices or None
     self._spot_runs: list[dict] = []
     self.ledger = (DrafterLedger(config.savings_share, config.bootstrap_steps, config.serial_steps)
                    if config.serial_budget == "ledger" else None)
@@ -140,24 +149,44 @@ class OnlineDrafter:
     return len(tokens)
 
   def hooks(self, step: int, prompts, engine):
-    """``shard_done`` and ``idle`` for a ``DataParallelRollout.generate`` of RL step ``step``."""
+    """``shard_done`` and ``idle`` for a ``DataParallelRollout.generate`` of RL step ``step``.
+
+    The first device to go idle leads: it runs ``SpotTrainer.run_rounds`` homed on itself until
+    the rollout's ``stop``; every device idle at a round's start (at most ``spot_devices`` of
+    them, the leader first) takes part in it. The others' hooks wait for ``stop`` (their device
+    is handed to the rounds meanwhile) and return None; once ``spot_devices`` devices are idle,
+    a device going idle later returns at once."""
     self._spot_runs = []
+    lock = threading.Lock()
+    idle_now: dict[int, tuple] = {}  # device index -> (index, device, target params)
+    leader: list[int] = []
 
     def shard_done(k, first_row, result):
       self.add(step, prompts, result, first_row)
 
+    def members():
+      with lock:
+        team = [idle_now[leader[0]]] + [idle_now[j] for j in sorted(idle_now) if j != leader[0]]
+      return team[:self.spot_devices] if self.spot_devices is not None else team
+
     def idle(k, stop):
-      if not self.config.spot or not self._trainer_busy.acquire(blocking=False):
-        return None  # another idle device is training the drafter
-      try:
-        if self.buffer.num_samples == 0:
-          return None
-        out = self.spot.run(engine.target_params(k), stop=stop, device=engine.devices[k])
-        out["device"] = k
-        self._spot_runs.append(out)
-        return out
-      finally:
-        self._trainer_busy.release()
+      if not self.config.spot or self.buffer.num_samples == 0:
+        return None
+      with lock:
+        if leader and self.spot_devices is not None and len(idle_now) >= self.spot_devices:
+          return None  # the rounds are full: this device can never take part
+        idle_now[k] = (k, engine.devices[k], engine.target_params(k))
+        leads = not leader
+        if leads:
+          leader.append(k)
+      if not leads:
+        stop.wait()  # this device trains in the leader's rounds until the rollout is done
+        return None
+      out = self.spot.run_rounds(members, device=engine.devices[k], slots=len(engine.devices),
+                                 stop=stop)
+      out["device"] = k
+      self._spot_runs.append(out)
+      return out
 
     return shard_done, idle
 
@@ -199,11 +228,13 @@ class OnlineDrafter:
       return None
     return self.engine_params(device)
 
-  def precompile(self, target_params_by_device: dict) -> None:
+  def precompile(self, target_params_by_device: dict, slots: int | None = None) -> None:
     """Compiles the drafter's train and eval steps for every device that may train it (a dict
-    device -> the target params there), so no first step compiles inside a rollout's tail."""
+    device -> the target params there), so no first step compiles inside a rollout's tail; with
+    ``slots`` (the most devices in a spot round) also each device's gradient step and the apply
+    step of rounds homed there."""
     for device, target_params in target_params_by_device.items():
-      self.spot.precompile(target_params, device)
+      self.spot.precompile(target_params, device, slots)
 
   def evaluate(self, target_params, device=None, params=None) -> dict:
     """Loss and top-1 agreement on the buffer's freshest step (on ``device``, where
@@ -267,10 +298,13 @@ class OnlineDrafter:
     return metrics
 
   def precompile_on(self, engine) -> int:
-    """Compiles the drafter's train and eval steps for every rollout device that may train it
-    (spot steps run on every one; serial ones on the first); returns how many devices."""
-    n = len(engine.devices) if self.config.spot else 1
-    self.precompile({engine.devices[k]: engine.target_params(k) for k in range(n)})
+    """Compiles every drafter executable a rollout device may run (spot rounds: every device's
+    train, eval and gradient steps and the apply step of rounds homed there; serial steps: the
+    first device's train and eval steps); returns how many devices."""
+    spot = self.spot_trains(engine)
+    n = len(engine.devices) if spot else 1
+    self.precompile({engine.devices[k]: engine.target_params(k) for k in range(n)},
+                    slots=len(engine.devices) if spot else None)
     return n
 
   # ---- checkpoints -------------------------------------------------------------------------------
@@ -379,24 +413,49 @@ def step_metrics(stats: RolloutStats, spot_runs: list[dict], serial: dict | None
   ``drafter_loss``/``drafter_top1``: the weights that drafted this step's rollout, scored on its
   freshest data before the step's serial training (held out, except for what spot steps in the
   tail already trained on); ``drafter_train_loss``/``_top1``: the mean over this step's drafter
-  steps (in-sample). Spot and serial steps and seconds; the device-seconds the tail left idle,
-  the part the spot trainer used, and how long the rollout waited past its last shard for a
-  drafter step in flight (``spot_overrun_s``)."""
+  steps (in-sample). Spot and serial steps (optimizer updates) and seconds; the device-seconds
+  the tail left idle (``tail_idle_device_s``), the part the idle hooks ran in
+  (``tail_idle_used_device_s``), and how long the rollout waited past its last shard for a
+  drafter round in flight (``spot_overrun_s``: drafter time on the critical path).
+
+  Spot rounds (``SpotTrainer.run_rounds``): ``drafter_spot_contributions`` (gradients computed,
+  one per member per round), ``drafter_spot_devices`` (devices that contributed at least once),
+  ``drafter_spot_participants_max``/``_mean`` (members per round), ``drafter_spot_device_s``
+  (device-seconds of drafter work: the wall time of each round times its members) and, per
+  rollout device ``k`` that contributed, ``drafter_spot_device_s_<k>``;
+  ``drafter_spot_tail_device_s`` estimates the part inside the tail (the last round's members
+  times the overrun taken off). With rounds, ``tail_idle_used_device_s`` also counts a device's
+  wait for the next round to start."""
   devices = stats.devices or []
   runs = list(spot_runs) + ([serial] if serial and serial.get("steps") else [])
+  sizes = [n for r in spot_runs for n in r.get("participants", [])]
+  per_device: dict = {}
+  for r in spot_runs:
+    for label, mine in (r.get("devices") or {}).items():
+      per_device[label] = per_device.get(label, 0.0) + float(mine["seconds"])
   out = {"drafter_spot_steps": int(sum(r["steps"] for r in spot_runs)),
          "drafter_spot_s": float(sum(r["seconds"] for r in spot_runs)),
          "drafter_serial_steps": int((serial or {}).get("steps", 0)),
          "drafter_serial_s": float((serial or {}).get("seconds", 0.0)),
          "tail_idle_device_s": float(sum(d.idle_s for d in devices)),
          "tail_idle_used_device_s": float(sum(d.idle_used_s for d in devices)),
-         "spot_overrun_s": float(stats.idle_overrun_s or 0.0)}
+         "spot_overrun_s": float(stats.idle_overrun_s or 0.0),
+         "drafter_spot_contributions": int(sum(sizes)),
+         "drafter_spot_devices": len(per_device),
+         "drafter_spot_participants_max": int(max(sizes, default=0)),
+         "drafter_spot_participants_mean": float(np.mean(sizes)) if sizes else 0.0,
+         "drafter_spot_device_s": float(sum(per_device.values()))}
+  last = [r["participants"][-1] for r in spot_runs if r.get("participants")]
+  out["drafter_spot_tail_device_s"] = max(0.0, out["drafter_spot_device_s"] - out[
+      "spot_overrun_s"] * max(last, default=0))
+  for label in sorted(per_device):
+    out[f"drafter_spot_device_s_{label}"] = per_device[label]
   if evaluation.get("loss") is not None:
     out["drafter_loss"] = float(evaluation["loss"])
     out["drafter_top1"] = float(evaluation["top1"])
   trained = [r for r in runs if r.get("loss") is not None]
   if trained:
-    weights = [r["steps"] for r in trained]
+    weights = [r.get("contributions") or r["steps"] for r in trained]  # a round: its members
     out["drafter_train_loss"] = float(np.average([r["loss"] for r in trained], weights=weights))
     out["drafter_train_top1"] = float(np.average([r["top1"] for r in trained], weights=weights))
   return out

@@ -6,22 +6,32 @@ owns the drafter's params and optimizer state and runs the jitted step of
 :func:`tlt_jax.drafter.objective.make_train_step` on ``buffer.batch()`` batches until it is told to
 stop, runs out of steps or time, or the buffer is empty.
 
-Preemption happens only between steps: every step started is finished and counted before the stop
-signal is checked, so a preempted run loses no update and ``steps`` always equals the optimizer's
-update count. Batches have fixed shapes and the frozen target's params are an argument, so after
-the first step on a device nothing recompiles (new policy weights included).
+Several idle devices train together in *rounds* (``run_rounds``): synchronous data-parallel steps
+over the set of devices idle when the round starts. Each member computes the gradient of the
+drafter loss on a ``buffer.batch()`` of its own with the current params (copied to it); the
+gradients are averaged on the home device (where params and optimizer state live) and one
+optimizer update is applied there. A device that becomes idle joins the next round. A round of
+the home device alone is the fused train step ``run`` takes, so one idle device trains exactly as
+``run`` does.
 
-Threads: ``run`` may be called from any thread while others dispatch their own JAX work. One
-``run`` at a time: a second concurrent call raises RuntimeError. ``evaluate``, ``params_copy`` and
-``state_dict`` may be called while a run is going; they wait for the step in flight and read a
-consistent ``(params, opt_state, steps)``.
+Preemption happens only between steps (rounds): every step started is finished and counted before
+the stop signal is checked, so a preempted run loses no update and ``steps`` always equals the
+optimizer's update count. Batches have fixed shapes and the frozen target's params are an
+argument, so after the first step on a device nothing recompiles (new policy weights included);
+``precompile`` compiles every executable a device may need ahead.
+
+Threads: ``run`` and ``run_rounds`` may be called from any thread while others dispatch their own
+JAX work (a round's members are dispatched from the calling thread; each device runs its part
+asynchronously). One run at a time: a second concurrent call raises RuntimeError. ``evaluate``,
+``params_copy`` and ``state_dict`` may be called while a run is going; they wait for the step in
+flight and read a consistent ``(params, opt_state, steps)``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import numpy as np
@@ -30,8 +40,8 @@ from flax import nnx
 
 from tlt_jax.aot import AotCache
 from tlt_jax.drafter.buffer import DataBuffer, EmptyBufferError
-from tlt_jax.drafter.objective import (CE_WEIGHT, DrafterBatch, make_eval_step, make_optimizer,
-                                   make_train_step, split_drafter)
+from tlt_jax.drafter.objective import (CE_WEIGHT, DrafterBatch, batch_loss, make_eval_step,
+                                       make_optimizer, make_train_step, split_drafter)
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 
@@ -47,6 +57,44 @@ def _should_stop(stop: threading.Event | Callable[[], bool] | None) -> bool:
 def _on_device(tree, device) -> bool:
   """Whether every leaf of ``tree`` is committed to ``device`` alone."""
   return all(leaf.committed and leaf.devices() == {device} for leaf in jax.tree.leaves(tree))
+
+
+def make_grad_step(drafter_graphdef: nnx.GraphDef, target: Transformer | nnx.GraphDef, *,
+                   ce_weight: float = CE_WEIGHT):
+  """A jitted ``grad(drafter_params, target_params, batch) -> (grads, metrics)``: one round
+  member's contribution (the train step's loss and gradient, no update, nothing donated)."""
+  target_graphdef = nnx.split(target)[0] if isinstance(target, nnx.Module) else target
+
+  def grad_step(drafter_params: nnx.State, target_params: nnx.State, batch: DrafterBatch):
+    frozen = nnx.merge(target_graphdef, jax.lax.stop_gradient(target_params))
+
+    def loss_fn(params):
+      return batch_loss(nnx.merge(drafter_graphdef, params), frozen, batch, ce_weight)
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(drafter_params)
+    return grads, metrics
+
+  return jax.jit(grad_step)
+
+
+def make_apply_step(optimizer: optax.GradientTransformation):
+  """A jitted ``apply(params, opt_state, grads, weights) -> (params, opt_state, grad_norm)``:
+  ``grads`` a tuple of gradient trees (one per slot), ``weights`` a float32 vector of as many;
+  the update uses ``sum_i weights[i] * grads[i]`` (a round: ``1/n`` for each of its ``n``
+  members, 0 for unused slots). Params and optimizer state are donated."""
+
+  def apply_step(params: nnx.State, opt_state: optax.OptState, grads: tuple, weights: jax.Array):
+    def combine(*leaves):
+      total = weights[0].astype(leaves[0].dtype) * leaves[0]
+      for i, leaf in enumerate(leaves[1:], 1):
+        total = total + weights[i].astype(leaf.dtype) * leaf
+      return total
+
+    mean = jax.tree.map(combine, *grads)
+    updates, opt_state = optimizer.update(mean, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.global_norm(mean)
+
+  return jax.jit(apply_step, donate_argnums=(0, 1))
 
 
 class SpotTrainer:
@@ -70,6 +118,8 @@ class SpotTrainer:
     self.steps = 0
     self._train_step = make_train_step(self.graphdef, target, self.optimizer, ce_weight=ce_weight)
     self._eval_step = make_eval_step(self.graphdef, target, ce_weight=ce_weight)
+    self._grad_step = make_grad_step(self.graphdef, target, ce_weight=ce_weight)
+    self._apply_step = make_apply_step(self.optimizer)
     self.hidden_size = drafter.config.hidden_size
     self._compiled = AotCache()  # ahead-of-time, per (kind, device)
     self._run_lock = threading.Lock()  # one run at a time
@@ -139,6 +189,107 @@ class SpotTrainer:
                 top1=float(np.mean(top1s)) if top1s else None,
                 preempted=preempted, tokens=tokens)
 
+  def run_rounds(self, members: Callable[[], Sequence[tuple[Hashable, jax.Device, nnx.State]]],
+                 *, device: jax.Device, slots: int,
+                 stop: threading.Event | Callable[[], bool] | None = None,
+                 max_rounds: int | None = None) -> dict:
+    """Trains in synchronous data-parallel rounds over the devices ``members()`` names, until
+    ``stop`` is set, ``max_rounds`` rounds are done or the buffer is empty (one bound needed).
+
+    ``members()`` is asked at the start of each round and returns ``(label, device,
+    target_params)`` triples (target params on that device; labels name the members in the
+    result, e.g. rollout device indices), at most ``slots`` of them: each member computes the
+    gradient on a batch of its own with the current params, the mean is applied on ``device``
+    (the home device: params and optimizer state move there when they live elsewhere). A round
+    of ``device`` alone is ``run``'s fused train step. Every round started is finished and
+    counted before ``stop`` is checked; a round is one optimizer update (``steps`` += 1).
+
+    Returns ``run``'s keys (``steps`` = rounds, the mean ``loss``/``top1`` over contributions,
+    ``tokens`` over all members) plus ``contributions`` (gradients computed), ``participants``
+    (members per round) and ``devices``: per label, its ``contributions`` and ``seconds`` (the
+    wall time of the rounds it took part in: device-seconds of drafter work).
+    """
+    if stop is None and max_rounds is None:
+      raise ValueError("SpotTrainer.run_rounds needs stop or max_rounds; without either it would "
+                       "train forever")
+    if max_rounds is not None and (not isinstance(max_rounds, int) or max_rounds < 0):
+      raise ValueError(f"SpotTrainer.run_rounds: max_rounds must be a non-negative int, got "
+                       f"{max_rounds!r}")
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+      raise ValueError(f"SpotTrainer.run_rounds: slots must be a positive int (how many devices "
+                       f"may take part in a round), got {slots!r}")
+    if not self._run_lock.acquire(blocking=False):
+      raise RuntimeError("SpotTrainer.run_rounds: a run is already going in another thread; stop "
+                         "it (its stop event) and wait for it before starting another")
+    try:
+      return self._rounds(members, device, slots, stop, max_rounds)
+    finally:
+      self._run_lock.release()
+
+  def _rounds(self, members, device, slots, stop, max_rounds) -> dict:
+    start = time.perf_counter()
+    home = self._place(device)
+    rounds, tokens, losses, top1s, sizes = 0, 0, [], [], []
+    per: dict[Hashable, dict] = {}
+    preempted = False
+    while max_rounds is None or rounds < max_rounds:
+      if _should_stop(stop):
+        preempted = True
+        break
+      team = list(members())
+      if not team:
+        break
+      if len(team) > slots:
+        raise ValueError(f"SpotTrainer.run_rounds: members() named {len(team)} devices but "
+                         f"slots={slots}; pass slots= the most devices that may take part")
+      try:
+        batches = [self.buffer.batch() for _ in team]
+      except EmptyBufferError:
+        break
+      began = time.perf_counter()
+      metrics = jax.device_get(self._round(team, batches, home, slots))  # waits for the round
+      seconds = time.perf_counter() - began
+      rounds += 1
+      sizes.append(len(team))
+      for (label, _, _), m in zip(team, metrics):
+        mine = per.setdefault(label, dict(contributions=0, seconds=0.0))
+        mine["contributions"] += 1
+        mine["seconds"] += seconds
+        tokens += int(m["num_tokens"])
+        losses.append(float(m["loss"]))
+        top1s.append(float(m["top1"]))
+    return dict(steps=rounds, seconds=time.perf_counter() - start,
+                loss=float(np.mean(losses)) if losses else None,
+                top1=float(np.mean(top1s)) if top1s else None,
+                preempted=preempted, tokens=tokens, contributions=int(sum(sizes)),
+                participants=sizes, devices=per)
+
+  def _round(self, team, batches, home, slots) -> list:
+    """Dispatches one round (see ``run_rounds``) and updates the state; returns each member's
+    metrics (device arrays)."""
+    with self._state_lock:
+      if len(team) == 1 and team[0][1] == home:  # the home device alone: run's fused step
+        step = self._step("train", home)
+        self.params, self.opt_state, metrics = step(self.params, self.opt_state, team[0][2],
+                                                    jax.device_put(batches[0], home))
+        self.steps += 1
+        return [metrics]
+      grads, out = [], []
+      for (_, device, target_params), batch in zip(team, batches):
+        params = self.params if device == home else jax.device_put(self.params, device)
+        g, metrics = self._step("grad", device)(params, target_params,
+                                                jax.device_put(batch, device))
+        grads.append(g if device == home else jax.device_put(g, home))
+        out.append(metrics)
+      weights = np.zeros(slots, np.float32)
+      weights[:len(team)] = 1.0 / len(team)
+      grads += [grads[0]] * (slots - len(team))  # weight 0
+      apply = self._step("apply", home, slots)
+      self.params, self.opt_state, _ = apply(self.params, self.opt_state, tuple(grads),
+                                             jax.device_put(weights, home))
+      self.steps += 1
+      return out
+
   def _home(self) -> jax.Device:
     """The single device the params live on."""
     devices = set().union(*(leaf.devices() for leaf in jax.tree.leaves(self.params)))
@@ -169,9 +320,12 @@ class SpotTrainer:
                         positions=spec((rows, length), np.int32),
                         segment_ids=spec((rows, length), np.int32))
 
-  def precompile(self, target_params: nnx.State, device: jax.Device) -> None:
+  def precompile(self, target_params: nnx.State, device: jax.Device,
+                 slots: int | None = None) -> None:
     """Compiles the train and eval steps for ``device`` now (``target_params`` on it), so that
-    the first run there does not compile inside a rollout's tail."""
+    the first run there does not compile inside a rollout's tail; with ``slots`` (the most
+    devices a round may have) also ``run_rounds``' gradient step and its apply step for rounds
+    homed there."""
     sharding = jax.sharding.SingleDeviceSharding(device)
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     with self._state_lock:
@@ -180,14 +334,24 @@ class SpotTrainer:
     self._compiled.get(("train", device),
                        lambda: self._train_step.lower(params, opt_state, target, batch))
     self._compiled.get(("eval", device), lambda: self._eval_step.lower(params, target, batch))
+    if slots is None:
+      return
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+      raise ValueError(f"SpotTrainer.precompile: slots must be a positive int, got {slots!r}")
+    weights = jax.ShapeDtypeStruct((slots,), np.float32, sharding=sharding)
+    self._compiled.get(("grad", device), lambda: self._grad_step.lower(params, target, batch))
+    self._compiled.get(("apply", device, slots), lambda: self._apply_step.lower(
+        params, opt_state, (params,) * slots, weights))
 
-  def _step(self, kind: str, device: jax.Device):
-    """The train or eval step for ``device``: its ahead-of-time executable once ``precompile``
-    made one, else the jitted function (which compiles on first use)."""
-    compiled = self._compiled.lookup((kind, device))
+  def _step(self, kind: str, device: jax.Device, *key):
+    """The train, eval, grad or apply step for ``device`` (apply: and its slot count): its
+    ahead-of-time executable once ``precompile`` made one, else the jitted function (which
+    compiles on first use)."""
+    compiled = self._compiled.lookup((kind, device, *key))
     if compiled is not None:
       return compiled
-    return self._train_step if kind == "train" else self._eval_step
+    return dict(train=self._train_step, eval=self._eval_step, grad=self._grad_step,
+                apply=self._apply_step)[kind]
 
   def evaluate(self, target_params: nnx.State, batch: DrafterBatch | None = None,
                device: jax.Device | None = None, params: nnx.State | None = None) -> dict:
