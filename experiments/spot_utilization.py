@@ -15,8 +15,8 @@ run the same steps, interleaved in alternating order, from the same warm policy 
 offline-trained initial drafter, rolling out with one fixed speculative chain and coupled
 verification (identical tokens, rewards and updates in every arm, checked):
 
-* ``spot_all``: spot training with rounds over every idle device
-  None, the default): each round, every device idle at its start computes a gradient on a batch
+* ``spot_all``: spot training with rounds over every idle device (``spot_devices`` =
+  0, the default): each round, every device idle at its start computes a gradient on a batch
   of its own; the mean is applied on the first idle device; a device that goes idle joins the
   next round;
 * ``spot_one``: the same with ``spot_devices=1``: only the first idle device trains (a round of

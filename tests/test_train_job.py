@@ -182,8 +182,8 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
                                           r"SpecConfig.verify_tokens must be depth \+ 1")),
     ("rollout.strategies", ((2, 1),), (r"config.rollout.strategies\[0\] must be a \[depth, "
                                        r"topk, verify_tokens\] triple, got \(2, 1\)")),
-    ("rollout.tuner.kind", "greedy", (r"config.rollout.tuner.kind must be one of 'beg_mab', "
-                                      r"'ucb1', 'fixed', got 'greedy'")),
+    ("rollout.tuner.kind", "greedy", (r"config.rollout.tuner.kind must be one of 'cost', "
+                                      r"'beg_mab', 'ucb1', 'fixed', got 'greedy'")),
     ("rollout.tuner.epsilon", 2.0, r"config.rollout.tuner.epsilon must be in \[0, 1\]"),
     ("rollout.verify", "exact", r"config.rollout.verify must be one of"),
     ("rollout.segment_steps", -1, r"config.rollout.segment_steps must be an int >= 0"),
@@ -391,7 +391,7 @@ def test_a_run_with_a_saved_drafter_and_strategies_resumes_them_and_the_tuner(
   # an accepted length only where a speculative step ran (not 0.0 for a vanilla-only rollout)
   assert ("mean_accept_len" in row) == (row["arm_steps/8/chain_d2"] > 0), row
   tuner_1 = checkpoint_tuner(logdir, 1)
-  assert tuner_1["kind"] == "beg_mab" and tuner_1["buckets"]["8"]["decisions"] > 0
+  assert tuner_1["kind"] == "cost" and tuner_1["buckets"]["8"]["decisions"] > 0
 
   capsys.readouterr()
   cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")  # no drafter, no strategies
@@ -402,8 +402,8 @@ def test_a_run_with_a_saved_drafter_and_strategies_resumes_them_and_the_tuner(
   assert "trainer.steps: 1 -> 2 (override)" in out and "rollout." not in out.split("config:")[0]
   assert "arm_steps/8/chain_d2" in summary["history"][0]  # the adaptive engine is back
   tuner_2 = checkpoint_tuner(logdir, 2)
-  arms_1 = {name: (pulls, rewards) for name, pulls, rewards in tuner_1["buckets"]["8"]["arms"]}
-  arms_2 = {name: (pulls, rewards) for name, pulls, rewards in tuner_2["buckets"]["8"]["arms"]}
+  arms_1 = {name: (pulls, rewards) for name, pulls, rewards, *_ in tuner_1["buckets"]["8"]["arms"]}
+  arms_2 = {name: (pulls, rewards) for name, pulls, rewards, *_ in tuner_2["buckets"]["8"]["arms"]}
   assert tuner_2["buckets"]["8"]["decisions"] > tuner_1["buckets"]["8"]["decisions"]
   for name, (pulls, rewards) in arms_1.items():
     assert arms_2[name][0] >= pulls and arms_2[name][1][:len(rewards)] == rewards, name
