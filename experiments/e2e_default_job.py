@@ -16,7 +16,8 @@ sft, task and seed sections) and each arm loads its own copy. Each trainer is bu
 builds it and precompiled (rollout, policy update and the online drafter's steps); then the arms
 step in turn, the order rotating every step, so load from other processes falls on both. The
 eagle arm also makes the job's selective async drafter save after each step when
-``drafter_training.save_every`` asks for it (timed apart as ``drafter_save_s``).
+``drafter_training.save_every`` asks for it and training changed the drafter (timed apart as
+``drafter_save_s``).
 
 Reported: the paired per-step ratio eagle step seconds / none step seconds, its median over the
 steps (step 1 and every step in which either arm compiled left out), over the first quarter of
@@ -189,8 +190,7 @@ def main():
           m = trainer.step()
           if arm == "eagle" and saves is not None and \
               trainer.step_count % eagle_job.drafter_save_every == 0:
-            m["drafter_save_s"], _ = harness.timed(saves.save, trainer.step_count,
-                                                   trainer.online.checkpoint_state())
+            m["drafter_save_s"] = trainer.online.selective_save(saves, trainer.step_count) or 0.0
           rows[arm].append({k: (v if isinstance(v, (bool, int)) else float(v))
                             for k, v in m.items() if isinstance(v, (int, float, np.number))})
         compiled.append(harness.compile_count() > c0)

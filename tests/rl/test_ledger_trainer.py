@@ -83,3 +83,18 @@ def test_no_compiles_during_ledger_steps(run):
   # advantages), nothing compiles at all, with or without drafter steps
   assert all(m["compiles"] == 0 for m in rows)
   assert run_fixture.compiles[1:] == [0, 0, 0], run_fixture.compiles
+
+
+def test_an_unchanged_drafter_is_not_saved_again(run, tmp_path):
+  from tlt_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  trainer, _, _ = run
+  saves = Checkpointer(tmp_path / "drafter", keep=2, async_save=True)
+  try:
+    assert trainer.online.selective_save(saves, 5) is not None
+    assert trainer.online.selective_save(saves, 6) is None  # no drafter step since
+    trainer.online.spot.run(trainer.engine.params, max_steps=1)
+    assert trainer.online.selective_save(saves, 7) is not None
+    saves.wait()
+    assert saves.all_steps() == [5, 7]
+  finally:
+    saves.close()

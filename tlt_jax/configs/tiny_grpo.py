@@ -58,15 +58,20 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict(dict(
       max_batch=64, max_prompt_len=32, strategies=(), sd_max_batch=8, verify_budget=0,
       segment_steps=config_dict.placeholder(int), verify="rejection"))
-  # TunerConfig of the adaptive engine: kind "beg_mab" (epsilon-greedy on windowed medians of
-  # tokens/s), "ucb1" or "fixed" (fixed=((max_bucket, arm_name), ...), e.g. ((8, "chain d4"),
-  # (64, "vanilla"))); what it learned is saved in every checkpoint and restored on resume
+  # TunerConfig of the adaptive engine: kind "cost" (the default: calibrated step costs against
+  # counted accepted lengths, one short probe of probe_steps per strategy and drafter version),
+  # "beg_mab" (epsilon-greedy on windowed medians of tokens/s), "ucb1" or "fixed"
+  # (fixed=((max_bucket, arm_name), ...), e.g. ((8, "chain d4"), (64, "vanilla"))); what it
+  # learned is saved in every checkpoint and restored on resume
   c.rollout.tuner = dataclass_section(TunerConfig)  # every field at TunerConfig's default
   # The drafter trained online from the rollouts' hidden states (online="auto": when
   # drafter="eagle"; True also trains a drafter loaded from a directory). With several rollout
-  # devices it trains on the ones the tail leaves idle (spot); with one, serial_steps (and/or
-  # serial_seconds) drafter steps run between rollout and update. save_every: RL steps between
-  # selective async saves of the drafter alone (0: none; the full checkpoint holds it too).
+  # devices it trains on the ones the tail leaves idle (spot; spot_devices: 0 every idle one);
+  # with one, drafter steps run between rollout and update: serial_budget "ledger" pays for
+  # them from savings_share of what SD saved, after bootstrap_steps granted up front, at most
+  # serial_steps a step; "fixed" runs serial_steps (and/or serial_seconds) every step.
+  # save_every: RL steps between selective async saves of the drafter alone (0: none; an
+  # unchanged drafter is not saved again; the full checkpoint holds it too).
   # learning_rate: 1e-3 suits a drafter from scratch; fine-tuning a trained one wants ~1e-4 (at
   # 1e-3 it lost acceptance against a frozen copy: docs/benchmarks.md, "The adaptive drafter").
   # Every field at its default (DrafterTrainingConfig's and the job's online / save_every).

@@ -125,6 +125,7 @@ class OnlineDrafter:
     self.changed = False
     self.quality: float | None = None  # the latest held-out top-1 (of the engines' weights)
     self._copy_s = 0.0  # seconds of the latest copy of the weights to the engines
+    self._saved_steps: int | None = None  # optimizer steps at the latest selective save
 
   # ---- the rollout's hooks -----------------------------------------------------------------------
   def collect_fraction(self) -> float | bool:
@@ -321,6 +322,17 @@ class OnlineDrafter:
                                    [np.asarray(x) for x in saved["opt_state"]])
     self.spot.load_state_dict(dict(params=params, opt_state=opt_state,
                                    steps=int(saved["steps"])))
+
+  def selective_save(self, checkpointer, step: int) -> float | None:
+    """Saves the drafter's state alone (``checkpoint_state``) as ``step`` of ``checkpointer``
+    (the job's async drafter checkpoints) unless no training step changed it since the last
+    such save; returns the seconds the call took, None when nothing needed saving."""
+    if self.spot.steps == self._saved_steps:
+      return None
+    t0 = time.perf_counter()
+    checkpointer.save(step, self.checkpoint_state())
+    self._saved_steps = self.spot.steps
+    return time.perf_counter() - t0
 
   def save_buffer(self, checkpointer, step: int, metadata: dict):
     """Before ``checkpointer.save(step, ...)``: records the buffer's checksum in ``metadata``;

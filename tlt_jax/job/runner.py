@@ -230,9 +230,9 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
         lengths.extend(trainer.last_lengths.tolist())
         if drafter_ckpt is not None and trainer.step_count % job.drafter_save_every == 0:
           # selective async save: the drafter alone, written while training goes on
-          t0 = time.perf_counter()
-          drafter_ckpt.save(trainer.step_count, trainer.online.checkpoint_state())
-          m["drafter_save_ms"] = 1e3 * (time.perf_counter() - t0)
+          waited = trainer.online.selective_save(drafter_ckpt, trainer.step_count)
+          if waited is not None:  # (an unchanged drafter is not saved again)
+            m["drafter_save_ms"] = 1e3 * waited
         if (cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0) or \
             trainer.step_count == job.trainer.steps:
           t0 = time.perf_counter()
