@@ -200,17 +200,17 @@ class EngineConfig:
 
   @property
   def kv_lengths(self) -> tuple[int, ...]:
-    """The KV-cache length buckets, ending at the capacity ``cache_len``. With speculative
-    strategies the default ladder also holds vanilla's capacity (the longest prompt plus the
-    longest completion, without the speculative slack), so rows that vanilla decodes to the end
-    never attend over the slack."""
+    """The KV-cache length buckets, ending at the capacity ``cache_len``. The adaptive engine's
+    default ladder also holds vanilla's capacity (the longest prompt plus the longest completion,
+    without the speculative slack), so rows that vanilla decodes to the end never attend over
+    the slack."""
     cap = self.cache_len
     if self.kv_buckets is None:
       below = bk.powers_of_two_up_to(cap, start=min(128, cap))[:-1]
       if below and cap < 1.25 * below[-1]:  # e.g. 4096 next to a capacity of 4128: one is enough
         below = below[:-1]
       plain = self.max_prompt_len + self.max_new_tokens
-      if self.specs and plain < cap and plain not in below:
+      if self.adaptive and plain < cap and plain not in below:
         below = tuple(sorted(below + (plain,)))
     else:
       below = tuple(v for v in self.kv_buckets if v < cap)
