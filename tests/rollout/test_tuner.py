@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from tlt_jax.rollout.tuner import (Arm, BegMab, CostModel, FixedMapping, TunerConfig, Ucb1,
-                                    acceptance_from_length, accepted_length, make_tuner)
+                                    LONG_SEGMENT, acceptance_from_length, accepted_length,
+                                    make_tuner)
 
 ARMS = [Arm("vanilla", 1), Arm("chain d4", 5), Arm("tree d4 k4 v16", 16), Arm("tree d6 k8 v64", 64)]
 NAMES = [a.name for a in ARMS]
@@ -477,10 +478,13 @@ def test_without_calibration_arms_are_probed_and_compared_by_their_segments():
   tuner = make_tuner(TunerConfig())
   log = play_cost(tuner, alpha=0.05, rounds=4, calibrated=False)
   probes = [e for e in log if e[1] != "vanilla"]
-  # where an arm's step cost is unknown it is probed if it could pay at vanilla's cost, once
-  assert 1 <= len(probes) and len({(b, arm) for b, arm, _ in probes}) == len(probes)
-  assert all(steps == TunerConfig().probe_steps for _, _, steps in probes)
-  assert all(arm == "vanilla" for _, arm, _ in log[12:])  # after the first round: none
+  # where an arm's step cost is unknown it is measured if it could pay at vanilla's cost: its
+  # acceptance at most once (a short probe), its cost at most once per bucket (a long one)
+  short = [(b, arm) for b, arm, steps in probes if steps == TunerConfig().probe_steps]
+  long = [(b, arm) for b, arm, steps in probes if steps == LONG_SEGMENT]
+  assert short and len(short) + len(long) == len(probes)
+  assert len(set(long)) == len(long) and len(set(short)) == len(short)
+  assert all(arm == "vanilla" for _, arm, _ in log[-12:])  # in the last round: none
 
 
 def test_an_improved_drafter_is_probed_again_and_used():
@@ -543,3 +547,25 @@ def test_an_arm_the_calibration_flattered_is_left_once_its_long_segments_say_so(
   assert chosen[0] == "chain d3"  # the calibration's promise is tried ...
   assert chosen[-10:] == ["vanilla"] * 10  # ... and dropped once measured
   assert chosen.count("chain d3") <= 3
+
+
+def test_a_close_call_the_calibration_judged_is_measured_once_with_a_long_segment():
+  """Calibrated, chain d3 costs 4 vanilla steps: at acceptance 0.9 (3.44 tokens) it would lose
+  by 14%; its real segments cost 2.5 (1.4x faster). One segment of LONG_SEGMENT steps measures
+  it, and it is used from then on; a hopeless arm is never measured this way."""
+  arms = COST_ARMS[:2] + [Arm("tree d5 k4 v16", 16, 5, 4)]
+  tuner = make_tuner(TunerConfig())
+  tuner.set_costs({(1, "vanilla"): 1e-3, (1, "chain d3"): 4e-3, (1, "tree d5 k4 v16"): 20e-3})
+  real = {"vanilla": 1e-3, "chain d3": 2.5e-3, "tree d5 k4 v16": 20e-3}
+  log = []
+  for _ in range(12):
+    d = tuner.plan(1, arms)
+    steps = d.max_steps or 32
+    meta = next(a for a in arms if a.name == d.arm)
+    length = accepted_length(0.9, meta.depth, meta.topk) if meta.depth else 1.0
+    tuner.update(1, d.arm, int(round(length * steps)), steps * real[d.arm], steps=steps,
+                 row_steps=steps)
+    log.append((d.arm, d.max_steps))
+  measured = [e for e in log if e[1] == LONG_SEGMENT]
+  assert measured == [("chain d3", LONG_SEGMENT)], log
+  assert log[-1][0] == "chain d3" and "tree d5 k4 v16" not in [a for a, n in log[1:]], log

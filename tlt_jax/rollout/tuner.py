@@ -519,7 +519,8 @@ class CostModel(Tuner):
   measured.
   """
 
-  CLOSE = 0.9  # an arm within this fraction of the best one's speed keeps segments bounded
+  CLOSE = 0.85  # an arm predicted within this fraction of the best one's speed is measured
+  # once at the bucket and keeps segments bounded
 
   def __init__(self, config: TunerConfig):
     super().__init__(config)
@@ -528,9 +529,27 @@ class CostModel(Tuner):
     self._qualities: dict[int, float] = {}  # the top-1 reported for each version that has ended
     # per arm: recent (alpha, drafter version) of its segments
     self._accept: dict[str, collections.deque] = {}
+    self._speeds: dict[int, dict] = {}  # speeds() per bucket until something changes them
+
+  # what changes predictions: every other entry point clears the cache of speeds
+  def _register(self, bucket, arms):
+    known = len(self._meta), sum(len(b.arms) for b in self._buckets.values())
+    out = super()._register(bucket, arms)
+    if (len(self._meta), sum(len(b.arms) for b in self._buckets.values())) != known:
+      self._speeds.clear()
+    return out
+
+  def update(self, *args, **kwargs) -> None:
+    self._speeds.clear()
+    super().update(*args, **kwargs)
+
+  def set_costs(self, step_seconds: dict, overhead_s: float = 0.0) -> None:
+    self._speeds.clear()
+    super().set_costs(step_seconds, overhead_s)
 
   # ---- what it is told -------------------------------------------------------------------
   def observe_drafter(self, quality: float | None = None) -> None:
+    self._speeds.clear()
     if quality is not None and (not math.isfinite(quality) or not 0 <= quality <= 1):
       raise ValueError(f"CostModel.observe_drafter: quality must be in [0, 1] (a top-1 "
                        f"agreement) or None, got {quality!r}")
@@ -583,11 +602,14 @@ class CostModel(Tuner):
     """Per arm offered at ``bucket``: its step's cost relative to vanilla's, its predicted
     accepted length, and its predicted and optimistic speed relative to vanilla's (vanilla: 1;
     None where unknown)."""
-    stats = self._buckets.get(_check_bucket(bucket))
+    bucket = _check_bucket(bucket)
+    stats = self._buckets.get(bucket)
     if stats is None:
       return {}
+    if bucket in self._speeds:
+      return self._speeds[bucket]
     vanilla = next((n for n in stats.arms if not self._meta[n].speculative), None)
-    out = {}
+    out = self._speeds[bucket] = {}
     for name in stats.arms:
       cost = 1.0 if name == vanilla else (None if vanilla is None else
                                           self.relative_cost(bucket, name, vanilla))
@@ -613,8 +635,17 @@ class CostModel(Tuner):
     if probes:
       self._segment = (self.config.probe_steps, True)
       return max(probes, key=lambda n: speeds[n]["optimistic"])
-    close = any(n != greedy and speeds[n]["optimistic"] is not None
-                and speeds[n]["optimistic"] >= self.CLOSE * best for n in names)
+    # an arm predicted within reach whose cost here only the calibration knows: one segment long
+    # enough to measure it (the calibration times dummy rows at the shortest cache length)
+    judged = {n: v["speed"] if v["speed"] is not None else v["optimistic"]
+              for n, v in speeds.items()}  # an arm never measured: at its best case
+    close = [n for n in names if n != greedy and judged[n] >= self.CLOSE * best]
+    unmeasured = [n for n in close if self._meta[n].speculative
+                  and stats.arms[n].step_cost(True) is None]
+    if unmeasured:  # (its acceptance first, in a short probe, if the drafter is new to it)
+      choice = max(unmeasured, key=lambda n: judged[n])
+      self._segment = (LONG_SEGMENT if self._fresh(choice) else self.config.probe_steps, True)
+      return choice
     settled = not self._meta[greedy].speculative and not close
     self._segment = (0 if settled else None, False)
     return greedy
@@ -634,6 +665,7 @@ class CostModel(Tuner):
     return state
 
   def load_state_dict(self, state: dict) -> None:
+    self._speeds.clear()
     super().load_state_dict(state)
     saved = state.get("cost_model", {})
     self._quality = saved.get("quality")
