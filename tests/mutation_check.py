@@ -372,6 +372,12 @@ MUTANTS = [
            ("tests/rollout/test_tuner.py", "-k", "useless_drafter_costs_one_probe"),
            "the cached predictions outlive a measurement: the tuner decides on what it knew "
            "before the segment"),
+    Mutant("advantages_dispatched_to_the_device", "tlt_jax/rl/trainer.py",
+           "advantages = grpo.group_advantages(rewards, g, self.grpo_config.normalize_std,",
+           "advantages = grpo.group_advantages(jax.numpy.asarray(rewards), g, "
+           "self.grpo_config.normalize_std,",
+           ("tests/rl/test_ledger_trainer.py", "-k", "no_compiles"),
+           "the step's advantages are eager jax ops: the first RL step compiles them"),
     Mutant("ledger_bootstrap_unbounded", "tlt_jax/drafter/ledger.py",
            "self.bootstrap_left -= bootstrap",
            "self.bootstrap_left -= 0",
