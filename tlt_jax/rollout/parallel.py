@@ -211,8 +211,12 @@ class DataParallelRollout(Rollout):
     except BaseException:
       if on_interrupt is not None:
         on_interrupt()
-      for t in threads:  # the work stops at its next check (see on_interrupt)
-        t.join()
+      # the work stops at its next check (see on_interrupt). Not Thread.join: in CPython < 3.12
+      # a join interrupted by Ctrl-C can mark a thread that is still running (e.g. compiling
+      # inside XLA) as stopped, and every later join then returns at once. A thread is gone when
+      # threading.enumerate() no longer lists it.
+      while any(t in threading.enumerate() for t in threads):
+        time.sleep(0.005)
       raise
     if errors:
       raise errors[0]

@@ -28,6 +28,9 @@ from tlt_jax.rollout.stats import RolloutStats
 from tlt_jax.rollout.tuner import Arm, Tuner
 
 
+SETTLED_SEGMENTS = 8  # a settled bucket's segments: this many times EngineConfig.segment_steps
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
   """A decoding strategy as the scheduler sees it: its name, its executable group and its index
@@ -100,12 +103,16 @@ class Scheduler:
 
   def _choose(self, batch: int) -> tuple[Strategy, bool, int]:
     """The strategy for the next segment at ``batch``, whether the tuner chose it, and the most
-    steps the segment may run (0: no limit; a bucket with one strategy runs to its boundary)."""
+    steps the segment may run (0: no limit). A bucket with one strategy, or one the tuner has
+    settled (``Decision.max_steps == 0``), runs ``SETTLED_SEGMENTS`` times ``segment_steps``:
+    few boundaries, and still one every so often, where an interrupt is noticed."""
     options = list(self.strategies_for(batch))
+    settled = SETTLED_SEGMENTS * self.config.segment_steps
     if len(options) == 1 or self.tuner is None:
-      return options[0], False, 0 if len(options) == 1 else self.config.segment_steps
+      return options[0], False, settled if len(options) == 1 else self.config.segment_steps
     decision = self.tuner.plan(batch, [s.arm for s in options])
-    steps = self.config.segment_steps if decision.max_steps is None else decision.max_steps
+    steps = {None: self.config.segment_steps, 0: settled}.get(decision.max_steps,
+                                                             decision.max_steps)
     return next(s for s in options if s.name == decision.arm), True, steps
 
   def run_chunk(self, request: Request, chunk: range, stats: RolloutStats) -> ChunkResult:

@@ -23,7 +23,7 @@ Kinds (``TunerConfig.kind``):
   segment of ``probe_steps`` steps) only while the arm could beat the best one and has not been
   measured under the current drafter, so exploration is bounded in time: a useless drafter costs
   one probe in a whole run. ``observe_drafter`` re-opens the question when the drafter changes.
-  Deterministic; a bucket settled on vanilla runs to its boundary in one segment.
+  Deterministic; a bucket settled on vanilla runs long segments (``Decision.max_steps = 0``).
 * ``"beg_mab"`` (the TLT paper's Bucketed Epsilon-Greedy MAB). Per bucket, every offered arm that
   has no reward yet is pulled first, in the order offered. After that, with probability
   ``eps_n = max(epsilon_min, epsilon / sqrt(1 + n / n_arms))`` (``n`` = decisions made in the
