@@ -180,8 +180,8 @@ MUTANTS = [
            ("tests/rollout/test_parallel.py", "-k", "two_devices"),
            "each device's shard samples with row keys counted from 0, so tokens depend on the split"),
     Mutant("interrupt_leaves_device_threads_running", "tlt_jax/rollout/parallel.py",
-           "      for t in threads:  # the work stops at its next check (see on_interrupt)\n"
-           "        t.join()\n",
+           "      while any(t in threading.enumerate() for t in threads):\n"
+           "        time.sleep(0.005)\n",
            "",
            ("tests/rollout/test_parallel.py", "-k", "two_devices"),
            "Ctrl-C during a data-parallel rollout exits while device threads are inside XLA: the "
