@@ -52,24 +52,6 @@ def specs(text: str) -> tuple[SpecConfig, ...]:
   return tuple(out)
 
 
-def arm_seconds(stats) -> dict[str, float]:
-  """Seconds per arm of one rollout, summed over its batch buckets (``RolloutStats.arms``)."""
-  out: dict[str, float] = {}
-  for per_bucket in stats.arms.values():
-    for name, tally in per_bucket.items():
-      out[name] = out.get(name, 0.0) + tally.seconds
-  return out
-
-
-def arm_steps(stats) -> dict[str, int]:
-  """Decode steps per arm of one rollout, summed over its batch buckets."""
-  out: dict[str, int] = {}
-  for per_bucket in stats.arms.values():
-    for name, tally in per_bucket.items():
-      out[name] = out.get(name, 0) + tally.steps
-  return out
-
-
 def speed_summary(vanilla_s: list[float], mine_s: list[float]) -> dict:
   """Per-round ratios vanilla / mine and their medians over all rounds, the first ``FIRST`` and
   the last ``LAST``; the ratios of total seconds over all rounds and the first ``FIRST``."""
@@ -142,10 +124,10 @@ def main():
     seconds, result = harness.timed(engines[name].generate, prompts, sampling(rnd))
     stats = result.stats
     assert stats.compiles == 0, f"{name} compiled {stats.compiles} executables in round {rnd}"
-    per_arm = arm_seconds(stats)
+    per_arm = stats.arm_totals("seconds")
     return dict(seconds=seconds, tokens=result.tokens, n_tokens=stats.tokens,
                 sd_s=sum(s for arm, s in per_arm.items() if arm != "vanilla"),
-                arm_s=per_arm, arm_steps=arm_steps(stats), switch_s=stats.switch_s,
+                arm_s=per_arm, arm_steps=stats.arm_totals("steps"), switch_s=stats.switch_s,
                 switches=stats.switches, mean_accept_len=stats.mean_accept_len)
 
   names = list(engines)

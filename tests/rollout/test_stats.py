@@ -31,3 +31,11 @@ def test_the_saving_is_summed_over_devices_and_reported():
   assert merged.sd_saved_s == pytest.approx(0.2)
   assert rollout_metrics(merged)["sd_saved_s"] == pytest.approx(0.2)
   assert "sd_saved_s" not in rollout_metrics(RolloutStats())
+
+
+def test_arm_totals_sum_each_arm_over_its_buckets():
+  stats = RolloutStats()
+  stats.arms = {"4": {"vanilla": tally(1.0, 50, 200, 200), "chain d3": tally(0.5, 10, 120, 40)},
+                "1": {"chain d3": tally(0.25, 8, 8, 8)}}
+  assert stats.arm_totals("steps") == {"vanilla": 50, "chain d3": 18}
+  assert stats.arm_totals("seconds") == {"vanilla": 1.0, "chain d3": 0.75}

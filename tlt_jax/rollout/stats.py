@@ -115,6 +115,15 @@ class RolloutStats:
     """The running tally ``arms[str(batch)][name]`` (created empty)."""
     return self.arms.setdefault(str(batch), {}).setdefault(name, ArmTally())
 
+  def arm_totals(self, field: str) -> dict[str, Any]:
+    """Each arm's tally ``field`` (``"steps"``, ``"seconds"``, ``"tokens"``, ...) summed over the
+    batch buckets it decoded."""
+    out: dict[str, Any] = {}
+    for per_bucket in self.arms.values():
+      for name, tally in per_bucket.items():
+        out[name] = out.get(name, 0) + getattr(tally, field)
+    return out
+
   def finish_arms(self) -> None:
     """Adds each arm's mean accepted length and throughput to its tally."""
     for per_bucket in self.arms.values():
@@ -234,10 +243,7 @@ def rollout_metrics(stats: RolloutStats,
     out["mean_accept_len"] = float(stats.mean_accept_len)
   if stats.sd_saved_s is not None:
     out["sd_saved_s"] = float(stats.sd_saved_s)
-  steps_of: dict[str, int] = {}  # arm -> decode steps, all buckets together
-  for per_bucket in stats.arms.values():
-    for name, arm in per_bucket.items():
-      steps_of[name] = steps_of.get(name, 0) + arm.steps
+  steps_of = stats.arm_totals("steps")  # arm -> decode steps, all buckets together
   shared = dict.fromkeys(n for ns in (offered or {}).values() if len(ns) > 1 for n in ns)
   total = sum(steps_of.values())
   if shared and total:  # no choice anywhere (vanilla, or one fixed strategy): nothing to share
