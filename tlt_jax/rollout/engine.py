@@ -445,7 +445,8 @@ class RolloutEngine(Rollout):
                progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
                collect_hidden: bool | float | Sequence[bool] = False,
                shard_done: Callable[[int, int, RolloutResult], Any] | None = None,
-               idle: Callable[[int, Any], Any] | None = None) -> RolloutResult:
+               idle: Callable[[int, Any], Any] | None = None,
+               history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
     """Completes every prompt; rows finish on a stop id or at ``params.max_new_tokens``.
 
     ``progress(rows_done, rows_total)``, if given, is called after every decode segment (where

@@ -50,10 +50,18 @@ class Rollout(abc.ABC):
                progress: Callable[[int, int], Any] | None = None, *,
                collect_hidden: bool | float | Sequence[bool] = False,
                shard_done: Callable[[int, int, Any], Any] | None = None,
-               idle: Callable[[int, threading.Event], Any] | None = None):
+               idle: Callable[[int, threading.Event], Any] | None = None,
+               history: Sequence[Sequence[Sequence[int]]] | None = None):
     """Completes every prompt; returns a ``RolloutResult``. ``shard_done(device_index,
     first_row, result)`` is called once per device's finished shard; ``idle(device_index, stop)``
-    while other devices still decode (never on one device)."""
+    while other devices still decode (never on one device). ``history``: per prompt, earlier
+    completions of it (newest first) that a suffix drafter may draft from (``uses_history``);
+    ignored by a rollout without one."""
+
+  @property
+  def uses_history(self) -> bool:
+    """Whether ``generate`` drafts from the ``history`` it is given (a suffix drafter)."""
+    return False
 
   @abc.abstractmethod
   def update_params(self, params: nnx.State, drafter_params: nnx.State | None = None) -> None:

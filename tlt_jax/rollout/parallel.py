@@ -120,6 +120,10 @@ class DataParallelRollout(Rollout):
     return self.engines[0].config
 
   @property
+  def uses_history(self) -> bool:
+    return self.engines[0].uses_history
+
+  @property
   def tuner(self) -> Tuner | None:
     return None if self.shared_tuner is None else self.shared_tuner.tuner
 
@@ -226,7 +230,8 @@ class DataParallelRollout(Rollout):
                progress: Callable[[int, int], Any] | None = None, *,
                collect_hidden: bool | float | Sequence[bool] = False,
                shard_done: Callable[[int, int, RolloutResult], Any] | None = None,
-               idle: Callable[[int, threading.Event], Any] | None = None) -> RolloutResult:
+               idle: Callable[[int, threading.Event], Any] | None = None,
+               history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
     """Completes every prompt over the devices; the same result as one engine's ``generate``
     (the tokens of row ``i`` do not depend on the split; see the module docstring).
 
@@ -279,7 +284,8 @@ class DataParallelRollout(Rollout):
           mask = False if collect is None else collect[rows.start:rows.stop]
           results[k] = self.engines[k].generate(
               prompts[rows.start:rows.stop], params, report(k), row_offset=rows.start,
-              collect_hidden=mask)
+              collect_hidden=mask,
+              history=None if history is None else history[rows.start:rows.stop])
           if shard_done is not None:
             shard_done(k, rows.start, results[k])
           busy[k] = time.perf_counter() - t0  # the shard is complete once its hook returned
