@@ -41,6 +41,7 @@ from tlt_jax.rollout.scheduler import ChunkResult, Request, Scheduler, Strategy
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.stats import RolloutStats, mean_accept_len, saved_seconds, tail_seconds
 from tlt_jax.rollout.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
+from tlt_jax.rollout.suffix import SuffixConfig, check_suffix_spec
 from tlt_jax.rollout.tuner import Tuner, TunerConfig, fixed_arm, make_tuner
 from tlt_jax.utils import FieldError, compile_count, require_positive_ints
 
@@ -77,6 +78,10 @@ class EngineConfig:
   spec: SpecConfig | None = None  # one speculative strategy for every segment (needs a drafter)
   # The adaptive engine: vanilla plus these strategies, chosen per segment by the tuner.
   strategies: tuple[SpecConfig, ...] = ()
+  # The suffix drafter's strategies (``RolloutEngine(suffix=...)``), arms beside ``strategies``:
+  # chains, or trees of topk branches under the root sharing verify_tokens - 1 draft slots
+  # (``suffix.check_suffix_spec``). Empty with a suffix drafter: one chain of its depth.
+  suffix_strategies: tuple[SpecConfig, ...] = ()
   # Buckets above this always decode vanilla. The paper uses 32 (GPUs); 8 is from measurement on
   # CPU, where SD never beat vanilla above batch 8 (docs/benchmarks.md) and every SD arm offered
   # at a big bucket costs exploration there.
@@ -107,9 +112,19 @@ class EngineConfig:
     if len(set(strategies)) != len(strategies):
       raise FieldError("EngineConfig", "strategies", f"has duplicates: {strategies}")
     object.__setattr__(self, "strategies", strategies)
-    if strategies and self.spec is not None:
+    if not isinstance(self.suffix_strategies, (tuple, list)):
+      raise FieldError("EngineConfig", "suffix_strategies", f"must be a tuple of SpecConfig, got "
+                       f"{self.suffix_strategies!r}")
+    suffix = tuple(_as_spec(s, f"EngineConfig.suffix_strategies[{i}]")
+                   for i, s in enumerate(self.suffix_strategies))
+    if len(set(suffix)) != len(suffix):
+      raise FieldError("EngineConfig", "suffix_strategies", f"has duplicates: {suffix}")
+    for i, spec in enumerate(suffix):
+      check_suffix_spec(spec, f"EngineConfig.suffix_strategies[{i}]")
+    object.__setattr__(self, "suffix_strategies", suffix)
+    if (strategies or suffix) and self.spec is not None:
       raise ValueError("set either EngineConfig.spec (one fixed strategy) or "
-                       "EngineConfig.strategies (the adaptive engine), not both")
+                       "EngineConfig.strategies / suffix_strategies (the adaptive engine), not both")
     if self.verify not in VERIFY_MODES:
       raise FieldError("EngineConfig", "verify",
                        f"must be one of {VERIFY_MODES}, got {self.verify!r}")
@@ -122,7 +137,7 @@ class EngineConfig:
                          f"{e}") from None
     object.__setattr__(self, "tuner", tuner)
     if self.segment_steps is None:
-      object.__setattr__(self, "segment_steps", 32 if strategies else 0)
+      object.__setattr__(self, "segment_steps", 32 if strategies or suffix else 0)
     for name in ("segment_steps", "verify_budget"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -151,22 +166,32 @@ class EngineConfig:
   @property
   def adaptive(self) -> bool:
     """Whether strategies are chosen per segment (vanilla is then always one of them)."""
-    return bool(self.strategies)
+    return bool(self.strategies or self.suffix_strategies)
+
+  @property
+  def draft_specs(self) -> tuple[SpecConfig, ...]:
+    """The strategies the learned (or n-gram) drafter drafts."""
+    return self.strategies or ((self.spec,) if self.spec is not None else ())
 
   @property
   def specs(self) -> tuple[SpecConfig, ...]:
-    """Every speculative strategy this engine may run."""
-    return self.strategies or ((self.spec,) if self.spec is not None else ())
+    """Every speculative strategy this engine may run (the suffix drafter's last)."""
+    return self.draft_specs + self.suffix_strategies
+
+  def options(self, batch: int, kind: str = "learned") -> list[tuple[str, SpecConfig | None]]:
+    """``(drafter kind, spec)`` of what may decode a ``batch`` bucket: vanilla (``("vanilla",
+    None)``) first, then the drafter's strategies (drafted by ``kind``), then the suffix
+    drafter's; the adaptive engine offers a strategy only where it ``serves`` the bucket."""
+    if not self.adaptive:
+      return [("vanilla", None)] if self.spec is None else [(kind, self.spec)]
+    return [("vanilla", None)] + [(k, s) for k, group in ((kind, self.strategies),
+                                                          ("suffix", self.suffix_strategies))
+                                  for s in group if self.serves(s, batch)]
 
   def serves(self, spec: SpecConfig, batch: int) -> bool:
     """Whether the adaptive engine may decode a ``batch`` bucket with ``spec``."""
     return batch <= self.sd_max_batch and (
         not self.verify_budget or batch * spec.verify_tokens <= self.verify_budget)
-
-  def adaptive_options(self, batch: int) -> list[SpecConfig | None]:
-    """What the adaptive engine may decode a ``batch`` bucket with: vanilla (``None``) first,
-    then every strategy that serves the bucket."""
-    return [None] + [s for s in self.specs if self.serves(s, batch)]
 
   def check_fixed_tuner(self, ngram: bool = False) -> None:
     """Raises ``ValueError`` when a ``kind="fixed"`` tuner leaves a bucket with a choice unmapped
@@ -174,7 +199,7 @@ class EngineConfig:
     if not self.adaptive or self.tuner.kind != "fixed":
       return
     for b in self.batch_buckets:
-      names = [strategy_name(s, ngram) for s in self.adaptive_options(b)]
+      names = [strategy_name(s, k) for k, s in self.options(b, "ngram" if ngram else "learned")]
       if len(names) > 1:
         fixed_arm(self.tuner.fixed, b, names)
 
@@ -254,7 +279,18 @@ class RolloutEngine(Rollout):
 
   def __init__(self, model: Transformer, drafter: Drafter | NgramConfig | None = None,
                config: EngineConfig = EngineConfig(), tuner: Tuner | None = None,
-               device: jax.Device | None = None):
+               device: jax.Device | None = None, suffix: SuffixConfig | None = None):
+    if suffix is not None and not isinstance(suffix, SuffixConfig):
+      raise TypeError(f"RolloutEngine(suffix=...) takes a SuffixConfig, got {suffix!r}")
+    if suffix is None and config.suffix_strategies:
+      raise FieldError("EngineConfig", "suffix_strategies", "is set but no suffix drafter was "
+                       "given; pass suffix=SuffixConfig(...) or leave it empty")
+    if suffix is not None and not config.suffix_strategies:
+      if config.spec is not None:
+        raise FieldError("EngineConfig", "spec", "is one fixed strategy, and a suffix drafter makes "
+                         "the engine adaptive; set EngineConfig.strategies instead")
+      config = dataclasses.replace(config, suffix_strategies=(suffix.chain(),))
+    self.suffix = suffix
     self.ngram = drafter if isinstance(drafter, NgramConfig) else None
     if self.ngram is not None:
       # model-free drafting: chains of tokens copied from the row's group
@@ -267,10 +303,15 @@ class RolloutEngine(Rollout):
                          "needs topk=1")
       if not config.adaptive:
         config = dataclasses.replace(config, spec=chain)
+      elif not config.strategies:  # the suffix drafter's strategies alone: add the n-gram chain
+        config = dataclasses.replace(config, strategies=(chain,))
       drafter = None
-    elif drafter is not None and not config.specs:
-      config = dataclasses.replace(config, spec=SpecConfig())
-    if config.specs and drafter is None and self.ngram is None:
+    elif drafter is not None and not config.draft_specs:
+      if config.adaptive:  # beside the suffix drafter's strategies
+        config = dataclasses.replace(config, strategies=(SpecConfig(),))
+      else:
+        config = dataclasses.replace(config, spec=SpecConfig())
+    if config.draft_specs and drafter is None and self.ngram is None:
       field = "strategies" if config.adaptive else "spec"
       raise FieldError("EngineConfig", field, "is set but no drafter was given; pass drafter=... "
                        "or leave it unset for vanilla decoding")
@@ -284,32 +325,29 @@ class RolloutEngine(Rollout):
     self.graphdef, self.params = nnx.split(model)
     self.drafter_graphdef, self.drafter_params = (nnx.split(drafter) if drafter is not None
                                                   else (None, None))
-    is_ngram = self.ngram is not None
-    self.groups = make_groups(config.specs, is_ngram)
+    kind = "ngram" if self.ngram is not None else "learned"
+    self.groups = make_groups(config.draft_specs, kind, config.suffix_strategies)
     self._strategies: dict[int, list[Strategy]] = {}
     for b in config.batch_buckets:
-      if not config.specs:
-        options = [None]
-      elif not config.adaptive:
-        options = [config.spec]
-      else:
-        options = config.adaptive_options(b)
       self._strategies[b] = [
-          Strategy(strategy_name(s, is_ngram), group_name(s, is_ngram),
-                   0 if s is None else self.groups[group_name(s, is_ngram)].members.index(s), s)
-          for s in options]
+          Strategy(strategy_name(s, k), group_name(s, k),
+                   0 if s is None else self.groups[group_name(s, k)].members.index(s), s, k)
+          for k, s in config.options(b, kind)]
     self.tuner = (tuner if tuner is not None else make_tuner(config.tuner)) if config.adaptive \
         else None
     self.steps = StepFunctions(model.config, config, self.graphdef, self.drafter_graphdef,
-                               self.ngram, self.groups)
+                               self.ngram, self.groups, suffix)
     learned = drafter is not None
     self.pool = ExecutablePool(
         self.steps, self._weights,
         groups_for=lambda b: list(dict.fromkeys(s.group for s in self._strategies[b])),
-        needs_catchup=lambda b: learned and config.adaptive and len(self._strategies[b]) > 1)
+        needs_catchup=lambda b: learned and config.adaptive and any(
+            s.learned for s in self._strategies[b]) and len(self._strategies[b]) > 1)
     self.scheduler = Scheduler(self.pool, self.strategies_for, self.tuner, self._weights, learned)
     self.device = device
     self.calibration: tuple[dict, float] | None = None  # ``calibrate``'s step costs, once measured
+    self._history_share = 0.0  # the share of the last request's prompts that had a history
+    self.observes_history = True  # False: a data-parallel rollout observes it once for all
     if device is not None:
       self.update_params(self.params, self.drafter_params)
 
@@ -412,7 +450,8 @@ class RolloutEngine(Rollout):
       if len(self._strategies[b]) < 2:
         continue
       prompt = (np.full((b, plen), cfg.pad_token_id, np.int32), np.ones((b,), np.int32),
-                np.arange(b, dtype=np.int32), np.arange(b, dtype=np.int32))
+                np.arange(b, dtype=np.int32), np.arange(b, dtype=np.int32),
+                np.full((b, self.steps.history_len), -1, np.int32))
       for strategy in self._strategies[b]:
         segment = pool.get(("segment", b, kv_len, pool.stop_at(b), strategy.group))
         fastest = {}  # steps run -> fastest seconds
@@ -436,6 +475,44 @@ class RolloutEngine(Rollout):
   def check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     """The prompts as lists of Python ints (see ``interface.check_prompts``)."""
     return check_prompts(prompts, self.model_config.vocab_size, self.config.max_prompt_len)
+
+  @property
+  def uses_history(self) -> bool:
+    return self.suffix is not None
+
+  def check_history(self, history, n: int, observe: bool = True) -> list[list[list[int]]] | None:
+    """``generate``'s ``history`` as lists of ints (None: none, or no suffix drafter to use it);
+    raises ``ValueError`` naming the first malformed entry; ``observe``: then
+    ``observe_history``."""
+    if history is None or self.suffix is None:
+      return None
+    if isinstance(history, (str, bytes)) or len(history) != n:
+      raise ValueError(f"generate: history must hold one list of earlier completions per prompt "
+                       f"({n}), got {type(history).__name__} of length "
+                       f"{len(history) if hasattr(history, '__len__') else '?'}")
+    vocab = self.model_config.vocab_size
+    out = []
+    for i, earlier in enumerate(history):
+      rows = []
+      for j, completion in enumerate(earlier or ()):
+        ids = np.asarray(completion)
+        if ids.ndim != 1 or (ids.size and (not np.issubdtype(ids.dtype, np.integer)
+                                            or ids.min() < 0 or ids.max() >= vocab)):
+          raise ValueError(f"generate: history[{i}][{j}] must be a list of token ids in "
+                           f"[0, {vocab}), got {completion!r:.80}")
+        rows.append(ids.astype(np.int64).tolist())
+      out.append(rows)
+    if observe:
+      self.observe_history(out)
+    return out
+
+  def observe_history(self, history: Sequence[Sequence[Any]]) -> None:
+    """Tells the tuner the suffix drafter changed when the share of prompts that have a history
+    moved by more than a quarter since the last request (a new epoch of recurring prompts)."""
+    share = sum(1 for h in history if h) / max(len(history), 1)
+    if self.tuner is not None and abs(share - self._history_share) > 0.25:
+      self.tuner.observe_drafter(source="suffix")
+    self._history_share = share
 
   def collect_mask(self, collect_hidden, n: int, seed: int) -> np.ndarray | None:
     """Which of ``n`` rows return hidden states (see ``interface.collect_mask``)."""
@@ -462,6 +539,7 @@ class RolloutEngine(Rollout):
     """
     del idle  # one device: never idle while another decodes
     prompts = self.check_prompts(prompts)
+    history = self.check_history(history, len(prompts), observe=self.observes_history)
     if not is_integer(row_offset) or int(row_offset) < 0:
       raise ValueError(f"row_offset must be an int >= 0, got {row_offset!r}")
     collect = self.collect_mask(collect_hidden, len(prompts), params.seed)
@@ -472,7 +550,7 @@ class RolloutEngine(Rollout):
     stop_ids = (self.model_config.eos_token_ids if params.stop_token_ids is None
                 else params.stop_token_ids)
     args = SamplerArgs.from_params(params, stop_ids, self.config.max_stop_ids)
-    request = Request(prompts, args, stop_ids, int(row_offset), collect, progress)
+    request = Request(prompts, args, stop_ids, int(row_offset), collect, progress, history)
     stats = RolloutStats()
     compiles0, compile_s0 = compile_count(), self._compile_seconds
     self.steps.phase_marks.clear()

@@ -48,7 +48,7 @@ class NgramConfig:
                        f"({self.max_ngram})")
 
 
-def _contexts(prompt_tokens: jax.Array, prompt_lens: jax.Array, gen_tokens: jax.Array,
+def contexts(prompt_tokens: jax.Array, prompt_lens: jax.Array, gen_tokens: jax.Array,
               gen_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Lays each row's prompt then response into ``[B, P+N]``, padded with -1; also its lengths."""
   _, p = prompt_tokens.shape
@@ -62,12 +62,15 @@ def _contexts(prompt_tokens: jax.Array, prompt_lens: jax.Array, gen_tokens: jax.
   return jnp.where(j < ctx_len[:, None], ctx, _PAD), ctx_len
 
 
-def _shift_right(x: jax.Array, k: int) -> jax.Array:
-  """``x[..., e - k]`` at position ``e`` along the last axis, ``_PAD`` where ``e < k``."""
+def shift(x: jax.Array, k: int) -> jax.Array:
+  """``x[..., e - k]`` at position ``e`` along the last axis (``k < 0``: ``x[..., e + |k|]``),
+  ``_PAD`` where that falls outside."""
   if k == 0:
     return x
-  pad = jnp.full(x.shape[:-1] + (k,), _PAD, x.dtype)
-  return jnp.concatenate([pad, x[..., :-k]], axis=-1)
+  pad = jnp.full(x.shape[:-1] + (abs(k),), _PAD, x.dtype)
+  if k > 0:
+    return jnp.concatenate([pad, x[..., :-k]], axis=-1)
+  return jnp.concatenate([x[..., -k:], pad], axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("max_ngram", "min_ngram", "depth"))
@@ -82,7 +85,7 @@ def ngram_propose(prompt_tokens: jax.Array, prompt_lens: jax.Array, gen_tokens: 
   b, length = prompt_tokens.shape[0], prompt_tokens.shape[1] + gen_tokens.shape[1]
   if (depth + 1) * length >= 2**31:
     raise ValueError(f"ngram_propose: depth {depth} x context {length} overflows the int32 score")
-  ctx, ctx_len = _contexts(prompt_tokens, prompt_lens, gen_tokens, gen_lens)
+  ctx, ctx_len = contexts(prompt_tokens, prompt_lens, gen_tokens, gen_lens)
   group_ids = group_ids.astype(jnp.int32)
   live = group_ids >= 0
   rows = jnp.arange(b, dtype=jnp.int32)
@@ -105,7 +108,7 @@ def ngram_propose(prompt_tokens: jax.Array, prompt_lens: jax.Array, gen_tokens: 
     q_idx = ctx_len - 1 - k
     query = jnp.where(q_idx >= 0, jnp.take_along_axis(ctx, jnp.maximum(q_idx, 0)[:, None], 1)[:, 0],
                       _NO_QUERY)  # [B] the k-th token from the end of each row
-    shifted = _shift_right(ctx, k)  # [B(r), L]: token k places before each end position
+    shifted = shift(ctx, k)  # [B(r), L]: token k places before each end position
     own_match = own_match & (shifted == query[:, None])
     sib_match = sib_match & (shifted[None, :, :] == query[:, None, None])
     if n < min_ngram:

@@ -35,6 +35,7 @@ from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
 from tlt_jax.rollout.interface import Rollout
 from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.suffix import SuffixConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.stats import DeviceStats, RolloutStats
 from tlt_jax.rollout.tuner import Tuner, make_tuner
@@ -66,9 +67,9 @@ class LockedTuner:
     with self._lock:
       return self.tuner.update(bucket, arm, tokens, seconds, **measured)
 
-  def observe_drafter(self, quality=None):
+  def observe_drafter(self, quality=None, **source):
     with self._lock:
-      return self.tuner.observe_drafter(quality)
+      return self.tuner.observe_drafter(quality, **source)
 
   def step_cost(self, bucket, arm):
     with self._lock:
@@ -100,18 +101,20 @@ class DataParallelRollout(Rollout):
 
   def __init__(self, model: Transformer, drafter: Drafter | NgramConfig | None = None,
                config: EngineConfig = EngineConfig(), devices: Sequence[Any] | None = None,
-               tuner: Tuner | None = None):
+               tuner: Tuner | None = None, suffix: SuffixConfig | None = None):
     self.devices = list(devices) if devices is not None else jax.local_devices()[:1]
     if not self.devices:
       raise ValueError("DataParallelRollout needs at least one device")
     if len(set(self.devices)) != len(self.devices):
       raise ValueError(f"DataParallelRollout: devices repeat in {self.devices}")
     shared = None
-    if config.strategies:
+    if config.strategies or config.suffix_strategies or suffix is not None:
       shared = LockedTuner(tuner if tuner is not None else make_tuner(config.tuner))
     # each engine places the weights it is given on its own device
     self.engines = [RolloutEngine(model, drafter=drafter, config=config, tuner=shared,
-                                  device=device) for device in self.devices]
+                                  device=device, suffix=suffix) for device in self.devices]
+    for engine in self.engines:  # generate observes the whole request's history once
+      engine.observes_history = False
     self.shared_tuner = shared
 
   # ---- the Rollout interface -------------------------------------------------------------------
@@ -250,6 +253,9 @@ class DataParallelRollout(Rollout):
     """
     lead = self.engines[0]
     prompts = lead.check_prompts(prompts)
+    history = lead.check_history(history, len(prompts), observe=False)
+    if history is not None:
+      lead.observe_history(history)
     collect = lead.collect_mask(collect_hidden, len(prompts), params.seed)
     shards = shard_ranges(len(prompts), len(self.engines))
     results: list[RolloutResult | None] = [None] * len(shards)

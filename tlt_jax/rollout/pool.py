@@ -63,10 +63,15 @@ class ExecutablePool:
     ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     fn = functools.partial(self.steps.prefill, kv_len=kv_len)
-    shapes = jax.eval_shape(fn, self.weights(), ids, vec, vec, vec, self.args_spec())[0]
+    shapes = jax.eval_shape(fn, self.weights(), ids, vec, vec, vec, self.history_spec(batch),
+                            self.args_spec())[0]
     sharding = self.sharding()
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                         shapes)
+
+  def history_spec(self, batch: int):
+    """The shape of prefill's ``history`` input (width 0 without a suffix drafter)."""
+    return jax.ShapeDtypeStruct((batch, self.steps.history_len), jnp.int32)
 
   def get(self, key: tuple):
     """The compiled executable for ``key`` (compiled on first use, then reused)."""
@@ -81,7 +86,7 @@ class ExecutablePool:
       ids = jax.ShapeDtypeStruct((batch, key[2]), jnp.int32)
       vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
       fn = functools.partial(steps.prefill, kv_len=self.config.prefill_kv_len(key[2]))
-      return jax.jit(fn).lower(self.weights(), ids, vec, vec, vec, args)
+      return jax.jit(fn).lower(self.weights(), ids, vec, vec, vec, self.history_spec(batch), args)
     if kind == "segment":
       fn = functools.partial(steps.segment, stop_at=key[3], group=key[4])
       scalar = jax.ShapeDtypeStruct((), jnp.int32)

@@ -25,6 +25,7 @@ from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.stats import RolloutStats
+from tlt_jax.rollout.suffix import pack_history
 from tlt_jax.rollout.tuner import Arm, Tuner
 
 
@@ -40,12 +41,25 @@ class Strategy:
   group: str
   choice: int
   spec: SpecConfig | None
+  kind: str = "learned"  # who drafts (``StrategyGroup.kind``); vanilla: irrelevant
 
   @property
   def arm(self) -> Arm:
     if self.spec is None:
       return Arm(self.name, 1)
-    return Arm(self.name, self.spec.verify_tokens, self.spec.depth, self.spec.topk)
+    return Arm(self.name, self.spec.verify_tokens, self.spec.depth, self.spec.topk,
+               **arm_source(self.kind))
+
+  @property
+  def learned(self) -> bool:
+    """Whether the learned drafter drafts this strategy (it must be caught up first)."""
+    return self.spec is not None and self.kind == "learned"
+
+
+def arm_source(kind: str) -> dict:
+  """``Arm``'s ``source`` keyword for a strategy drafted by ``kind`` (none where ``Arm`` has no
+  such field yet)."""
+  return {"source": kind} if "source" in {f.name for f in dataclasses.fields(Arm)} else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +75,7 @@ class Request:
   row_offset: int = 0
   collect: np.ndarray | None = None
   progress: Callable[[int, int], Any] | None = None
+  history: Sequence[Sequence[Sequence[int]]] | None = None  # per prompt, its earlier completions
 
 
 @dataclasses.dataclass
@@ -135,14 +150,18 @@ class Scheduler:
     lens = np.ones((batch,), np.int32)
     row_id = np.full((batch,), -1, np.int32)
     group_id = np.full((batch,), -1, np.int32)
+    history = np.full((batch, self.pool.steps.history_len), -1, np.int32)
     groups: dict[tuple, int] = {}
     for slot, i in enumerate(chunk):
       ids[slot, :len(prompts[i])] = prompts[i]
       lens[slot], row_id[slot] = len(prompts[i]), i + row_offset
       group_id[slot] = groups.setdefault(tuple(prompts[i]), len(groups))  # same prompt, same group
+      if history.shape[1] and request.history is not None and request.history[i]:
+        history[slot] = pack_history(request.history[i], history.shape[1])
     kv_len = cfg.prefill_kv_len(plen)
     (state, prompt_hidden), _ = self._run_timed(stats, "prefill_s", ("prefill", batch, plen),
-                                                self.weights(), ids, lens, row_id, group_id, args)
+                                                self.weights(), ids, lens, row_id, group_id,
+                                                history, args)
     wanted = [] if collect is None else [slot for slot, i in enumerate(chunk) if collect[i]]
     prompt_feats = {}
     if wanted:
@@ -168,7 +187,7 @@ class Scheduler:
         stats.grows += 1
         kv_len = bigger
       switch_s = 0.0
-      if strategy.spec is not None and lagging:
+      if strategy.learned and lagging:
         state, switch_s = self._run_timed(stats, "switch_s", ("catchup", batch, kv_len),
                                           self.weights(), state)
         stats.catchups += 1
@@ -180,7 +199,8 @@ class Scheduler:
       done, n_gen, rows, counters, cache_lens = jax.device_get(
           (state.done, state.num_generated, state.row_id, state.counters, state.cache.lengths))
       seconds = time.perf_counter() - t0
-      lagging |= strategy.spec is None and self.learned
+      lagging |= not strategy.learned and self.learned  # only the learned drafter's steps
+      # consume the feature pairs; every other strategy leaves them pending
       delta = {k: int(counters[k]) - before[k] for k in before}
       before = {k: int(counters[k]) for k in before}
       if tuned and delta["steps"] > 0:
@@ -218,6 +238,7 @@ class Scheduler:
         if "accept_hist" in counters:
           stats.accept_hist = (0 if stats.accept_hist is None else stats.accept_hist) + \
               counters["accept_hist"]
+          stats.add_sources(counters["source_steps"], counters["source_tokens"])
         return out
       smaller = bk.bucket_for(live.size, cfg.batch_buckets)
       if cfg.compaction and smaller < batch:

@@ -13,9 +13,15 @@ the benchmarks' tables) take ``to_dict()``, nested tallies and devices as plain 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
+
+# Where the tokens a speculative step emitted were drafted from (the engine's counters
+# ``source_steps`` / ``source_tokens`` are indexed like this): the suffix drafter's four sources
+# and its "none" (nothing matched: the step emitted the bonus alone), the learned drafter, the
+# n-gram drafter.
+DRAFT_SOURCES = ("history", "group", "prompt", "self", "none", "learned", "ngram")
 
 
 @dataclasses.dataclass
@@ -99,6 +105,10 @@ class RolloutStats:
   tail_s: float = 0.0
   accept_hist: Any = None  # a counter array while decoding, a list once finished
   mean_accept_len: float | None = None
+  # per draft source (``steps.DRAFT_SOURCES``: history, group, prompt, self, none, learned,
+  # ngram): speculative row-steps whose accepted path it drafted, and the tokens they emitted
+  source_steps: dict[str, int] = dataclasses.field(default_factory=dict)
+  source_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
   # speculative decoding's estimated saving against vanilla (``saved_seconds``; negative where SD
   # cost time, e.g. probes); None where nothing could be estimated
   sd_saved_s: float | None = None
@@ -110,6 +120,21 @@ class RolloutStats:
   devices: list[DeviceStats] | None = None
   idle_overrun_s: float | None = None
   idle: list | None = None
+
+  def add_sources(self, steps, tokens, names: Sequence[str] | None = None) -> None:
+    """Adds per-source counts (arrays indexed like ``names``, default ``DRAFT_SOURCES``, or
+    dicts) to ``source_steps`` / ``source_tokens``; sources never used are left out."""
+    if isinstance(steps, dict):
+      names, steps, tokens = list(steps), list(steps.values()), [tokens[n] for n in steps]
+    for name, n, t in zip(names or DRAFT_SOURCES, np.asarray(steps).tolist(),
+                          np.asarray(tokens).tolist()):
+      if n:
+        self.source_steps[name] = self.source_steps.get(name, 0) + int(n)
+        self.source_tokens[name] = self.source_tokens.get(name, 0) + int(t)
+
+  def accept_by_source(self) -> dict[str, float]:
+    """Mean tokens emitted per speculative row-step, per draft source that drafted any."""
+    return {name: self.source_tokens[name] / n for name, n in self.source_steps.items() if n}
 
   def arm(self, batch: int | str, name: str) -> ArmTally:
     """The running tally ``arms[str(batch)][name]`` (created empty)."""
@@ -152,6 +177,7 @@ class RolloutStats:
       if stats.accept_hist is not None:
         h = np.asarray(stats.accept_hist)
         hist = h if hist is None else hist + h
+      merged.add_sources(stats.source_steps, stats.source_tokens)
     saved = [s.sd_saved_s for s in shards if s is not None and s.sd_saved_s is not None]
     if saved:
       merged.sd_saved_s = float(sum(saved))  # device-seconds
@@ -241,6 +267,9 @@ def rollout_metrics(stats: RolloutStats,
   out = {"sd_switches": int(stats.switches), "sd_switch_s": float(stats.switch_s)}
   if stats.mean_accept_len is not None:
     out["mean_accept_len"] = float(stats.mean_accept_len)
+  for source, length in stats.accept_by_source().items():  # which drafts paid, and how much
+    out[f"accept_len/{source}"] = float(length)
+    out[f"accept_share/{source}"] = stats.source_steps[source] / sum(stats.source_steps.values())
   if stats.sd_saved_s is not None:
     out["sd_saved_s"] = float(stats.sd_saved_s)
   steps_of = stats.arm_totals("steps")  # arm -> decode steps, all buckets together

@@ -28,9 +28,11 @@ from jax import lax
 
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.rollout import speculative as sd
-from tlt_jax.rollout.ngram import NgramConfig, ngram_propose
+from tlt_jax.rollout import suffix as sfx
+from tlt_jax.rollout.ngram import NgramConfig, contexts, ngram_propose
 from tlt_jax.rollout.sampling import SamplerArgs, filtered_logprobs, row_keys, sample_tokens
 from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.stats import DRAFT_SOURCES
 
 
 @jax.tree_util.register_dataclass
@@ -49,10 +51,13 @@ class DecodeState:
   # A learned drafter only (None otherwise):
   dcache: KVCache | None = None  # the drafter's one-layer cache
   feats: jax.Array | None = None  # [B, N, H] the target feature before each generated token
-  # n-gram drafting only: each row's prompt and the group of rows sharing that prompt
+  # n-gram and suffix drafting only: each row's prompt and the group of rows sharing that prompt
   prompt_tokens: jax.Array | None = None  # [B, max_prompt_len]
   prompt_lens: jax.Array | None = None  # [B]
   group_id: jax.Array | None = None  # [B] (-1: padding)
+  # suffix drafting only: earlier completions of the row's prompt (``suffix.pack_history``)
+  history: jax.Array | None = None  # [B, SuffixConfig.history_len]
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +67,7 @@ class StrategyGroup:
 
   name: str
   members: tuple[SpecConfig, ...] = ()  # () for vanilla
+  kind: str = "learned"  # who drafts: "learned" (EAGLE), "ngram" or "suffix"
 
   @property
   def is_vanilla(self) -> bool:
@@ -75,29 +81,43 @@ class StrategyGroup:
                       verify_tokens=m[0].verify_tokens)
 
 
-def strategy_name(spec: SpecConfig | None, ngram: bool = False) -> str:
-  """``"vanilla"``, ``"chain d4"``, ``"tree d4 k4 v16"`` (``"ngram d8"`` for n-gram chains)."""
+def _kind(kind: str | bool) -> str:
+  return {True: "ngram", False: "learned"}.get(kind, kind) if isinstance(kind, bool) else kind
+
+
+def strategy_name(spec: SpecConfig | None, kind: str | bool = "learned") -> str:
+  """``"vanilla"``, ``"chain d4"``, ``"tree d4 k4 v16"``; ``"ngram d8"`` for n-gram chains (``kind``
+  "ngram", or True), ``"suffix d8"`` / ``"suffix d8 k3 v11"`` for the suffix drafter's."""
+  kind = _kind(kind)
   if spec is None:
     return "vanilla"
+  if kind == "suffix":
+    return f"suffix d{spec.depth}" + ("" if spec.is_chain else
+                                      f" k{spec.topk} v{spec.verify_tokens}")
   if spec.is_chain:
-    return f"{'ngram' if ngram else 'chain'} d{spec.depth}"
+    return f"{'ngram' if kind == 'ngram' else 'chain'} d{spec.depth}"
   return f"tree d{spec.depth} k{spec.topk} v{spec.verify_tokens}"
 
 
-def group_name(spec: SpecConfig | None, ngram: bool = False) -> str:
-  """The name of the executable group a strategy belongs to."""
-  if spec is None or spec.is_chain:
-    return strategy_name(spec, ngram)
+def group_name(spec: SpecConfig | None, kind: str | bool = "learned") -> str:
+  """The name of the executable group a strategy belongs to (the learned drafter's trees of one
+  verify width share one; every other strategy has its own)."""
+  kind = _kind(kind)
+  if spec is None or spec.is_chain or kind != "learned":
+    return strategy_name(spec, kind)
   return f"tree v{spec.verify_tokens}"
 
 
-def make_groups(specs: Sequence[SpecConfig], ngram: bool = False) -> dict[str, StrategyGroup]:
-  """Vanilla plus ``specs`` grouped by ``group_name`` (members in the order given)."""
-  members: dict[str, list[SpecConfig]] = {}
-  for spec in specs:
-    members.setdefault(group_name(spec, ngram), []).append(spec)
+def make_groups(specs: Sequence[SpecConfig], kind: str | bool = "learned",
+                suffix_specs: Sequence[SpecConfig] = ()) -> dict[str, StrategyGroup]:
+  """Vanilla plus ``specs`` (drafted by ``kind``) and ``suffix_specs`` grouped by ``group_name``
+  (members in the order given)."""
+  members: dict[tuple[str, str], list[SpecConfig]] = {}
+  for k, group_specs in ((_kind(kind), specs), ("suffix", suffix_specs)):
+    for spec in group_specs:
+      members.setdefault((group_name(spec, k), k), []).append(spec)
   groups = {"vanilla": StrategyGroup("vanilla")}
-  groups.update({name: StrategyGroup(name, tuple(m)) for name, m in members.items()})
+  groups.update({name: StrategyGroup(name, tuple(m), k) for (name, k), m in members.items()})
   return groups
 
 
@@ -120,12 +140,14 @@ class StepFunctions:
   """
 
   def __init__(self, model_config, config, graphdef, drafter_graphdef,
-               ngram: NgramConfig | None, groups: dict[str, StrategyGroup]):
+               ngram: NgramConfig | None, groups: dict[str, StrategyGroup],
+               suffix: sfx.SuffixConfig | None = None):
     self.model_config = model_config
     self.config = config
     self.graphdef = graphdef
     self.drafter_graphdef = drafter_graphdef
     self.ngram = ngram
+    self.suffix = suffix
     self.groups = groups
     self.coupled = config.verify == "coupled"
     self.phase_marks: list[tuple[int, float]] = []
@@ -139,6 +161,11 @@ class StepFunctions:
   def any_sd(self) -> bool:
     return any(not g.is_vanilla for g in self.groups.values())
 
+  @property
+  def history_len(self) -> int:
+    """Width of the ``history`` input of ``prefill`` (0 without a suffix drafter)."""
+    return 0 if self.suffix is None else self.suffix.history_len
+
   def merge(self, weights):
     """The target and drafter modules of ``weights``."""
     params, dparams = weights
@@ -151,13 +178,16 @@ class StepFunctions:
                 "tokens": jnp.zeros((), jnp.int32)}
     if self.any_sd:
       counters["accept_hist"] = jnp.zeros((self.config.pending_width,), jnp.int32)
+      counters["source_steps"] = jnp.zeros((len(DRAFT_SOURCES),), jnp.int32)
+      counters["source_tokens"] = jnp.zeros((len(DRAFT_SOURCES),), jnp.int32)
     return counters
 
   # ---- prefill -----------------------------------------------------------------------------
-  def prefill(self, weights, ids, prompt_lens, row_id, group_id, args: SamplerArgs, *,
+  def prefill(self, weights, ids, prompt_lens, row_id, group_id, history, args: SamplerArgs, *,
               kv_len: int) -> tuple[DecodeState, jax.Array | None]:
     """Runs the prompts ``ids [B, P]``, samples each row's first token, and builds the state
-    (the drafter consumes the prompt's pairs; the last one stays pending).
+    (the drafter consumes the prompt's pairs; the last one stays pending). ``history [B,
+    history_len]``: the suffix drafter's earlier completions per row (width 0 without one).
 
     Returns ``(state, hidden)``: with a learned drafter ``hidden [B, P, H]`` is the target's
     last-layer hidden state over the prompts (computed for the drafter anyway; the host reads it
@@ -183,10 +213,12 @@ class StepFunctions:
       feats = jnp.zeros((batch, n, out.hidden.shape[-1]), out.hidden.dtype)
       feats = feats.at[:, 0].set(sd.pick_positions(out.hidden, prompt_lens - 1))
       extra = dict(dcache=dout.cache.with_lengths(prompt_lens - 1), feats=feats)
-    if self.ngram is not None:
+    if self.ngram is not None or self.suffix is not None:
       pad = self.config.max_prompt_len - ids.shape[1]
-      extra = dict(prompt_tokens=jnp.pad(ids, ((0, 0), (0, pad))), prompt_lens=prompt_lens,
+      extra.update(prompt_tokens=jnp.pad(ids, ((0, 0), (0, pad))), prompt_lens=prompt_lens,
                    group_id=jnp.where(padding, -1, group_id))
+    if self.suffix is not None:
+      extra["history"] = jnp.where(padding[:, None], -1, history).astype(jnp.int32)
     state = DecodeState(cache=out.cache.with_lengths(prompt_lens), last_token=tok, tokens=tokens,
                         logprobs=logprobs, num_generated=jnp.where(padding, 0, 1).astype(jnp.int32),
                         done=done, row_id=row_id, counters=self._counters(), **extra)
@@ -257,7 +289,7 @@ class StepFunctions:
     live = ~state.done
     rows, gen_pos = state.row_id, state.num_generated
     self.mark_phase(0, state.last_token)
-    if self.ngram is not None:
+    if group.kind == "ngram":
       spec = group.members[0]  # n-gram groups are single chains
       proposal, proposal_len = ngram_propose(
           state.prompt_tokens, state.prompt_lens, state.tokens, state.num_generated,
@@ -266,7 +298,20 @@ class StepFunctions:
       # point-mass drafts: verified by the sequential point-mass rule (draft_probs=None)
       draft = sd.chain_tree(proposal, state.last_token, None, proposal_len)
       self.mark_phase(1, draft.tokens)
-      return self._verify_and_emit(target, state, draft, None, args, group)
+      source = jnp.full(live.shape, DRAFT_SOURCES.index("ngram"), jnp.int32)
+      return self._verify_and_emit(target, state, draft, None, args, group, source=source)
+    if group.kind == "suffix":
+      spec = group.members[0]  # every suffix strategy is a group of its own
+      ctx, ctx_len = contexts(state.prompt_tokens, state.prompt_lens, state.tokens,
+                              state.num_generated)
+      drafted = sfx.suffix_draft(ctx, ctx_len, state.prompt_lens, state.group_id, state.history,
+                                 args.max_new_tokens - state.num_generated, state.last_token,
+                                 self.suffix, spec)
+      draft = drafted.draft
+      mask = None if spec.is_chain else sd.tree_attention(draft, spec.depth)
+      self.mark_phase(1, draft.tokens)
+      return self._verify_and_emit(target, state, draft, mask, args, group,
+                                   source=drafted.node_source)
     win_tokens, win_feats, pend = self._pending_window(state, self.config.pending_width)
     dout = drafter.forward(target, win_tokens, win_feats, cache=state.dcache)
     dcache = dout.cache.advance(jnp.where(live, pend, 0))
@@ -299,17 +344,25 @@ class StepFunctions:
       draft = branches[0]() if len(branches) == 1 else lax.switch(choice, branches)
     mask = None if group.members[0].is_chain else sd.tree_attention(draft, group.walk_spec.depth)
     self.mark_phase(1, draft.tokens)
-    return self._verify_and_emit(target, state, draft, mask, args, group, dcache=dcache)
+    source = jnp.full(live.shape, DRAFT_SOURCES.index("learned"), jnp.int32)
+    return self._verify_and_emit(target, state, draft, mask, args, group, dcache=dcache,
+                                 source=source)
 
   def _verify_and_emit(self, target, state, draft, mask, args, group: StrategyGroup,
-                       dcache=None):
-    """One target pass over the draft, the lossless walk, cache commit and token emission."""
+                       dcache=None, source=None):
+    """One target pass over the draft, the lossless walk, cache commit and token emission.
+
+    ``source``: where the draft came from, per row ``[B]`` or per node ``[B, N]`` (the accepted
+    path's first node names it; a row that accepted nothing is its first branch's); counted in
+    ``counters["source_steps"/"source_tokens"]``. With a learned drafter's features kept, the
+    accepted path's hidden states are recorded whoever drafted (``dcache``: the learned
+    drafter's new cache, None: unchanged)."""
     spec = group.walk_spec
     live = ~state.done
     rows, gen_pos = state.row_id, state.num_generated
     positions = state.cache.lengths[:, None] + draft.depth
     out = target.forward(draft.tokens, positions, cache=state.cache, attn_mask=mask,
-                         return_hidden=dcache is not None)
+                         return_hidden=state.feats is not None)
     verdict = sd.verify(draft, out.logits, args, rows, gen_pos, spec, coupled=self.coupled)
     self.mark_phase(2, verdict.bonus)
     accepted = verdict.accepted
@@ -324,8 +377,20 @@ class StepFunctions:
                                                                spec.verify_tokens)
     count = accepted + 1
     cache = cache.advance(jnp.where(live, count, 0))
-    if dcache is None:
+    extra = {}
+    if source is not None:
+      if source.ndim == 2:
+        first = jnp.where(accepted > 0, verdict.path[:, 1],
+                          jnp.where(draft.draft_len > 0, draft.children[:, 0, 0], 0))
+        source = jnp.take_along_axis(source, jnp.maximum(first, 0)[:, None], 1)[:, 0]
+      hit = jax.nn.one_hot(source, len(DRAFT_SOURCES), dtype=jnp.int32) * live[:, None]
+      c = state.counters
+      extra["counters"] = dict(c, source_steps=c["source_steps"] + jnp.sum(hit, 0),
+                               source_tokens=c["source_tokens"] + jnp.sum(hit * count[:, None], 0))
+      state = dataclasses.replace(state, **extra)
+    if state.feats is None:
       return self.emit(state, live, emitted, emitted_logp, count, cache, verdict.bonus, args)
+    dcache = state.dcache if dcache is None else dcache
     # the features of the accepted path: feats[g + j] is the hidden state at path node j
     path_feats = jnp.take_along_axis(out.hidden, verdict.path[:, :, None], 1)
     slots = gen_pos[:, None] + jnp.arange(path_feats.shape[1])[None, :]
