@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 
 import numpy as np
 import pytest
@@ -378,6 +379,10 @@ def test_arm_validation():
     Arm("", 1)
   with pytest.raises(ValueError, match="reserved"):
     Arm("best", 1)
+  assert Arm("chain d4", 5, 4).source == "learned"
+  for source in ("", None, 3):
+    with pytest.raises(ValueError, match=r"Arm\.source must be a non-empty str"):
+      Arm("suffix d4", 5, 4, 1, source=source)
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
@@ -415,12 +420,14 @@ COSTS = {(b, a.name): (1.0 if a.depth == 0 else r * (1 + b / 8)) * 1e-3
 OVERHEAD = 0.5e-3
 
 
-def play_cost(tuner, alpha, rounds, buckets=(8, 4, 2, 1), arms=COST_ARMS, calibrated=True):
+def play_cost(tuner, alpha, rounds, buckets=(8, 4, 2, 1), arms=COST_ARMS, calibrated=True,
+              costs=COSTS):
   """Rounds of a rollout whose live batch sweeps ``buckets``; each decision's segment emits the
-  expected accepted length of ``arms`` under a drafter of per-token acceptance ``alpha`` and
-  takes the calibrated cost per step plus the boundary. Returns (bucket, arm, max_steps)."""
+  expected accepted length of ``arms`` under a drafter of per-token acceptance ``alpha`` (a
+  number, or one per ``Arm.source``) and takes the calibrated cost per step plus the boundary.
+  Returns (bucket, arm, max_steps)."""
   if calibrated:
-    tuner.set_costs(COSTS, OVERHEAD)
+    tuner.set_costs(costs, OVERHEAD)
   log = []
   for _ in range(rounds):
     for b in buckets:
@@ -428,9 +435,10 @@ def play_cost(tuner, alpha, rounds, buckets=(8, 4, 2, 1), arms=COST_ARMS, calibr
         d = tuner.plan(b, arms)
         steps = d.max_steps or 32
         meta = next(a for a in arms if a.name == d.arm)
-        length = accepted_length(alpha, meta.depth, meta.topk) if meta.depth else 1.0
+        drafted = alpha[meta.source] if isinstance(alpha, dict) else alpha
+        length = accepted_length(drafted, meta.depth, meta.topk) if meta.depth else 1.0
         tokens = int(round(length * b * steps))
-        tuner.update(b, d.arm, tokens, steps * COSTS[(b, d.arm)] + OVERHEAD, steps=steps,
+        tuner.update(b, d.arm, tokens, steps * costs[(b, d.arm)] + OVERHEAD, steps=steps,
                      row_steps=b * steps)
         log.append((b, d.arm, d.max_steps))
   return log
@@ -569,3 +577,206 @@ def test_a_close_call_the_calibration_judged_is_measured_once_with_a_long_segmen
   measured = [e for e in log if e[1] == LONG_SEGMENT]
   assert measured == [("chain d3", LONG_SEGMENT)], log
   assert log[-1][0] == "chain d3" and "tree d5 k4 v16" not in [a for a, n in log[1:]], log
+
+
+# ---------------------------------------------------------------- drafters of several sources
+
+# the learned arms of COST_ARMS beside a suffix drafter's (model-free: cheaper steps)
+SOURCE_ARMS = COST_ARMS[:3] + [Arm("suffix d3", 4, 3, 1, source="suffix"),
+                               Arm("suffix d7", 8, 7, 1, source="suffix")]
+SOURCE_COSTS = {**COSTS, **{(b, name): r * (1 + b / 8) * 1e-3 for b in (1, 2, 4, 8)
+                            for name, r in (("suffix d3", 1.5), ("suffix d7", 2.5))}}
+
+
+def segment(tuner, bucket, arm, alpha, steps=32):
+  """Reports one segment of ``arm`` (of ``SOURCE_ARMS``) at ``bucket`` drafting with acceptance
+  ``alpha``."""
+  meta = next(a for a in SOURCE_ARMS if a.name == arm)
+  tokens = int(round(accepted_length(alpha, meta.depth, meta.topk) * bucket * steps))
+  tuner.update(bucket, arm, tokens, steps * SOURCE_COSTS[(bucket, arm)], steps=steps,
+               row_steps=bucket * steps)
+
+
+def test_an_arm_never_run_borrows_acceptance_only_from_its_own_drafter():
+  tuner = make_tuner(TunerConfig())
+  tuner.set_costs(SOURCE_COSTS, OVERHEAD)
+  tuner.plan(1, SOURCE_ARMS)
+  segment(tuner, 1, "chain d7", 0.05)
+  assert tuner.alpha("chain d3") == pytest.approx(0.05, abs=0.02)  # pooled over the learned arms
+  assert tuner.alpha("suffix d3") is None and tuner.alpha("suffix d7") is None
+  assert tuner.alpha(source="suffix") is None and tuner.speeds(1)["suffix d7"]["accepted"] is None
+  segment(tuner, 1, "suffix d3", 0.9)
+  assert tuner.alpha("suffix d7") == pytest.approx(0.9, abs=0.02)
+  assert tuner.alpha("chain d3") == pytest.approx(0.05, abs=0.02)
+  assert tuner.alpha() == tuner.alpha("chain d3")  # no arm: the learned drafter's
+  assert tuner.speeds(1)["suffix d7"]["accepted"] == pytest.approx(accepted_length(0.9, 7), abs=0.1)
+  # an arm offered again as another drafter's is predicted by that one's (the cache follows)
+  assert tuner.speeds(1)["chain d3"]["accepted"] == pytest.approx(accepted_length(0.05, 3), abs=0.1)
+  tuner.plan(1, COST_ARMS[:1] + [Arm("chain d3", 4, 3, 1, source="suffix")])
+  assert tuner.speeds(1)["chain d3"]["accepted"] == pytest.approx(accepted_length(0.9, 3), abs=0.1)
+
+
+def test_a_useless_drafter_does_not_make_another_look_useless():
+  """Suffix drafts are cheap, so a suffix arm is probed first; its acceptance (useless) says nothing
+  of the learned drafter's (good), which is then probed and used where it pays."""
+  log = play_cost(make_tuner(TunerConfig()), {"learned": 0.9, "suffix": 0.05}, rounds=4,
+                  arms=SOURCE_ARMS, costs=SOURCE_COSTS)
+  used = [arm for _, arm, _ in log if arm != "vanilla"]
+  assert used[0].startswith("suffix") and sum(a.startswith("suffix") for a in used) == 1, used
+  assert log[-1][0] == 1 and log[-1][1].startswith("chain"), log[-3:]
+  # and the other way: a learned drafter found useless, then a suffix drafter offered (its history
+  # has grown): it is probed and used
+  tuner = make_tuner(TunerConfig())
+  log = play_cost(tuner, {"learned": 0.05, "suffix": 0.9}, rounds=2, arms=COST_ARMS[:3],
+                  costs=SOURCE_COSTS)
+  assert all(arm == "vanilla" for _, arm, _ in log[-12:])
+  log = play_cost(tuner, {"learned": 0.05, "suffix": 0.9}, rounds=3, arms=SOURCE_ARMS,
+                  costs=SOURCE_COSTS)
+  assert [arm for _, arm, _ in log if arm.startswith("chain")] == []
+  assert all(arm.startswith("suffix") for b, arm, _ in log[-12:] if b == 1), log[-12:]
+
+
+def probed(tuner, rounds=1):
+  """The arms rounds of ``SOURCE_ARMS`` probe; both drafters pay somewhere (the learned one drafts
+  better, the suffix one is cheaper), so an arm of either that is judged again is probed."""
+  log = play_cost(tuner, {"learned": 0.85, "suffix": 0.6}, rounds, arms=SOURCE_ARMS,
+                  costs=SOURCE_COSTS)
+  return {arm for _, arm, steps in log if steps == TunerConfig().probe_steps}
+
+
+def test_observing_one_drafter_re_probes_only_its_arms():
+  tuner = make_tuner(TunerConfig())
+  assert probed(tuner, rounds=3)  # both drafters measured ...
+  assert probed(tuner) == set()  # ... and settled
+  tuner.observe_drafter(source="suffix")  # its history grew: its arms are judged again
+  again = probed(tuner)
+  assert again and all(name.startswith("suffix") for name in again), again
+  assert probed(tuner) == set()
+  tuner.observe_drafter(0.5)  # the learned drafter trained
+  again = probed(tuner)
+  assert again and all(name.startswith("chain") for name in again), again
+
+
+def test_a_drafters_top1_shifts_only_its_own_measurements():
+  tuner = make_tuner(TunerConfig())
+  tuner.set_costs(SOURCE_COSTS, OVERHEAD)
+  tuner.plan(1, SOURCE_ARMS)
+  segment(tuner, 1, "chain d3", 0.5)
+  segment(tuner, 1, "suffix d3", 0.4)
+  learned, suffix = tuner.alpha("chain d3"), tuner.alpha("suffix d3")
+  assert tuner.speeds(1)["chain d3"]["accepted"] == pytest.approx(accepted_length(learned, 3))
+  tuner.observe_drafter(0.3)  # the weights that measured 0.5 had top-1 0.3 ...
+  tuner.observe_drafter(0.6)  # ... the next 0.6: +0.3
+  assert tuner.alpha("chain d3") == pytest.approx(learned + 0.3)
+  assert tuner.alpha("suffix d3") == suffix
+  assert tuner.speeds(1)["chain d3"]["accepted"] == pytest.approx(accepted_length(learned + 0.3, 3))
+  tuner.observe_drafter(0.5, source="suffix")
+  tuner.observe_drafter(0.4, source="suffix")
+  assert tuner.alpha("suffix d7") == pytest.approx(suffix - 0.1)
+  assert tuner.alpha("chain d7") == pytest.approx(learned + 0.3)
+  with pytest.raises(ValueError, match="source must be a non-empty str"):
+    tuner.observe_drafter(0.5, source="")
+
+
+@pytest.mark.parametrize("cfg", [TunerConfig(kind="beg_mab"), TunerConfig(kind="ucb1"),
+                                 TunerConfig(kind="fixed", fixed=((8, "vanilla"),))],
+                         ids=["beg_mab", "ucb1", "fixed"])
+def test_every_kind_takes_a_drafter_source(cfg):
+  tuner = make_tuner(cfg)
+  tuner.choose(4, SOURCE_ARMS)
+  before = tuner.state_dict()
+  tuner.observe_drafter(0.5, source="suffix")
+  tuner.observe_drafter(source="learned")
+  assert tuner.state_dict() == before
+  assert before["meta"][-1] == ["suffix d7", 8, 7, 1, "suffix"]
+  restored = make_tuner(cfg)
+  restored.load_state_dict(json.loads(json.dumps(before)))
+  assert restored.state_dict() == before
+  with pytest.raises(ValueError, match="source must be a non-empty str"):
+    tuner.observe_drafter(source=None)
+  with pytest.raises(ValueError, match=r"quality must be in \[0, 1\]"):
+    tuner.observe_drafter(1.5, source="suffix")
+
+
+def play_sources(tuner):
+  """Both drafters measured through versions of their own, their top-1s moving apart."""
+  out = play_cost(tuner, {"learned": 0.6, "suffix": 0.7}, 2, arms=SOURCE_ARMS, costs=SOURCE_COSTS)
+  tuner.observe_drafter(0.4)
+  tuner.observe_drafter(0.6)
+  tuner.observe_drafter(source="suffix")
+  return out + play_cost(tuner, {"learned": 0.8, "suffix": 0.5}, 1, arms=SOURCE_ARMS,
+                         costs=SOURCE_COSTS)
+
+
+def test_cost_model_state_round_trips_per_drafter_source():
+  uninterrupted, first = make_tuner(TunerConfig(window=4)), make_tuner(TunerConfig(window=4))
+  expected = play_sources(uninterrupted) + play_sources(uninterrupted)
+  before = play_sources(first)
+  state = json.loads(json.dumps(first.state_dict()))
+  drafters = state["cost_model"]["drafters"]
+  assert (drafters["learned"]["version"], drafters["suffix"]["version"]) == (2, 1)
+  assert drafters["learned"]["quality"] == 0.6 and drafters["suffix"]["quality"] is None
+  restored = make_tuner(TunerConfig(window=4))
+  restored.load_state_dict(state)
+  assert restored.state_dict() == first.state_dict()
+  for arm in SOURCE_ARMS:
+    assert restored.alpha(arm.name) == first.alpha(arm.name)
+  json.dumps(restored.summary())
+  json.dumps({b: restored.speeds(b) for b in (1, 2, 4, 8)})
+  assert before + play_sources(restored) == expected
+
+
+# a state saved before arms had a source (one global drafter version): make_tuner(TunerConfig(
+# window=4)), old_format_play(...), state_dict()
+OLD_STATE = json.loads(
+    '{"kind": "cost", "rng": {"bit_generator": "PCG64", "state": {"state": 3539956294836046305889'
+    '0781895381311971, "inc": 87136372517582989555478159403783844777}, "has_uint32": 0, "uinteger'
+    '": 0}, "buckets": {"2": {"decisions": 3, "max_reward": 1969.230769230769, "arms": [["vanilla'
+    '", 2, [1969.230769230769, 1969.230769230769], [[0.001, 32], [0.001, 32]]], ["chain d3", 0, ['
+    '], []], ["chain d7", 1, [975.609756097561], [[0.005, 4]]]]}, "1": {"decisions": 3, "max_rewa'
+    'rd": 1043.4782608695652, "arms": [["vanilla", 0, [], []], ["chain d3", 2, [1021.276595744680'
+    '9, 1043.4782608695652], [[0.0028125, 4], [0.0028125, 8]]], ["chain d7", 1, [920.415224913494'
+    '7], [[0.0045000000000000005, 32]]]]}}, "meta": [["vanilla", 1, 0, 1], ["chain d3", 4, 3, 1],'
+    ' ["chain d7", 8, 7, 1]], "costs": [[1, "vanilla", 0.001], [1, "chain d3", 0.0028125], [1, "c'
+    'hain d7", 0.0045000000000000005], [1, "tree d5 k4 v16", 0.00675], [2, "vanilla", 0.001], [2,'
+    ' "chain d3", 0.003125], [2, "chain d7", 0.005], [2, "tree d5 k4 v16", 0.0075], [4, "vanilla"'
+    ', 0.001], [4, "chain d3", 0.00375], [4, "chain d7", 0.006], [4, "tree d5 k4 v16", 0.00900000'
+    '0000000001], [8, "vanilla", 0.001], [8, "chain d3", 0.005], [8, "chain d7", 0.008], [8, "tre'
+    'e d5 k4 v16", 0.012]], "overhead": 0.0005, "cost_model": {"quality": 0.7, "version": 2, "qua'
+    'lities": [[0, 0.4]], "accept": {"chain d7": [[0.6074118396422818, 0], [0.799605934993906, 2]'
+    '], "chain d3": [[0.8105357137660576, 2], [0.8105357137660576, 2]]}}}')
+
+
+def old_format_play(tuner):
+  """What made OLD_STATE: two drafter versions, measurements of both."""
+  play_cost(tuner, 0.6, 1, buckets=(2,), arms=COST_ARMS[:3])
+  tuner.observe_drafter(0.4)
+  tuner.observe_drafter(0.7)
+  play_cost(tuner, 0.8, 1, buckets=(1,), arms=COST_ARMS[:3])
+
+
+def test_a_state_saved_before_drafter_sources_loads_as_the_learned_drafter():
+  restored, replayed = make_tuner(TunerConfig(window=4)), make_tuner(TunerConfig(window=4))
+  restored.load_state_dict(json.loads(json.dumps(OLD_STATE)))
+  old_format_play(replayed)
+  assert restored.state_dict() == replayed.state_dict()  # as if it had been played here
+  drafters = restored.state_dict()["cost_model"]["drafters"]
+  assert list(drafters) == ["learned"] and drafters["learned"]["version"] == 2
+  assert [m[-1] for m in restored.state_dict()["meta"]] == ["learned"] * 3
+  assert restored.alpha("chain d7") is not None
+  restored.observe_drafter(source="suffix")  # a new drafter leaves the learned one's as it was
+  assert restored.state_dict()["cost_model"]["drafters"]["learned"] == drafters["learned"]
+  assert play_cost(restored, 0.8, 1, buckets=(4, 1), arms=COST_ARMS[:3]) == \
+      play_cost(replayed, 0.8, 1, buckets=(4, 1), arms=COST_ARMS[:3])
+
+
+def test_a_rollout_passes_the_drafter_source_to_its_tuner():
+  from tlt_jax.rollout.interface import Rollout
+  tuner = make_tuner(TunerConfig())
+  rollout = types.SimpleNamespace(tuner=tuner)  # what Rollout.observe_drafter uses of a rollout
+  Rollout.observe_drafter(rollout, 0.3, source="suffix")
+  Rollout.observe_drafter(rollout)
+  drafters = tuner.state_dict()["cost_model"]["drafters"]
+  assert {s: (d["version"], d["quality"]) for s, d in drafters.items()} == \
+      {"suffix": (1, 0.3), "learned": (1, None)}
+  Rollout.observe_drafter(types.SimpleNamespace(tuner=None), source="suffix")  # no tuner: nothing

@@ -80,12 +80,12 @@ class Rollout(abc.ABC):
   def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
     """Compiles every executable now; returns how many were compiled."""
 
-  def observe_drafter(self, quality: float | None = None) -> None:
-    """The drafter's weights changed; ``quality``: the held-out top-1 of the weights that drafted
-    until now (None: unknown). The tuner re-judges its speculative arms
-    (``Tuner.observe_drafter``)."""
+  def observe_drafter(self, quality: float | None = None, source: str = "learned") -> None:
+    """The drafter of ``source`` changed ("learned": its weights; "suffix": the history it drafts
+    from); ``quality``: the held-out top-1 of what drafted until now (None: unknown). The tuner
+    re-judges the speculative arms of that drafter alone (``Tuner.observe_drafter``)."""
     if self.tuner is not None:
-      self.tuner.observe_drafter(quality)
+      self.tuner.observe_drafter(quality, source=source)
 
   # ---- the tuner in checkpoints --------------------------------------------------------------
   def tuner_state(self) -> dict | None:

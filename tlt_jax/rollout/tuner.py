@@ -19,10 +19,12 @@ Kinds (``TunerConfig.kind``):
 * ``"cost"`` (the default; ``CostModel``). Chooses by predicted speed relative to vanilla: each
   arm's step cost relative to a vanilla step (calibrated once at ``precompile``, then from the
   arms' own long segments) against its accepted length (counted, not timed, and pooled over
-  buckets and arms through the drafter's per-token acceptance). It probes an arm (a short
-  segment of ``probe_steps`` steps) only while the arm could beat the best one and has not been
-  measured under the current drafter, so exploration is bounded in time: a useless drafter costs
-  one probe in a whole run. ``observe_drafter`` re-opens the question when the drafter changes.
+  buckets and over the arms of one drafter, ``Arm.source``, through that drafter's per-token
+  acceptance). It probes an arm (a short segment of ``probe_steps`` steps) only while the arm
+  could beat the best one and has not been measured under the current version of its drafter,
+  so exploration is bounded in time: a useless drafter costs one probe in a whole run.
+  ``observe_drafter(quality, source)`` re-opens the question when that drafter changes (the
+  learned drafter's weights, a suffix drafter's history), leaving the other drafters' as it was.
   Deterministic; a bucket settled on vanilla runs long segments (``Decision.max_steps = 0``).
 * ``"beg_mab"`` (the TLT paper's Bucketed Epsilon-Greedy MAB). Per bucket, every offered arm that
   has no reward yet is pulled first, in the order offered. After that, with probability
@@ -62,12 +64,15 @@ _SUMMARY_BEST = "best"  # the summary's per-bucket key for the best arm; no arm 
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-  """A decoding strategy the engine can run: its name and the tokens one target pass verifies."""
+  """A decoding strategy the engine can run: its name, the tokens one target pass verifies and
+  which drafter drafts for it (``source``: arms of one source share what is learned of its
+  acceptance; drafters of different sources are judged apart)."""
 
   name: str
   verify_width: int  # tokens per target pass (vanilla: 1)
   depth: int = 0  # draft levels (vanilla: 0); the cost model's acceptance prediction uses it
   topk: int = 1  # children per draft node (chains: 1)
+  source: str = "learned"  # the drafter: "learned" (EAGLE), "ngram", "suffix", ... (vanilla: any)
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -78,6 +83,9 @@ class Arm:
     require_positive_ints(self, "verify_width", "topk")
     if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 0:
       raise ValueError(f"Arm.depth must be an int >= 0, got {self.depth!r}")
+    if not isinstance(self.source, str) or not self.source:
+      raise ValueError(f"Arm.source must be a non-empty str naming the drafter (e.g. 'learned', "
+                       f"'suffix'), got {self.source!r}")
 
   @property
   def speculative(self) -> bool:
@@ -287,9 +295,11 @@ class Tuner:
     stats = self._buckets.get(bucket)
     return None if stats is None else stats.arms.get(arm)
 
-  def observe_drafter(self, quality: float | None = None) -> None:
-    """The drafter's weights changed (online training); ``quality`` is its latest held-out
-    top-1 agreement where known. Only the ``"cost"`` kind uses it."""
+  def observe_drafter(self, quality: float | None = None, source: str = "learned") -> None:
+    """The drafter of ``source`` changed (the learned one's weights after online training, a
+    suffix drafter's history grew); ``quality`` is the held-out top-1 agreement of what drafted
+    until now, where known. Only the ``"cost"`` kind uses it."""
+    _check_drafter(type(self).__name__, quality, source)
 
   def _register(self, bucket, arms: Sequence[Arm]) -> tuple[int, list[str], _BucketStats]:
     """Validates a ``choose`` call and makes sure the bucket has a record for every offered arm."""
@@ -382,7 +392,8 @@ class Tuner:
       }
     return {"kind": self.config.kind, "rng": _jsonable(self._rng.bit_generator.state),
             "buckets": buckets,
-            "meta": [[a.name, a.verify_width, a.depth, a.topk] for a in self._meta.values()],
+            "meta": [[a.name, a.verify_width, a.depth, a.topk, a.source]
+                     for a in self._meta.values()],
             "costs": [[b, a, c] for (b, a), c in self._costs.items()], "overhead": self._overhead}
 
   def load_state_dict(self, state: dict) -> None:
@@ -402,8 +413,9 @@ class Tuner:
         stats.arms[name] = _ArmStats(self.config.window, int(pulls), rewards,
                                      step_s[0] if step_s else ())
       buckets[_check_bucket(int(key))] = stats
-    meta = {name: Arm(name, int(width), int(depth), int(topk))
-            for name, width, depth, topk in state.get("meta", [])}
+    meta = {}  # a state saved before arms had a source: every drafter was the learned one
+    for name, width, depth, topk, *source in state.get("meta", []):
+      meta[name] = Arm(name, int(width), int(depth), int(topk), *source)
     self._rng, self._buckets, self._meta = rng, buckets, meta
     self._costs = {(int(b), str(a)): float(c) for b, a, c in state.get("costs", [])}
     self._overhead = float(state.get("overhead", 0.0))
@@ -422,6 +434,19 @@ class Tuner:
   def _summary_best(self, bucket: int, stats: _BucketStats) -> str | None:
     """The arm ``summary`` calls the bucket's best."""
     return self._best_by_median(stats, list(stats.arms))
+
+
+def _check_drafter(owner: str, quality, source) -> None:
+  """Raises ``ValueError`` unless ``observe_drafter``'s ``quality`` is None or a top-1 in [0, 1]
+  and ``source`` names a drafter."""
+  if quality is not None and (isinstance(quality, bool) or
+                              not isinstance(quality, (int, float, np.number)) or
+                              not math.isfinite(quality) or not 0 <= quality <= 1):
+    raise ValueError(f"{owner}.observe_drafter: quality must be in [0, 1] (a top-1 agreement) or "
+                     f"None, got {quality!r}")
+  if not isinstance(source, str) or not source:
+    raise ValueError(f"{owner}.observe_drafter: source must be a non-empty str naming the drafter "
+                     f"that changed (an Arm.source such as 'learned' or 'suffix'), got {source!r}")
 
 
 def _jsonable(value):
@@ -494,6 +519,33 @@ def acceptance_from_length(length: float, depth: int, topk: int = 1) -> float:
   return (lo + hi) / 2
 
 
+class _Drafter:
+  """What the cost model knows of one drafter (one ``Arm.source``): the versions it has been
+  through (``observe_drafter``), the held-out top-1 reported for each that has ended and the
+  latest, and per arm of it the recent ``(alpha, version)`` of its segments."""
+
+  def __init__(self, version: int = 0, quality: float | None = None,
+               qualities: dict[int, float] | None = None,
+               accept: dict[str, collections.deque] | None = None):
+    self.version = version
+    self.quality = quality
+    self.qualities = {} if qualities is None else qualities
+    self.accept = {} if accept is None else accept
+
+  def state_dict(self) -> dict:
+    return {"quality": self.quality, "version": self.version,
+            "qualities": [[v, q] for v, q in self.qualities.items()],
+            "accept": {a: [list(x) for x in w] for a, w in self.accept.items()}}
+
+  @classmethod
+  def from_state(cls, saved: dict, window: int) -> "_Drafter":
+    quality = saved.get("quality")
+    return cls(int(saved.get("version", 0)), None if quality is None else float(quality),
+               {int(v): float(q) for v, q in saved.get("qualities", [])},
+               {a: collections.deque(((float(x), int(v)) for x, v in w), maxlen=window)
+                for a, w in saved.get("accept", {}).items()})
+
+
 class CostModel(Tuner):
   """Chooses by predicted speed: measured seconds per step times counted accepted lengths.
 
@@ -503,17 +555,20 @@ class CostModel(Tuner):
   (the median of a window, the segment boundary's overhead taken off). Accepted lengths are
   counted, not timed: each speculative segment's ``tokens / row_steps`` gives the drafter's
   per-token acceptance ``alpha`` (``acceptance_from_length``), pooled over buckets (what one
-  bucket learns, every bucket uses) and, for an arm never run, over the other arms; the
-  prediction of an arm is ``accepted_length(alpha, depth, topk)``.
+  bucket learns, every bucket uses) and, for an arm never run, over the other arms of its
+  drafter (``Arm.source``: a suffix drafter's acceptance says nothing of the learned drafter's);
+  the prediction of an arm is ``accepted_length(alpha, depth, topk)``.
 
   Exploration is bounded in time. An arm is *probed* (a segment of ``probe_steps`` steps) only
   while it has no acceptance measured under the current drafter and its optimistic speed
   (``alpha + probe_margin``; an unknown drafter: every draft accepted) could beat the best arm.
-  So a useless drafter costs one probe: its first measured acceptance makes every arm hopeless
-  everywhere. ``observe_drafter(quality)`` starts a new drafter version: arms become unmeasured
-  again, and ``quality`` (the held-out top-1 of the weights that drafted since the last call)
-  shifts every older measurement's acceptance by how much the top-1 moved since its version, so
-  a drafter that improved is re-probed where it could now pay, and a hopeless one is not. A bucket
+  So a useless drafter costs one probe: its first measured acceptance makes every arm of it
+  hopeless everywhere. ``observe_drafter(quality, source)`` starts a new version of the drafter
+  ``source`` alone (each drafter counts its own versions): its arms become unmeasured again, and
+  ``quality`` (the held-out top-1 of what drafted since the last call) shifts every older
+  measurement of that drafter's arms by how much its top-1 moved since the measurement's
+  version, so a drafter that improved is re-probed where it could now pay, and a hopeless one is
+  not; the other drafters' measurements stay as they were. A bucket
   whose best arm is vanilla with no other arm within reach runs to its boundary in one segment
   (``Decision.max_steps = 0``). No randomness: the choice sequence is a function of what was
   measured.
@@ -524,18 +579,15 @@ class CostModel(Tuner):
 
   def __init__(self, config: TunerConfig):
     super().__init__(config)
-    self._quality: float | None = None  # the drafter's latest held-out top-1 (observe_drafter)
-    self._version = 0  # drafter versions seen
-    self._qualities: dict[int, float] = {}  # the top-1 reported for each version that has ended
-    # per arm: recent (alpha, drafter version) of its segments
-    self._accept: dict[str, collections.deque] = {}
+    self._drafters: dict[str, _Drafter] = {}  # by Arm.source: what each drafter measured
     self._speeds: dict[int, dict] = {}  # speeds() per bucket until something changes them
 
   # what changes predictions: every other entry point clears the cache of speeds
   def _register(self, bucket, arms):
-    known = len(self._meta), sum(len(b.arms) for b in self._buckets.values())
+    # a new arm, or one offered again with another drafter (source) or shape
+    known = dict(self._meta), sum(len(b.arms) for b in self._buckets.values())
     out = super()._register(bucket, arms)
-    if (len(self._meta), sum(len(b.arms) for b in self._buckets.values())) != known:
+    if (self._meta, sum(len(b.arms) for b in self._buckets.values())) != known:
       self._speeds.clear()
     return out
 
@@ -548,44 +600,51 @@ class CostModel(Tuner):
     super().set_costs(step_seconds, overhead_s)
 
   # ---- what it is told -------------------------------------------------------------------
-  def observe_drafter(self, quality: float | None = None) -> None:
+  def observe_drafter(self, quality: float | None = None, source: str = "learned") -> None:
+    _check_drafter("CostModel", quality, source)
     self._speeds.clear()
-    if quality is not None and (not math.isfinite(quality) or not 0 <= quality <= 1):
-      raise ValueError(f"CostModel.observe_drafter: quality must be in [0, 1] (a top-1 "
-                       f"agreement) or None, got {quality!r}")
-    if quality is not None:  # it describes the weights that drafted since the last call
-      self._quality = self._qualities[self._version] = float(quality)
-    self._version += 1
-    used = {v for window in self._accept.values() for _, v in window}
-    self._qualities = {v: q for v, q in self._qualities.items() if v in used}
+    drafter = self._drafters.setdefault(source, _Drafter())
+    if quality is not None:  # it describes what drafted since the last call
+      drafter.quality = drafter.qualities[drafter.version] = float(quality)
+    drafter.version += 1
+    used = {v for window in drafter.accept.values() for _, v in window}
+    drafter.qualities = {v: q for v, q in drafter.qualities.items() if v in used}
 
   def _learn(self, arm: str, tokens: int, row_steps: int) -> None:
     meta = self._meta[arm]
     if meta.speculative:
       alpha = acceptance_from_length(tokens / row_steps, meta.depth, meta.topk)
-      window = self._accept.setdefault(arm, collections.deque(maxlen=self.config.window))
-      window.append((alpha, self._version))
+      drafter = self._drafters.setdefault(meta.source, _Drafter())
+      window = drafter.accept.setdefault(arm, collections.deque(maxlen=self.config.window))
+      window.append((alpha, drafter.version))
 
   # ---- predictions -------------------------------------------------------------------------
-  def alpha(self, arm: str | None = None) -> float | None:
-    """The drafter's per-token acceptance as ``arm``'s segments measured it (None, or an arm
-    never run: pooled over every arm), each measurement shifted by how much the drafter's
-    reported top-1 moved since the version that made it; None before any measurement."""
-    if arm is not None and self._accept.get(arm):
-      samples = self._accept[arm]
+  def alpha(self, arm: str | None = None, source: str = "learned") -> float | None:
+    """The per-token acceptance of ``arm``'s drafter as ``arm``'s segments measured it (an arm
+    never run: pooled over the arms of its ``Arm.source``; ``arm`` None or never offered: over
+    the arms of ``source``), each measurement shifted by how much that drafter's reported top-1
+    moved since the version that made it; None before any measurement."""
+    if arm in self._meta:
+      source = self._meta[arm].source
+    drafter = self._drafters.get(source)
+    if drafter is None:
+      return None
+    if drafter.accept.get(arm):
+      samples = drafter.accept[arm]
     else:
-      samples = [x for window in self._accept.values() for x in window]
+      samples = [x for window in drafter.accept.values() for x in window]
     if not samples:
       return None
     shifted = []
     for a, version in samples:
-      then = self._qualities.get(version)
-      shifted.append(a + (self._quality - then if then is not None else 0.0))
+      then = drafter.qualities.get(version)
+      shifted.append(a + (drafter.quality - then if then is not None else 0.0))
     return float(min(max(np.median(shifted), 0.0), 1.0))
 
   def _fresh(self, arm: str) -> bool:
-    """Whether ``arm`` was measured under the current drafter."""
-    return any(v == self._version for _, v in self._accept.get(arm, ()))
+    """Whether ``arm`` was measured under the current version of its drafter."""
+    drafter = self._drafters.get(self._meta[arm].source)
+    return drafter is not None and any(v == drafter.version for _, v in drafter.accept.get(arm, ()))
 
   def _length(self, arm: str, optimistic: bool) -> float | None:
     meta = self._meta[arm]
@@ -658,22 +717,18 @@ class CostModel(Tuner):
   # ---- state --------------------------------------------------------------------------------
   def state_dict(self) -> dict:
     state = super().state_dict()
-    state["cost_model"] = {
-        "quality": self._quality, "version": self._version,
-        "qualities": [[v, q] for v, q in self._qualities.items()],
-        "accept": {a: [list(x) for x in w] for a, w in self._accept.items()}}
+    state["cost_model"] = {"drafters": {s: d.state_dict() for s, d in self._drafters.items()}}
     return state
 
   def load_state_dict(self, state: dict) -> None:
     self._speeds.clear()
     super().load_state_dict(state)
     saved = state.get("cost_model", {})
-    self._quality = saved.get("quality")
-    self._version = int(saved.get("version", 0))
-    self._qualities = {int(v): float(q) for v, q in saved.get("qualities", [])}
-    self._accept = {a: collections.deque(((float(x), int(v)) for x, v in w),
-                                         maxlen=self.config.window)
-                    for a, w in saved.get("accept", {}).items()}
+    if "drafters" in saved:
+      saved = saved["drafters"]
+    else:  # saved before drafters had sources: one global version, that of the learned drafter
+      saved = {"learned": saved} if saved else {}
+    self._drafters = {str(s): _Drafter.from_state(d, self.config.window) for s, d in saved.items()}
 
 
 class FixedMapping(Tuner):
