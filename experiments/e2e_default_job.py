@@ -1,7 +1,10 @@
-"""End to end on one device: the default job with ``drafter=eagle`` against ``drafter=none``.
+"""End to end on one device: the default job with ``drafter=eagle`` (or ``--drafter``) against
+``drafter=none``.
 
   python experiments/e2e_default_job.py [--steps 16] [--set trainer.prompts_per_step=8 ...]
       [--config-override drafter_training.serial_steps=8 ...]
+  python experiments/e2e_default_job.py --drafter suffix --set trainer.num_prompts=64 \
+      --split-step 2 --steps 12      # issue 22: recurring prompts, drafts from their history
 
 Issue 21's end-to-end test. Both arms are THE default job (``tlt_jax.job.build.DEFAULT_CONFIG``,
 configs/tiny_grpo.py, built by ``build_job``) with ``rollout.verify="coupled"``, the same seed
@@ -21,7 +24,9 @@ eagle arm also makes the job's selective async drafter save after each step when
 
 Reported: the paired per-step ratio eagle step seconds / none step seconds, its median over the
 steps (step 1 and every step in which either arm compiled left out), over the first quarter of
-the steps and over the rest, and the same for every ``*_s`` metric the trainer reports
+the steps (or the first ``--split-step`` steps: epoch mode's first epoch, which has no history)
+and over the rest, the rollout seconds' ratio over the same spans, and the same for every
+``*_s`` metric the trainer reports
 (rollout_s, update_s, drafter_serial_s, drafter_* / ledger_* seconds, ...), with each arm's
 medians: every such key whose values differ between the arms is printed. The issue's target:
 median step time <= 1.05x vanilla's.
@@ -51,8 +56,8 @@ from tlt_jax.job.build import DEFAULT_CONFIG, build_job, job_devices
 from tlt_jax.job.run_dir import DRAFTER_CHECKPOINTS
 from tlt_jax.job import runner
 
-ARMS = ("none", "eagle")
-TARGET = 1.05  # the issue's: eagle's median step time at most 1.05x vanilla's
+ARMS = ("none", "eagle")  # the second is --drafter's (main sets it)
+TARGET = 1.05  # issue 21's: the SD arm's median step time at most 1.05x vanilla's
 
 
 def literal(text: str):
@@ -114,36 +119,41 @@ def paired(rows: dict[str, list[dict]], key: str, steps: list[int]) -> dict:
   per-step ratio eagle / none (median; None where none's value is 0) and difference."""
   get = lambda arm, i: float(rows[arm][i].get(key, 0.0))
   out = {f"{arm}_median": statistics.median(get(arm, i) for i in steps) for arm in ARMS}
-  out["diff_median"] = statistics.median(get("eagle", i) - get("none", i) for i in steps)
-  ratios = [get("eagle", i) / get("none", i) for i in steps if get("none", i) > 0]
+  out["diff_median"] = statistics.median(get(ARMS[1], i) - get("none", i) for i in steps)
+  ratios = [get(ARMS[1], i) / get("none", i) for i in steps if get("none", i) > 0]
   out["ratio_median"] = statistics.median(ratios) if ratios else None
   return out
 
 
-def summarize(rows: dict[str, list[dict]], compiled: list[bool], skip: int) -> dict:
-  """Paired step-time ratios over the kept steps (from ``skip`` on, none compiled), all of them,
-  the first quarter of the run's steps and the rest; every ``*_s`` key's breakdown."""
+def summarize(rows: dict[str, list[dict]], compiled: list[bool], skip: int,
+              split: int | None = None) -> dict:
+  """Paired step-time and rollout-time ratios over the kept steps (from ``skip`` on, none
+  compiled), all of them, the first quarter of the run's steps (or the first ``split``) and the
+  rest; every ``*_s`` key's breakdown."""
+  sd = ARMS[1]
   n = len(rows["none"])
   kept = [i for i in range(skip, n) if not compiled[i]]
   if not kept:
     raise SystemExit(f"no step to report: {n} steps, the first {skip} skipped, compiles in "
                      f"{sum(compiled)}; raise --steps")
-  quarter = max(1, n // 4)
+  quarter = max(1, n // 4) if split is None else split
   spans = {"all": kept, "first_quarter": [i for i in kept if i < quarter],
            "rest": [i for i in kept if i >= quarter]}
-  ratio = lambda i: rows["eagle"][i]["step_s"] / rows["none"][i]["step_s"]
+
+  def span_ratios(key):
+    ratio = lambda i: rows[sd][i][key] / rows["none"][i][key]
+    return {span: dict(median=statistics.median(ratio(i) for i in s) if s else None,
+                       steps=len(s),
+                       total=(sum(rows[sd][i][key] for i in s) /
+                              sum(rows["none"][i][key] for i in s)) if s else None)
+            for span, s in spans.items()}
   out = dict(steps=n, kept_steps=[i + 1 for i in kept], quarter_steps=quarter,
-             step_ratio={span: dict(median=statistics.median(ratio(i) for i in s) if s else None,
-                                    steps=len(s),
-                                    total=(sum(rows["eagle"][i]["step_s"] for i in s) /
-                                           sum(rows["none"][i]["step_s"] for i in s)) if s
-                                    else None)
-                         for span, s in spans.items()})
+             step_ratio=span_ratios("step_s"), rollout_ratio=span_ratios("rollout_s"))
   out["breakdown"] = {key: paired(rows, key, kept) for key in seconds_keys(rows)}
   if "drafter_save_s" in out["breakdown"]:  # the job's loop: the step plus the drafter save
     loop = lambda arm, i: rows[arm][i]["step_s"] + rows[arm][i].get("drafter_save_s", 0.0)
     out["step_plus_save_ratio_median"] = statistics.median(
-        loop("eagle", i) / loop("none", i) for i in kept)
+        loop(sd, i) / loop("none", i) for i in kept)
   return out
 
 
@@ -159,26 +169,33 @@ def main():
                       help="a config field of the eagle arm only (repeatable), e.g. "
                       "drafter_training.serial_steps=8")
   parser.add_argument("--skip", type=int, default=1, help="first steps left out of the medians")
+  parser.add_argument("--drafter", default="eagle", help="config.drafter of the SD arm, e.g. "
+                      "suffix or eagle+suffix")
+  parser.add_argument("--split-step", type=int, default=None, help="the first span's steps "
+                      "(default: a quarter of them), e.g. epoch mode's steps per epoch")
   parser.add_argument("--out", default="experiments/out/e2e_default_job.json")
   a = parser.parse_args()
   t_start = time.perf_counter()
+  global ARMS  # pylint: disable=global-statement
+  ARMS = ("none", a.drafter)
+  sd = a.drafter
   cfgs = {"none": job_config(a.seed, "none", a.both),
-          "eagle": job_config(a.seed, "eagle", a.both + a.eagle)}
+          sd: job_config(a.seed, sd, a.both + a.eagle)}
   jobs = {arm: build_job(cfg) for arm, cfg in cfgs.items()}
   steps = a.steps if a.steps is not None else jobs["none"].trainer.steps
   if steps < 1:
     raise SystemExit("--steps must be >= 1")
   policy_dir = rb.warm_policy_dir(jobs["none"])  # model, sft, task and seed: both arms'
-  assert rb.warm_policy_dir(jobs["eagle"]) == policy_dir, "the arms' warm starts differ"
+  assert rb.warm_policy_dir(jobs[sd]) == policy_dir, "the arms' warm starts differ"
   t0 = time.perf_counter()
   trainers = {arm: make_trainer(job, policy_dir) for arm, job in jobs.items()}
   build_s = time.perf_counter() - t0
   print(f"built and compiled both trainers in {build_s:.0f}s: " + ", ".join(
       f"{arm} {t.precompile_s}" for arm, t in trainers.items()), flush=True)
-  eagle_job = jobs["eagle"]
+  eagle_job = jobs[sd]
   saves = None
   with tempfile.TemporaryDirectory() as tmp:
-    if trainers["eagle"].online is not None and eagle_job.drafter_save_every:
+    if trainers[sd].online is not None and eagle_job.drafter_save_every:
       saves = Checkpointer(pathlib.Path(tmp) / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
     rows = {arm: [] for arm in ARMS}
     compiled = []
@@ -188,18 +205,18 @@ def main():
         for arm in harness.repeat_order(ARMS, step, "rotate"):
           trainer = trainers[arm]
           m = trainer.step()
-          if arm == "eagle" and saves is not None and \
+          if arm == sd and saves is not None and \
               trainer.step_count % eagle_job.drafter_save_every == 0:
             m["drafter_save_s"] = trainer.online.selective_save(saves, trainer.step_count) or 0.0
           rows[arm].append({k: (v if isinstance(v, (bool, int)) else float(v))
                             for k, v in m.items() if isinstance(v, (int, float, np.number))})
         compiled.append(harness.compile_count() > c0)
         digests = {arm: trainers[arm].rollout_digests[-1] for arm in ARMS}
-        assert digests["none"] == digests["eagle"], f"step {step + 1}: the arms' tokens differ"
-        assert rows["none"][-1]["reward"] == rows["eagle"][-1]["reward"], (
+        assert digests["none"] == digests[sd], f"step {step + 1}: the arms' tokens differ"
+        assert rows["none"][-1]["reward"] == rows[sd][-1]["reward"], (
             f"step {step + 1}: the arms' rewards differ")
-        n, e = rows["none"][-1], rows["eagle"][-1]
-        print(f"step {step + 1:3d} reward {n['reward']:.3f} step none {n['step_s']:.3f}s eagle "
+        n, e = rows["none"][-1], rows[sd][-1]
+        print(f"step {step + 1:3d} reward {n['reward']:.3f} step none {n['step_s']:.3f}s {sd} "
               f"{e['step_s']:.3f}s (x{e['step_s'] / n['step_s']:.2f}) rollout "
               f"{n['rollout_s']:.3f}/{e['rollout_s']:.3f}s drafter serial "
               f"{e.get('drafter_serial_s', 0.0):.3f}s accept "
@@ -209,11 +226,12 @@ def main():
     finally:
       if saves is not None:
         saves.close()
-  summary = summarize(rows, compiled, a.skip)
-  tuner = trainers["eagle"].engine.tuner
+  summary = summarize(rows, compiled, a.skip, a.split_step)
+  tuner = trainers[sd].engine.tuner
   report = dict(
       command=" ".join(sys.argv), config=str(DEFAULT_CONFIG), seed=a.seed, steps=steps,
-      both=dict(a.both), eagle_overrides=dict(a.eagle), verify="coupled", target=TARGET,
+      drafter=sd, both=dict(a.both), eagle_overrides=dict(a.eagle), verify="coupled",
+      target=TARGET,
       target_met=summary["step_ratio"]["all"]["median"] <= TARGET,
       job=dict(prompts_per_step=eagle_job.trainer.prompts_per_step,
                group_size=eagle_job.grpo.group_size,
@@ -227,16 +245,18 @@ def main():
       wall_s=round(time.perf_counter() - t_start, 1))
   out = harness.write_json(a.out, report)
   ratio = summary["step_ratio"]
-  print("eagle / none step time, paired median: " + ", ".join(
+  print(f"{sd} / none step time, paired median: " + ", ".join(
       f"{span} {rb.fmt(r['median'])} ({r['steps']} steps)" for span, r in ratio.items()) +
       f"; target <= {TARGET}: {'met' if report['target_met'] else 'MISSED'}")
+  print(f"{sd} / none rollout time, paired median: " + ", ".join(
+      f"{span} {rb.fmt(r['median'])}" for span, r in summary["rollout_ratio"].items()))
   if "step_plus_save_ratio_median" in summary:
     print(f"  with the job's drafter save after each step: "
           f"{summary['step_plus_save_ratio_median']:.3f}")
-  print(f"{'metric':32s} {'none':>9s} {'eagle':>9s} {'diff':>9s} {'ratio':>7s}   (medians)")
+  print(f"{'metric':32s} {'none':>9s} {sd:>9s} {'diff':>9s} {'ratio':>7s}   (medians)")
   for key, b in summary["breakdown"].items():
-    if b["none_median"] != b["eagle_median"] or b["diff_median"] != 0:
-      print(f"{key:32s} {b['none_median']:9.4f} {b['eagle_median']:9.4f} "
+    if b["none_median"] != b[f"{sd}_median"] or b["diff_median"] != 0:
+      print(f"{key:32s} {b['none_median']:9.4f} {b[f'{sd}_median']:9.4f} "
             f"{b['diff_median']:+9.4f} {rb.fmt(b['ratio_median'], '7.3f')}")
   print(f"wrote {out} in {time.perf_counter() - t_start:.0f}s")
 

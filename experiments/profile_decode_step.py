@@ -356,7 +356,7 @@ def main():
   weights = engine._weights()  # pylint: disable=protected-access
 
   def fresh_state():
-    return prefill(weights, ids, lens, rows, rows, args)[0]
+    return prefill(weights, ids, lens, rows, rows, engine.pool.no_history(a.batch), args)[0]
 
   state0 = fresh_state()
   kv_len = state0.cache.max_len

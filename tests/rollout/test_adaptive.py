@@ -104,7 +104,8 @@ def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models, engines):
   args = SamplerArgs.from_params(SamplingParams(max_new_tokens=40, temperature=0.0,
                                                 stop_token_ids=()), (), cfg.max_stop_ids)
   weights = engine._weights()
-  state, _ = pool.get(("prefill", 4, 16))(weights, ids, lens, rows, rows, args)
+  state, _ = pool.get(("prefill", 4, 16))(weights, ids, lens, rows, rows,
+                                            pool.no_history(4), args)
   vanilla = pool.get(("segment", 4, kv_len, pool.stop_at(4), "vanilla"))
   for _ in range(4):  # 4 segments of segment_steps=3 vanilla steps
     state = vanilla(weights, state, args, np.int32(0), np.int32(cfg.segment_steps))

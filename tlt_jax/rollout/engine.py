@@ -450,8 +450,7 @@ class RolloutEngine(Rollout):
       if len(self._strategies[b]) < 2:
         continue
       prompt = (np.full((b, plen), cfg.pad_token_id, np.int32), np.ones((b,), np.int32),
-                np.arange(b, dtype=np.int32), np.arange(b, dtype=np.int32),
-                np.full((b, self.steps.history_len), -1, np.int32))
+                np.arange(b, dtype=np.int32), np.arange(b, dtype=np.int32), pool.no_history(b))
       for strategy in self._strategies[b]:
         segment = pool.get(("segment", b, kv_len, pool.stop_at(b), strategy.group))
         fastest = {}  # steps run -> fastest seconds

@@ -69,6 +69,10 @@ class ExecutablePool:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                         shapes)
 
+  def no_history(self, batch: int) -> np.ndarray:
+    """A prefill ``history`` input of ``batch`` rows without earlier completions."""
+    return np.full((batch, self.steps.history_len), -1, np.int32)
+
   def history_spec(self, batch: int):
     """The shape of prefill's ``history`` input (width 0 without a suffix drafter)."""
     return jax.ShapeDtypeStruct((batch, self.steps.history_len), jnp.int32)

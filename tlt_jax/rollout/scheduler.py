@@ -144,7 +144,7 @@ class Scheduler:
     lens = np.ones((batch,), np.int32)
     row_id = np.full((batch,), -1, np.int32)
     group_id = np.full((batch,), -1, np.int32)
-    history = np.full((batch, self.pool.steps.history_len), -1, np.int32)
+    history = self.pool.no_history(batch)
     groups: dict[tuple, int] = {}
     for slot, i in enumerate(chunk):
       ids[slot, :len(prompts[i])] = prompts[i]
