@@ -22,6 +22,7 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # pylint: disabl
 from tlt_jax.rollout.parallel import DataParallelRollout  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.sampling import SamplingParams  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.speculative import SpecConfig  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.suffix import SuffixConfig  # pylint: disable=wrong-import-position
 from tlt_jax.utils import compile_count  # pylint: disable=wrong-import-position
 
 assert jax.device_count() == 2, jax.devices()
@@ -63,6 +64,23 @@ for name, d, cfg, temperature in cases:
     for p, c, h in zip(prompts, many.tokens, many.hidden):
       assert h.shape[0] == len(p) + len(c) - 1
   print(f"{name}: same tokens on 2 devices as on one")
+
+# The suffix drafter over 2 devices: each shard drafts from its own prompts' history, and the
+# coupled tokens are one device's.
+sfx = SuffixConfig(depth=3, history_len=64)
+cfg = EngineConfig(**base, suffix_strategies=(SpecConfig(3, 1, 4),), verify="coupled",
+                   tuner=dict(kind="fixed", fixed=((4, "suffix d3"),)))
+params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, stop_token_ids=stops)
+earlier = RolloutEngine(target, config=EngineConfig(**base)).generate(
+    prompts, SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, stop_token_ids=stops))
+history = [[t] for t in earlier.tokens]
+one = RolloutEngine(target, config=cfg, suffix=sfx).generate(prompts, params, history=history)
+many = DataParallelRollout(target, None, cfg, devices=devices, suffix=sfx).generate(
+    prompts, params, history=history)
+assert many.tokens == earlier.tokens and one.tokens == earlier.tokens
+assert many.stats.source_steps == one.stats.source_steps and many.stats.source_steps["history"]
+assert many.stats.accept_by_source()["history"] > 3.0, many.stats.accept_by_source()
+print("suffix drafter: same tokens on 2 devices, drafted from the history")
 
 # Idle devices work while the others decode: 1 prompt over 2 devices leaves device 1 with no
 # rows; its idle hook runs jitted steps on its own device until the last shard is done.
