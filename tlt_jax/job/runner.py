@@ -18,6 +18,7 @@ import numpy as np
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.drafter import ledger as ledger_lines
 from tlt_jax.job.build import Job, build_job, check_top_level, describe, job_devices
+from tlt_jax.job.rollout_config import split_drafter
 from tlt_jax.job.run_dir import CHECKPOINTS, DRAFTER_CHECKPOINTS, FINAL_MODEL, MetricsLog, \
     choose_logdir, export_final_drafter, export_final_model, open_run, save_run_config
 from tlt_jax.job.signals import Interrupted, StopSignals
@@ -66,14 +67,23 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
     model = initial_model(job, cfg.seed)
     if not cfg.resume:
       model = _warm_start(model, job)
-    if isinstance(job.drafter, Drafter) and cfg.drafter != "eagle":
-      warning = drafter_policy_mismatch(cfg.drafter, model)  # the policy RL starts from
+    learned = split_drafter(cfg.drafter)[0]
+    if isinstance(job.drafter, Drafter) and learned != "eagle":
+      warning = drafter_policy_mismatch(learned, model)  # the policy RL starts from
       if warning:
         _say(f"warning: {warning}")
     trainer = make_trainer(job, model, mesh)
     if len(trainer.rollout_devices) > 1:
       _say(f"rollout: data-parallel over {len(trainer.rollout_devices)} devices (an engine "
            "each)")
+    if trainer.history is not None:
+      _say(f"drafter: the suffix drafter drafts from every prompt's earlier completions too (the "
+           f"newest {job.history.per_prompt} per prompt, {job.history.max_bytes / 2**20:.1f} MiB "
+           "at most, saved with every checkpoint)")
+    if job.trainer.num_prompts:
+      steps = job.trainer.num_prompts / job.trainer.prompts_per_step
+      _say(f"data: epoch mode, a fixed set of {job.trainer.num_prompts} problems visited once "
+           f"per epoch ({steps:g} steps each)")
     if trainer.online is not None:
       _say("drafter: trained online from the rollouts' hidden states ("
            + ("on the devices the tail leaves idle" if len(trainer.rollout_devices) > 1 and
@@ -142,7 +152,8 @@ def make_trainer(job: Job, model: Transformer, mesh: jax.sharding.Mesh) -> GRPOT
   return GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
                      mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
                      rollout_devices=job.cfg.get("rollout_devices", 0),
-                     drafter_training=job.drafter_training)
+                     drafter_training=job.drafter_training, suffix=job.suffix,
+                     history=job.history)
 
 
 def _precompile(trainer: GRPOTrainer) -> None:
@@ -189,6 +200,8 @@ def _drafter_line(m: dict) -> str:
                  f"{m['drafter_serial_steps']} serial")
   if ledger := ledger_lines.step_line(m):
     parts.append(ledger)
+  if "history_hit_rate" in m:
+    parts.append(f"history hits {m['history_hit_rate']:.0%} of prompts")
   return (" | " + ", ".join(parts)) if parts else ""
 
 
