@@ -81,9 +81,8 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
            f"newest {job.history.per_prompt} per prompt, {job.history.max_bytes / 2**20:.1f} MiB "
            "at most, saved with every checkpoint)")
     if job.trainer.num_prompts:
-      steps = job.trainer.num_prompts / job.trainer.prompts_per_step
-      _say(f"data: epoch mode, a fixed set of {job.trainer.num_prompts} problems visited once "
-           f"per epoch ({steps:g} steps each)")
+      _say(f"data: epoch mode, {job.trainer.num_prompts} fixed problems visited once per epoch, "
+           f"{job.trainer.prompts_per_step} per step")
     if trainer.online is not None:
       _say("drafter: trained online from the rollouts' hidden states ("
            + ("on the devices the tail leaves idle" if len(trainer.rollout_devices) > 1 and
