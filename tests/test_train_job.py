@@ -309,6 +309,19 @@ def test_the_job_hands_the_trainer_its_suffix_drafter_and_history(tmp_path, monk
     assert job.engine.strategies == (SpecConfig(depth=3, topk=1, verify_tokens=4),)
 
 
+def test_a_history_store_too_small_for_an_epoch_is_noted(tmp_path):
+  cfg = tiny_config(tmp_path, drafter="suffix", task=dict(max_digits=3, num_prompts=8))
+  cfg.history.max_bytes = 4000  # 8 prompts x 2 completions x 16 tokens need 8 x 512 bytes
+  note = runner._history_room(build_job(cfg))
+  assert note.startswith("note: history.max_bytes=4000 holds less than an epoch's completions at "
+                         "full length (4096 bytes for 8 prompts x 2 completions x 16 tokens)")
+  cfg.history.max_bytes = 4096
+  assert runner._history_room(build_job(cfg)) is None
+  cfg.task.num_prompts = 0  # fresh problems: no epoch to hold
+  cfg.history.max_bytes = 10
+  assert runner._history_room(build_job(cfg)) is None
+
+
 def checkpoint_metadata(logdir, step: int) -> dict:
   """Checkpoint ``step``'s metadata (orbax writes it as a JSON file)."""
   path = pathlib.Path(logdir) / "checkpoints" / str(step) / "metadata" / "metadata"

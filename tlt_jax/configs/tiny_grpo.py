@@ -91,6 +91,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.suffix = suffix_section()
   # HistoryConfig of the store of every prompt's earlier completions the suffix drafter drafts
   # from (kept only with it, saved in every checkpoint): the newest per_prompt completions per
-  # prompt, max_bytes in all (the prompts added to least recently go first)
+  # prompt, max_bytes in all (4 bytes a token plus a small overhead; the prompts added to least
+  # recently go first). To keep every prompt until the next epoch it needs about task.num_prompts
+  # x min(per_prompt, grpo.group_size) x 4 x the completions' length; the job says when it
+  # cannot hold them at full length.
   c.history = dataclass_section(HistoryConfig)
   return c

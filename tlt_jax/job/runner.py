@@ -25,6 +25,7 @@ from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.models.load import from_pretrained
 from tlt_jax.models.drafter import Drafter, drafter_policy_mismatch
 from tlt_jax.models.transformer import Transformer, init_model
+from tlt_jax.rl import history as history_lib
 from tlt_jax.rl.sft import warm_start
 from tlt_jax.rl.trainer import GRPOTrainer, check_update_layout
 from tlt_jax.rl.update import NonFiniteUpdateError
@@ -83,6 +84,8 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
     if job.trainer.num_prompts:
       _say(f"data: epoch mode, {job.trainer.num_prompts} fixed problems visited once per epoch, "
            f"{job.trainer.prompts_per_step} per step")
+    if trainer.history is not None and (note := _history_room(job)):
+      _say(note)
     if trainer.online is not None:
       _say("drafter: trained online from the rollouts' hidden states ("
            + ("on the devices the tail leaves idle" if len(trainer.rollout_devices) > 1 and
@@ -153,6 +156,22 @@ def make_trainer(job: Job, model: Transformer, mesh: jax.sharding.Mesh) -> GRPOT
                      rollout_devices=job.cfg.get("rollout_devices", 0),
                      drafter_training=job.drafter_training, suffix=job.suffix,
                      history=job.history)
+
+
+def _history_room(job: Job) -> str | None:
+  """A note when the history store cannot hold one epoch's completions at full length (then a
+  prompt may find its history evicted by the time the next epoch comes back to it)."""
+  if not job.trainer.num_prompts:
+    return None
+  kept = min(job.history.per_prompt, job.grpo.group_size)
+  need = job.trainer.num_prompts * (history_lib.PROMPT_BYTES + kept * history_lib.completion_cost(
+      job.trainer.max_new_tokens))
+  if need <= job.history.max_bytes:
+    return None
+  return (f"note: history.max_bytes={job.history.max_bytes} holds less than an epoch's "
+          f"completions at full length ({need} bytes for {job.trainer.num_prompts} prompts x "
+          f"{kept} completions x {job.trainer.max_new_tokens} tokens): a prompt may find its "
+          f"history evicted by its next visit; raise --config.history.max_bytes to keep it")
 
 
 def _precompile(trainer: GRPOTrainer) -> None:
