@@ -436,10 +436,15 @@ def test_the_store_is_saved_and_restored_exactly_and_old_checkpoints_still_load(
   # one that does not load says so
   with Checkpointer(tmp_path / "bad") as ckpt:
     straight.save(ckpt, {"history": {"format": 7}})
+  resumed.step()  # step 4: the store and params differ from checkpoint 3's
+  before, params = resumed.history.state_dict(), host(resumed.params)
   with Checkpointer(tmp_path / "bad") as ckpt:
     with pytest.raises(ValueError, match=r"the checkpoint of step 3 holds a rollout history that "
                                          r"does not load: HistoryStore state must have the keys"):
       resumed.restore(ckpt)
+  assert resumed.step_count == 4 and resumed.history.state_dict() == before  # as it was
+  for a, b in zip(params, host(resumed.params)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_epoch_mode_steps_revisit_the_prompt_set():

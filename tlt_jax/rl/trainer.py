@@ -54,10 +54,6 @@ class TrainerConfig:
 
   steps: int = 20
   prompts_per_step: int = 8
-  # 0: fresh problems every step, drawn from (seed, step). > 0: epoch mode, a fixed set of this
-  # many problems (distinct prompts) drawn once from the seed and visited once per epoch in a
-  # shuffled order (``tasks.EpochSchedule``); at least prompts_per_step
-  num_prompts: int = 0
   learning_rate: float = 3e-4
   warmup_steps: int = 2
   grad_clip: float = 1.0
@@ -85,6 +81,10 @@ class TrainerConfig:
   # tokens, 8.3x at 1024; 8192 saves nothing at 128). Raise it on accelerators, which want
   # bigger passes. 0: pad every row to the full length and update each minibatch in one pass.
   update_tokens: int = 2048
+  # 0: fresh problems every step, drawn from (seed, step). > 0: epoch mode, a fixed set of this
+  # many problems (distinct prompts) drawn once from the seed and visited once per epoch in a
+  # shuffled order (``tasks.EpochSchedule``); at least prompts_per_step
+  num_prompts: int = 0
 
   def __post_init__(self):
     require_positive_ints(self, "steps", "prompts_per_step", "minibatches", "epochs",
@@ -419,6 +419,9 @@ class GRPOTrainer:
       _, state, metadata = checkpointer.restore_latest_good(like=like, report=report)
     else:
       state, metadata = checkpointer.restore(step, like=like)
+    history = None  # read first: a history that does not load leaves the trainer as it was
+    if self.history is not None:
+      history = self._saved_history(metadata.get(HISTORY_KEY), int(state["step"]), report)
     self.policy.load_checkpoint_state(state)
     self.step_count = int(state["step"])
     self._sync_engine()
@@ -426,21 +429,24 @@ class GRPOTrainer:
       self.online.restore(state["drafter"], checkpointer, self.step_count, metadata, report)
       self._sync_drafter(always=True)
     self.engine.load_tuner_state(metadata.get(TUNER_KEY), report)
-    if self.history is not None:
-      self._restore_history(metadata.get(HISTORY_KEY), report)
+    if history is not None:
+      self.history = history
     return metadata
 
-  def _restore_history(self, saved: dict | None, report) -> None:
-    self.history = HistoryStore(self.history_config)
+  def _saved_history(self, saved: dict | None, step: int, report) -> HistoryStore:
+    """The history store of checkpoint ``step``'s metadata entry ``saved``: empty (and reported)
+    when there is none; a ValueError naming the step when it does not load."""
+    history = HistoryStore(self.history_config)
     if saved is None:
-      report(f"the checkpoint of step {self.step_count} holds no rollout history (saved before "
-             "the history store existed, or without a suffix drafter): the store starts empty")
-      return
+      report(f"the checkpoint of step {step} holds no rollout history (saved before the history "
+             "store existed, or without a suffix drafter): the store starts empty")
+      return history
     try:
-      self.history.load_state_dict(saved)
+      history.load_state_dict(saved)
     except ValueError as e:
-      raise ValueError(f"the checkpoint of step {self.step_count} holds a rollout history that "
-                       f"does not load: {e}") from None
+      raise ValueError(f"the checkpoint of step {step} holds a rollout history that does not "
+                       f"load: {e}") from None
+    return history
 
   def evaluate(self, n: int | None = None, seed: int = EVAL_SEED, temperature: float = 0.0,
                progress=None) -> float:
