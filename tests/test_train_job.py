@@ -596,6 +596,12 @@ def test_help_lists_the_config_fields():
     # the field a non-finite update's advice names parses (the error is about the devices)
     (["--config.trainer.on_nonfinite=skip", "--config.rollout_devices=99"],
      "config.rollout_devices=99 but the mesh has"),
+    # the suffix drafter's fields parse from the command line (the errors are about their values)
+    (["--config.rollout.suffix_strategies=((2, 1, 3),)", "--config.history.per_prompt=4",
+      "--config.suffix.depth=4"], "config.rollout.suffix_strategies needs the suffix drafter"),
+    (["--config.task.num_prompts=2", "--config.trainer.prompts_per_step=3",
+      "--config.drafter=suffix"], "config.task.num_prompts=2 is fewer than config.trainer."
+                                  "prompts_per_step=3"),
 ])
 def test_mistakes_are_one_line_errors_without_traceback(tmp_path, args, message):
   done = cli(f"--config.logdir={tmp_path / 'run'}", *args)
