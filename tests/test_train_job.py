@@ -1,9 +1,11 @@
 """The main job as a user meets it: resume semantics, metrics without duplicates, the final model
 with its tokenizer, validation before any work, and the command line (help, one-line errors)."""
 
+import inspect
 import json
 import os
 import pathlib
+import random
 import shutil
 import signal
 import subprocess
@@ -22,7 +24,11 @@ from tlt_jax.job.run_dir import export_final_model, resume_config
 from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.job.typed_config import ConfigError, load_config_file
 from tlt_jax.models.drafter import Drafter, save_drafter
+from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.update import NonFiniteUpdateError
+from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.suffix import SuffixConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(task=dict(max_digits=3), model=dict(hidden_size=32, intermediate_size=64,
@@ -67,6 +73,11 @@ def test_a_run_saves_its_config_metrics_and_a_usable_final_model(finished_run):
   assert saved["trainer"]["steps"] == 2 and saved["model"]["hidden_size"] == 32
   assert "logdir" not in saved and "resume" not in saved
   assert metric_steps(logdir) == [1, 2] and summary["step"] == 2
+  # the default job keeps no history store and draws fresh problems: nothing of either shows
+  rows = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
+  assert not any(k.startswith("history") or k == "epoch" for row in rows for k in row)
+  assert "history" not in checkpoint_metadata(logdir, 2)
+  assert saved["task"]["num_prompts"] == 0 and saved["drafter"] == "none"
   # the final model carries its tokenizer: generate runs on it with a text prompt
   cfg = load_config_file(ROOT / "configs" / "tiny_generate.py")
   cfg.model.path = str(logdir / "final_model")
@@ -155,7 +166,8 @@ def no_work(monkeypatch):
   monkeypatch.setattr(runner, "init_model", refuse)
 
 
-@pytest.mark.parametrize("where", ["", "task", "model", "sft", "grpo", "trainer", "rollout"])
+@pytest.mark.parametrize("where", ["", "task", "model", "sft", "grpo", "trainer", "rollout",
+                                   "history", "suffix"])
 def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_work, where):
   cfg = tiny_config(tmp_path)
   (cfg[where] if where else cfg).typo_field = 1
@@ -194,6 +206,25 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
     ("rollout.max_prompt_len", 6, (r"config.rollout.max_prompt_len=6 is shorter than the task's "
                                    r"prompts: a .*problem.* has \d+ tokens .*at least \d+")),
     ("trainer.learning_rate", float("inf"), r"learning_rate must be a finite number > 0"),
+    # epoch mode, the history store and the suffix drafter
+    ("task.num_prompts", -1, r"config.task.num_prompts must be an int >= 0 \(0: fresh problems"),
+    ("task.num_prompts", 2, (r"config.task.num_prompts=2 is fewer than config.trainer."
+                             r"prompts_per_step=4: every step would repeat a prompt")),
+    ("history.max_bytes", 0, r"config.history.max_bytes must be a positive int, got 0"),
+    ("history.per_prompt", 2.5, r"config.history.per_prompt must be a positive int, got 2.5"),
+    ("suffix.depth", 0, r"config.suffix.depth must be a positive int, got 0"),
+    ("suffix.min_ngram", 9, (r"config.suffix: SuffixConfig.min_ngram \(9\) must be <= "
+                             r"SuffixConfig.max_ngram")),
+    ("drafter", "ngram+suffix", (r"config.drafter='ngram\+suffix': the suffix drafter already "
+                                 r"drafts from the group's sibling responses.*use 'suffix'")),
+    ("drafter", "none+suffix", r"config.drafter='none\+suffix': the suffix drafter alone is "
+                               r"'suffix'"),
+    ("drafter", "no/such+suffix", r"config.drafter must be .*; 'no/such' is not an existing "
+                                  r"directory \(or 'suffix'"),
+    ("rollout.suffix_strategies", ((2, 1, 3),), (r"config.rollout.suffix_strategies needs the "
+                                                 r"suffix drafter: set config.drafter to 'suffix'")),
+    ("rollout.suffix_strategies", ((2, 1, 4),), (r"config.rollout.suffix_strategies\[0\] = "
+                                                 r"\(2, 1, 4\): SpecConfig.verify_tokens")),
 ])
 def test_bad_values_are_rejected_before_work(tmp_path, no_work, field, value, match):
   cfg = tiny_config(tmp_path)
@@ -231,6 +262,108 @@ def test_unusable_drafters_are_rejected_before_work(tmp_path, no_work, saved_dra
   with pytest.raises(ConfigError, match=r"config.rollout.strategies .* n-gram drafter drafts "
                                         r"chains"):
     train.run(cfg)
+
+
+def test_the_suffix_drafter_s_mistakes_are_rejected_before_work(tmp_path, no_work):
+  cfg = tiny_config(tmp_path / "a", drafter="suffix")
+  cfg.rollout.strategies = ((2, 1, 3),)  # the learned drafter's strategies, and there is none
+  with pytest.raises(ConfigError, match=r"config.rollout.strategies needs a drafter.*; the suffix "
+                                        r"drafter's strategies are config.rollout.suffix_strategies"):
+    train.run(cfg)
+  cfg = tiny_config(tmp_path / "b", drafter="suffix")
+  with cfg.drafter_training.ignore_type():
+    cfg.drafter_training.online = True
+  with pytest.raises(ConfigError, match=r"drafter_training.online=True needs a learned drafter"):
+    train.run(cfg)
+  from tests.rl.test_external_tasks import DATA  # pylint: disable=import-outside-toplevel
+  cfg = tiny_config(tmp_path / "c")
+  cfg.task = dict(kind="math_dataset", path=str(DATA), num_prompts=6)
+  cfg.trainer.eval_problems = 2
+  with pytest.raises(ConfigError, match=r"config.task.num_prompts=6: math:gsm8k_tiny has 5 "
+                                        r"problems, fewer than the 6 distinct ones asked for"):
+    train.run(cfg)
+
+
+@pytest.mark.parametrize("drafter", ["none", "suffix", "eagle+suffix", "saved+suffix"])
+def test_the_job_hands_the_trainer_its_suffix_drafter_and_history(tmp_path, monkeypatch,
+                                                                 saved_drafter, drafter):
+  """config.drafter's suffix part becomes the trainer's ``suffix=`` (config.suffix's fields), and
+  config.history its ``history=``; the learned part stays the drafter (and trains online when it
+  is 'eagle')."""
+  cfg = tiny_config(tmp_path, drafter=drafter.replace("saved", str(saved_drafter)),
+                    task=dict(max_digits=3, num_prompts=8))
+  cfg.suffix.update(depth=5, history_len=64)
+  cfg.history.update(max_bytes=12345, per_prompt=3)
+  job = build_job(cfg)
+  given = {}
+  monkeypatch.setattr(runner, "GRPOTrainer", lambda *args, **kwargs: given.update(kwargs))
+  runner.make_trainer(job, None, None)
+  suffix = None if drafter == "none" else SuffixConfig(depth=5, history_len=64)
+  assert given["suffix"] == suffix and job.suffix == suffix
+  assert given["history"] == HistoryConfig(max_bytes=12345, per_prompt=3)
+  assert job.trainer.num_prompts == 8
+  learned = drafter.split("+")[0]
+  assert isinstance(given["drafter"], Drafter) == (learned in ("eagle", "saved"))
+  assert (given["drafter_training"] is not None) == (learned == "eagle")
+  if learned == "eagle":  # the fresh drafter's strategies, as for config.drafter="eagle"
+    assert job.engine.strategies == (SpecConfig(depth=3, topk=1, verify_tokens=4),)
+
+
+def test_a_history_store_too_small_for_an_epoch_is_noted(tmp_path):
+  cfg = tiny_config(tmp_path, drafter="suffix", task=dict(max_digits=3, num_prompts=8))
+  cfg.history.max_bytes = 4000  # 8 prompts x 2 completions x 16 tokens need 8 x 512 bytes
+  note = runner._history_room(build_job(cfg))
+  assert note.startswith("note: history.max_bytes=4000 holds less than an epoch's completions at "
+                         "full length (4096 bytes for 8 prompts x 2 completions x 16 tokens)")
+  cfg.history.max_bytes = 4096
+  assert runner._history_room(build_job(cfg)) is None
+  cfg.task.num_prompts = 0  # fresh problems: no epoch to hold
+  cfg.history.max_bytes = 10
+  assert runner._history_room(build_job(cfg)) is None
+
+
+def checkpoint_metadata(logdir, step: int) -> dict:
+  """Checkpoint ``step``'s metadata (orbax writes it as a JSON file)."""
+  path = pathlib.Path(logdir) / "checkpoints" / str(step) / "metadata" / "metadata"
+  return json.loads(path.read_text())
+
+
+def untimed_rows(logdir) -> list[dict]:
+  rows = [json.loads(line) for line in (pathlib.Path(logdir) / "metrics.jsonl").open()]
+  return [{k: v for k, v in r.items() if not k.endswith(("_s", "_ms")) and k != "compiles"}
+          for r in rows]
+
+
+def test_epoch_mode_with_a_history_store_resumes_the_store_exactly(tmp_path, monkeypatch, capsys):
+  """The job in epoch mode (4 prompts, 4 a step) with an engine that drafts from history (here
+  one that says so and ignores it): every prompt has history from step 2 on; a run resumed from
+  step 2's checkpoint redoes step 3 with the same store (its metrics and the store it saves)."""
+  monkeypatch.setattr(RolloutEngine, "uses_history", property(lambda self: True))
+  logdir = tmp_path / "run"
+  cfg = tiny_config(logdir, task=dict(max_digits=3, num_prompts=4))
+  cfg.trainer.steps = 3
+  cfg.history.per_prompt = 3
+  train.run(cfg)
+  out = capsys.readouterr().out
+  assert "data: epoch mode, 4 fixed problems visited once per epoch, 4 per step" in out
+  assert "history hits 100% of prompts" in out and "the suffix drafter drafts from" in out
+  rows = [r for r in untimed_rows(logdir) if "reward" in r]
+  assert [r["epoch"] for r in rows] == [0, 1, 2]
+  assert [r["history_hit_rate"] for r in rows] == [0.0, 1.0, 1.0]
+  assert [r["history_prompts"] for r in rows] == [4, 4, 4]
+  store = checkpoint_metadata(logdir, 3)["history"]
+  assert [len(lengths) for _, lengths in store["prompts"]] == [3] * 4  # 3 of the 3 steps' 2 rows
+
+  copy = tmp_path / "copy"
+  shutil.copytree(logdir, copy)
+  shutil.rmtree(copy / "checkpoints" / "3")
+  shutil.rmtree(copy / "final_model")
+  again = load_config_file(ROOT / "configs" / "tiny_grpo.py")
+  again.logdir, again.resume = str(copy), True
+  train.run(again, overrides=[])
+  assert "resumed from" in capsys.readouterr().out
+  assert untimed_rows(copy) == untimed_rows(logdir)
+  assert checkpoint_metadata(copy, 3)["history"] == store
 
 
 def test_a_fixed_tuner_naming_an_arm_not_offered_is_rejected_before_work(tmp_path, no_work):
@@ -463,6 +596,12 @@ def test_help_lists_the_config_fields():
     # the field a non-finite update's advice names parses (the error is about the devices)
     (["--config.trainer.on_nonfinite=skip", "--config.rollout_devices=99"],
      "config.rollout_devices=99 but the mesh has"),
+    # the suffix drafter's fields parse from the command line (the errors are about their values)
+    (["--config.rollout.suffix_strategies=((2, 1, 3),)", "--config.history.per_prompt=4",
+      "--config.suffix.depth=4"], "config.rollout.suffix_strategies needs the suffix drafter"),
+    (["--config.task.num_prompts=2", "--config.trainer.prompts_per_step=3",
+      "--config.drafter=suffix"], "config.task.num_prompts=2 is fewer than config.trainer."
+                                  "prompts_per_step=3"),
 ])
 def test_mistakes_are_one_line_errors_without_traceback(tmp_path, args, message):
   done = cli(f"--config.logdir={tmp_path / 'run'}", *args)
@@ -573,3 +712,41 @@ def test_eagle_drafter_trains_online_saves_resumes_and_exports(tmp_path):
   final, _ = hf.from_pretrained(logdir / "final_model")
   assert drafter_policy(logdir / "final_drafter")["name"] == str(logdir / "final_model")
   assert drafter_policy_mismatch(logdir / "final_drafter", final) is None
+
+
+ENGINE_TAKES_SUFFIX = "suffix" in inspect.signature(RolloutEngine.__init__).parameters
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ENGINE_TAKES_SUFFIX, reason="the engine's suffix drafter (issue 22) is "
+                                                    "not merged yet")
+def test_a_killed_suffix_drafter_run_resumes_to_the_uninterrupted_one(tmp_path):
+  """drafter="suffix" in epoch mode (8 prompts, 4 a step: the second epoch, which drafts from the
+  first one's completions, starts at step 3), SIGKILLed after a random step and resumed: the same
+  per-step metrics, history store and final weights as the uninterrupted run (the store decides
+  the drafts, and with rejection sampling the drafts decide the tokens)."""
+  from tests.test_kill_resume import STEPS, final_params, run_job, step_rows  # pylint: disable=import-outside-toplevel
+  flags = {"drafter": "suffix", "task.num_prompts": 8, "trainer.prompts_per_step": 4}
+  reference = tmp_path / "reference"
+  rc, _, err = run_job(reference, flags, 1)
+  assert rc == 0, err[-3000:]
+  seed = random.randrange(2**32)
+  at = random.Random(seed).randint(2, STEPS - 2)  # after a checkpoint (every 2 steps)
+  why = f"SIGKILL after step {at} (seed {seed})"
+  logdir = tmp_path / "run"
+  rc, out, err = run_job(logdir, flags, 1, kill=(signal.SIGKILL, at))
+  assert rc == -signal.SIGKILL and f"step {at:4d}/{STEPS}" in out, (why, rc, err[-2000:])
+  rc, out, err = run_job(logdir, flags, 1, "--config.resume=True")
+  assert rc == 0 and "resumed from" in out, (why, err[-3000:])
+  want, got = step_rows(reference), step_rows(logdir)
+  steps = [r for r in want if "reward" in r]
+  assert [r["history_hit_rate"] for r in steps] == [0.0, 0.0] + [1.0] * (STEPS - 2), steps
+  assert all(r.get("mean_accept_len", 0) >= 1.0 for r in steps), steps
+  assert [r["step"] for r in got] == [r["step"] for r in want], why
+  for a, b in zip(want, got):
+    assert a == b, (why, {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
+                          if a.get(k) != b.get(k)})
+  assert (checkpoint_metadata(logdir, STEPS)["history"] ==
+          checkpoint_metadata(reference, STEPS)["history"]), why
+  for a, b in zip(final_params(reference), final_params(logdir)):
+    np.testing.assert_array_equal(a, b, err_msg=why)

@@ -1,5 +1,7 @@
-"""The GRPO trainer: batch layout, a short run, data-parallel equality, config validation."""
+"""The GRPO trainer: batch layout, a short run, data-parallel equality, config validation, the
+history store a suffix drafter drafts from."""
 
+import inspect
 import pathlib
 import subprocess
 import sys
@@ -12,16 +14,17 @@ from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
+from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, step_problems
 from tlt_jax.rl.update import NonFiniteUpdateError, learning_rate_schedule
-from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.utils import compile_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def make_trainer(mesh=None, kl_coef=0.0, drafter=None, **trainer_kw):
+def make_trainer(mesh=None, kl_coef=0.0, drafter=None, history=None, suffix=None, **trainer_kw):
   task = ArithmeticTask(max_digits=3)
   tokenizer = CharTokenizer(task.alphabet)
   config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,
@@ -32,7 +35,7 @@ def make_trainer(mesh=None, kl_coef=0.0, drafter=None, **trainer_kw):
                      EngineConfig(max_batch=8, max_prompt_len=16, max_new_tokens=24,
                                   prefill_buckets=(16,)),
                      grpo.GRPOConfig(group_size=2, kl_coef=kl_coef), TrainerConfig(**kw),
-                     mesh=mesh, drafter=drafter)
+                     mesh=mesh, drafter=drafter, history=history, suffix=suffix)
 
 
 def hand_made_batch(trainer, rows: int):
@@ -313,3 +316,158 @@ def test_first_update_sees_ratio_one_at_any_sampling_temperature(temperature):
   m = trainer.step()
   assert abs(m["ratio_mean"] - 1.0) < 1e-4 and abs(m["approx_kl"]) < 1e-6, m
   assert m["clip_fraction"] == 0.0
+
+
+# ---- the history store (a suffix drafter's) ------------------------------------------------------
+TIMED = ("_s", "_ms")
+
+
+def untimed(metrics: dict) -> dict:
+  """A step's metrics without what depends on timing or on what other trainers compiled."""
+  return {k: v for k, v in metrics.items() if not k.endswith(TIMED) and k != "compiles"}
+
+
+def record_generate(trainer) -> list[dict]:
+  """From now on, each ``trainer.engine.generate`` call's prompts, ``history`` argument (the
+  string "absent" when not given) and completions."""
+  calls, real = [], trainer.engine.generate
+
+  def generate(prompts, params, *args, **kwargs):
+    result = real(prompts, params, *args, **kwargs)
+    calls.append(dict(prompts=[tuple(p) for p in prompts], history=kwargs.get("history", "absent"),
+                      tokens=[list(t) for t in result.tokens]))
+    return result
+
+  trainer.engine.generate = generate
+  return calls
+
+
+@pytest.fixture
+def engine_uses_history(monkeypatch):
+  """Every RolloutEngine says it drafts from ``history`` (it still ignores it): the trainer's side
+  of the contract, before a suffix drafter exists to use it."""
+  monkeypatch.setattr(RolloutEngine, "uses_history", property(lambda self: True))
+
+
+def test_a_vanilla_engine_gets_no_history_and_its_steps_are_unchanged():
+  """The store is kept only for an engine that drafts from it: with the vanilla engine a history
+  config changes nothing (the same metrics, no history_* ones, no history argument)."""
+  plain, with_config = make_trainer(num_prompts=4), make_trainer(num_prompts=4,
+                                                                  history=HistoryConfig())
+  assert not with_config.engine.uses_history and with_config.history is None
+  calls = record_generate(with_config)
+  for _ in range(2):
+    a, b = plain.step(), with_config.step()
+    assert untimed(a) == untimed(b)
+    assert not any(k.startswith("history") for k in b)
+  assert [c["history"] for c in calls] == ["absent", "absent"]
+
+
+def history_by_prompt(call: dict, g: int = 2) -> dict:
+  """A generate call's completions per prompt, as its groups of ``g`` rows."""
+  out = {}
+  for first in range(0, len(call["prompts"]), g):
+    out[call["prompts"][first]] = call["tokens"][first:first + g]
+  return out
+
+
+def test_each_step_drafts_from_the_earlier_completions_of_its_prompts(engine_uses_history):
+  """Epoch mode over 4 prompts, 4 per step: from step 2 on every prompt has history, the rows of
+  a group get its prompt's earlier completions newest first (at most per_prompt), and a step whose
+  update raised adds nothing."""
+  trainer = make_trainer(num_prompts=4, history=HistoryConfig(per_prompt=3))
+  assert trainer.history is not None
+  calls = record_generate(trainer)
+  varied_rewards(trainer)
+  nan_row_batches(trainer)
+  with pytest.raises(NonFiniteUpdateError):
+    trainer.step()
+  assert trainer.history.num_prompts == 0  # the failed step left the store as it was
+  del trainer.make_batch
+  calls.clear()
+  metrics = [trainer.step() for _ in range(3)]
+  assert [m["epoch"] for m in metrics] == [0, 1, 2]
+  assert [m["history_hit_rate"] for m in metrics] == [0.0, 1.0, 1.0]
+  assert all(m["history_prompts"] == 4 for m in metrics)
+  assert calls[0]["history"] == [[]] * 8
+  first, second = history_by_prompt(calls[0]), history_by_prompt(calls[1])
+  for row, prompt in enumerate(calls[1]["prompts"]):  # each row: its prompt's group of step 1
+    assert calls[1]["history"][row] == first[prompt]
+  for row, prompt in enumerate(calls[2]["prompts"]):  # newest first, 3 at most
+    assert calls[2]["history"][row] == (second[prompt] + first[prompt])[:3]
+  # the bytes: each prompt's overhead and 3 completions, as the store counts them
+  assert metrics[-1]["history_bytes"] == trainer.history.size_bytes > 0
+
+
+def test_the_store_is_saved_and_restored_exactly_and_old_checkpoints_still_load(
+    tmp_path, engine_uses_history):
+  from tlt_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  config = HistoryConfig(max_bytes=3000, per_prompt=2)  # small: the store evicts
+  straight = make_trainer(num_prompts=6, history=config)
+  straight.step()
+  straight.step()
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    straight.save(ckpt)
+  saved = straight.history.state_dict()
+  calls = record_generate(straight)
+  straight.step()
+
+  resumed = make_trainer(num_prompts=6, history=config)
+  resumed.history.add([1, 2], [[3]])  # replaced by the checkpoint's
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    resumed.restore(ckpt)
+  assert resumed.history.state_dict() == saved
+  resumed_calls = record_generate(resumed)
+  resumed.step()
+  assert resumed_calls[0]["history"] == calls[0]["history"]  # the same drafts' sources
+  assert resumed.history.state_dict() == straight.history.state_dict()
+
+  # a checkpoint without a store (from before it existed, or of a trainer without one): reported,
+  # the store starts empty
+  straight.history = None  # saves as a trainer without a store does
+  with Checkpointer(tmp_path / "old") as ckpt:
+    straight.save(ckpt)
+  lines = []
+  with Checkpointer(tmp_path / "old") as ckpt:
+    resumed.restore(ckpt, report=lines.append)
+  assert resumed.step_count == 3 and resumed.history.num_prompts == 0
+  assert lines == ["the checkpoint of step 3 holds no rollout history (saved before the history "
+                   "store existed, or without a suffix drafter): the store starts empty"]
+  # one that does not load says so
+  with Checkpointer(tmp_path / "bad") as ckpt:
+    straight.save(ckpt, {"history": {"format": 7}})
+  resumed.step()  # step 4: the store and params differ from checkpoint 3's
+  before, params = resumed.history.state_dict(), host(resumed.params)
+  with Checkpointer(tmp_path / "bad") as ckpt:
+    with pytest.raises(ValueError, match=r"the checkpoint of step 3 holds a rollout history that "
+                                         r"does not load: HistoryStore state must have the keys"):
+      resumed.restore(ckpt)
+  assert resumed.step_count == 4 and resumed.history.state_dict() == before  # as it was
+  for a, b in zip(params, host(resumed.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_epoch_mode_steps_revisit_the_prompt_set():
+  trainer = make_trainer(num_prompts=6)
+  for step in (0, 1, 2, 5):
+    assert trainer.problems_for(step) == step_problems(trainer.task, 0, step, 4, num_prompts=6)
+  seen = [p.prompt for step in range(3) for p in trainer.problems_for(step)]  # 12: two epochs
+  assert sorted(seen[:6]) == sorted(seen[6:]) == sorted(p.prompt for p in trainer.schedule.problems)
+  assert make_trainer().schedule is None
+
+
+ENGINE_TAKES_SUFFIX = "suffix" in inspect.signature(RolloutEngine.__init__).parameters
+
+
+@pytest.mark.skipif(not ENGINE_TAKES_SUFFIX, reason="the engine's suffix drafter (issue 22) is "
+                                                    "not merged yet")
+def test_the_suffix_drafter_drafts_from_the_store():
+  """A trainer with the suffix drafter alone keeps the store and its steps draft speculatively
+  (an acceptance length); from the second epoch every prompt has history."""
+  from tlt_jax.rollout.suffix import SuffixConfig  # pylint: disable=import-outside-toplevel
+  trainer = make_trainer(num_prompts=4, history=HistoryConfig(), suffix=SuffixConfig(depth=3))
+  assert trainer.engine.uses_history and trainer.history is not None
+  first, second = trainer.step(), trainer.step()
+  assert first["history_hit_rate"] == 0.0 and second["history_hit_rate"] == 1.0
+  assert second["compiles"] == 0
+  assert all(1.0 <= m["mean_accept_len"] <= 4.0 for m in (first, second))

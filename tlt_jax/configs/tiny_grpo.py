@@ -6,8 +6,9 @@
 import ml_collections
 from ml_collections import config_dict
 
-from tlt_jax.job.rollout_config import drafter_training_section
+from tlt_jax.job.rollout_config import drafter_training_section, suffix_section
 from tlt_jax.job.typed_config import dataclass_section
+from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
 from tlt_jax.rollout.tuner import TunerConfig
 
@@ -22,14 +23,20 @@ def get_config() -> ml_collections.ConfigDict:
   # "ngram": lossless speculative rollouts drafted from sibling responses; a directory written by
   # tlt_jax.models.drafter.save_drafter: an EAGLE-style drafter made for this policy
   # "eagle": an EAGLE drafter trained online from scratch during RL (see drafter_training)
+  # "suffix": the suffix drafter, which drafts from the rollout's own history (every prompt's
+  # earlier completions, see history; the group's siblings; the prompt); "eagle+suffix" or
+  # "<drafter directory>+suffix": a learned drafter and the suffix drafter in one engine
   c.drafter = "none"
   # devices that roll out data-parallel, an engine each (0: every device of the mesh)
   c.rollout_devices = 0
   c.mesh_devices = 0  # devices of the data-parallel update mesh (0: every device)
   c.distributed = False  # True: jax.distributed.initialize() (multi-host, from the environment)
 
-  # ArithmeticTask: operands of up to max_digits digits, sizes Zipf(digit_exponent)-distributed
-  c.task = ml_collections.ConfigDict(dict(max_digits=8, digit_exponent=1.5))
+  # ArithmeticTask: operands of up to max_digits digits, sizes Zipf(digit_exponent)-distributed.
+  # num_prompts: 0 draws fresh problems every step; N > 0 is epoch mode, a fixed set of N
+  # problems (at least trainer.prompts_per_step) drawn once from the seed and visited once per
+  # epoch in a shuffled order, so that RL revisits its prompts as on a dataset
+  c.task = ml_collections.ConfigDict(dict(max_digits=8, digit_exponent=1.5, num_prompts=0))
   # ModelConfig of the char-level Qwen2-style policy
   c.model = ml_collections.ConfigDict(dict(
       hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2))
@@ -55,9 +62,11 @@ def get_config() -> ml_collections.ConfigDict:
   # with verify_budget > 0, bucket * verify_tokens <= verify_budget). verify: "rejection"
   # (lossless rejection sampling) or "coupled" (SD emits exactly vanilla's tokens for a seed).
   # () = vanilla decoding (with a drafter: one fixed speculative strategy for every segment).
+  # suffix_strategies: the suffix drafter's [depth, topk, verify_tokens] triples (with
+  # drafter="suffix" or "...+suffix"; () = one chain of suffix.depth)
   c.rollout = ml_collections.ConfigDict(dict(
       max_batch=64, max_prompt_len=32, strategies=(), sd_max_batch=8, verify_budget=0,
-      segment_steps=config_dict.placeholder(int), verify="rejection"))
+      segment_steps=config_dict.placeholder(int), verify="rejection", suffix_strategies=()))
   # TunerConfig of the adaptive engine: kind "cost" (the default: calibrated step costs against
   # counted accepted lengths, one short probe of probe_steps per strategy and drafter version),
   # "beg_mab" (epsilon-greedy on windowed medians of tokens/s), "ucb1" or "fixed"
@@ -76,4 +85,15 @@ def get_config() -> ml_collections.ConfigDict:
   # 1e-3 it lost acceptance against a frozen copy: docs/benchmarks.md, "The adaptive drafter").
   # Every field at its default (DrafterTrainingConfig's and the job's online / save_every).
   c.drafter_training = drafter_training_section()
+  # SuffixConfig of the suffix drafter (used with drafter="suffix" or "...+suffix"): the suffix
+  # lengths it matches (max_ngram down to min_ngram), the draft depth of its default chain, the
+  # tokens of earlier completions a row drafts from (history_len). Every field at its default.
+  c.suffix = suffix_section()
+  # HistoryConfig of the store of every prompt's earlier completions the suffix drafter drafts
+  # from (kept only with it, saved in every checkpoint): the newest per_prompt completions per
+  # prompt, max_bytes in all (4 bytes a token plus a small overhead; the prompts added to least
+  # recently go first). To keep every prompt until the next epoch it needs about task.num_prompts
+  # x min(per_prompt, grpo.group_size) x 4 x the completions' length; the job says when it
+  # cannot hold them at full length.
+  c.history = dataclass_section(HistoryConfig)
   return c

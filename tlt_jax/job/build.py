@@ -17,23 +17,27 @@ import ml_collections
 import numpy as np
 
 from tlt_jax.job.rollout_config import EAGLE_STRATEGIES, build_drafter, build_drafter_training, \
-    build_engine_config, check_drafter
+    build_engine_config, build_suffix, check_drafter, split_drafter
 from tlt_jax.job.typed_config import ConfigError, check_keys, flatten, section, to_dataclass
 from tlt_jax.models.load import load_tokenizer, pretrained_config
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer
 from tlt_jax.rl import grpo
+from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
-from tlt_jax.rl.tasks import ArithmeticTask, Task, chat_prompt
+from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Task, chat_prompt
 from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prompt, eval_problems, \
     step_problems
 from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.suffix import SuffixConfig
+from tlt_jax.utils import FieldError
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.py"
 TOP_LEVEL = {"seed", "logdir", "distributed", "resume", "checkpoint_every", "drafter",
              "mesh_devices", "task", "model", "sft", "grpo", "trainer", "rollout",
-             "rollout_devices", "drafter_training"}
-_OPTIONAL = {"rollout_devices", "drafter_training"}  # defaults when a config lacks them
+             "rollout_devices", "drafter_training", "history", "suffix"}
+# defaults when a config lacks them
+_OPTIONAL = {"rollout_devices", "drafter_training", "history", "suffix"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +58,14 @@ class Job:
   drafter_save_every: int = 0  # RL steps between selective async drafter saves (0: never)
   model_path: pathlib.Path | None = None  # a pretrained policy (HF directory or .gguf file)
   chat_template: bool = False  # prompts in the tokenizer's chat template
+  suffix: SuffixConfig | None = None  # the suffix drafter drafts (config.drafter has "suffix")
+  history: HistoryConfig = HistoryConfig()  # the store it drafts from (kept only then)
 
 
 TASK_KINDS = ("arithmetic", "reasoning_gym", "math_dataset")
-_TASK_COMMON = {"kind", "chat_template"}  # task fields of every kind
+# task fields of every kind; num_prompts (TrainerConfig.num_prompts) picks fresh problems every
+# step (0) or epoch mode over a fixed prompt set of that many problems
+_TASK_COMMON = {"kind", "chat_template", "num_prompts"}
 
 
 def build_task(task_cfg: ml_collections.ConfigDict) -> tuple[Task, bool]:
@@ -67,7 +75,8 @@ def build_task(task_cfg: ml_collections.ConfigDict) -> tuple[Task, bool]:
   fields; ``reasoning_gym`` takes ``name`` (a reasoning_gym dataset, e.g. ``gsm_symbolic``),
   ``size``, ``seed``, ``prompt_template`` and ``options`` (the dataset's own settings);
   ``math_dataset`` takes ``path`` (a GSM8K-style .jsonl/.json/.parquet file or directory),
-  ``prompt_template``, ``question_key`` and ``answer_key``.
+  ``prompt_template``, ``question_key`` and ``answer_key``. Every kind takes ``num_prompts``
+  (``task_num_prompts``).
   """
   kind = task_cfg.get("kind", "arithmetic")
   if kind not in TASK_KINDS:
@@ -107,6 +116,35 @@ def build_task(task_cfg: ml_collections.ConfigDict) -> tuple[Task, bool]:
     return make(), chat
   except (ValueError, TypeError, ImportError, FileNotFoundError) as e:
     raise ConfigError(f"config.task ({kind}): {e}") from None
+
+
+def task_num_prompts(cfg: ml_collections.ConfigDict) -> int:
+  """``config.task.num_prompts`` (0 when absent): 0 draws fresh problems every step; N > 0 a
+  fixed set of N problems, visited once per epoch in a shuffled order, at least
+  ``config.trainer.prompts_per_step`` of them (fewer would repeat prompts within every step)."""
+  n = section(cfg, "task").get("num_prompts", 0)
+  if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    raise ConfigError(f"config.task.num_prompts must be an int >= 0 (0: fresh problems every "
+                      f"step; N: epoch mode over a fixed set of N problems), got {n!r}")
+  per_step = section(cfg, "trainer").get("prompts_per_step", TrainerConfig.prompts_per_step)
+  if n and isinstance(per_step, int) and n < per_step:
+    raise ConfigError(f"config.task.num_prompts={n} is fewer than config.trainer."
+                      f"prompts_per_step={per_step}: every step would repeat a prompt; use at "
+                      f"least {per_step} (or 0: fresh problems every step)")
+  return n
+
+
+def build_history(cfg: ml_collections.ConfigDict) -> HistoryConfig:
+  """``config.history`` (the defaults when a config lacks it) as a ``HistoryConfig``; bad values
+  name ``config.history.<field>``."""
+  fields = dict(section(cfg, "history").items()) if "history" in cfg else {}
+  check_keys(fields, {f.name for f in dataclasses.fields(HistoryConfig)}, "history")
+  try:
+    return HistoryConfig(**fields)
+  except FieldError as e:
+    raise ConfigError(f"config.history.{e.field} {e.problem}") from None
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.history: {e}") from None
 
 
 def _pretrained_parts(model_cfg: ml_collections.ConfigDict) -> tuple[pathlib.Path, ModelConfig,
@@ -173,15 +211,18 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
     raise ConfigError("config.sft.steps must be 0 here: the warm start writes <bos> + prompt + "
                       "solution, without the chat template (and this tokenizer may have no BOS)")
   grpo_config = to_dataclass(grpo.GRPOConfig, section(cfg, "grpo"), "grpo")
-  trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=cfg.seed)
+  trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=cfg.seed,
+                                num_prompts=task_num_prompts(cfg))
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
   drafter = build_drafter(cfg.drafter, model_config, seed=cfg.seed)
+  suffix = build_suffix(cfg)
+  history = build_history(cfg)
   training, save_every = build_drafter_training(cfg, drafter)
   rollout = section(cfg, "rollout")
-  if cfg.drafter == "eagle" and not rollout.strategies:
+  if split_drafter(cfg.drafter)[0] == "eagle" and not rollout.strategies:
     # a fresh drafter drafts badly at first: let the tuner decide when SD pays, per bucket
     rollout = ml_collections.ConfigDict(dict(rollout.to_dict(), strategies=EAGLE_STRATEGIES))
-  engine_config = build_engine_config(rollout, drafter,
+  engine_config = build_engine_config(rollout, drafter, suffix,
                                       max_new_tokens=trainer_config.max_new_tokens,
                                       pad_token_id=pad)
   check_prompt_lengths(task, tokenizer, chat, trainer_config, engine_config.max_prompt_len)
@@ -192,7 +233,8 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
   return Job(cfg=cfg, logdir=pathlib.Path(cfg.logdir), task=task, tokenizer=tokenizer,
              model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
              engine=engine_config, drafter=drafter, model_path=model_path, chat_template=chat,
-             drafter_training=training, drafter_save_every=save_every)
+             drafter_training=training, drafter_save_every=save_every, suffix=suffix,
+             history=history)
 
 
 PROMPT_CHECK_MAX = 4096  # prompts encoded by check_prompt_lengths (the first steps' and held-out)
@@ -201,9 +243,17 @@ PROMPT_CHECK_MAX = 4096  # prompts encoded by check_prompt_lengths (the first st
 def check_prompt_lengths(task: Task, tokenizer: Tokenizer, chat: bool, trainer: TrainerConfig,
                          max_prompt_len: int) -> None:
   """Refuses a ``config.rollout.max_prompt_len`` shorter than a prompt the run will meet: the
-  held-out problems and the training problems of the first steps (up to ``PROMPT_CHECK_MAX``)."""
-  steps = min(trainer.steps, max(1, PROMPT_CHECK_MAX // trainer.prompts_per_step))
+  held-out problems and the training problems of the first steps, or in epoch mode those of the
+  prompt set (up to ``PROMPT_CHECK_MAX``); and a prompt set the task cannot draw."""
   named = [("a held-out problem", p) for p in eval_problems(task, trainer.eval_problems)]
+  if trainer.num_prompts:
+    try:
+      schedule = EpochSchedule(task, trainer.seed, trainer.num_prompts, trainer.prompts_per_step)
+    except ValueError as e:
+      raise ConfigError(f"config.task.num_prompts={trainer.num_prompts}: {e}") from None
+    named += [("a problem of the prompt set", p) for p in schedule.problems[:PROMPT_CHECK_MAX]]
+  steps = 0 if trainer.num_prompts else min(trainer.steps,
+                                            max(1, PROMPT_CHECK_MAX // trainer.prompts_per_step))
   for step in range(steps):
     named += [(f"a problem of step {step + 1}", p)
               for p in step_problems(task, trainer.seed, step, trainer.prompts_per_step)]

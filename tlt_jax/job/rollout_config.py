@@ -1,6 +1,6 @@
-"""The rollout side of the main job's config: the drafter, the rollout engine and the drafter's
-online training, as typed configs whose errors name ``config.drafter``, ``config.rollout.<field>``
-and ``config.drafter_training.<field>``."""
+"""The rollout side of the main job's config: the drafter(s), the rollout engine and the drafter's
+online training, as typed configs whose errors name ``config.drafter``, ``config.rollout.<field>``,
+``config.suffix.<field>`` and ``config.drafter_training.<field>``."""
 
 from __future__ import annotations
 
@@ -16,30 +16,57 @@ from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.suffix import SuffixConfig
 from tlt_jax.rollout.tuner import TunerConfig
 from tlt_jax.utils import FieldError
 
 
 _DRAFTER_CHOICES = ("'none', 'ngram', 'eagle' (a drafter trained online from scratch) or the "
                    "directory of a drafter saved by tlt_jax.models.drafter.save_drafter")
+SUFFIX = "suffix"  # config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
+_SUFFIX_CHOICES = ("'suffix' (the suffix drafter, which drafts from the rollout's own history, "
+                   "alone) or '<eagle or a drafter directory>+suffix' (both in one engine)")
+
+
+def split_drafter(value) -> tuple[str, bool]:
+  """``config.drafter`` as (the learned or n-gram drafter's part, whether the suffix drafter
+  drafts too): ``"suffix"`` is ``("none", True)``, ``"eagle+suffix"`` ``("eagle", True)``."""
+  if value == SUFFIX:
+    return "none", True
+  if isinstance(value, str) and value.endswith("+" + SUFFIX):
+    return value[:-len(SUFFIX) - 1], True
+  return value, False
 
 
 def check_drafter(value) -> None:
-  """Rejects a ``config.drafter`` that is neither a known kind nor an existing directory."""
-  if value in ("none", "ngram", "eagle"):
+  """Rejects a ``config.drafter`` that is neither a known kind nor an existing directory (either
+  of them with ``+suffix``, or ``suffix`` alone)."""
+  if value == SUFFIX:
     return
-  if not isinstance(value, str) or not value:
-    raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}, got {value!r}")
-  if not pathlib.Path(value).is_dir():
-    raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}; {value!r} is not an "
-                      "existing directory")
+  base, suffix = split_drafter(value)
+  if suffix and base in ("none", "ngram", ""):
+    why = {"none": "the suffix drafter alone is 'suffix'",
+           "ngram": "the suffix drafter already drafts from the group's sibling responses, as the "
+                    "n-gram drafter does: use 'suffix'",
+           "": "a learned drafter goes before '+suffix'"}[base]
+    raise ConfigError(f"config.drafter={value!r}: {why} (config.drafter takes {_DRAFTER_CHOICES}; "
+                      f"or {_SUFFIX_CHOICES})")
+  if base in ("none", "ngram", "eagle"):
+    return
+  if not isinstance(base, str) or not base:
+    raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}, or {_SUFFIX_CHOICES}; got "
+                      f"{value!r}")
+  if not pathlib.Path(base).is_dir():
+    raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}; {base!r} is not an existing "
+                      f"directory (or {_SUFFIX_CHOICES})")
 
 
 def build_drafter(value, model_config: ModelConfig, seed: int = 0
                   ) -> Drafter | NgramConfig | None:
-  """``config.drafter``: none, the n-gram drafter, a fresh EAGLE drafter (``eagle``) or a learned
-  drafter loaded for the policy."""
+  """``config.drafter``'s learned or n-gram part: none, the n-gram drafter, a fresh EAGLE drafter
+  (``eagle``) or a learned drafter loaded for the policy (the suffix part: ``build_suffix``)."""
   check_drafter(value)
+  value = split_drafter(value)[0]
   if value == "none":
     return None
   if value == "ngram":
@@ -57,16 +84,18 @@ _ENGINE_SCALARS = ("verify", "sd_max_batch", "verify_budget", "segment_steps")
 _STRATEGY_HINT = "a list of [depth, topk, verify_tokens] triples, e.g. ((4, 1, 5), (4, 2, 8))"
 
 
-def _strategies(value) -> tuple[SpecConfig, ...]:
-  """``config.rollout.strategies`` as SpecConfigs; errors name the entry."""
+def _strategies(value, field: str = "strategies") -> tuple[SpecConfig, ...]:
+  """``config.rollout.<field>`` (``strategies`` or ``suffix_strategies``) as SpecConfigs; errors
+  name the entry."""
+  name = f"config.rollout.{field}"
   if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-    raise ConfigError(f"config.rollout.strategies must be {_STRATEGY_HINT}, got {value!r}")
+    raise ConfigError(f"{name} must be {_STRATEGY_HINT}, got {value!r}")
   if value and all(isinstance(v, int) for v in value):
-    raise ConfigError(f"config.rollout.strategies must be {_STRATEGY_HINT}, got the flat "
+    raise ConfigError(f"{name} must be {_STRATEGY_HINT}, got the flat "
                       f"{tuple(value)!r}; one strategy is written ({tuple(value)!r},)")
   specs = []
   for i, entry in enumerate(value):
-    where = f"config.rollout.strategies[{i}]"
+    where = f"{name}[{i}]"
     if isinstance(entry, SpecConfig):
       specs.append(entry)
       continue
@@ -82,7 +111,7 @@ def _strategies(value) -> tuple[SpecConfig, ...]:
       raise ConfigError(f"{where} = {entry!r}: {e}") from None
     specs.append(spec)
   if len(set(specs)) != len(specs):
-    raise ConfigError(f"config.rollout.strategies lists a strategy twice: {value!r}")
+    raise ConfigError(f"{name} lists a strategy twice: {value!r}")
   return tuple(specs)
 
 
@@ -111,12 +140,19 @@ def _named(error: Exception, where: str) -> ConfigError:
 
 
 def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
-                        **extra) -> EngineConfig:
+                        suffix: SuffixConfig | None = None, **extra) -> EngineConfig:
   """``config.rollout`` as an ``EngineConfig`` (``extra``: fields set by the job); a bad value of
-  the adaptive engine's fields names ``config.rollout.<field>``."""
+  the adaptive engine's fields names ``config.rollout.<field>``. ``suffix``: the suffix drafter
+  drafts too (``config.rollout.suffix_strategies`` are its strategies and need it)."""
   fields = dict(rollout.items())
   if "strategies" in fields:
     fields["strategies"] = _strategies(fields["strategies"])
+  suffix_strategies = _strategies(fields.pop("suffix_strategies", ()), "suffix_strategies")
+  if suffix_strategies and suffix is None:
+    raise ConfigError("config.rollout.suffix_strategies needs the suffix drafter: set "
+                      f"config.drafter to {_SUFFIX_CHOICES}, or leave suffix_strategies empty")
+  if suffix_strategies:  # (empty: one chain of config.suffix.depth, EngineConfig's default)
+    fields["suffix_strategies"] = suffix_strategies
   if fields.get("tuner") is not None:
     fields["tuner"] = _tuner(fields["tuner"])
   engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -134,16 +170,36 @@ def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
     raise _named(e, "rollout.tuner") from None
   if engine.strategies and drafter is None:
     raise ConfigError("config.rollout.strategies needs a drafter: set config.drafter to 'ngram' "
-                      "or a saved drafter's directory, or leave strategies empty (vanilla)")
+                      "or a saved drafter's directory, or leave strategies empty (vanilla)" +
+                      ("; the suffix drafter's strategies are config.rollout.suffix_strategies"
+                       if suffix is not None else ""))
   if isinstance(drafter, NgramConfig) and any(not s.is_chain for s in engine.strategies):
     raise ConfigError(f"config.rollout.strategies {engine.strategies} has tree strategies "
                       "(topk > 1) but the n-gram drafter drafts chains: use topk=1 entries")
   return engine
 
 
+def build_suffix(cfg: ml_collections.ConfigDict) -> SuffixConfig | None:
+  """``config.suffix`` as a ``SuffixConfig`` when ``config.drafter`` has the suffix drafter
+  (``suffix`` or ``<drafter>+suffix``), else None; the section is checked in any case, so a
+  mistake shows before it matters (a config without the section takes the defaults)."""
+  fields = dict(section(cfg, "suffix").items()) if "suffix" in cfg else {}
+  check_keys(fields, {f.name for f in dataclasses.fields(SuffixConfig)}, "suffix")
+  try:
+    suffix = SuffixConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+  except (TypeError, ValueError) as e:
+    raise _named(e, "suffix") from None
+  return suffix if split_drafter(cfg.drafter)[1] else None
+
+
+def suffix_section() -> ml_collections.ConfigDict:
+  """``config.suffix`` with every ``SuffixConfig`` field at its default, for config files."""
+  return dataclass_section(SuffixConfig)
+
+
 # config.drafter_training's fields of the job's own (the others are DrafterTrainingConfig's):
-# whether the drafter trains online ("auto": when config.drafter="eagle"), and the RL steps
-# between selective async saves of the drafter alone (0: none)
+# whether the drafter trains online ("auto": when config.drafter is "eagle" or "eagle+suffix"),
+# and the RL steps between selective async saves of the drafter alone (0: none)
 DRAFTER_TRAINING_JOB_FIELDS = {"online": "auto", "save_every": 1}
 
 
@@ -179,12 +235,12 @@ def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
     raise ConfigError(f"config.drafter_training: {e}") from None
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
-  online = cfg.drafter == "eagle" if online == "auto" else online
+  online = split_drafter(cfg.drafter)[0] == "eagle" if online == "auto" else online
   if not online:
     return None, 0
   if not isinstance(drafter, Drafter):
     raise ConfigError(f"config.drafter_training.online=True needs a learned drafter: set "
-                      f"config.drafter to 'eagle' or a saved drafter's directory, not "
-                      f"{cfg.drafter!r}")
+                      f"config.drafter to 'eagle' or a saved drafter's directory (either may "
+                      f"add '+suffix'), not {cfg.drafter!r}")
   return training, save_every
 

@@ -18,12 +18,14 @@ import numpy as np
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.drafter import ledger as ledger_lines
 from tlt_jax.job.build import Job, build_job, check_top_level, describe, job_devices
+from tlt_jax.job.rollout_config import split_drafter
 from tlt_jax.job.run_dir import CHECKPOINTS, DRAFTER_CHECKPOINTS, FINAL_MODEL, MetricsLog, \
     choose_logdir, export_final_drafter, export_final_model, open_run, save_run_config
 from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.models.load import from_pretrained
 from tlt_jax.models.drafter import Drafter, drafter_policy_mismatch
 from tlt_jax.models.transformer import Transformer, init_model
+from tlt_jax.rl import history as history_lib
 from tlt_jax.rl.sft import warm_start
 from tlt_jax.rl.trainer import GRPOTrainer, check_update_layout
 from tlt_jax.rl.update import NonFiniteUpdateError
@@ -66,14 +68,24 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
     model = initial_model(job, cfg.seed)
     if not cfg.resume:
       model = _warm_start(model, job)
-    if isinstance(job.drafter, Drafter) and cfg.drafter != "eagle":
-      warning = drafter_policy_mismatch(cfg.drafter, model)  # the policy RL starts from
+    learned = split_drafter(cfg.drafter)[0]
+    if isinstance(job.drafter, Drafter) and learned != "eagle":
+      warning = drafter_policy_mismatch(learned, model)  # the policy RL starts from
       if warning:
         _say(f"warning: {warning}")
     trainer = make_trainer(job, model, mesh)
     if len(trainer.rollout_devices) > 1:
       _say(f"rollout: data-parallel over {len(trainer.rollout_devices)} devices (an engine "
            "each)")
+    if trainer.history is not None:
+      _say(f"drafter: the suffix drafter drafts from every prompt's earlier completions too (the "
+           f"newest {job.history.per_prompt} per prompt, {job.history.max_bytes / 2**20:.1f} MiB "
+           "at most, saved with every checkpoint)")
+    if job.trainer.num_prompts:
+      _say(f"data: epoch mode, {job.trainer.num_prompts} fixed problems visited once per epoch, "
+           f"{job.trainer.prompts_per_step} per step")
+    if trainer.history is not None and (note := _history_room(job)):
+      _say(note)
     if trainer.online is not None:
       _say("drafter: trained online from the rollouts' hidden states ("
            + ("on the devices the tail leaves idle" if len(trainer.rollout_devices) > 1 and
@@ -142,7 +154,24 @@ def make_trainer(job: Job, model: Transformer, mesh: jax.sharding.Mesh) -> GRPOT
   return GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
                      mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
                      rollout_devices=job.cfg.get("rollout_devices", 0),
-                     drafter_training=job.drafter_training)
+                     drafter_training=job.drafter_training, suffix=job.suffix,
+                     history=job.history)
+
+
+def _history_room(job: Job) -> str | None:
+  """A note when the history store cannot hold one epoch's completions at full length (then a
+  prompt may find its history evicted by the time the next epoch comes back to it)."""
+  if not job.trainer.num_prompts:
+    return None
+  kept = min(job.history.per_prompt, job.grpo.group_size)
+  need = job.trainer.num_prompts * (history_lib.PROMPT_BYTES + kept * history_lib.completion_cost(
+      job.trainer.max_new_tokens))
+  if need <= job.history.max_bytes:
+    return None
+  return (f"note: history.max_bytes={job.history.max_bytes} holds less than an epoch's "
+          f"completions at full length ({need} bytes for {job.trainer.num_prompts} prompts x "
+          f"{kept} completions x {job.trainer.max_new_tokens} tokens): a prompt may find its "
+          f"history evicted by its next visit; raise --config.history.max_bytes to keep it")
 
 
 def _precompile(trainer: GRPOTrainer) -> None:
@@ -189,6 +218,8 @@ def _drafter_line(m: dict) -> str:
                  f"{m['drafter_serial_steps']} serial")
   if ledger := ledger_lines.step_line(m):
     parts.append(ledger)
+  if "history_hit_rate" in m:
+    parts.append(f"history hits {m['history_hit_rate']:.0%} of prompts")
   return (" | " + ", ".join(parts)) if parts else ""
 
 

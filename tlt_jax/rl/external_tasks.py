@@ -57,6 +57,15 @@ def _check_n(n: Any) -> int:
   return int(n)
 
 
+def _distinct_indices(rng: np.random.Generator, n: Any, size: int, name: str) -> list[int]:
+  """``n`` distinct indices of ``0..size-1`` from ``rng``, or a ValueError when ``n > size``."""
+  n = _check_n(n)
+  if n > size:
+    raise ValueError(f"{name} has {size} problems, fewer than the {n} distinct ones asked for; "
+                     f"ask for at most {size} (or use a larger dataset)")
+  return [int(i) for i in rng.choice(size, size=n, replace=False)]
+
+
 def _alphabet(texts: Iterable[str]) -> str:
   """Every character that occurs in ``texts``, sorted."""
   chars: set[str] = set()
@@ -182,6 +191,10 @@ class MathDatasetTask:
     n = _check_n(n)
     return [self.problems[int(i)] for i in rng.integers(0, len(self.problems), size=n)]
 
+  def sample_distinct(self, rng: np.random.Generator, n: int) -> list[Problem]:
+    """``n`` distinct records drawn without replacement (epoch mode's prompt set)."""
+    return [self.problems[i] for i in _distinct_indices(rng, n, len(self.problems), self.name)]
+
   def reward(self, problem: Problem, completion: str) -> float:
     """1.0 if the completion's final answer equals ``problem.answer`` (see ``math_reward``)."""
     return math_reward(completion, problem.answer)
@@ -265,6 +278,10 @@ class ReasoningGymTask:
     """``n`` entries drawn uniformly with replacement (same generator state, same problems)."""
     n = _check_n(n)
     return [self.problem(int(i)) for i in rng.integers(0, self.size, size=n)]
+
+  def sample_distinct(self, rng: np.random.Generator, n: int) -> list[Problem]:
+    """``n`` distinct entries drawn without replacement (epoch mode's prompt set)."""
+    return [self.problem(i) for i in _distinct_indices(rng, n, self.size, self.name)]
 
   def _index(self, problem: Problem) -> int:
     """The entry index of a problem from this task (by its ``index``, else by its prompt)."""

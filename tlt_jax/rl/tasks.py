@@ -11,6 +11,9 @@ carry trace, one fixed-width step per digit column from the right::
 
 Every step is a true equation, so a trace can be checked step by step. Operand sizes follow a
 truncated Zipf law over 1..max_digits, which makes trace lengths heavy-tailed (the RL long tail).
+
+``EpochSchedule`` is the data order of epoch mode (``TrainerConfig.num_prompts``): a fixed prompt
+set visited once per epoch, as RL on a dataset does, instead of fresh problems every step.
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ class Problem:
 
 @runtime_checkable
 class Task(Protocol):
-  """What the RL loop needs from a task: problems to roll out and a reward for completions."""
+  """What the RL loop needs from a task: problems to roll out and a reward for completions.
+
+  A task may also have ``sample_distinct(rng, n)``: ``n`` problems that are distinct entries (a
+  dataset's draw without replacement), which ``sample_distinct`` below then uses."""
 
   name: str
   alphabet: str  # every character a prompt or a solution may contain
@@ -174,3 +180,83 @@ def _random_number(rng: np.random.Generator, digits: int) -> int:
   """A uniform number with exactly ``digits`` digits (0..9 for one digit)."""
   low = 0 if digits == 1 else 10 ** (digits - 1)
   return int(rng.integers(low, 10 ** digits))
+
+
+# ---- epoch mode: a fixed prompt set, visited once per epoch ---------------------------------------
+# seed-sequence tags of epoch mode's streams: [seed, PROMPT_SET_STREAM] draws the prompt set and
+# [seed, EPOCH_ORDER_STREAM, epoch] each epoch's order (a fresh step's problems come from
+# [seed, step]: two words, never three)
+PROMPT_SET_STREAM = 0x5E7
+EPOCH_ORDER_STREAM = 0xE90C
+DISTINCT_STALLS = 8  # rounds of n draws in a row that find no new prompt before giving up
+
+
+def sample_distinct(task, rng: np.random.Generator, n: int) -> list[Problem]:
+  """``n`` problems with distinct prompts from ``rng``: the task's own ``sample_distinct`` if it
+  has one, else ``task.sample`` in rounds of ``n`` draws, repeats dropped (a ValueError when
+  ``DISTINCT_STALLS`` rounds in a row find nothing new: the task has too few problems)."""
+  own = getattr(task, "sample_distinct", None)
+  if callable(own):
+    return own(rng, n)
+  problems, seen, stalls = [], set(), 0
+  while len(problems) < n:
+    before = len(problems)
+    for problem in task.sample(rng, n):
+      if problem.prompt not in seen and len(problems) < n:
+        seen.add(problem.prompt)
+        problems.append(problem)
+    stalls = 0 if len(problems) > before else stalls + 1
+    if stalls >= DISTINCT_STALLS:
+      raise ValueError(f"the task {getattr(task, 'name', type(task).__name__)!r} gave only "
+                       f"{len(problems)} distinct prompts ({DISTINCT_STALLS} rounds of {n} draws "
+                       f"found no new one), fewer than the {n} asked for: ask for fewer")
+  return problems
+
+
+class EpochSchedule:
+  """Epoch mode's data order, a pure function of (seed, step) so that a resumed run sees the same
+  data: ``num_prompts`` problems with distinct prompts, drawn once from the seed, and epoch ``e``
+  visits each of them once in the order of a permutation drawn from (seed, e). The epochs are laid
+  end to end and step ``s`` takes the ``per_step`` problems at positions ``s * per_step ...``.
+  ``num_prompts < per_step`` is refused (every step would repeat prompts); where ``per_step`` does
+  not divide ``num_prompts`` a step straddles two epochs, and may then hold a prompt of both (two
+  groups of one prompt, each its own GRPO group).
+  """
+
+  def __init__(self, task, seed: int, num_prompts: int, per_step: int):
+    for name, value in (("num_prompts", num_prompts), ("per_step", per_step)):
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"EpochSchedule.{name} must be a positive int, got {value!r}")
+    if num_prompts < per_step:
+      raise ValueError(f"epoch mode needs at least as many prompts as a step takes: num_prompts="
+                       f"{num_prompts} < prompts_per_step={per_step} would repeat a prompt "
+                       f"within a step; use num_prompts >= {per_step} (or 0: fresh problems "
+                       "every step)")
+    self.task, self.seed = task, seed
+    self.num_prompts, self.per_step = int(num_prompts), int(per_step)
+    self.problems = sample_distinct(task, np.random.default_rng([seed, PROMPT_SET_STREAM]),
+                                    self.num_prompts)
+
+  def order(self, epoch: int) -> np.ndarray:
+    """Indices into ``problems`` in the order epoch ``epoch`` visits them."""
+    rng = np.random.default_rng([self.seed, EPOCH_ORDER_STREAM, epoch])
+    return rng.permutation(self.num_prompts)
+
+  def epoch(self, step: int) -> int:
+    """The epoch step ``step``'s first problem belongs to (0-based)."""
+    return step * self.per_step // self.num_prompts
+
+  def indices(self, step: int) -> list[int]:
+    """Indices into ``problems`` of step ``step``'s problems."""
+    first = step * self.per_step
+    out, orders = [], {}
+    for position in range(first, first + self.per_step):
+      epoch, at = divmod(position, self.num_prompts)
+      if epoch not in orders:
+        orders[epoch] = self.order(epoch)
+      out.append(int(orders[epoch][at]))
+    return out
+
+  def step_problems(self, step: int) -> list[Problem]:
+    """The problems of RL step ``step``."""
+    return [self.problems[i] for i in self.indices(step)]

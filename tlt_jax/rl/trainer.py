@@ -1,15 +1,18 @@
 """The GRPO trainer: one RL step is problems -> rollout -> rewards -> group advantages -> update.
 
 One RL step samples ``prompts_per_step`` problems (deterministically from ``(seed, step)``, so
-the data position is the step number), completes each ``group_size`` times with the rollout
-engine, scores the completions with the task's verifiable reward, and takes ``minibatches``
-clipped policy-gradient steps per epoch. The rooms it calls on:
+the data position is the step number: fresh problems every step, or with ``num_prompts`` a fixed
+prompt set visited once per epoch), completes each ``group_size`` times with the rollout engine,
+scores the completions with the task's verifiable reward, and takes ``minibatches`` clipped
+policy-gradient steps per epoch. The rooms it calls on:
 
 * ``rollout/`` generates (one device, or data-parallel over several: one interface);
 * ``rl/packing.py`` lays the rows out for the update, ``rl/update.py`` owns the params, optimizer
   state and ahead-of-time compiled update steps (``PolicyUpdate``);
 * ``drafter/online.py`` is the adaptive drafter's part of the step (its buffer, spot and serial
-  training, its checkpoint), present when the drafter trains online.
+  training, its checkpoint), present when the drafter trains online;
+* ``rl/history.py`` keeps the earlier completions of every prompt for a suffix drafter to draft
+  from (``Rollout.uses_history``), saved with the checkpoint.
 """
 
 from __future__ import annotations
@@ -30,16 +33,19 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.tokenizer import Tokenizer
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rl import grpo
+from tlt_jax.rl.history import HistoryConfig, HistoryStore, prompt_key
 from tlt_jax.rl.packing import UPDATE_BUCKET_MIN, padded_batch
-from tlt_jax.rl.tasks import Problem, chat_prompt
+from tlt_jax.rl.tasks import EpochSchedule, Problem, chat_prompt
 from tlt_jax.rl.update import PolicyUpdate
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.parallel import DataParallelRollout
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.stats import rollout_metrics
+from tlt_jax.rollout.suffix import SuffixConfig
 from tlt_jax.utils import require_positive_ints
 
 TUNER_KEY = "tuner"  # checkpoint metadata: the adaptive rollout tuner's state_dict()
+HISTORY_KEY = "history"  # checkpoint metadata: the HistoryStore's state_dict()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +81,10 @@ class TrainerConfig:
   # tokens, 8.3x at 1024; 8192 saves nothing at 128). Raise it on accelerators, which want
   # bigger passes. 0: pad every row to the full length and update each minibatch in one pass.
   update_tokens: int = 2048
+  # 0: fresh problems every step, drawn from (seed, step). > 0: epoch mode, a fixed set of this
+  # many problems (distinct prompts) drawn once from the seed and visited once per epoch in a
+  # shuffled order (``tasks.EpochSchedule``); at least prompts_per_step
+  num_prompts: int = 0
 
   def __post_init__(self):
     require_positive_ints(self, "steps", "prompts_per_step", "minibatches", "epochs",
@@ -87,6 +97,14 @@ class TrainerConfig:
                        f"{self.temperature!r}")
     if self.warmup_steps < 0:
       raise ValueError(f"TrainerConfig.warmup_steps must be >= 0, got {self.warmup_steps!r}")
+    n = self.num_prompts
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+      raise ValueError(f"TrainerConfig.num_prompts must be an int >= 0 (0: fresh problems every "
+                       f"step), got {n!r}")
+    if 0 < n < self.prompts_per_step:
+      raise ValueError(f"TrainerConfig.num_prompts={n} is fewer than prompts_per_step="
+                       f"{self.prompts_per_step}: every step would repeat a prompt; use at "
+                       f"least {self.prompts_per_step} (or 0: fresh problems every step)")
     if self.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"TrainerConfig.on_nonfinite must be 'stop' or 'skip', got "
                        f"{self.on_nonfinite!r}")
@@ -128,9 +146,12 @@ def eval_problems(task, n: int, seed: int = EVAL_SEED) -> list[Problem]:
   return task.sample(np.random.default_rng(seed), n)
 
 
-def step_problems(task, seed: int, step: int, n: int) -> list[Problem]:
-  """The problems of RL step ``step``: a pure function of (seed, step), so a resumed run sees the
-  same data."""
+def step_problems(task, seed: int, step: int, n: int, num_prompts: int = 0) -> list[Problem]:
+  """The ``n`` problems of RL step ``step``: a pure function of (seed, step), so a resumed run sees
+  the same data. ``num_prompts`` > 0: epoch mode, from a fixed set of that many problems
+  (``EpochSchedule``; a trainer keeps one instead of drawing the set again every step)."""
+  if num_prompts:
+    return EpochSchedule(task, seed, num_prompts, n).step_problems(step)
   return task.sample(np.random.default_rng([seed, step]), n)
 
 
@@ -158,11 +179,17 @@ class GRPOTrainer:
   def __init__(self, model: Transformer, tokenizer: Tokenizer, task, engine_config: EngineConfig,
                grpo_config: grpo.GRPOConfig, config: TrainerConfig, mesh: Mesh | None = None,
                drafter=None, chat_template: bool = False, rollout_devices: int = 1,
-               drafter_training: DrafterTrainingConfig | None = None):
+               drafter_training: DrafterTrainingConfig | None = None,
+               suffix: SuffixConfig | None = None, history: HistoryConfig | None = None):
     """``drafter`` (a ``Drafter`` or ``NgramConfig``) makes rollouts speculative; being lossless,
     it changes their speed, never what is sampled. ``chat_template``: prompts are the task's
     prompt text as a user message in the tokenizer's chat template (``tasks.chat_prompt``)
     instead of ``<bos> + text``.
+
+    ``suffix``: the engines also draft with the suffix drafter (``rollout/suffix.py``), beside
+    ``drafter`` or alone (``drafter=None``). ``history``: the bounds of the store of every
+    prompt's earlier completions that such an engine drafts from (``rl/history.py``); kept only
+    when the engine uses it (``Rollout.uses_history``), and saved with the checkpoint.
 
     ``rollout_devices``: how many of the mesh's devices roll out data-parallel, each with its own
     engine (``rollout/parallel.py``; 0: all of them, 1: the mesh's first device, as before).
@@ -180,11 +207,18 @@ class GRPOTrainer:
     devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
     check_rollout_devices(rollout_devices, len(devices))
     self.rollout_devices = devices[:rollout_devices or len(devices)]
+    with_suffix = {} if suffix is None else {"suffix": suffix}
     if len(self.rollout_devices) > 1:
-      self.engine = DataParallelRollout(model, drafter, engine_config, devices=self.rollout_devices)
+      self.engine = DataParallelRollout(model, drafter, engine_config, devices=self.rollout_devices,
+                                        **with_suffix)
     else:
       self.engine = RolloutEngine(model, drafter=drafter, config=engine_config,
-                                  device=self.rollout_devices[0])
+                                  device=self.rollout_devices[0], **with_suffix)
+    self.history_config = history
+    self.history = None  # HistoryStore: the prompts' earlier completions (a suffix drafter's)
+    if history is not None and self.engine.uses_history:
+      self.history = HistoryStore(history)
+    self._schedule = None  # EpochSchedule (epoch mode), made when first needed
     self.online = None
     if drafter_training is not None:
       if not isinstance(drafter, Drafter):
@@ -250,8 +284,23 @@ class GRPOTrainer:
 
   # ---- data ---------------------------------------------------------------------------------
   def problems_for(self, step: int) -> list[Problem]:
-    """The step's problems: a pure function of (seed, step), so a resumed run sees the same data."""
-    return step_problems(self.task, self.config.seed, step, self.config.prompts_per_step)
+    """The step's problems: a pure function of (seed, step), so a resumed run sees the same data
+    (``step_problems``)."""
+    schedule = self.schedule
+    if schedule is None:
+      return step_problems(self.task, self.config.seed, step, self.config.prompts_per_step)
+    return schedule.step_problems(step)
+
+  @property
+  def schedule(self) -> EpochSchedule | None:
+    """Epoch mode's data order (``TrainerConfig.num_prompts`` > 0), else None; drawn for the
+    current ``self.task``."""
+    if not self.config.num_prompts:
+      return None
+    if self._schedule is None or self._schedule.task is not self.task:
+      self._schedule = EpochSchedule(self.task, self.config.seed, self.config.num_prompts,
+                                     self.config.prompts_per_step)
+    return self._schedule
 
   def encode_prompt(self, problem: Problem) -> list[int]:
     """The prompt's ids (``encode_prompt``)."""
@@ -267,13 +316,18 @@ class GRPOTrainer:
     """Rollout, reward, advantages and policy updates for one step; returns its metrics."""
     cfg, g, online = self.config, self.grpo_config.group_size, self.online
     t0 = time.perf_counter()
-    rows = [p for p in self.problems_for(self.step_count) for _ in range(g)]  # group by group
+    problems = self.problems_for(self.step_count)
+    rows = [p for p in problems for _ in range(g)]  # group by group
     prompts = [self.encode_prompt(p) for p in rows]
     self._sync_engine()  # (cheap) in case the params were replaced from outside
     sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               seed=(cfg.seed * 1_000_003 + self.step_count) % 2**32)
     options = {} if online is None else online.rollout_options(self.step_count, prompts,
                                                                 self.engine)
+    earlier = None
+    if self.history is not None:  # per row, the earlier completions of its prompt
+      earlier = self.history.lookup(prompts[::g])
+      options = dict(options, history=[h for h in earlier for _ in range(g)])
     result = self.engine.generate(prompts, sampling, **options)
     t_rollout = time.perf_counter() - t0
     drafter_metrics = {}
@@ -303,7 +357,24 @@ class GRPOTrainer:
                  for b in self.engine.config.batch_buckets}
     out.update(rollout_metrics(result.stats, offered))
     out.update(drafter_metrics)
+    if self.schedule is not None:
+      out["epoch"] = self.schedule.epoch(self.step_count - 1)
+    if self.history is not None:  # after a good update: a step that raised leaves it as it was
+      out.update(self._remember(prompts, result.tokens, earlier))
     return out
+
+  def _remember(self, prompts, completions, earlier) -> dict[str, float | int]:
+    """Adds the step's groups to the history store; returns its metrics: the store's size
+    (``history_bytes``, ``history_prompts``) and the share of the step's distinct prompts that
+    had an earlier completion to draft from (``history_hit_rate``)."""
+    g = self.grpo_config.group_size
+    had = {}
+    for i, first in enumerate(range(0, len(prompts), g)):
+      had.setdefault(prompt_key(prompts[first]), bool(earlier[i]))
+    for first in range(0, len(prompts), g):
+      self.history.add(prompts[first], completions[first:first + g])
+    return dict(history_bytes=self.history.size_bytes, history_prompts=self.history.num_prompts,
+                history_hit_rate=sum(had.values()) / len(had))
 
   def policy_update(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
     """The step's policy updates (``PolicyUpdate.run``); the engines get the new params, or the
@@ -322,11 +393,14 @@ class GRPOTrainer:
 
   def save(self, checkpointer: ckpt.Checkpointer, metadata: dict | None = None) -> None:
     """Saves params, optimizer state and the step (the data position is the step) atomically;
-    the metadata holds what the adaptive engine's tuner learned (``"tuner"``), if it has one;
-    the online drafter's data buffer is a file beside the step's arrays."""
+    the metadata holds what the adaptive engine's tuner learned (``"tuner"``), if it has one,
+    and the history store (``"history"``), if one is kept; the online drafter's data buffer is a
+    file beside the step's arrays."""
     metadata = {"format": 1, "trainer": dataclasses.asdict(self.config), **(metadata or {})}
     if (tuner := self.engine.tuner_state()) is not None:
       metadata[TUNER_KEY] = tuner
+    if self.history is not None:
+      metadata[HISTORY_KEY] = self.history.state_dict()
     write_buffer = (None if self.online is None else
                     self.online.save_buffer(checkpointer, self.step_count, metadata))
     checkpointer.save(self.step_count, self._checkpoint_state(), metadata)
@@ -336,13 +410,18 @@ class GRPOTrainer:
   def restore(self, checkpointer: ckpt.Checkpointer, step: int | None = None,
               report=print) -> dict:
     """Loads ``step``, or by default the newest checkpoint that passes verification (a corrupt
-    newer one is reported through ``report`` and moved aside), and its tuner state into the
-    adaptive engine's tuner (``Rollout.load_tuner_state``); returns its metadata."""
+    newer one is reported through ``report`` and moved aside), its tuner state into the adaptive
+    engine's tuner (``Rollout.load_tuner_state``) and its history store, if one is kept (a
+    checkpoint without one, e.g. from before the store existed, is reported and the store starts
+    empty); returns its metadata."""
     like = self._checkpoint_state()
     if step is None:
       _, state, metadata = checkpointer.restore_latest_good(like=like, report=report)
     else:
       state, metadata = checkpointer.restore(step, like=like)
+    history = None  # read first: a history that does not load leaves the trainer as it was
+    if self.history is not None:
+      history = self._saved_history(metadata.get(HISTORY_KEY), int(state["step"]), report)
     self.policy.load_checkpoint_state(state)
     self.step_count = int(state["step"])
     self._sync_engine()
@@ -350,7 +429,24 @@ class GRPOTrainer:
       self.online.restore(state["drafter"], checkpointer, self.step_count, metadata, report)
       self._sync_drafter(always=True)
     self.engine.load_tuner_state(metadata.get(TUNER_KEY), report)
+    if history is not None:
+      self.history = history
     return metadata
+
+  def _saved_history(self, saved: dict | None, step: int, report) -> HistoryStore:
+    """The history store of checkpoint ``step``'s metadata entry ``saved``: empty (and reported)
+    when there is none; a ValueError naming the step when it does not load."""
+    history = HistoryStore(self.history_config)
+    if saved is None:
+      report(f"the checkpoint of step {step} holds no rollout history (saved before the history "
+             "store existed, or without a suffix drafter): the store starts empty")
+      return history
+    try:
+      history.load_state_dict(saved)
+    except ValueError as e:
+      raise ValueError(f"the checkpoint of step {step} holds a rollout history that does not "
+                       f"load: {e}") from None
+    return history
 
   def evaluate(self, n: int | None = None, seed: int = EVAL_SEED, temperature: float = 0.0,
                progress=None) -> float:
