@@ -72,7 +72,7 @@ class RoundRobin:
   def step_cost(self, bucket, arm):  # nothing measured: the rollout's SD saving is unknown
     return None
 
-  def observe_drafter(self, quality=None, source="learned"):
+  def observe_drafter(self, quality=None, source="learned", forget=False):
     pass
 
   def summary(self):

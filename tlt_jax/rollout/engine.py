@@ -507,10 +507,12 @@ class RolloutEngine(Rollout):
 
   def observe_history(self, history: Sequence[Sequence[Any]]) -> None:
     """Tells the tuner the suffix drafter changed when the share of prompts that have a history
-    moved by more than a quarter since the last request (a new epoch of recurring prompts)."""
+    moved by more than a quarter since the last request (a new epoch of recurring prompts): its
+    acceptance until now says nothing of its acceptance with (or without) history, so the tuner
+    forgets it and probes the suffix arms again."""
     share = sum(1 for h in history if h) / max(len(history), 1)
     if self.tuner is not None and abs(share - self._history_share) > 0.25:
-      self.tuner.observe_drafter(source="suffix")
+      self.tuner.observe_drafter(source="suffix", forget=True)
     self._history_share = share
 
   def collect_mask(self, collect_hidden, n: int, seed: int) -> np.ndarray | None:

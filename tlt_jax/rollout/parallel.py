@@ -67,9 +67,9 @@ class LockedTuner:
     with self._lock:
       return self.tuner.update(bucket, arm, tokens, seconds, **measured)
 
-  def observe_drafter(self, quality=None, **source):
+  def observe_drafter(self, quality=None, **kwargs):  # source=, forget=
     with self._lock:
-      return self.tuner.observe_drafter(quality, **source)
+      return self.tuner.observe_drafter(quality, **kwargs)
 
   def step_cost(self, bucket, arm):
     with self._lock:

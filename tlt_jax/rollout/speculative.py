@@ -307,14 +307,18 @@ def verify(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, sp
   """Walks the draft against the target ``logits [B, N, V]``; exact for greedy and sampling.
 
   ``coupled``: sampled rows take the greedy walk on the Gumbel-perturbed target log-probs (the
-  noise of each node's position), so the emitted tokens are vanilla sampling's."""
-  walk = lambda greedy: lambda: _walk(draft, logits, args, rows, gen_pos, spec, greedy)
+  noise of each node's position), so the emitted tokens are vanilla sampling's.
+
+  A chain of point-mass drafts (the n-gram and suffix drafters') takes ``_walk_point_chain``:
+  the same decisions from the same random draws, all levels at once."""
+  walker = _walk_point_chain if spec.is_chain and draft.draft_probs is None else _walk
+  walk = lambda greedy: lambda: walker(draft, logits, args, rows, gen_pos, spec, greedy)
   if coupled:
     def perturbed_walk():
       logp = filtered_logprobs(logits, args.temperature, args.top_k, args.top_p)
       noise = coupled_noise(args, rows, gen_pos, spec.depth + 1, logits.shape[-1])
       logp = logp + jnp.take_along_axis(noise, draft.depth[:, :, None], axis=1)
-      return _walk(draft, logp, args, rows, gen_pos, spec, True)
+      return walker(draft, logp, args, rows, gen_pos, spec, True)
     return lax.cond(args.temperature <= 0, walk(True), perturbed_walk)
   return lax.cond(args.temperature <= 0, walk(True), walk(False))
 
@@ -376,6 +380,45 @@ def _walk(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos, spe
     bonus = jax.vmap(jax.random.categorical)(bonus_key,
                                              jnp.log(jnp.maximum(final_residual, 0.0)))
   return Verdict(jnp.stack(path, 1), accepted, bonus.astype(jnp.int32))
+
+
+def _walk_point_chain(draft: Draft, logits: jax.Array, args: SamplerArgs, rows, gen_pos,
+                      spec: SpecConfig, greedy: bool) -> Verdict:
+  """``_walk`` for a chain of point-mass drafts (``draft_probs`` None, node ``i`` at level ``i``),
+  every level at once instead of one after another: level ``i``'s draft ``d_i`` passes iff it is
+  the target's argmax there (greedy) or ``u_i < p_i(d_i)`` with ``u_i`` the uniform ``_walk``
+  draws for that level; the first failure (or the end of the draft) stops the walk, and the bonus
+  is drawn from ``p`` with the rejected token removed (or from ``p`` after full acceptance),
+  with ``_walk``'s key. The same draws give the same verdict as ``_walk``."""
+  b, n = draft.tokens.shape
+  depth = spec.depth
+  levels = jnp.arange(depth, dtype=jnp.int32)
+  nxt = draft.tokens[:, 1:depth + 1]  # [B, D] the draft of each level
+  usable = levels[None, :] < draft.draft_len[:, None]
+  if greedy:
+    passed = jnp.argmax(logits[:, :depth], -1) == nxt
+  else:
+    probs = jnp.exp(filtered_logprobs(logits, args.temperature, args.top_k, args.top_p))
+    p_tok = jnp.take_along_axis(probs[:, :depth], nxt[:, :, None], 2)[:, :, 0]  # [B, D]
+    keys = jax.vmap(lambda level: _keys(args, rows, gen_pos + level, _ACCEPT), out_axes=1)(levels)
+    u = jax.vmap(jax.vmap(jax.random.uniform))(keys)  # [B, D]
+    passed = u < p_tok
+  run = jnp.cumprod((passed & usable).astype(jnp.int32), axis=1)
+  accepted = jnp.sum(run, axis=1).astype(jnp.int32)
+  path = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), run * (levels[None, :] + 1)], 1)
+  if greedy:
+    bonus = jnp.argmax(pick_positions(logits, accepted), -1)
+  else:
+    here = pick_positions(probs, accepted)  # [B, V] the target at the node the walk ended on
+    stopped = accepted < draft.draft_len  # the draft at that node was rejected: remove it
+    rejected = jnp.take_along_axis(nxt, jnp.minimum(accepted, depth - 1)[:, None], 1)[:, 0]
+    removed = jnp.where(jax.nn.one_hot(rejected, here.shape[-1], dtype=bool), 0.0, here)
+    mass = jnp.sum(removed, -1, keepdims=True)
+    removed = jnp.where(mass > 0, removed / jnp.maximum(mass, 1e-30), here)
+    final = jnp.where(stopped[:, None], removed, here)
+    bonus_key = _keys(args, rows, gen_pos + accepted, _BONUS)
+    bonus = jax.vmap(jax.random.categorical)(bonus_key, jnp.log(jnp.maximum(final, 0.0)))
+  return Verdict(path, accepted, bonus.astype(jnp.int32))
 
 
 def compact_path_kv(cache: KVCache, path: jax.Array, n: int) -> KVCache:

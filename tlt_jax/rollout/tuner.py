@@ -295,10 +295,13 @@ class Tuner:
     stats = self._buckets.get(bucket)
     return None if stats is None else stats.arms.get(arm)
 
-  def observe_drafter(self, quality: float | None = None, source: str = "learned") -> None:
+  def observe_drafter(self, quality: float | None = None, source: str = "learned",
+                      forget: bool = False) -> None:
     """The drafter of ``source`` changed (the learned one's weights after online training, a
     suffix drafter's history grew); ``quality`` is the held-out top-1 agreement of what drafted
-    until now, where known. Only the ``"cost"`` kind uses it."""
+    until now, where known; ``forget``: what its arms measured so far says nothing of it any
+    more (a suffix drafter that now has history to draft from), so they are probed afresh. Only
+    the ``"cost"`` kind uses it."""
     _check_drafter(type(self).__name__, quality, source)
 
   def _register(self, bucket, arms: Sequence[Arm]) -> tuple[int, list[str], _BucketStats]:
@@ -600,10 +603,13 @@ class CostModel(Tuner):
     super().set_costs(step_seconds, overhead_s)
 
   # ---- what it is told -------------------------------------------------------------------
-  def observe_drafter(self, quality: float | None = None, source: str = "learned") -> None:
+  def observe_drafter(self, quality: float | None = None, source: str = "learned",
+                      forget: bool = False) -> None:
     _check_drafter("CostModel", quality, source)
     self._speeds.clear()
     drafter = self._drafters.setdefault(source, _Drafter())
+    if forget:
+      drafter.accept.clear()
     if quality is not None:  # it describes what drafted since the last call
       drafter.quality = drafter.qualities[drafter.version] = float(quality)
     drafter.version += 1
