@@ -678,6 +678,40 @@ def test_a_drafters_top1_shifts_only_its_own_measurements():
     tuner.observe_drafter(0.5, source="")
 
 
+def test_a_forgotten_suffix_drafter_is_probed_even_where_it_looked_hopeless():
+  """Without history the suffix drafter accepts little and loses everywhere; once the prompts have
+  history the engine tells the tuner to forget that (``forget=True``): its arms, which no longer
+  look able to win on the old acceptance, are probed again, and the learned drafter's
+  measurements stay."""
+  tuner = make_tuner(TunerConfig())
+  tuner.set_costs(SOURCE_COSTS, OVERHEAD)
+  tuner.plan(1, SOURCE_ARMS)
+  segment(tuner, 1, "chain d3", 0.8)
+  for arm in ("suffix d3", "suffix d7"):
+    segment(tuner, 1, arm, 0.02)
+  learned = tuner.alpha("chain d3")
+  tuner.observe_drafter(source="suffix")  # a new version, but the old acceptance still stands
+  assert not any(d.probe and d.arm.startswith("suffix") for d in plans(tuner, 1))
+  tuner.observe_drafter(source="suffix", forget=True)
+  assert tuner.alpha("suffix d3") is None and tuner.alpha("chain d3") == learned
+  assert any(d.probe and d.arm.startswith("suffix") for d in plans(tuner, 1))
+
+
+def plans(tuner, bucket, n=4):
+  """The next ``n`` decisions at ``bucket``, each reported as a segment at the acceptance it had."""
+  out = []
+  for _ in range(n):
+    d = tuner.plan(bucket, SOURCE_ARMS)
+    out.append(d)
+    if d.arm != "vanilla":
+      segment(tuner, bucket, d.arm, 0.02 if d.arm.startswith("suffix") else 0.8,
+              steps=d.max_steps or 32)
+    else:
+      tuner.update(bucket, "vanilla", bucket * 32, 32 * SOURCE_COSTS[(bucket, "vanilla")],
+                   steps=32, row_steps=bucket * 32)
+  return out
+
+
 @pytest.mark.parametrize("cfg", [TunerConfig(kind="beg_mab"), TunerConfig(kind="ucb1"),
                                  TunerConfig(kind="fixed", fixed=((8, "vanilla"),))],
                          ids=["beg_mab", "ucb1", "fixed"])
