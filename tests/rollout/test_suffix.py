@@ -39,9 +39,10 @@ def reference(ctx, plen, group, hist, remaining, cfg, spec, width):
              and seq[e - m] == own[len(own) - 1 - m]):
         m += 1
       return m
-    for r in range(b):
-      if group[r] != group[row]:
-        continue
+    members = [r for r in range(b) if group[r] == group[row]]
+    if b > cfg.max_group:  # itself and the first max_group rows of its group
+      members = sorted({row, *members[:cfg.max_group]})
+    for r in members:
       seq = ctx[r]
       for e in range(len(seq) - 1):
         if r != row and e < plen[r]:
@@ -119,10 +120,13 @@ def random_case(rng, vocab, b, groups):
   return ctx, plen, group, hist, rng.integers(1, 12, b)
 
 
-@pytest.mark.parametrize("spec", [SpecConfig(4, 1, 5), SpecConfig(3, 3, 7), SpecConfig(2, 2, 5)],
-                         ids=["chain", "tree-3-shared", "tree-2-full"])
-def test_lookup_follows_the_documented_rules(spec):
-  cfg = SuffixConfig(max_ngram=3, min_ngram=1, depth=spec.depth, history_len=16)
+@pytest.mark.parametrize("spec, max_group", [
+    (SpecConfig(4, 1, 5), 16), (SpecConfig(3, 3, 7), 16), (SpecConfig(2, 2, 5), 16),
+    (SpecConfig(4, 1, 5), 2), (SpecConfig(3, 3, 7), 1)],
+    ids=["chain", "tree-3-shared", "tree-2-full", "chain-window-2", "tree-window-1"])
+def test_lookup_follows_the_documented_rules(spec, max_group):
+  cfg = SuffixConfig(max_ngram=3, min_ngram=1, depth=spec.depth, history_len=16,
+                     max_group=max_group)
   rng = np.random.default_rng(0)
   checked = 0
   for case in range(40):

@@ -18,9 +18,9 @@ Inputs of one lookup (all shapes static, everything jittable):
 
 Where a draft comes from. The row's suffix of ``n`` tokens (``n = min_ngram .. max_ngram``) is
 looked up at every *occurrence*, an end position that is followed by at least one token, in four
-sources: ``history`` (the row's history), ``group`` (the responses of the other rows of its group;
-their prompts are the row's own and are left out), ``prompt`` and ``self`` (the row's own prompt and
-response). Occurrences are ranked by
+sources: ``history`` (the row's history), ``group`` (the responses of the other rows of its
+group, the first ``max_group`` of them; their prompts are the row's own and are left out),
+``prompt`` and ``self`` (the row's own prompt and response). Occurrences are ranked by
 
 1. the matched length ``n`` (a longer shared suffix predicts better),
 2. *support*: how many occurrences matched at that length continue with the same next token (the
@@ -70,16 +70,20 @@ class SuffixConfig:
   tokens of earlier completions each row can draft from (the newest first, cut to this many);
   ``depth``: draft levels of the default chain strategy (``EngineConfig.suffix_strategies``
   empty: one chain of this depth); ``candidates``: distinct next tokens whose support is counted
-  before the best is chosen (at least a tree's branches)."""
+  before the best is chosen (at least a tree's branches); ``max_group``: the most rows of a group
+  a row drafts from besides itself (the first ones, in row order; GRPO groups are usually 8 or
+  16), so a batch bucket of B rows searches ``B * (max_group + 1)`` contexts, not ``B * B``."""
 
   max_ngram: int = 4
   min_ngram: int = 1
   depth: int = 8
   history_len: int = 512
   candidates: int = 3
+  max_group: int = 16
 
   def __post_init__(self):
-    require_positive_ints(self, "max_ngram", "min_ngram", "depth", "history_len", "candidates")
+    require_positive_ints(self, "max_ngram", "min_ngram", "depth", "history_len", "candidates",
+                          "max_group")
     if self.min_ngram > self.max_ngram:
       raise ValueError(f"SuffixConfig.min_ngram ({self.min_ngram}) must be <= "
                        f"SuffixConfig.max_ngram ({self.max_ngram})")
@@ -147,53 +151,56 @@ def suffix_draft(ctx: jax.Array, ctx_len: jax.Array, prompt_lens: jax.Array, gro
   pos = jnp.arange(length, dtype=jnp.int32)
   hpos = jnp.arange(h, dtype=jnp.int32)
 
-  # Which end positions may be drafted from: [B(b), B(r), L] in the contexts, [B, H] in history.
-  same = (group_ids[:, None] == group_ids[None, :]) & live[:, None] & live[None, :]
-  is_self = rows[:, None] == rows[None, :]
-  followed = pos[None, :] + 1 < ctx_len[:, None]  # [B(r), L]
-  in_prompt = pos[None, :] < prompt_lens[:, None]
-  ctx_ok = same[:, :, None] & followed[None] & (is_self[:, :, None] | ~in_prompt[None])
+  # The rows each row drafts from (S of them): itself and its group's, [B, S] row indices.
+  cand, cand_ok = _candidate_rows(group_ids, config.max_group)
+  s_rows = cand.shape[1]
+  c_ctx = ctx[cand]  # [B, S, L]
+  c_len = ctx_len[cand]
+  # Which end positions may be drafted from: [B, S, L] in the contexts, [B, H] in history.
+  same = cand_ok & (group_ids[cand] == group_ids[:, None]) & live[:, None]
+  is_self = cand == rows[:, None]  # [B, S]
+  followed = pos[None, None, :] + 1 < c_len[:, :, None]
+  in_prompt = pos[None, None, :] < prompt_lens[cand][:, :, None]
+  ctx_ok = same[:, :, None] & followed & (is_self[:, :, None] | ~in_prompt)
   next_h = shift(history, -1)
   hist_ok = (history >= 0) & (next_h >= 0) & live[:, None]
 
   # Matched suffix lengths, growing the suffix one token at a time.
-  m_ctx = jnp.zeros((b, b, length), jnp.int32)
+  m_ctx = jnp.zeros((b, s_rows, length), jnp.int32)
   m_hist = jnp.zeros((b, h), jnp.int32)
-  run_ctx = jnp.ones((b, b, length), bool)
+  run_ctx = jnp.ones((b, s_rows, length), bool)
   run_hist = jnp.ones((b, h), bool)
   for k in range(config.max_ngram):
     q_idx = ctx_len - 1 - k
     query = jnp.where(q_idx >= 0, jnp.take_along_axis(ctx, jnp.maximum(q_idx, 0)[:, None], 1)[:, 0],
                       _NO_QUERY)
-    run_ctx = run_ctx & (shift(ctx, k)[None] == query[:, None, None])
+    run_ctx = run_ctx & (shift(c_ctx, k) == query[:, None, None])
     run_hist = run_hist & (shift(history, k) == query[:, None])
     m_ctx = m_ctx + run_ctx
     m_hist = m_hist + run_hist
 
   # Tokens that follow each occurrence (capped at depth), and its next token.
-  follow_ctx = jnp.clip(ctx_len[:, None] - 1 - pos[None, :], 0, depth)  # [B(r), L]
+  follow_ctx = jnp.clip(c_len[:, :, None] - 1 - pos[None, None, :], 0, depth)  # [B, S, L]
   follow_h = jnp.zeros((b, h), jnp.int32)
   alive = jnp.ones((b, h), bool)
   for i in range(1, depth + 1):
     alive = alive & (shift(history, -i) >= 0)
     follow_h = follow_h + alive
-  next_ctx = shift(ctx, -1)  # [B(r), L]
+  next_ctx = shift(c_ctx, -1)  # [B, S, L]
 
-  # One flat axis of occurrences per row: the B contexts' L positions, then the H history ones.
-  m_all = jnp.concatenate([m_ctx.reshape(b, b * length), m_hist], 1)
-  ok_all = jnp.concatenate([ctx_ok.reshape(b, b * length), hist_ok], 1) & (
-      m_all >= config.min_ngram)
-  nxt_all = jnp.concatenate([jnp.broadcast_to(next_ctx.reshape(1, b * length), (b, b * length)),
-                             next_h], 1)
-  follow_all = jnp.concatenate(
-      [jnp.broadcast_to(follow_ctx.reshape(1, b * length), (b, b * length)), follow_h], 1)
+  # One flat axis of occurrences per row: the S contexts' L positions, then the H history ones.
+  flat = s_rows * length
+  m_all = jnp.concatenate([m_ctx.reshape(b, flat), m_hist], 1)
+  ok_all = jnp.concatenate([ctx_ok.reshape(b, flat), hist_ok], 1) & (m_all >= config.min_ngram)
+  nxt_all = jnp.concatenate([next_ctx.reshape(b, flat), next_h], 1)
+  follow_all = jnp.concatenate([follow_ctx.reshape(b, flat), follow_h], 1)
   src_ctx = jnp.where(is_self[:, :, None],
-                      jnp.where(in_prompt[None], SOURCES.index("prompt"), SOURCES.index("self")),
-                      SOURCES.index("group"))  # [B, B(r), L]
-  src_all = jnp.concatenate([src_ctx.reshape(b, b * length),
+                      jnp.where(in_prompt, SOURCES.index("prompt"), SOURCES.index("self")),
+                      SOURCES.index("group"))  # [B, S, L]
+  src_all = jnp.concatenate([src_ctx.reshape(b, flat),
                              jnp.full((b, h), SOURCES.index("history"), jnp.int32)], 1)
-  priority = jnp.asarray([_PRIORITY[s] for s in SOURCES], jnp.int32)[src_all]
-  recency = jnp.concatenate([jnp.broadcast_to(jnp.tile(pos, b)[None], (b, b * length)),
+  priority = jnp.asarray([_PRIORITY[x] for x in SOURCES], jnp.int32)[src_all]
+  recency = jnp.concatenate([jnp.broadcast_to(jnp.tile(pos, s_rows)[None], (b, flat)),
                              jnp.broadcast_to((h - hpos)[None], (b, h))], 1)
   score = ((m_all * (depth + 1) + follow_all) * 4 + priority) * span + recency
   score = jnp.where(ok_all, score, -1)
@@ -223,11 +230,11 @@ def suffix_draft(ctx: jax.Array, ctx_len: jax.Array, prompt_lens: jax.Array, gro
 
   # Each branch's tokens and usable length.
   levels = jnp.arange(depth, dtype=jnp.int32)
-  in_ctx = safe < b * length
-  r, e = safe // length, safe % length
-  e_h = jnp.clip(safe - b * length, 0, h - 1)
-  tok_ctx = ctx[jnp.clip(r, 0, b - 1)[:, :, None],
-                jnp.clip(e[:, :, None] + 1 + levels, 0, length - 1)]  # [B, K, D]
+  in_ctx = safe < flat
+  r, e = jnp.clip(safe // length, 0, s_rows - 1), safe % length
+  e_h = jnp.clip(safe - flat, 0, h - 1)
+  tok_ctx = c_ctx[rows[:, None, None], r[:, :, None],
+                  jnp.clip(e[:, :, None] + 1 + levels, 0, length - 1)]  # [B, K, D]
   tok_h = history[rows[:, None, None], jnp.clip(e_h[:, :, None] + 1 + levels, 0, h - 1)]
   tokens = jnp.where(in_ctx[:, :, None], tok_ctx, tok_h)
   avail = jnp.take_along_axis(follow_all, safe, 1)
@@ -249,6 +256,28 @@ def suffix_draft(ctx: jax.Array, ctx_len: jax.Array, prompt_lens: jax.Array, gro
     return SuffixDraft(draft, node_source.astype(jnp.int32), match_len)
   draft, node_source = _branches_as_tree(root, tokens, lens, source, n_nodes)
   return SuffixDraft(draft, node_source, match_len)
+
+
+def _candidate_rows(group_ids: jax.Array, max_group: int) -> tuple[jax.Array, jax.Array]:
+  """``(rows [B, S], usable [B, S])``: the rows each row drafts from. With at most ``max_group``
+  rows in the batch, every row in order (``S = B``; the group is picked out later). Otherwise the
+  row itself and the first ``max_group`` rows of its group in row order (``S = max_group + 1``;
+  its own slot among those is masked), found by sorting the rows by group: the lookup then
+  costs ``B * S`` contexts instead of ``B * B``."""
+  b = group_ids.shape[0]
+  rows = jnp.arange(b, dtype=jnp.int32)
+  if b <= max_group:
+    return jnp.broadcast_to(rows, (b, b)), jnp.ones((b, b), bool)
+  key = jnp.where(group_ids >= 0, group_ids, jnp.iinfo(jnp.int32).max // (2 * b))
+  order = jnp.argsort(key * b + rows).astype(jnp.int32)  # by group, then row
+  sorted_groups = key[order]
+  start = jnp.searchsorted(sorted_groups, key, side="left").astype(jnp.int32)  # [B]
+  at = start[:, None] + jnp.arange(max_group, dtype=jnp.int32)[None, :]
+  window = order[jnp.clip(at, 0, b - 1)]
+  usable = (at < b) & (sorted_groups[jnp.clip(at, 0, b - 1)] == key[:, None]) & (
+      window != rows[:, None])
+  return (jnp.concatenate([rows[:, None], window], 1),
+          jnp.concatenate([jnp.ones((b, 1), bool), usable], 1))
 
 
 def _branches_as_tree(root, tokens, lens, source, n_nodes: int) -> tuple[Draft, jax.Array]:
