@@ -62,6 +62,16 @@ def _as_spec(value, where: str) -> SpecConfig:
                    f"verify_tokens) triple, got {value!r}")
 
 
+def _spec_tuple(value, field: str) -> tuple[SpecConfig, ...]:
+  """``EngineConfig.<field>`` as a tuple of distinct ``SpecConfig`` (``FieldError`` otherwise)."""
+  if isinstance(value, (SpecConfig, str)) or not isinstance(value, (tuple, list)):
+    raise FieldError("EngineConfig", field, f"must be a tuple of SpecConfig, got {value!r}")
+  specs = tuple(_as_spec(s, f"EngineConfig.{field}[{i}]") for i, s in enumerate(value))
+  if len(set(specs)) != len(specs):
+    raise FieldError("EngineConfig", field, f"has duplicates: {specs}")
+  return specs
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Static shapes and strategies of the rollout engine. Buckets default to powers of two up to
@@ -103,22 +113,9 @@ class EngineConfig:
   def __post_init__(self):
     if self.spec is not None and not isinstance(self.spec, SpecConfig):
       object.__setattr__(self, "spec", _as_spec(self.spec, "EngineConfig.spec"))
-    if isinstance(self.strategies, (SpecConfig, str)) or not isinstance(
-        self.strategies, (tuple, list)):
-      raise FieldError("EngineConfig", "strategies", f"must be a tuple of SpecConfig, got "
-                       f"{self.strategies!r}")
-    strategies = tuple(_as_spec(s, f"EngineConfig.strategies[{i}]")
-                       for i, s in enumerate(self.strategies))
-    if len(set(strategies)) != len(strategies):
-      raise FieldError("EngineConfig", "strategies", f"has duplicates: {strategies}")
+    strategies = _spec_tuple(self.strategies, "strategies")
     object.__setattr__(self, "strategies", strategies)
-    if not isinstance(self.suffix_strategies, (tuple, list)):
-      raise FieldError("EngineConfig", "suffix_strategies", f"must be a tuple of SpecConfig, got "
-                       f"{self.suffix_strategies!r}")
-    suffix = tuple(_as_spec(s, f"EngineConfig.suffix_strategies[{i}]")
-                   for i, s in enumerate(self.suffix_strategies))
-    if len(set(suffix)) != len(suffix):
-      raise FieldError("EngineConfig", "suffix_strategies", f"has duplicates: {suffix}")
+    suffix = _spec_tuple(self.suffix_strategies, "suffix_strategies")
     for i, spec in enumerate(suffix):
       check_suffix_spec(spec, f"EngineConfig.suffix_strategies[{i}]")
     object.__setattr__(self, "suffix_strategies", suffix)
