@@ -55,7 +55,6 @@ class Strategy:
     return self.spec is not None and self.kind == "learned"
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Request:
   """One ``generate`` call as every chunk of it sees it: the checked ``prompts``, the sampler's
@@ -193,8 +192,8 @@ class Scheduler:
       done, n_gen, rows, counters, cache_lens = jax.device_get(
           (state.done, state.num_generated, state.row_id, state.counters, state.cache.lengths))
       seconds = time.perf_counter() - t0
-      lagging |= not strategy.learned and self.learned  # only the learned drafter's steps
-      # consume the feature pairs; every other strategy leaves them pending
+      # only the learned drafter's steps consume the feature pairs; the others leave them pending
+      lagging |= not strategy.learned and self.learned
       delta = {k: int(counters[k]) - before[k] for k in before}
       before = {k: int(counters[k]) for k in before}
       if tuned and delta["steps"] > 0:

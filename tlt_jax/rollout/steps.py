@@ -59,7 +59,6 @@ class DecodeState:
   history: jax.Array | None = None  # [B, SuffixConfig.history_len]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class StrategyGroup:
   """Strategies that share one segment executable: vanilla alone, a chain alone, or the trees
@@ -81,14 +80,9 @@ class StrategyGroup:
                       verify_tokens=m[0].verify_tokens)
 
 
-def _kind(kind: str | bool) -> str:
-  return {True: "ngram", False: "learned"}.get(kind, kind) if isinstance(kind, bool) else kind
-
-
-def strategy_name(spec: SpecConfig | None, kind: str | bool = "learned") -> str:
+def strategy_name(spec: SpecConfig | None, kind: str = "learned") -> str:
   """``"vanilla"``, ``"chain d4"``, ``"tree d4 k4 v16"``; ``"ngram d8"`` for n-gram chains (``kind``
-  "ngram", or True), ``"suffix d8"`` / ``"suffix d8 k3 v11"`` for the suffix drafter's."""
-  kind = _kind(kind)
+  "ngram"), ``"suffix d8"`` / ``"suffix d8 k3 v11"`` for the suffix drafter's."""
   if spec is None:
     return "vanilla"
   if kind == "suffix":
@@ -99,21 +93,20 @@ def strategy_name(spec: SpecConfig | None, kind: str | bool = "learned") -> str:
   return f"tree d{spec.depth} k{spec.topk} v{spec.verify_tokens}"
 
 
-def group_name(spec: SpecConfig | None, kind: str | bool = "learned") -> str:
+def group_name(spec: SpecConfig | None, kind: str = "learned") -> str:
   """The name of the executable group a strategy belongs to (the learned drafter's trees of one
   verify width share one; every other strategy has its own)."""
-  kind = _kind(kind)
   if spec is None or spec.is_chain or kind != "learned":
     return strategy_name(spec, kind)
   return f"tree v{spec.verify_tokens}"
 
 
-def make_groups(specs: Sequence[SpecConfig], kind: str | bool = "learned",
+def make_groups(specs: Sequence[SpecConfig], kind: str = "learned",
                 suffix_specs: Sequence[SpecConfig] = ()) -> dict[str, StrategyGroup]:
   """Vanilla plus ``specs`` (drafted by ``kind``) and ``suffix_specs`` grouped by ``group_name``
   (members in the order given)."""
   members: dict[tuple[str, str], list[SpecConfig]] = {}
-  for k, group_specs in ((_kind(kind), specs), ("suffix", suffix_specs)):
+  for k, group_specs in ((kind, specs), ("suffix", suffix_specs)):
     for spec in group_specs:
       members.setdefault((group_name(spec, k), k), []).append(spec)
   groups = {"vanilla": StrategyGroup("vanilla")}
@@ -490,4 +483,5 @@ class StepFunctions:
 
 def describe(groups: dict[str, StrategyGroup]) -> dict[str, Any]:
   """Group name -> member strategy names (for stats and the pool ablation)."""
-  return {name: [strategy_name(s) for s in g.members] or ["vanilla"] for name, g in groups.items()}
+  return {name: [strategy_name(s, g.kind) for s in g.members] or ["vanilla"]
+          for name, g in groups.items()}
