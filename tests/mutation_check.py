@@ -412,8 +412,8 @@ MUTANTS = [
            "a row near its length limit drafts a token it can never emit (its slot is lost to "
            "the hedges)"),
     Mutant("suffix_sibling_prompts_searched", "tlt_jax/rollout/suffix.py",
-           "ctx_ok = same[:, :, None] & followed[None] & (is_self[:, :, None] | ~in_prompt[None])",
-           "ctx_ok = same[:, :, None] & followed[None]",
+           "ctx_ok = same[:, :, None] & followed & (is_self[:, :, None] | ~in_prompt)",
+           "ctx_ok = same[:, :, None] & followed",
            ("tests/rollout/test_suffix.py", "-k", "documented_rules"),
            "the siblings' prompts (the row's own) are searched again as 'group' occurrences"),
     Mutant("history_not_packed", "tlt_jax/rollout/scheduler.py",
@@ -468,8 +468,14 @@ MUTANTS = [
            "a resumed run drafts from an empty store: its metrics differ from the "
            "uninterrupted run's"),
     Mutant("history_hit_rate_after_the_add", "tlt_jax/rl/trainer.py",
-           "      had.setdefault(prompt_key(prompts[first]), bool(earlier[i]))",
-           "      had.setdefault(prompt_key(prompts[first]), self.history.has(prompts[first]))",
+           "      had.setdefault(prompt_key(prompts[first]), bool(earlier[i]))\n"
+           "    for first in range(0, len(prompts), g):\n"
+           "      self.history.add(prompts[first], completions[first:first + g])\n",
+           "      pass\n"
+           "    for first in range(0, len(prompts), g):\n"
+           "      self.history.add(prompts[first], completions[first:first + g])\n"
+           "    for first in range(0, len(prompts), g):\n"
+           "      had.setdefault(prompt_key(prompts[first]), self.history.has(prompts[first]))\n",
            ("tests/rl/test_trainer.py", "-k", "earlier_completions"),
            "history_hit_rate counts the step's own completions as history"),
     Mutant("job_drops_the_suffix_drafter", "tlt_jax/job/runner.py",
