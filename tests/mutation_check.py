@@ -148,7 +148,7 @@ MUTANTS = [
            ("tests/rollout/test_adaptive.py", "-k", "catch_up"),
            "vanilla steps store each token's feature one slot off"),
     Mutant("switch_without_catch_up", "tlt_jax/rollout/scheduler.py",
-           "lagging |= strategy.spec is None and self.learned",
+           "lagging |= not strategy.learned and self.learned",
            "lagging = False",
            ("tests/rollout/test_adaptive.py", "-k", "greedy_with_switching and mirror"),
            "vanilla -> SD switches skip the drafter's catch-up (drafts from a stale drafter)"),
