@@ -37,6 +37,7 @@ import jax
 
 import harness
 from harness import EngineConfig, NgramConfig, RolloutEngine, SamplingParams, SpecConfig, ints
+from tlt_jax.rollout.stats import RolloutStats
 from tlt_jax.rollout.suffix import SuffixConfig
 
 
@@ -63,12 +64,10 @@ def run_batches(engine, groups, params, history_of):
   source."""
   results = [engine.generate(g, params, history=history_of(g)) for g in groups]
   stats = harness.combined_stats(results)
-  steps, tokens = {}, {}
+  sources = RolloutStats()
   for r in results:
-    for k, n in r.stats.source_steps.items():
-      steps[k] = steps.get(k, 0) + n
-      tokens[k] = tokens.get(k, 0) + r.stats.source_tokens[k]
-  stats["accept_by_source"] = {k: tokens[k] / n for k, n in steps.items() if n}
+    sources.add_sources(r.stats.source_steps, r.stats.source_tokens)
+  stats["accept_by_source"] = sources.accept_by_source()
   return stats
 
 
@@ -117,17 +116,17 @@ def main():
       base = harness.static_batch(bs, plen, a.max_new)
       engines = contenders(target, drafter, base, hist_len)
       groups = [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
-      for name, (engine, with_history) in engines.items():
+      def history_of(name):
+        """The contender's ``history`` for a group of prompts (None: it drafts without)."""
+        with_history = engines[name][1]
+        return lambda g: [history[tuple(q)] for q in g] if with_history else None
+
+      for name, (engine, _) in engines.items():
         engine.precompile()
-        hist_of = (lambda g: [history[tuple(q)] for q in g]) if with_history else (
-            lambda g: None)
-        engine.generate(groups[0], params, history=hist_of(groups[0]))  # warm the host path
+        engine.generate(groups[0], params, history=history_of(name)(groups[0]))  # warm host path
 
       def run(name, _rep):
-        engine, with_history = engines[name]
-        hist_of = (lambda g: [history[tuple(q)] for q in g]) if with_history else (
-            lambda g: None)
-        stats = run_batches(engine, groups, params, hist_of)
+        stats = run_batches(engines[name][0], groups, params, history_of(name))
         assert stats["compiles"] == 0, name
         return stats
 
