@@ -59,10 +59,13 @@ def require_positive_ints(obj, *names: str) -> None:
 
 
 def progress_bar(total: int, desc: str, unit: str):
-  """A tqdm bar on stderr, cleared when done (sparse updates when stderr is not a terminal)."""
+  """A tqdm bar on stderr, cleared when done (sparse updates when stderr is not a terminal; none
+  on the processes other than process 0 of a multi-process job)."""
+  import jax  # pylint: disable=import-outside-toplevel
   interactive = sys.stderr.isatty()
   return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False,
-              mininterval=0.5 if interactive else 10.0, dynamic_ncols=True)
+              mininterval=0.5 if interactive else 10.0, dynamic_ncols=True,
+              disable=jax.process_index() != 0)
 
 
 def write_report(path, report: dict) -> pathlib.Path:

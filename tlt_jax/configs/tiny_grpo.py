@@ -31,6 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout_devices = 0
   c.mesh_devices = 0  # devices of the data-parallel update mesh (0: every device)
   c.distributed = False  # True: jax.distributed.initialize() (multi-host, from the environment)
+  # several processes: how long one waits for another's rollout rows (or any exchange) before it
+  # stops with an error naming the process that did not come (a dead one is noticed sooner)
+  c.distributed_timeout_s = 600
 
   # ArithmeticTask: operands of up to max_digits digits, sizes Zipf(digit_exponent)-distributed.
   # num_prompts: 0 draws fresh problems every step; N > 0 is epoch mode, a fixed set of N

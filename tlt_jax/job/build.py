@@ -33,11 +33,11 @@ from tlt_jax.rollout.suffix import SuffixConfig
 from tlt_jax.utils import FieldError
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.py"
-TOP_LEVEL = {"seed", "logdir", "distributed", "resume", "checkpoint_every", "drafter",
+TOP_LEVEL = {"seed", "logdir", "distributed", "distributed_timeout_s", "resume", "checkpoint_every", "drafter",
              "mesh_devices", "task", "model", "sft", "grpo", "trainer", "rollout",
              "rollout_devices", "drafter_training", "history", "suffix"}
 # defaults when a config lacks them
-_OPTIONAL = {"rollout_devices", "drafter_training", "history", "suffix"}
+_OPTIONAL = {"rollout_devices", "drafter_training", "history", "suffix", "distributed_timeout_s"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,10 +122,15 @@ def _differs(a, b) -> bool:
 
 class MetricsLog:
   """``metrics.jsonl`` plus tensorboard events; on resume, rows after ``resume_step`` are dropped
-  (they belong to steps the resumed run does again)."""
+  (they belong to steps the resumed run does again). ``write=False`` (the processes other than
+  process 0 of a multi-process run) keeps this run's rows in memory and writes no file."""
 
-  def __init__(self, logdir: pathlib.Path, resume_step: int | None = None):
+  def __init__(self, logdir: pathlib.Path, resume_step: int | None = None, write: bool = True):
     self.path = logdir / "metrics.jsonl"
+    self.memory: list[dict] | None = None if write else []
+    self.writer = None
+    if not write:
+      return
     if resume_step is not None and self.path.exists():
       kept = []
       for line in self.path.read_text(encoding="utf-8").splitlines():
@@ -147,6 +152,9 @@ class MetricsLog:
       self.writer = None
 
   def write(self, step: int, metrics: dict) -> None:
+    if self.memory is not None:
+      self.memory.append({"step": step, **metrics})
+      return
     self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
     self.jsonl.flush()
     if self.writer is not None:
@@ -157,9 +165,13 @@ class MetricsLog:
 
   def rows(self) -> list[dict]:
     """Every row written so far (this run's and, on resume, the kept earlier ones)."""
+    if self.memory is not None:
+      return list(self.memory)
     return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines()]
 
   def close(self) -> None:
+    if self.memory is not None:
+      return
     self.jsonl.close()
     if self.writer is not None:
       self.writer.close()

@@ -15,6 +15,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from tlt_jax import hosts
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.drafter import ledger as ledger_lines
 from tlt_jax.job.build import Job, build_job, check_top_level, describe, job_devices
@@ -45,8 +46,8 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # never mutate the caller's config
   check_top_level(cfg)
   logdir = choose_logdir(cfg)
-  if cfg.distributed:
-    jax.distributed.initialize()  # multi-host, from the environment; before any other JAX call
+  if cfg.distributed:  # several processes, from the environment; before any other JAX call
+    hosts.initialize(timeout_s=cfg.get("distributed_timeout_s", hosts.DEFAULT_TIMEOUT_S))
   cfg, latest, note = open_run(cfg, logdir, overrides)
   if note:
     _say(note)
@@ -59,10 +60,12 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
          f"{job.trainer.steps}); raise --config.trainer.steps to train further. Results: "
          f"{logdir / 'metrics.jsonl'}, {logdir / FINAL_MODEL}")
     return dict(history=[], lengths=[], finished=True, step=latest)
-  if not cfg.resume:
+  if not cfg.resume and hosts.is_primary():
     save_run_config(cfg, logdir)
   mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-  _say(f"devices: {len(devices)} x {devices[0].platform} (data-parallel policy updates)")
+  _say(f"devices: {len(devices)} x {devices[0].platform} (data-parallel policy updates)" +
+       (f", {hosts.process_count()} processes with {len(jax.local_devices())} each"
+        if hosts.process_count() > 1 else ""))
   with StopSignals() as stop:
     t_start = time.perf_counter()
     model = initial_model(job, cfg.seed)
@@ -98,14 +101,16 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
       if cfg.resume:  # the checkpoint holds the warm-started (and RL-trained) params
         trainer.restore(checkpointer)
         _say(f"resumed from {checkpointer.step_dir(trainer.step_count)}")
-        save_run_config(cfg, logdir)  # only now: a refused resume leaves the run as it was
+        if hosts.is_primary():  # only now: a refused resume leaves the run as it was
+          save_run_config(cfg, logdir)
         if drafter_ckpt is not None:  # selective saves of the steps this run does again
           dropped = drafter_ckpt.delete_after(trainer.step_count)
           if dropped:
             _say(f"dropped the drafter's selective saves of steps {dropped} (newer than the "
                  "checkpoint; they are written again as those steps are re-done)")
       _precompile(trainer)
-      log = MetricsLog(logdir, resume_step=trainer.step_count if cfg.resume else None)
+      log = MetricsLog(logdir, resume_step=trainer.step_count if cfg.resume else None,
+                       write=hosts.is_primary())
       try:
         summary = _train(trainer, job, checkpointer, log, drafter_ckpt, stop)
       finally:
@@ -113,10 +118,12 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
         if drafter_ckpt is not None:
           drafter_ckpt.close()
     summary["wall_s"] = time.perf_counter() - t_start
-    final = export_final_model(trainer, job)
-    extra = ""
-    if trainer.online is not None:
-      extra = f", final drafter {export_final_drafter(trainer, job)}"
+    final, extra = logdir / FINAL_MODEL, ""
+    if hosts.is_primary():  # the params are replicated: process 0 holds them all
+      final = export_final_model(trainer, job)
+      if trainer.online is not None:
+        extra = f", final drafter {export_final_drafter(trainer, job)}"
+    hosts.barrier("exported")  # no process ends before the run's files are complete
   _say(f"results: metrics {log.path}, tensorboard --logdir {logdir}, checkpoints "
        f"{checkpointer.directory}, final model {final}{extra}")
   return summary
@@ -326,5 +333,7 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
 
 
 def _say(text: str) -> None:
-  print(text, flush=True)
+  """A line on the console: process 0's alone when there are several."""
+  if hosts.is_primary():
+    print(text, flush=True)
 

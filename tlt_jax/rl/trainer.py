@@ -18,6 +18,7 @@ policy-gradient steps per epoch. The rooms it calls on:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 from typing import Any
@@ -39,6 +40,7 @@ from tlt_jax.rl.tasks import EpochSchedule, Problem, chat_prompt
 from tlt_jax.rl.update import PolicyUpdate
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.parallel import DataParallelRollout
+from tlt_jax.rollout.processes import ProcessShardedRollout
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.stats import rollout_metrics
 from tlt_jax.rollout.suffix import SuffixConfig
@@ -164,6 +166,16 @@ def encode_prompt(tokenizer: Tokenizer, problem: Problem, chat_template: bool) -
   return bos + tokenizer.encode(problem.prompt)
 
 
+def tokens_digest(tokens) -> int:
+  """A 48-bit fingerprint of a rollout's completions (exact in a float64 metric): equal digests
+  say two runs sampled the same tokens, row for row."""
+  h = hashlib.sha256()
+  for row in tokens:
+    h.update(np.asarray(row, np.int64).tobytes())
+    h.update(b"|")
+  return int(h.hexdigest()[:12], 16)
+
+
 def _policy_attribute(name: str, settable: bool = True) -> property:
   """A trainer attribute that is its ``PolicyUpdate``'s (``trainer.params`` is
   ``trainer.policy.params``; setting it sets the policy's)."""
@@ -214,6 +226,8 @@ class GRPOTrainer:
     else:
       self.engine = RolloutEngine(model, drafter=drafter, config=engine_config,
                                   device=self.rollout_devices[0], **with_suffix)
+    if jax.process_count() > 1:  # each process decodes its share of the rows, then all get all
+      self.engine = ProcessShardedRollout(self.engine)
     self.history_config = history
     self.history = None  # HistoryStore: the prompts' earlier completions (a suffix drafter's)
     if history is not None and self.engine.uses_history:
@@ -350,7 +364,8 @@ class GRPOTrainer:
                len_p50=float(np.percentile(lengths, 50)), len_p90=float(np.percentile(lengths, 90)),
                len_p99=float(np.percentile(lengths, 99)), len_max=int(lengths.max()),
                rollout_s=t_rollout, update_s=t_update, step_s=time.perf_counter() - t0,
-               tail_s=result.stats.tail_s, compiles=result.stats.compiles)
+               tail_s=result.stats.tail_s, compiles=result.stats.compiles,
+               rollout_digest=tokens_digest(result.tokens))
     offered = None
     if self.engine.tuner is not None:
       offered = {b: [s.name for s in self.engine.strategies_for(b)]

@@ -230,13 +230,14 @@ class DataParallelRollout(Rollout):
 
   # ---- generate ---------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
-               progress: Callable[[int, int], Any] | None = None, *,
+               progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
                collect_hidden: bool | float | Sequence[bool] = False,
                shard_done: Callable[[int, int, RolloutResult], Any] | None = None,
                idle: Callable[[int, threading.Event], Any] | None = None,
                history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
     """Completes every prompt over the devices; the same result as one engine's ``generate``
     (the tokens of row ``i`` do not depend on the split; see the module docstring).
+    ``row_offset``: the first prompt is row ``row_offset`` of a larger request (its keys).
 
     ``shard_done(device_index, first_row, result)`` is called in a device's thread as soon as
     its shard is complete (e.g. to hand its hidden states to the drafter's buffer);
@@ -289,7 +290,8 @@ class DataParallelRollout(Rollout):
         if len(rows):
           mask = False if collect is None else collect[rows.start:rows.stop]
           results[k] = self.engines[k].generate(
-              prompts[rows.start:rows.stop], params, report(k), row_offset=rows.start,
+              prompts[rows.start:rows.stop], params, report(k),
+              row_offset=row_offset + rows.start,
               collect_hidden=mask,
               history=None if history is None else history[rows.start:rows.stop])
           if shard_done is not None:

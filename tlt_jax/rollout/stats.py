@@ -120,6 +120,8 @@ class RolloutStats:
   devices: list[DeviceStats] | None = None
   idle_overrun_s: float | None = None
   idle: list | None = None
+  # a rollout over several processes' (``processes.py``): per process rows, rollout_s, wait_s
+  processes: list[dict] | None = None
 
   def add_sources(self, steps, tokens, names: Sequence[str] | None = None) -> None:
     """Adds per-source counts (arrays indexed like ``names``, default ``DRAFT_SOURCES``, or
