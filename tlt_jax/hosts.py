@@ -153,6 +153,15 @@ def broadcast(value: Any, tag: str) -> Any:
   return allgather(value if is_primary() else None, tag)[0]
 
 
+def shutdown() -> None:
+  """Leaves the job together with the other processes (no-op with one): every process waits
+  for the others first, so process 0, which hosts the coordinator, never leaves before them."""
+  if jax.process_count() == 1:
+    return
+  barrier("shutdown")
+  jax.distributed.shutdown()
+
+
 def barrier(tag: str) -> None:
   """Returns once every process got here (or raises :class:`PeerLostError`)."""
   allgather(None, f"barrier/{tag}")

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from tlt_jax import hosts
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.ledger import DrafterLedger
 from tlt_jax.drafter.spot import SpotTrainer
@@ -298,6 +299,39 @@ class OnlineDrafter:
     metrics["tlt_net_s"] = metrics["tlt_saved_s"] - metrics["tlt_drafter_s"]
     return metrics
 
+  def sync_processes(self) -> float:
+    """Several processes (``hosts.py``): makes every process's drafter the same again after each
+    trained on its own idle devices from its own rows. The processes' params and optimizer
+    states are averaged (in process order, so the result is bitwise the same everywhere; integer
+    leaves such as Adam's count take the largest), the step count is the largest, and the
+    evaluation flags say the weights changed wherever any process trained. Exchanged through
+    the coordinator: a few tens of MB per step at most for the drafters here. Returns the seconds
+    it took (0 with one process)."""
+    if hosts.process_count() == 1:
+      return 0.0
+    t0 = time.perf_counter()
+    state = self.spot.state_dict()
+    leaves, treedef = jax.tree.flatten((state["params"], state["opt_state"]))
+    mine = dict(leaves=leaves, steps=state["steps"], changed=self.changed,
+                evaluated=self.evaluated, quality=self.quality)
+    everyone = hosts.allgather(mine, "drafter_state")
+    merged = []
+    for i, leaf in enumerate(leaves):
+      values = [np.asarray(p["leaves"][i]) for p in everyone]
+      if np.issubdtype(leaf.dtype, np.floating):
+        merged.append((np.sum(np.stack(values).astype(np.float64), 0) / len(values)).astype(
+            leaf.dtype))
+      else:
+        merged.append(np.max(np.stack(values), 0).astype(leaf.dtype))
+    params, opt_state = jax.tree.unflatten(treedef, merged)
+    self.spot.load_state_dict(dict(params=params, opt_state=opt_state,
+                                   steps=max(p["steps"] for p in everyone)))
+    self.changed = any(p["changed"] for p in everyone)
+    self.evaluated = all(p["evaluated"] for p in everyone) and not self.changed
+    scores = [p["quality"] for p in everyone if p["quality"] is not None]
+    self.quality = float(np.mean(scores)) if scores else None
+    return time.perf_counter() - t0
+
   def precompile_on(self, engine) -> int:
     """Compiles every drafter executable a rollout device may run (spot rounds: every device's
     train, eval and gradient steps and the apply step of rounds homed there; serial steps: the
@@ -337,11 +371,16 @@ class OnlineDrafter:
   def save_buffer(self, checkpointer, step: int, metadata: dict):
     """Before ``checkpointer.save(step, ...)``: records the buffer's checksum in ``metadata``;
     returns the function that writes the buffer beside the step's arrays once they are saved."""
-    data, metadata[BUFFER_KEY] = self.buffer_bytes()
-    metadata[STATE_KEY] = self.host_state()
+    data, sha = self.buffer_bytes()
+    if hosts.process_count() == 1:
+      metadata[BUFFER_KEY], metadata[STATE_KEY] = sha, self.host_state()
+    else:  # every process's buffer is its own rows': a file and an entry each
+      metadata[BUFFER_KEY], metadata[STATE_KEY] = map(list, zip(*hosts.allgather(
+          (sha, self.host_state()), "drafter_buffer")))
 
     def write() -> None:
       checkpointer.wait()
+      hosts.barrier(f"checkpoint {step}")  # the step's directory is final on every process
       self.write_buffer(checkpointer.step_dir(step), data)
 
     return write
@@ -350,9 +389,18 @@ class OnlineDrafter:
     """Loads the drafter's part of checkpoint ``step`` (``checkpoint_state()``) and the buffer
     saved beside it (a missing or corrupt buffer file is reported: the buffer starts empty)."""
     self.load_checkpoint_state(saved)
-    if metadata.get(STATE_KEY) is not None:
-      self.load_host_state(metadata[STATE_KEY])
-    problem = self.restore_buffer(checkpointer.step_dir(step), metadata.get(BUFFER_KEY))
+    host, sha = metadata.get(STATE_KEY), metadata.get(BUFFER_KEY)
+    if isinstance(sha, list):  # saved by several processes: this process's entry
+      me = hosts.process_index()
+      if len(sha) != hosts.process_count():
+        report(f"the checkpoint of step {step} holds the drafter buffers of {len(sha)} "
+               f"process(es) but this run has {hosts.process_count()}: the buffers start empty")
+        host, sha = host[0], "missing"
+      else:
+        host, sha = host[me], sha[me]
+    if host is not None:
+      self.load_host_state(host)
+    problem = self.restore_buffer(checkpointer.step_dir(step), sha)
     if problem:
       report(problem)
 
@@ -377,7 +425,7 @@ class OnlineDrafter:
     return data, hashlib.sha256(data).hexdigest()
 
   def write_buffer(self, step_dir: str, data: bytes) -> str:
-    path = os.path.join(step_dir, BUFFER_FILE)
+    path = os.path.join(step_dir, buffer_file())
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
       f.write(data)
@@ -388,8 +436,8 @@ class OnlineDrafter:
 
   def restore_buffer(self, step_dir: str, sha256: str | None) -> str | None:
     """Loads the buffer saved next to a checkpoint; returns a problem to report, or None."""
-    path = os.path.join(step_dir, BUFFER_FILE)
-    if not os.path.isfile(path):
+    path = os.path.join(step_dir, buffer_file())
+    if sha256 == "missing" or not os.path.isfile(path):
       return f"{path} is missing: the drafter's data buffer starts empty"
     data = open(path, "rb").read()
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
@@ -404,6 +452,13 @@ class OnlineDrafter:
     ``policy`` (the policy it was trained with: a Transformer or its params) as its target."""
     drafter = nnx.merge(self.drafter_graphdef, jax.device_get(self.spot.params))
     save_drafter(drafter, path, policy=policy, policy_name=policy_name)
+
+
+def buffer_file() -> str:
+  """The data buffer's file in a checkpoint: one per process when there are several."""
+  if hosts.process_count() == 1:
+    return BUFFER_FILE
+  return BUFFER_FILE.replace(".npz", f".process{hosts.process_index()}.npz")
 
 
 def _pure(params) -> dict:

@@ -126,6 +126,7 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
     hosts.barrier("exported")  # no process ends before the run's files are complete
   _say(f"results: metrics {log.path}, tensorboard --logdir {logdir}, checkpoints "
        f"{checkpointer.directory}, final model {final}{extra}")
+  hosts.shutdown()
   return summary
 
 

@@ -347,6 +347,8 @@ class GRPOTrainer:
     drafter_metrics = {}
     if online is not None:
       drafter_metrics = online.after_rollout(self.step_count, prompts, result, self.engine)
+      if jax.process_count() > 1:  # each process trained its own copy: the same one again
+        drafter_metrics["drafter_sync_s"] = online.sync_processes()
       self._sync_drafter()
     elif len(self.rollout_devices) > 1:  # the tail's idle device-seconds, with none used
       drafter_metrics = step_metrics(result.stats, [], None, {})
