@@ -103,6 +103,9 @@ def launch(args: list[str], processes: int, module: str = "tlt_jax.train",
     pump.start()
     pumps.append(pump)
 
+  print(f"launch: {processes} processes (pids {', '.join(str(c.pid) for c in children)}), "
+        f"coordinator {address}", file=sys.stderr, flush=True)
+
   def forward(signum, _frame):
     for c in children:
       if c.poll() is None:
@@ -111,15 +114,18 @@ def launch(args: list[str], processes: int, module: str = "tlt_jax.train",
   old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
   failed = None
   try:
-    while any(c.poll() is None for c in children):
-      for i, c in enumerate(children):
-        if c.returncode not in (None, 0) and failed is None:
-          failed = (i, c.returncode)
-      if failed is not None and any(c.poll() is None for c in children):
+    while True:
+      codes = [c.poll() for c in children]  # every child polled, each round
+      if all(code is not None for code in codes):
+        break
+      for i, code in enumerate(codes):
+        if code not in (None, 0) and failed is None:
+          failed = (i, code)
+      if failed is not None:
         i, code = failed
         print(f"launch: process {i} {_describe(code)} while the others still ran; stopping "
-              f"them. Resume with the same command and --config.resume=True.", file=sys.stderr,
-              flush=True)
+              "them (a run that had started resumes with the same command and "
+              "--config.resume=True)", file=sys.stderr, flush=True)
         _stop(children, grace_s)
         break
       time.sleep(0.1)
