@@ -82,8 +82,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   # CPU processes exchange their collectives' data over gloo (a no-op for accelerators)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:
+    # leaving waits for the other processes at most heartbeat_s (not JAX's 5 minutes), so a
+    # process that stops with an error is not held up by a peer that hangs
     jax.distributed.initialize(address, count, index, initialization_timeout=connect_timeout_s,
-                               heartbeat_timeout_seconds=heartbeat_s)
+                               heartbeat_timeout_seconds=heartbeat_s,
+                               shutdown_timeout_seconds=heartbeat_s)
   except ValueError as e:  # nothing said how many processes there are, nor where to meet
     raise ValueError(f"cannot start several processes: {e} Set ${ENV_ADDRESS} (host:port of "
                      f"process 0), ${ENV_COUNT} and ${ENV_ID}, run under srun or on a TPU pod "

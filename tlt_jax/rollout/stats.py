@@ -274,6 +274,12 @@ def rollout_metrics(stats: RolloutStats,
     out[f"accept_share/{source}"] = stats.source_steps[source] / sum(stats.source_steps.values())
   if stats.sd_saved_s is not None:
     out["sd_saved_s"] = float(stats.sd_saved_s)
+  for p, proc in enumerate(stats.processes or []):  # several processes: each one's own rows,
+    out[f"process_rollout_s/{p}"] = float(proc["rollout_s"])  # and what it idled waiting
+    out[f"process_idle_s/{p}"] = float(max(q["rollout_s"] for q in stats.processes) -
+                                       proc["rollout_s"])
+  if stats.processes:  # this process's wait for the others' rows plus the exchange itself
+    out["rollout_exchange_s"] = float(max(q["wait_s"] for q in stats.processes))
   steps_of = stats.arm_totals("steps")  # arm -> decode steps, all buckets together
   shared = dict.fromkeys(n for ns in (offered or {}).values() if len(ns) > 1 for n in ns)
   total = sum(steps_of.values())

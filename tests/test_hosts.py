@@ -1,0 +1,132 @@
+"""``tlt_jax.hosts`` (the processes' exchanges through the coordinator) and ``tlt_jax.launch``,
+with real processes on this machine: what they exchange, and how a peer that stops or dies is
+reported within a bounded time instead of a hang."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from tlt_jax import hosts, launch
+from tlt_jax.rollout.parallel import shard_ranges
+from tlt_jax.rollout.processes import process_rows
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _env(**extra) -> dict:
+  return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **extra)
+
+
+def by_hand(mode: str, **extra) -> list[subprocess.Popen]:
+  """Two ``tests.hosts_worker`` processes started without the launcher (as srun would)."""
+  address = f"127.0.0.1:{launch.free_port()}"
+  return [subprocess.Popen([sys.executable, "-m", "tests.hosts_worker", mode], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=_env(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2",
+                                    JAX_PROCESS_ID=str(i), **extra)) for i in range(2)]
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 7, 8, 13, 32])
+@pytest.mark.parametrize("processes, local", [(2, 2), (3, 1), (2, 3)])
+def test_a_process_takes_its_devices_shards_of_the_one_process_split(n, processes, local):
+  everyone = shard_ranges(n, processes * local)
+  covered = []
+  for p in range(processes):
+    rows = process_rows(n, processes, local, p)
+    covered += list(rows)
+    # its own devices split its rows as the one-process rollout split them over all devices
+    mine = shard_ranges(len(rows), local)
+    assert [len(r) for r in mine] == [len(r) for r in everyone[p * local:(p + 1) * local]]
+  assert covered == list(range(n))
+
+
+def test_two_processes_exchange_in_rounds_and_leave_together():
+  procs = by_hand("gather")
+  outs = [p.communicate(timeout=120)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  for out in outs:
+    assert "round 1: [{'from': 0}, {'from': 1}]" in out and "round 2: [0, 10]" in out
+
+
+def test_a_silent_peer_is_named_after_the_timeout():
+  procs = by_hand("silent", TEST_TIMEOUT_S="3", TEST_HEARTBEAT_S="5")
+  t0 = time.monotonic()
+  out = procs[0].communicate(timeout=60)[0]
+  waited = time.monotonic() - t0
+  procs[1].kill()
+  assert procs[0].returncode == 1, out
+  assert "process 0: process 1 did not send its test (exchange 1) within 3s" in out
+  assert waited < 30
+
+
+def test_a_dead_peer_ends_the_others_by_its_missing_heartbeats():
+  procs = by_hand("die", TEST_HEARTBEAT_S="3")
+  t0 = time.monotonic()
+  out = procs[0].communicate(timeout=90)[0]
+  waited = time.monotonic() - t0
+  assert procs[1].wait(timeout=10) == 3
+  assert procs[0].returncode != 0  # JAX ends it (abort): it does not wait for the 60 s timeout
+  assert "stopped sending heartbeats" in out and "1" in out.split("heartbeats")[1][:40]
+  assert waited < 45
+
+
+def test_the_launcher_stops_the_others_when_one_dies_and_names_it(capfd):
+  t0 = time.monotonic()
+  code = launch.launch(["die"], processes=2, module="tests.hosts_worker", grace_s=5,
+                       env=_env(TEST_HEARTBEAT_S="60"))
+  waited = time.monotonic() - t0
+  err = capfd.readouterr().err
+  assert code == 3
+  assert "launch: process 1 exited with code 3 while the others still ran; stopping them" in err
+  assert waited < 45  # process 0 was stopped, not left to its 60 s heartbeat
+
+
+def test_the_launcher_runs_a_job_that_succeeds(capfd):
+  assert launch.launch(["gather"], processes=2, module="tests.hosts_worker", env=_env()) == 0
+  out = capfd.readouterr().out
+  assert "round 2: [0, 10]" in out and "[process 1] round 2: [0, 10]" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--processes", "0", "--", "x"], "--processes must be at least 1"),
+    (["--processes", "2", "--devices-per-process", "0"], "--devices-per-process must be at least"),
+    (["--processes", "2", "--visible-devices", "0,1"], "--visible-devices needs 2 groups"),
+])
+def test_the_launcher_refuses_bad_arguments(capfd, argv, message):
+  assert launch.main(argv) == 2
+  assert message in capfd.readouterr().err
+
+
+def test_initialize_refuses_a_process_that_already_touched_a_device():
+  jax.devices()
+  with pytest.raises(RuntimeError, match="must start before anything touches a JAX device"):
+    hosts.initialize()
+
+
+def test_initialize_says_what_is_wrong_with_the_environment():
+  code = ("import os; os.environ['JAX_PLATFORMS']='cpu'\n"
+          "from tlt_jax import hosts\n"
+          "try:\n  hosts.initialize()\nexcept ValueError as e:\n  print('error:', e)\n")
+  for env, message in [({"JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+                        "$JAX_NUM_PROCESSES='two' is not an integer"),
+                       ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2",
+                         "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
+                        "process id 2 is outside [0, 2)"),
+                       ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0",
+                         "JAX_COORDINATOR_ADDRESS": "localhost"}, "needs a port")]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(clean, PYTHONPATH=str(ROOT), **env), timeout=60, check=False)
+    assert message in done.stdout, (env, done.stdout, done.stderr[-500:])
+
+
+def test_one_process_exchanges_with_itself_alone():
+  assert hosts.allgather({"a": 1}, "alone") == [{"a": 1}]
+  assert hosts.broadcast(3, "alone") == 3
+  hosts.barrier("alone")
+  hosts.shutdown()  # a no-op with one process
