@@ -5,8 +5,9 @@ per-device memory of the update executable, and update step time, on N simulated
       [--steps 5] [--kl-coef 0.04] [--update-tokens 0] [--out docs/results/fsdp_memory.json]
 
 XLA_FLAGS=--xla_force_host_platform_device_count=N is set before JAX is imported. For each model
-(``tiny``: ``ModelConfig.tiny`` with a 512-token vocabulary; ``bench``: the synthetic benchmarks' random 4-layer,
-hidden-256 Qwen2-style policy, ``harness.bench_config``) and each ``--fsdp`` size, a
+(``tiny``: ``ModelConfig.tiny`` with a 512-token vocabulary; ``bench``: the synthetic
+benchmarks' random 4-layer, hidden-256 Qwen2-style policy, ``harness.bench_config``) and each
+``--fsdp`` size, a
 ``PolicyUpdate`` is built from the same params on the update mesh: fsdp=1 is today's 1-D
 ``("data",)`` mesh (params and optimizer state replicated), fsdp=k is ``make_mesh(devices, k)``
 (rows over all N devices, params, KL reference and AdamW state sharded over k). Each arm runs
