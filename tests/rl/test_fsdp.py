@@ -133,7 +133,8 @@ def test_nothing_compiles_after_precompile(measured, run):
   got = measured[run]
   assert got["compiles_after_precompile"] == 0, got
   extra = 1 if SHARDS.get(run, 1) > 1 else 0  # the rollout's gather
-  assert got["precompiled"] == measured["dp_packed" if "packed" in run else "dp"]["precompiled"] + extra
+  reference = measured["dp_packed" if "packed" in run else "dp"]
+  assert got["precompiled"] == reference["precompiled"] + extra, (got, reference)
 
 
 @pytest.mark.parametrize("run", FSDP_RUNS)

@@ -4,11 +4,13 @@ Updates run data-parallel over a ``Mesh``: a 1-D ``("data",)`` one (batch rows s
 ``data``, params and optimizer state replicated; XLA inserts the gradient all-reduce), or a 2-D
 ``("data", "fsdp")`` one from ``make_mesh`` (fully sharded data parallel: rows sharded over both
 axes, so every device gets rows of its own, and params, KL reference and optimizer state sharded
-over ``fsdp`` by ``fsdp_spec``; each update all-gathers the params it runs with and
-reduce-scatters the gradients, so a device holds 1/fsdp of the optimizer state). The rollout
-engines decode with full weights: ``PolicyUpdate.rollout_params`` gathers them. An update whose loss, gradient or new params are
-not finite is never applied: the guard is in-graph (``_guarded_step``), and ``on_nonfinite``
-says whether the step then stops or goes on without it.
+over ``fsdp`` by ``fsdp_spec``, so a device holds 1/fsdp of them between updates). Each FSDP
+update all-gathers the params it runs with and hands each device its shard of the summed
+gradient (``UpdateLayout.gather``; XLA:CPU sums with an all-reduce and slices, XLA:GPU's
+ReduceScatterCreator pass fuses that pair into a reduce-scatter). The rollout engines decode
+with full weights: ``PolicyUpdate.rollout_params`` gathers them. An update whose loss, gradient
+or new params are not finite is never applied: the guard is in-graph (``_guarded_step``), and
+``on_nonfinite`` says whether the step then stops or goes on without it.
 
 Each update's cost follows the rows' live lengths, not the rollout capacity
 (``update_tokens``): each minibatch's sequences are packed back to back (``rl/packing.py``) and
@@ -214,8 +216,9 @@ class UpdateLayout:
                         shardings)
 
   def gather(self, params: Any) -> Any:
-    """``params`` all-gathered (replicated) for the forward pass, their gradient reduce-scattered
-    back to the params' shardings (a ``custom_vjp``: the gradient never exists replicated);
+    """``params`` all-gathered (replicated) for the forward pass, their gradient constrained
+    back to the params' shardings (a ``custom_vjp``: each device keeps its shard of the summed
+    gradient, never a replicated copy between the backward pass and the optimizer step);
     ``params`` as they are without FSDP."""
     if not self.sharded or params is None:
       return params
@@ -237,7 +240,7 @@ class UpdateLayout:
 
 def _jit_padded_update(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                        config: grpo.GRPOConfig, layout: UpdateLayout, temperature: float):
-  """The jitted full-length ``update(params, opt_state, batch, ref_params)`` (see make_update_fn)."""
+  """The jitted full-length ``update(params, opt_state, batch, ref_params)`` (make_update_fn)."""
   loss_fn = _make_loss_fn(graphdef, config, temperature, layout.gather)
 
   def update(params, opt_state, batch, ref_params):
