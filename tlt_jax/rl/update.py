@@ -216,23 +216,27 @@ class UpdateLayout:
                         shardings)
 
   def gather(self, params: Any) -> Any:
-    """``params`` all-gathered (replicated) for the forward pass, their gradient constrained
-    back to the params' shardings (a ``custom_vjp``: each device keeps its shard of the summed
-    gradient, never a replicated copy between the backward pass and the optimizer step);
-    ``params`` as they are without FSDP."""
+    """``params`` all-gathered (replicated) for the forward pass; in the backward pass (a
+    ``custom_vjp``) their gradient is summed over the rows' devices, then each device keeps its
+    shard of it, as the params are sharded. (Summed first: constrained straight to the params'
+    shardings, XLA would try to shard the activations feeding a gradient as that gradient is
+    sharded, e.g. on the hidden dimension, and fall back to replicating them.) ``params`` as they
+    are without FSDP."""
     if not self.sharded or params is None:
       return params
     replicated, shardings = self.replicated, self.params
+    constrain = jax.lax.with_sharding_constraint
 
     @jax.custom_vjp
     def gathered(p):
-      return jax.lax.with_sharding_constraint(p, jax.tree.map(lambda _: replicated, p))
+      return constrain(p, jax.tree.map(lambda _: replicated, p))
 
     def forward(p):
       return gathered(p), None
 
     def backward(_, cotangent):
-      return (jax.lax.with_sharding_constraint(cotangent, shardings),)
+      summed = constrain(cotangent, jax.tree.map(lambda _: replicated, cotangent))
+      return (constrain(summed, shardings),)
 
     gathered.defvjp(forward, backward)
     return gathered(params)
