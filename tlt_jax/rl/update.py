@@ -1,9 +1,16 @@
 """The policy update: params, optimizer state and the jitted, data-parallel update steps.
 
-Updates run data-parallel over a 1-D ``Mesh`` (batch rows sharded over ``data``, params
-replicated; XLA inserts the gradient all-reduce). An update whose loss, gradient or new params are
-not finite is never applied: the guard is in-graph (``_guarded_step``), and ``on_nonfinite``
-says whether the step then stops or goes on without it.
+Updates run data-parallel over a ``Mesh``: a 1-D ``("data",)`` one (batch rows sharded over
+``data``, params and optimizer state replicated; XLA inserts the gradient all-reduce), or a 2-D
+``("data", "fsdp")`` one from ``make_mesh`` (fully sharded data parallel: rows sharded over both
+axes, so every device gets rows of its own, and params, KL reference and optimizer state sharded
+over ``fsdp`` by ``fsdp_spec``, so a device holds 1/fsdp of them between updates). Each FSDP
+update all-gathers the params it runs with and hands each device its shard of the summed
+gradient (``UpdateLayout.gather``; XLA:CPU sums with an all-reduce and slices, XLA:GPU's
+ReduceScatterCreator pass fuses that pair into a reduce-scatter). The rollout engines decode
+with full weights: ``PolicyUpdate.rollout_params`` gathers them. An update whose loss, gradient
+or new params are not finite is never applied: the guard is in-graph (``_guarded_step``), and
+``on_nonfinite`` says whether the step then stops or goes on without it.
 
 Each update's cost follows the rows' live lengths, not the rollout capacity
 (``update_tokens``): each minibatch's sequences are packed back to back (``rl/packing.py``) and
@@ -20,7 +27,7 @@ on_nonfinite, update_tokens, seed) and does not import it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,14 +82,18 @@ def make_logprobs_fn(graphdef: nnx.GraphDef, temperature: float = 1.0):
   return logprobs
 
 
-def _make_loss_fn(graphdef: nnx.GraphDef, config: grpo.GRPOConfig, temperature: float):
+def _make_loss_fn(graphdef: nnx.GraphDef, config: grpo.GRPOConfig, temperature: float,
+                  gather=None):
   """``loss_fn(params, ref_params, batch, total_tokens=None) -> (loss, metrics)`` of a padded
   batch, or of a packed micro-batch (``packed_microbatches``; ``total_tokens``: its minibatch's
   valid tokens): then the loss and metrics are that micro-batch's additive share of its
-  minibatch's, through the per-token loss ``weights`` it carries."""
+  minibatch's, through the per-token loss ``weights`` it carries. ``gather``: what the params
+  (and reference) go through before the forward pass (``UpdateLayout.gather`` under FSDP)."""
   logprobs_of = make_logprobs_fn(graphdef, temperature)
+  gather = gather or (lambda tree: tree)
 
   def loss_fn(params, ref_params, batch, total_tokens=None):
+    params, ref_params = gather(params), gather(ref_params)
     ref = None
     if config.kl_coef > 0:  # KL to the frozen reference policy (k3 estimator in policy_loss)
       ref = jax.lax.stop_gradient(logprobs_of(ref_params, batch))
@@ -115,30 +126,143 @@ PADDED_KEYS = ("ids", "mask", "old_logprobs", "advantages")
 PACKED_KEYS = PADDED_KEYS + ("positions", "segments", "weights")
 
 
-def _rows_sharding(mesh: Mesh, keys: tuple[str, ...]) -> dict[str, NamedSharding]:
-  rows = NamedSharding(mesh, P("data"))
-  return {k: rows for k in keys}
+# ---- where the update's arrays live ---------------------------------------------------------
+DATA_AXIS, FSDP_AXIS = "data", "fsdp"
+
+
+def make_mesh(devices: Sequence[jax.Device], fsdp: int = 1) -> Mesh:
+  """The update mesh over ``devices``: axes ``("data", "fsdp")`` of shape
+  ``(len(devices) // fsdp, fsdp)``. Rows are sharded over both axes; params and optimizer state
+  over ``fsdp`` (``fsdp=1``: replicated, the plain data-parallel update). Devices next to each
+  other in ``devices`` share an ``fsdp`` group, so with devices in process order a group stays
+  within a process where it fits."""
+  devices = np.asarray(devices, dtype=object).reshape(-1)
+  n = len(devices)
+  if n == 0:
+    raise ValueError("make_mesh needs at least one device, got none")
+  if isinstance(fsdp, bool) or not isinstance(fsdp, (int, np.integer)) or fsdp < 1 or n % fsdp:
+    choices = [k for k in range(1, n + 1) if n % k == 0]
+    raise ValueError(f"fsdp={fsdp!r} must be a positive int dividing the {n} devices of the "
+                     f"mesh (the update shards params over fsdp devices and rows over all "
+                     f"{n}); use one of {choices}")
+  return Mesh(devices.reshape(n // int(fsdp), int(fsdp)), (DATA_AXIS, FSDP_AXIS))
+
+
+def fsdp_size(mesh: Mesh) -> int:
+  """How many devices the params are sharded over: the mesh's ``fsdp`` axis size (1 without)."""
+  return int(dict(mesh.shape).get(FSDP_AXIS, 1))
+
+
+def rows_spec(mesh: Mesh) -> P:
+  """Batch rows (dim 0) sharded over every axis of ``mesh``: under FSDP every device gets rows of
+  its own (FSDP is data parallel too). A 1-D mesh gives today's ``P("data")``."""
+  names = tuple(mesh.axis_names)
+  return P(names[0] if len(names) == 1 else names)
+
+
+def fsdp_spec(shape: Sequence[int], size: int) -> P:
+  """The FSDP sharding rule of one param (or optimizer-state) leaf of ``shape``, in MaxText's
+  habit of sharding every weight over ``fsdp`` on one dimension: the largest dimension that
+  ``size`` divides (the first of equal ones) is split over the ``fsdp`` axis; a leaf with no such
+  dimension (scalars, e.g. Adam's step count, or odd sizes) stays replicated. Adam's moments have
+  their param's shape, so they are sharded as their param is."""
+  if size <= 1:
+    return P()
+  best = None
+  for i, dim in enumerate(shape):
+    if dim >= size and dim % size == 0 and (best is None or dim > shape[best]):
+      best = i
+  return P() if best is None else P(*([None] * best), FSDP_AXIS)
+
+
+class UpdateLayout:
+  """Where the update's arrays live on ``mesh``: ``rows`` (batch rows over every mesh axis),
+  ``replicated``, and ``params`` / ``opt_state``: trees of ``NamedSharding`` of ``params`` and of
+  an optimizer state ``opt_state`` by ``fsdp_spec`` (both plain ``replicated`` when the mesh has
+  no ``fsdp`` axis of more than one device, or when they are not given: today's data-parallel
+  update). ``ref`` is the KL reference's sharding, the params' (``kl=True``) or ``replicated``
+  (no reference: ``None`` is passed)."""
+
+  def __init__(self, mesh: Mesh, params: Any = None, opt_state: Any = None, kl: bool = False):
+    self.mesh, self.fsdp = mesh, fsdp_size(mesh)
+    self.replicated = NamedSharding(mesh, P())
+    self.rows = NamedSharding(mesh, rows_spec(mesh))
+    self.params = self.of(params) if params is not None else self.replicated
+    self.opt_state = self.of(opt_state) if opt_state is not None else self.replicated
+    self.ref = self.params if kl else self.replicated
+
+  @property
+  def sharded(self) -> bool:
+    """Whether params are sharded (an ``fsdp`` axis of more than one device)."""
+    return self.fsdp > 1
+
+  def of(self, tree: Any) -> Any:
+    """The FSDP shardings of ``tree``'s leaves (arrays or ``ShapeDtypeStruct``s), or plain
+    ``replicated`` without FSDP."""
+    if not self.sharded:
+      return self.replicated
+    return jax.tree.map(lambda x: NamedSharding(self.mesh, fsdp_spec(x.shape, self.fsdp)), tree)
+
+  def rows_of(self, keys: tuple[str, ...]) -> dict[str, NamedSharding]:
+    return {k: self.rows for k in keys}
+
+  @staticmethod
+  def abstract(tree: Any, shardings: Any) -> Any:
+    """``tree``'s leaves as ``ShapeDtypeStruct``s placed by ``shardings`` (a tree like ``tree``'s,
+    or one sharding for all)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+      shardings = jax.tree.map(lambda _: shardings, tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                        shardings)
+
+  def gather(self, params: Any) -> Any:
+    """``params`` all-gathered (replicated) for the forward pass; in the backward pass (a
+    ``custom_vjp``) their gradient is summed over the rows' devices, then each device keeps its
+    shard of it, as the params are sharded. (Summed first: constrained straight to the params'
+    shardings, XLA would try to shard the activations feeding a gradient as that gradient is
+    sharded, e.g. on the hidden dimension, and fall back to replicating them.) ``params`` as they
+    are without FSDP."""
+    if not self.sharded or params is None:
+      return params
+    replicated, shardings = self.replicated, self.params
+    constrain = jax.lax.with_sharding_constraint
+
+    @jax.custom_vjp
+    def gathered(p):
+      return constrain(p, jax.tree.map(lambda _: replicated, p))
+
+    def forward(p):
+      return gathered(p), None
+
+    def backward(_, cotangent):
+      summed = constrain(cotangent, jax.tree.map(lambda _: replicated, cotangent))
+      return (constrain(summed, shardings),)
+
+    gathered.defvjp(forward, backward)
+    return gathered(params)
 
 
 def _jit_padded_update(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                       config: grpo.GRPOConfig, mesh: Mesh, temperature: float):
-  """The jitted full-length ``update(params, opt_state, batch, ref_params)`` (see make_update_fn)."""
-  loss_fn = _make_loss_fn(graphdef, config, temperature)
+                       config: grpo.GRPOConfig, layout: UpdateLayout, temperature: float):
+  """The jitted full-length ``update(params, opt_state, batch, ref_params)`` (make_update_fn)."""
+  loss_fn = _make_loss_fn(graphdef, config, temperature, layout.gather)
 
   def update(params, opt_state, batch, ref_params):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, batch)
     return _guarded_step(optimizer, params, opt_state, grads, loss, metrics)
 
-  replicated = NamedSharding(mesh, P())
-  return jax.jit(update, in_shardings=(replicated, replicated, _rows_sharding(mesh, PADDED_KEYS),
-                                       replicated),
-                 out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
+  return jax.jit(update, in_shardings=(layout.params, layout.opt_state,
+                                       layout.rows_of(PADDED_KEYS), layout.ref),
+                 out_shardings=(layout.params, layout.opt_state, layout.replicated),
+                 donate_argnums=(0, 1))
 
 
 def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                   config: grpo.GRPOConfig, mesh: Mesh, temperature: float = 1.0):
+                   config: grpo.GRPOConfig, mesh: Mesh, temperature: float = 1.0,
+                   layout: UpdateLayout | None = None):
   """A jitted ``update(params, opt_state, batch) -> (params, opt_state, metrics)`` over ``mesh``:
-  one full-length pass over a padded batch (``packing.padded_batch``).
+  one full-length pass over a padded batch (``packing.padded_batch``). ``layout``: where params
+  and optimizer state live (default: replicated, rows sharded over every mesh axis).
 
   Log-probs are of the sampling distribution, ``softmax(logits / temperature)``, as the rollout's
   old log-probs are: the first update of a step then has ratio 1 whatever the temperature.
@@ -146,7 +270,8 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
   ``metrics["finite"]`` says whether the update was applied: when the loss, the gradient norm or
   any new param is not finite, the old params and optimizer state come back unchanged.
   """
-  return _ref_optional(_jit_padded_update(graphdef, optimizer, config, mesh, temperature))
+  layout = layout or UpdateLayout(mesh)
+  return _ref_optional(_jit_padded_update(graphdef, optimizer, config, layout, temperature))
 
 
 def _ref_optional(update):
@@ -157,9 +282,11 @@ def _ref_optional(update):
 
 
 def make_packed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                           config: grpo.GRPOConfig, mesh: Mesh,
-                           temperature: float = 1.0) -> dict[str, Any]:
-  """Jitted pieces of a gradient-accumulated update over ``mesh``, equal to ``make_update_fn``'s:
+                           config: grpo.GRPOConfig, mesh: Mesh, temperature: float = 1.0,
+                           layout: UpdateLayout | None = None) -> dict[str, Any]:
+  """Jitted pieces of a gradient-accumulated update over ``mesh``, equal to ``make_update_fn``'s
+  (``layout``: where params and optimizer state live, default replicated; the accumulated
+  gradient lives as the params do):
 
   * ``zeros(params) -> acc``: an empty accumulator, ``(grads, metric sums)``;
   * ``accumulate(params, ref_params, acc, micro, total_tokens) -> acc``: adds one packed
@@ -168,10 +295,12 @@ def make_packed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTran
     donated;
   * ``apply(params, opt_state, acc) -> (params, opt_state, metrics)``: one optimizer step from the
     summed gradient, guarded like the full-length update (``metrics["finite"]``);
-  * ``copy(tree) -> tree``: a device copy of replicated state.
+  * ``copy(state) -> state``: a device copy of ``(params, opt_state)``.
   """
-  loss_fn = _make_loss_fn(graphdef, config, temperature)
-  replicated = NamedSharding(mesh, P())
+  layout = layout or UpdateLayout(mesh)
+  loss_fn = _make_loss_fn(graphdef, config, temperature, layout.gather)
+  replicated = layout.replicated
+  acc_sharding = (layout.params, replicated)  # (gradient sums, metric sums)
   one = jax.ShapeDtypeStruct((1, 1), jnp.float32)
   _, shapes = jax.eval_shape(lambda x: grpo.policy_loss(
       x, x, x, x, config, ref_logprobs=x if config.kl_coef > 0 else None), one)
@@ -190,16 +319,17 @@ def make_packed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTran
     grads, sums = acc
     return _guarded_step(optimizer, params, opt_state, grads, sums["loss"], sums)
 
+  state = (layout.params, layout.opt_state)
   return {
-      "zeros": jax.jit(zeros, in_shardings=(replicated,), out_shardings=replicated),
+      "zeros": jax.jit(zeros, in_shardings=(layout.params,), out_shardings=acc_sharding),
       "accumulate": jax.jit(
-          accumulate, in_shardings=(replicated, replicated, replicated,
-                                    _rows_sharding(mesh, PACKED_KEYS), replicated),
-          out_shardings=replicated, donate_argnums=(2,)),
-      "apply": jax.jit(apply, in_shardings=(replicated, replicated, replicated),
-                       out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1)),
-      "copy": jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), in_shardings=(replicated,),
-                      out_shardings=replicated),
+          accumulate, in_shardings=(layout.params, layout.ref, acc_sharding,
+                                    layout.rows_of(PACKED_KEYS), replicated),
+          out_shardings=acc_sharding, donate_argnums=(2,)),
+      "apply": jax.jit(apply, in_shardings=(layout.params, layout.opt_state, acc_sharding),
+                       out_shardings=state + (replicated,), donate_argnums=(0, 1)),
+      "copy": jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), in_shardings=(state,),
+                      out_shardings=state),
   }
 
 
@@ -208,7 +338,9 @@ class PolicyUpdate:
   compiled pieces that update them; ``run(batch, step)`` takes one RL step's updates.
 
   ``config``: the trainer's ``TrainerConfig``; ``seq_len``: the longest row (prompt capacity +
-  max new tokens); ``pad_token_id`` fills packed rows' padding."""
+  max new tokens); ``pad_token_id`` fills packed rows' padding. ``mesh``: a 1-D ``("data",)``
+  mesh (params replicated) or one from ``make_mesh`` (params, reference and optimizer state
+  sharded over its ``fsdp`` axis, ``self.layout``)."""
 
   def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, config,
                grpo_config: grpo.GRPOConfig, mesh: Mesh, seq_len: int, pad_token_id: int = 0):
@@ -217,15 +349,23 @@ class PolicyUpdate:
     self.schedule = learning_rate_schedule(config)
     self.optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip),
                                  optax.adamw(self.schedule, b1=0.9, b2=0.99, weight_decay=0.0))
-    replicated = NamedSharding(mesh, P())
-    self.params = jax.device_put(params, replicated)
-    self.opt_state = jax.device_put(self.optimizer.init(params), replicated)
-    self._padded_update = _jit_padded_update(graphdef, self.optimizer, grpo_config, mesh,
+    self.layout = UpdateLayout(mesh, params, jax.eval_shape(self.optimizer.init, params),
+                               kl=grpo_config.kl_coef > 0)
+    self.params = jax.device_put(params, self.layout.params)
+    if self.layout.sharded:  # made in place, shard by shard: never whole on one device
+      self.opt_state = jax.jit(self.optimizer.init,
+                               out_shardings=self.layout.opt_state)(self.params)
+    else:
+      self.opt_state = jax.device_put(self.optimizer.init(params), self.layout.replicated)
+    self._padded_update = _jit_padded_update(graphdef, self.optimizer, grpo_config, self.layout,
                                              config.temperature)
     # the full-length update (what runs with update_tokens=0), callable directly
     self.update_fn = _ref_optional(self._padded_update)
     self._packed = make_packed_update_fns(graphdef, self.optimizer, grpo_config, mesh,
-                                          temperature=config.temperature)
+                                          temperature=config.temperature, layout=self.layout)
+    # the params all-gathered for the rollout engines (FSDP only)
+    self._gather = jax.jit(lambda tree: tree, in_shardings=(self.layout.params,),
+                           out_shardings=self.layout.replicated)
     self.executables = AotCache()  # ahead-of-time compiled update pieces, by key
     # the reference policy for the KL term: the starting (warm-started) weights, kept frozen
     self.ref_params = (jax.tree.map(jnp.copy, self.params) if grpo_config.kl_coef > 0 else None)
@@ -308,13 +448,25 @@ class PolicyUpdate:
   def _keeps_copy(self) -> bool:
     return self.config.on_nonfinite == "stop" and self.config.epochs * self.config.minibatches > 1
 
+  # ---- the rollout's weights ------------------------------------------------------------------
+  def rollout_params(self) -> nnx.State:
+    """The current params with a full copy on every device of the mesh, for the rollout engines
+    (each decodes with its device's copy, zero-copy): ``self.params`` themselves without FSDP,
+    else a new replicated all-gather of them (one precompiled executable). Like ``self.params``,
+    call it again after every update."""
+    if not self.layout.sharded:
+      return self.params
+    return self._compiled(("gather",))(self.params)
+
   # ---- executables ----------------------------------------------------------------------------
   def executable_keys(self) -> list[tuple]:
     """The keys of every executable the updates use: each micro-batch length's gradient step,
-    the optimizer step (or the full-length update), and the device copy ``stop`` keeps."""
+    the optimizer step (or the full-length update), the device copy ``stop`` keeps, and under
+    FSDP the gather of ``rollout_params``."""
     keys = ([("zeros",)] + [("accumulate", t) for t in self.update_buckets] + [("apply",)]
             if self.config.update_tokens else [("padded",)])
-    return keys + ([("copy",)] if self._keeps_copy() else [])
+    return (keys + ([("copy",)] if self._keeps_copy() else [])
+            + ([("gather",)] if self.layout.sharded else []))
 
   def precompile(self) -> int:
     """Compiles, ahead of time, every executable the policy updates use, so that no update
@@ -328,8 +480,7 @@ class PolicyUpdate:
 
   def _lower(self, key: tuple):
     """The lowering of the update piece ``key`` for its static shapes."""
-    replicated = NamedSharding(self.mesh, P())
-    rows = NamedSharding(self.mesh, P("data"))
+    replicated, rows = self.layout.replicated, self.layout.rows
 
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
 
@@ -344,8 +495,8 @@ class PolicyUpdate:
                              for k in ("mask", "old_logprobs", "advantages", "weights")})
 
     fns = self._packed
-    acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                       jax.eval_shape(fns["zeros"], self.params))
+    grads, sums = jax.eval_shape(fns["zeros"], self.params)
+    acc = (self.layout.abstract(grads, self.layout.params), self.layout.abstract(sums, replicated))
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
     if key[0] == "padded":
       return self._padded_update.lower(self.params, self.opt_state,
@@ -358,6 +509,8 @@ class PolicyUpdate:
       return fns["apply"].lower(self.params, self.opt_state, acc)
     if key[0] == "zeros":
       return fns["zeros"].lower(self.params)
+    if key[0] == "gather":
+      return self._gather.lower(self.params)
     return fns["copy"].lower((self.params, self.opt_state))
 
   def _compiled(self, key: tuple):
@@ -375,11 +528,15 @@ class PolicyUpdate:
     return state
 
   def load_checkpoint_state(self, state: dict) -> None:
-    """Puts a restored ``checkpoint_state()`` back on the mesh, replicated."""
-    replicated = NamedSharding(self.mesh, P())
-    self.params = jax.device_put(ckpt.pure_dict_to_state(state["params"], self.params), replicated)
+    """Puts a restored ``checkpoint_state()`` back on the mesh, as ``self.layout`` says
+    (replicated, or sharded over ``fsdp``; restoring with ``like=checkpoint_state()`` reads the
+    arrays in those shardings already)."""
+    layout = self.layout
+    self.params = jax.device_put(ckpt.pure_dict_to_state(state["params"], self.params),
+                                 layout.params)
     treedef = jax.tree.structure(self.opt_state)
-    self.opt_state = jax.device_put(jax.tree.unflatten(treedef, state["opt_state"]), replicated)
+    self.opt_state = jax.device_put(jax.tree.unflatten(treedef, state["opt_state"]),
+                                    layout.opt_state)
     if self.ref_params is not None:
       self.ref_params = jax.device_put(
-          ckpt.pure_dict_to_state(state["ref_params"], self.ref_params), replicated)
+          ckpt.pure_dict_to_state(state["ref_params"], self.ref_params), layout.ref)
