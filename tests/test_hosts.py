@@ -59,7 +59,8 @@ def test_a_silent_peer_is_named_after_the_timeout():
   out = procs[0].communicate(timeout=60)[0]
   waited = time.monotonic() - t0
   procs[1].kill()
-  assert procs[0].returncode == 1, out
+  # exit 1, or JAX's abort when its shutdown barrier (heartbeat_s) then misses process 1 too
+  assert procs[0].returncode != 0, out
   assert "process 0: process 1 did not send its test (exchange 1) within 3s" in out
   assert waited < 30
 

@@ -7,6 +7,8 @@ gloo), started with ``python -m tlt_jax.launch``: 2 processes x 2 simulated devi
   the same tokens (``rollout_digest``), rewards and lengths, step for step, as the uninterrupted
   one-process run, and losses within float tolerance (the update's all-reduce sums in another
   order), and ends with the same weights.
+  The two-process run's update is FSDP-sharded (``config.fsdp=2``, within each process): the
+  same losses as the replicated update, from checkpoints of sharded params and optimizer state.
 - ``drafter=eagle``: each process trains its drafter on its own idle devices and rows, the
   drafters are averaged after every step; with coupled verification the tokens are the vanilla
   ones whatever the drafter, so they must equal the one-process run's too.
@@ -103,14 +105,15 @@ def test_two_processes_killed_and_resumed_reproduce_one_process_on_four_devices(
   one_process(tmp_path / "one", FLAGS)
   reference = step_rows(tmp_path / "one")
 
-  run = tmp_path / "two"
-  rc, out, waited = launched(run, FLAGS, kill_at=3)
+  run = tmp_path / "two"  # and its update FSDP-sharded over each process's two devices
+  fsdp = {**FLAGS, "fsdp": 2}
+  rc, out, waited = launched(run, fsdp, kill_at=3)
   assert rc != 0 and waited is not None
   assert "launch: process 1 was killed by SIGKILL while the others still ran; stopping them" in out
   assert waited < 60, f"process 0 went on for {waited:.0f}s after process 1 died"
   assert (run / "checkpoints" / "2").is_dir() and not (run / "final_model").exists()
 
-  rc, out, _ = launched(run, FLAGS, "--config.resume=True")
+  rc, out, _ = launched(run, fsdp, "--config.resume=True")
   assert rc == 0, out[-3000:]
   assert f"resumed from {run / 'checkpoints' / '2'}" in out
   assert "[process 1]" not in out.replace("[process 1] [Gloo]", "")  # process 0 alone speaks
@@ -134,3 +137,12 @@ def test_two_processes_with_the_online_drafter_sample_what_one_process_samples(t
   assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "3").glob("drafter_buffer*")
                 ) == ["drafter_buffer.process0.npz", "drafter_buffer.process1.npz"]
   assert (tmp_path / "two" / "final_drafter").is_dir()
+
+
+def test_an_fsdp_size_that_does_not_divide_the_devices_is_a_config_error(tmp_path):
+  from tests.test_train_job import tiny_config  # pylint: disable=import-outside-toplevel
+  from tlt_jax.job.build import job_devices  # pylint: disable=import-outside-toplevel
+  from tlt_jax.job.typed_config import ConfigError  # pylint: disable=import-outside-toplevel
+  cfg = tiny_config(tmp_path, fsdp=3)
+  with pytest.raises(ConfigError, match=r"config.fsdp: .*use one of \[1\]"):
+    job_devices(cfg)

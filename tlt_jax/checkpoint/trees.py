@@ -100,10 +100,17 @@ def flat_leaves(tree: PyTree) -> dict[str, Any]:
 
 
 def _host(x: Any) -> np.ndarray | None:
-  """The whole array on the host; ``None`` for one sharded over other processes' devices."""
+  """The whole array on the host; ``None`` for one whose parts are on other processes' devices
+  alone (a multi-process array whose local shards cover it, e.g. replicated, or FSDP-sharded
+  over this process's devices only, is assembled here)."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     if not x.is_fully_replicated:
-      return None
+      whole = np.empty(x.shape, x.dtype)
+      seen = np.zeros(x.shape, bool)
+      for shard in x.addressable_shards:
+        whole[shard.index] = np.asarray(shard.data)
+        seen[shard.index] = True
+      return np.ascontiguousarray(whole) if seen.all() else None
     x = x.addressable_data(0)  # a full local replica
   return np.ascontiguousarray(np.asarray(jax.device_get(x)))
 

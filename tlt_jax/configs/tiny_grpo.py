@@ -34,6 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
   # several processes: how long one waits for another's rollout rows (or any exchange) before it
   # stops with an error naming the process that did not come (a dead one is noticed sooner)
   c.distributed_timeout_s = 600
+  # the policy update's FSDP axis: params and optimizer state sharded over this many devices
+  # (it must divide the mesh's devices; 1: replicated, plain data parallel)
+  c.fsdp = 1
 
   # ArithmeticTask: operands of up to max_digits digits, sizes Zipf(digit_exponent)-distributed.
   # num_prompts: 0 draws fresh problems every step; N > 0 is epoch mode, a fixed set of N

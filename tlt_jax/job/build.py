@@ -25,6 +25,7 @@ from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
+from tlt_jax.rl.update import make_mesh
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Task, chat_prompt
 from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prompt, eval_problems, \
     step_problems
@@ -33,11 +34,12 @@ from tlt_jax.rollout.suffix import SuffixConfig
 from tlt_jax.utils import FieldError
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.py"
-TOP_LEVEL = {"seed", "logdir", "distributed", "distributed_timeout_s", "resume", "checkpoint_every", "drafter",
+TOP_LEVEL = {"seed", "logdir", "distributed", "distributed_timeout_s", "fsdp", "resume", "checkpoint_every", "drafter",
              "mesh_devices", "task", "model", "sft", "grpo", "trainer", "rollout",
              "rollout_devices", "drafter_training", "history", "suffix"}
 # defaults when a config lacks them
-_OPTIONAL = {"rollout_devices", "drafter_training", "history", "suffix", "distributed_timeout_s"}
+_OPTIONAL = {"rollout_devices", "drafter_training", "history", "suffix", "distributed_timeout_s",
+             "fsdp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +280,10 @@ def job_devices(cfg: ml_collections.ConfigDict) -> list:
     raise ConfigError(f"config.mesh_devices={cfg.mesh_devices} but only {len(devices)} devices "
                       "are visible; use 0 for all of them")
   devices = devices[:cfg.mesh_devices or len(devices)]
+  try:
+    make_mesh(devices, cfg.get("fsdp", 1))
+  except ValueError as e:
+    raise ConfigError(f"config.fsdp: {e}") from None
   local = [d for d in devices if d.process_index == jax.process_index()]
   try:
     check_rollout_devices(cfg.get("rollout_devices", 0), len(local), "config.rollout_devices")

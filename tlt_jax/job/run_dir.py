@@ -180,7 +180,7 @@ class MetricsLog:
 def export_final_model(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
   """Writes the policy and its tokenizer to ``<logdir>/final_model`` atomically (a complete new
   directory replaces the old one), refusing non-finite weights."""
-  model = nnx.merge(trainer.graphdef, trainer.params)
+  model = nnx.merge(trainer.graphdef, trainer.policy.rollout_params())  # gathered (FSDP)
   for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]:
     if count_nonfinite(leaf):
       raise FloatingPointError(f"final model not written: {jax.tree_util.keystr(path)} holds "
@@ -210,5 +210,5 @@ def export_final_drafter(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
   """Writes the online-trained drafter to ``<logdir>/final_drafter`` atomically (loads with
   ``tlt_jax.models.drafter.load_drafter``)."""
   return replace_dir(job.logdir / FINAL_DRAFTER, lambda tmp: trainer.online.export(
-      tmp, policy=trainer.params, policy_name=str(job.logdir / FINAL_MODEL)))
+      tmp, policy=trainer.policy.rollout_params(), policy_name=str(job.logdir / FINAL_MODEL)))
 

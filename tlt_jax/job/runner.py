@@ -29,7 +29,7 @@ from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import history as history_lib
 from tlt_jax.rl.sft import warm_start
 from tlt_jax.rl.trainer import GRPOTrainer, check_update_layout
-from tlt_jax.rl.update import NonFiniteUpdateError
+from tlt_jax.rl.update import NonFiniteUpdateError, make_mesh
 from tlt_jax.rollout.stats import arm_line, run_sd_summary
 from tlt_jax.utils import progress_bar
 
@@ -62,8 +62,11 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
     return dict(history=[], lengths=[], finished=True, step=latest)
   if not cfg.resume and hosts.is_primary():
     save_run_config(cfg, logdir)
-  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-  _say(f"devices: {len(devices)} x {devices[0].platform} (data-parallel policy updates)" +
+  mesh = make_mesh(devices, cfg.get("fsdp", 1))
+  fsdp = cfg.get("fsdp", 1)
+  _say(f"devices: {len(devices)} x {devices[0].platform} (" +
+       (f"policy updates data-parallel over {len(devices) // fsdp} x FSDP over {fsdp}: params "
+        f"and optimizer state sharded" if fsdp > 1 else "data-parallel policy updates") + ")" +
        (f", {hosts.process_count()} processes with {len(jax.local_devices())} each"
         if hosts.process_count() > 1 else ""))
   with StopSignals() as stop:

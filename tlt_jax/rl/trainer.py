@@ -266,7 +266,7 @@ class GRPOTrainer:
     redundantly on all devices.) The views die with the params they view, which the update
     donates: call this after every update.
     """
-    self.engine.update_params(self.params)
+    self.engine.update_params(self.policy.rollout_params())
 
 
   def _sync_drafter(self, always: bool = False) -> None:
@@ -279,7 +279,7 @@ class GRPOTrainer:
     weights = (self.online.engine_params(device) if always else
                self.online.new_engine_params(device))
     if weights is not None:
-      self.engine.update_params(self.params, weights)
+      self.engine.update_params(self.policy.rollout_params(), weights)
       self.engine.observe_drafter(self.online.quality)
 
   def precompile_drafter(self) -> int:
