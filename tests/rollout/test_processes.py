@@ -1,0 +1,97 @@
+"""``ProcessShardedRollout`` in one process, playing process 1 of 2 (``hosts`` patched: the
+exchange hands back what a real process 0 decoded): a process decodes exactly its rows with
+their global keys, every process gets every row, and the tuner is saved and loaded per process.
+The real multi-process runs are tests/test_multiprocess.py and tests/test_hosts.py."""
+
+import numpy as np
+import pytest
+
+from tests.helpers import sharp_random_model
+from tlt_jax import hosts
+from tlt_jax.models.model_config import ModelConfig
+from tlt_jax.rollout import processes
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.processes import ProcessShardedRollout, process_rows
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.stats import rollout_metrics
+
+PROMPTS = [[7, 8, 9], [10, 11], [12, 13, 14, 15], [16], [17, 18]]
+
+
+def as_process(monkeypatch, index: int, count: int, others: dict):
+  """``hosts`` as process ``index`` of ``count``; ``others[tag]``: what every other process sends
+  (``{process: value}``); records what this one sent."""
+  sent = {}
+
+  def allgather(value, tag):
+    sent[tag] = value
+    return [value if p == index else others[tag][p] for p in range(count)]
+
+  monkeypatch.setattr(hosts, "process_index", lambda: index)
+  monkeypatch.setattr(hosts, "process_count", lambda: count)
+  monkeypatch.setattr(hosts, "is_primary", lambda: index == 0)
+  monkeypatch.setattr(hosts, "allgather", allgather)
+  return sent
+
+
+@pytest.fixture(scope="module")
+def engine():
+  target = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=2)
+  return RolloutEngine(target, None, EngineConfig(max_batch=4, max_prompt_len=8,
+                                                  max_new_tokens=12, prefill_buckets=(8,)))
+
+
+def test_process_1_decodes_its_rows_with_their_keys_and_gets_every_row(engine, monkeypatch):
+  params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
+  whole = engine.generate(PROMPTS, params)
+  first = process_rows(len(PROMPTS), 2, 1, 0)
+  assert first == range(0, 3)
+  part = engine.generate(PROMPTS[:3], params)  # what process 0 decodes and sends
+  sent = as_process(monkeypatch, 1, 2, {"rollout": {0: (part.tokens, part.logprobs,
+                                                        part.finish_reasons, part.stats)}})
+  out = ProcessShardedRollout(engine).generate(PROMPTS, params)
+  assert sent["rollout"][0] == whole.tokens[3:]  # its rows, sampled as in the whole request
+  assert out.tokens == whole.tokens
+  for a, b in zip(out.logprobs, whole.logprobs):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  assert out.finish_reasons == whole.finish_reasons
+  assert [p["rows"] for p in out.stats.processes] == [3, 2]
+  assert len(out.stats.devices) == 2 and out.stats.tokens == whole.stats.tokens
+  metrics = rollout_metrics(out.stats)
+  assert {"process_rollout_s/0", "process_idle_s/1", "rollout_exchange_s"} <= set(metrics)
+  assert min(metrics["process_idle_s/0"], metrics["process_idle_s/1"]) == 0.0
+
+
+def test_a_bad_prompt_fails_on_every_process_not_only_its_owner(engine, monkeypatch):
+  as_process(monkeypatch, 1, 2, {})
+  with pytest.raises(ValueError, match="prompt 0 is empty"):
+    ProcessShardedRollout(engine).generate([[], [5]], SamplingParams(max_new_tokens=4))
+
+
+class FakeLocal:
+  tuner = None
+
+  def __init__(self, state):
+    self.state, self.loaded = state, []
+
+  def tuner_state(self):
+    return self.state
+
+  def load_tuner_state(self, saved, report=print):
+    self.loaded.append(saved)
+
+
+def test_the_tuner_is_saved_and_loaded_per_process(monkeypatch):
+  mine, theirs = {"kind": "cost", "who": 1}, {"kind": "cost", "who": 0}
+  as_process(monkeypatch, 1, 2, {"tuner_state": {0: theirs}})
+  rollout = ProcessShardedRollout(FakeLocal(mine))
+  saved = rollout.tuner_state()
+  assert saved == {"kind": "cost", processes.PER_PROCESS: [theirs, mine]}
+  rollout.load_tuner_state(saved)
+  assert rollout.local.loaded == [mine]  # its own, not process 0's
+  rollout.load_tuner_state(theirs)  # a one-process checkpoint: every process takes it
+  assert rollout.local.loaded[-1] == theirs
+  notes = []
+  rollout.load_tuner_state({"kind": "cost", processes.PER_PROCESS: [theirs, mine, mine]},
+                           notes.append)
+  assert rollout.local.loaded[-1] == theirs  # another process count: process 0's
