@@ -116,7 +116,7 @@ def test_two_processes_killed_and_resumed_reproduce_one_process_on_four_devices(
   rc, out, _ = launched(run, fsdp, "--config.resume=True")
   assert rc == 0, out[-3000:]
   assert f"resumed from {run / 'checkpoints' / '2'}" in out
-  assert "[process 1]" not in out.replace("[process 1] [Gloo]", "")  # process 0 alone speaks
+  assert out.count("step    4/4") == 1  # process 0 alone speaks
   assert_same_run(step_rows(run), reference)
   for a, b in zip(final_params(run), final_params(tmp_path / "one")):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -124,7 +124,7 @@ def test_two_processes_killed_and_resumed_reproduce_one_process_on_four_devices(
 
 @pytest.mark.slow
 def test_two_processes_with_the_online_drafter_sample_what_one_process_samples(tmp_path):
-  flags = {**FLAGS, **EAGLE, "trainer.steps": 3, "checkpoint_every": 3}
+  flags = {**FLAGS, **EAGLE, "trainer.steps": 2, "checkpoint_every": 2, "rollout.max_batch": 4}
   one_process(tmp_path / "one", flags)
   rc, out, _ = launched(tmp_path / "two", flags)
   assert rc == 0, out[-3000:]
@@ -134,7 +134,7 @@ def test_two_processes_with_the_online_drafter_sample_what_one_process_samples(t
   assert all("drafter_sync_s" in r for r in steps)  # the processes' drafters were averaged
   assert sum(r["drafter_spot_steps"] for r in steps) > 0  # trained on the idle devices
   # one buffer file per process beside the arrays, and a drafter that loads
-  assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "3").glob("drafter_buffer*")
+  assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "2").glob("drafter_buffer*")
                 ) == ["drafter_buffer.process0.npz", "drafter_buffer.process1.npz"]
   assert (tmp_path / "two" / "final_drafter").is_dir()
 
