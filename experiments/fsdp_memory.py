@@ -34,11 +34,11 @@ ReduceScatterCreator pass fuses that pair into a reduce-scatter (not measured he
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import statistics
 import time
+
+import device_flags
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -54,12 +54,7 @@ def collectives(hlo: str) -> dict[str, int]:
 
 def main():
   # the device count first: JAX must see XLA_FLAGS before it is imported (harness imports it)
-  devices_arg = argparse.ArgumentParser(add_help=False)
-  devices_arg.add_argument("--devices", type=int, default=4, help="simulated CPU devices")
-  n_devices = devices_arg.parse_known_args()[0].devices
-  flag = f"--xla_force_host_platform_device_count={n_devices}"
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  devices_arg, n_devices = device_flags.simulated_devices(4)
   # pylint: disable=import-outside-toplevel
   import jax
   import numpy as np

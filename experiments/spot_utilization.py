@@ -50,11 +50,12 @@ through per second are bounded by the cores, not the devices.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 import time
+
+import device_flags
 
 ARMS = ("spot_all", "spot_one", "spot_off")
 PER_DEVICE = "drafter_spot_device_s_"
@@ -62,12 +63,7 @@ PER_DEVICE = "drafter_spot_device_s_"
 
 def main():
   # the device count first: JAX must see XLA_FLAGS before it is imported (rl_bench imports it)
-  devices_arg = argparse.ArgumentParser(add_help=False)
-  devices_arg.add_argument("--devices", type=int, default=4, help="simulated CPU devices")
-  devices = devices_arg.parse_known_args()[0].devices
-  flag = f"--xla_force_host_platform_device_count={devices}"
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  devices_arg, devices = device_flags.simulated_devices(4)
   # pylint: disable=import-outside-toplevel
   import jax
   import numpy as np

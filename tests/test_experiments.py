@@ -18,7 +18,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
-LIBRARIES = {"harness.py", "rl_bench.py"}  # shared modules, not scripts
+LIBRARIES = {"harness.py", "rl_bench.py", "device_flags.py"}  # shared modules, not scripts
 
 RUNNER = """\
 import contextlib, io, json, runpy, sys
