@@ -63,7 +63,8 @@ def main():
   import harness
   from harness import ModelConfig, TrainerConfig, compile_count, grpo, init_model
   from tlt_jax.rl.packing import padded_batch
-  from tlt_jax.rl.update import PolicyUpdate, make_mesh
+  from tlt_jax.rl.mesh import make_mesh
+  from tlt_jax.rl.update import PolicyUpdate
 
   parser = harness.parser(__doc__, parents=[devices_arg])
   parser.add_argument("--fsdp", default="1,2,4", help="comma-separated fsdp sizes (1: the "

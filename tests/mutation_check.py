@@ -509,7 +509,7 @@ MUTANTS = [
            "        break",
            ("tests/test_hosts.py", "-k", "launcher_stops_the_others"),
            "the launcher waits for the survivors of a dead process instead of stopping them"),
-    Mutant("fsdp_optimizer_state_replicated", "tlt_jax/rl/update.py",
+    Mutant("fsdp_optimizer_state_replicated", "tlt_jax/rl/mesh.py",
            "    self.opt_state = self.of(opt_state) if opt_state is not None else self.replicated",
            "    self.opt_state = self.replicated",
            ("tests/rl/test_fsdp.py",),

@@ -27,7 +27,8 @@ from tlt_jax.models.transformer import init_model  # pylint: disable=wrong-impor
 from tlt_jax.rl import grpo  # pylint: disable=wrong-import-position
 from tlt_jax.rl.packing import padded_batch  # pylint: disable=wrong-import-position
 from tlt_jax.rl.trainer import TrainerConfig  # pylint: disable=wrong-import-position
-from tlt_jax.rl.update import PolicyUpdate, make_mesh  # pylint: disable=wrong-import-position
+from tlt_jax.rl.mesh import make_mesh  # pylint: disable=wrong-import-position
+from tlt_jax.rl.update import PolicyUpdate  # pylint: disable=wrong-import-position
 from tlt_jax.utils import compile_count  # pylint: disable=wrong-import-position
 
 assert jax.device_count() == 4, jax.devices()

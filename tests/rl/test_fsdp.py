@@ -21,7 +21,8 @@ from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.trainer import TrainerConfig
-from tlt_jax.rl.update import PolicyUpdate, fsdp_size, fsdp_spec, make_mesh, rows_spec
+from tlt_jax.rl.mesh import fsdp_size, fsdp_spec, make_mesh, rows_spec
+from tlt_jax.rl.update import PolicyUpdate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FSDP_RUNS = ("fsdp1", "fsdp4", "data2_fsdp2_packed", "fsdp4_packed")

@@ -25,7 +25,7 @@ from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
-from tlt_jax.rl.update import make_mesh
+from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Task, chat_prompt
 from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prompt, eval_problems, \
     step_problems

@@ -29,7 +29,8 @@ from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import history as history_lib
 from tlt_jax.rl.sft import warm_start
 from tlt_jax.rl.trainer import GRPOTrainer, check_update_layout
-from tlt_jax.rl.update import NonFiniteUpdateError, make_mesh
+from tlt_jax.rl.mesh import make_mesh
+from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.stats import arm_line, run_sd_summary
 from tlt_jax.utils import progress_bar
 
