@@ -72,9 +72,13 @@ def main() -> None:
                  "--devices-per-process", "2", "--", f"--config.logdir={tmp / 'two'}",
                  *flag_args], env)
     report["runs"]["2 processes x 2 devices"] = dict(wall_s=wall, **medians(rows_of(tmp / "two")))
-    same = [a["rollout_digest"] == b["rollout_digest"] and a["reward"] == b["reward"]
-            for a, b in zip(rows_of(tmp / "one"), rows_of(tmp / "two"))]
+    pairs = list(zip(rows_of(tmp / "one"), rows_of(tmp / "two")))
+  same = [a["rollout_digest"] == b["rollout_digest"] and a["reward"] == b["reward"]
+          for a, b in pairs]
   report["same_tokens_and_rewards_every_step"] = all(same) and len(same) == args.steps
+  report["per_step"] = [{"step": a["step"], "same_tokens": a["rollout_digest"] == b["rollout_digest"],
+                         "reward": [a["reward"], b["reward"]], "loss": [a["loss"], b["loss"]],
+                         "grad_norm": [a["grad_norm"], b["grad_norm"]]} for a, b in pairs]
   one, two = report["runs"].values()
   report["ratios_2x2_over_1x4"] = {k: two[k] / one[k] for k in ("wall_s", "step_s", "rollout_s",
                                                                 "update_s") if one.get(k)}
