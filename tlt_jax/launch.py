@@ -106,7 +106,10 @@ def launch(args: list[str], processes: int, module: str = "tlt_jax.train",
   print(f"launch: {processes} processes (pids {', '.join(str(c.pid) for c in children)}), "
         f"coordinator {address}", file=sys.stderr, flush=True)
 
-  def forward(signum, _frame):
+  forwarded = []
+
+  def forward(signum, _frame):  # every process stops by itself: none of them failed
+    forwarded.append(signum)
     for c in children:
       if c.poll() is None:
         c.send_signal(signum)
@@ -119,7 +122,7 @@ def launch(args: list[str], processes: int, module: str = "tlt_jax.train",
       if all(code is not None for code in codes):
         break
       for i, code in enumerate(codes):
-        if code not in (None, 0) and failed is None:
+        if code not in (None, 0) and failed is None and not forwarded:
           failed = (i, code)
       if failed is not None:
         i, code = failed
