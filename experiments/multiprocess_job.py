@@ -60,11 +60,12 @@ def main() -> None:
   flags = {**BASE, "trainer.steps": args.steps, **(EAGLE if args.drafter == "eagle" else {})}
   flag_args = [f"--config.{k}={v}" for k, v in flags.items()]
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  extra = env.pop("XLA_FLAGS", "")  # kept (e.g. XLA's backend options), devices set per run
   report = {"flags": flags, "runs": {}}
   with tempfile.TemporaryDirectory() as tmp:
     tmp = pathlib.Path(tmp)
-    one = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    one = dict(env, XLA_FLAGS=f"{extra} --xla_force_host_platform_device_count=4".strip())
+    env = dict(env, XLA_FLAGS=extra)  # the launcher adds each process's device count
     wall = _run([sys.executable, "-m", "tlt_jax.train", f"--config.logdir={tmp / 'one'}",
                  *flag_args], one)
     report["runs"]["1 process x 4 devices"] = dict(wall_s=wall, **medians(rows_of(tmp / "one")))
