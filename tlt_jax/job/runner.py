@@ -63,8 +63,9 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
     return dict(history=[], lengths=[], finished=True, step=latest)
   if not cfg.resume and hosts.is_primary():
     save_run_config(cfg, logdir)
-  mesh = make_mesh(devices, cfg.get("fsdp", 1))
   fsdp = cfg.get("fsdp", 1)
+  # without FSDP the plain 1-D mesh: the update compiles (and rounds) exactly as it always did
+  mesh = make_mesh(devices, fsdp) if fsdp > 1 else jax.sharding.Mesh(np.array(devices), ("data",))
   _say(f"devices: {len(devices)} x {devices[0].platform} (" +
        (f"policy updates data-parallel over {len(devices) // fsdp} x FSDP over {fsdp}: params "
         f"and optimizer state sharded" if fsdp > 1 else "data-parallel policy updates") + ")" +
