@@ -661,14 +661,15 @@ def test_final_model_is_never_written_from_non_finite_weights(tmp_path):
   from flax import nnx  # pylint: disable=import-outside-toplevel
   job = build_job(tiny_config(tmp_path))
   graphdef, params = nnx.split(runner.init_model(job.model_config, seed=0))
-  good = types.SimpleNamespace(graphdef=graphdef, params=params)
-  final = export_final_model(good, job)
+  def trainer_with(weights):  # what export reads of a trainer: its graphdef and gathered params
+    return types.SimpleNamespace(graphdef=graphdef,
+                                 policy=types.SimpleNamespace(rollout_params=lambda: weights))
+  final = export_final_model(trainer_with(params), job)
   before = (final / "model.safetensors").read_bytes()
   leaves, treedef = jax.tree.flatten(params)
   leaves[-1] = leaves[-1].at[0].set(float("nan"))
-  bad = types.SimpleNamespace(graphdef=graphdef, params=jax.tree.unflatten(treedef, leaves))
   with pytest.raises(FloatingPointError, match="non-finite"):
-    export_final_model(bad, job)
+    export_final_model(trainer_with(jax.tree.unflatten(treedef, leaves)), job)
   assert (final / "model.safetensors").read_bytes() == before
   assert sorted(p.name for p in tmp_path.iterdir()) == ["final_model"]
 
