@@ -14,6 +14,7 @@ import pytest
 from tlt_jax import hosts, launch
 from tlt_jax.rollout.parallel import shard_ranges
 from tlt_jax.rollout.processes import process_rows
+from tests.xla_env import device_count_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -91,6 +92,36 @@ def test_the_launcher_runs_a_job_that_succeeds(capfd):
   assert launch.launch(["gather"], processes=2, module="tests.hosts_worker", env=_env()) == 0
   out = capfd.readouterr().out
   assert "round 2: [0, 10]" in out and "[process 1] round 2: [0, 10]" in out
+
+
+# a weight gradient's shape: a product contracting over every token of a batch (2048 here)
+_GRADIENT_BITS = """
+import hashlib, numpy as np, jax
+r = np.random.default_rng(0)
+a, b = r.standard_normal((2048, 128), np.float32), r.standard_normal((2048, 64), np.float32)
+print(hashlib.sha256(np.asarray(jax.jit(lambda a, b: a.T @ b)(a, b)).tobytes()).hexdigest())
+"""
+
+
+def _gradient_bits(env: dict) -> str:
+  done = subprocess.run([sys.executable, "-c", _GRADIENT_BITS], env=env, capture_output=True,
+                        text=True, timeout=120, check=True)
+  return done.stdout.strip()
+
+
+def test_a_launched_process_rounds_as_one_process_with_every_device():
+  """XLA:CPU splits a long contraction by the size of its thread pool, which grows with the
+  simulated devices: the launcher gives each of 2 x 2 processes the pool of 1 x 4, so their
+  products have the same bits (on a 2-core machine, without it they differ)."""
+  base = {k: v for k, v in _env().items() if k not in ("PJRT_NPROC", "NPROC")}
+  one = _gradient_bits(dict(base, XLA_FLAGS=device_count_flags(4)))
+  child = launch.child_env(base, 1, 2, "127.0.0.1:1", 2, None)
+  assert int(child["PJRT_NPROC"]) == launch.cpu_pool_size(base, 4)
+  child.pop("JAX_COORDINATOR_ADDRESS")  # (no jax.distributed needed for one product)
+  assert _gradient_bits(child) == one
+  # a user's own pool size is kept, raised to the devices if it is smaller
+  assert launch.child_env(dict(base, NPROC="16"), 0, 2, "x:1", 2, None)["PJRT_NPROC"] == "16"
+  assert launch.child_env(dict(base, PJRT_NPROC="1"), 0, 2, "x:1", 2, None)["PJRT_NPROC"] == "4"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -9,7 +9,9 @@ with ``JAX_COORDINATOR_ADDRESS`` (a free local port), ``JAX_NUM_PROCESSES`` and
 ``JAX_PROCESS_ID`` set, as a cluster's launcher would (``hosts.py``); with
 ``--devices-per-process N`` each simulates N CPU devices (``XLA_FLAGS``; leave it out on a
 machine whose processes should use its accelerators, and pick them with
-``--visible-devices``). Process 0's output is passed through; the others' lines are prefixed
+``--visible-devices``). Simulated devices also get the thread pool that one process holding all
+of them would have (``PJRT_NPROC``, see ``cpu_pool_size``), so that a launched run computes
+bit for bit what one process with ``processes x devices`` CPU devices computes. Process 0's output is passed through; the others' lines are prefixed
 with ``[process i]`` (the job prints from process 0 only, so they show warnings and errors).
 
 When a process fails (a non-zero exit, or killed by a signal) while others still run, the others
@@ -44,6 +46,23 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def cpu_pool_size(base: dict, devices: int) -> int:
+  """The size of the intra-op thread pool XLA:CPU gives a process with ``devices`` CPU devices:
+  ``max($PJRT_NPROC or $NPROC or this machine's cores, devices)``.
+
+  It matters for more than speed: XLA:CPU cuts a large matrix product (e.g. a weight gradient,
+  contracting over every token of a batch) into as many partial sums as that pool suggests, so
+  the same program on the same inputs rounds differently in a process with 4 simulated devices
+  than in one with 2 (on a 2-core machine: the same bits for 1, 2 or 3 devices, others for 4).
+  """
+  for name in ("PJRT_NPROC", "NPROC"):
+    value = base.get(name, "")
+    if value.strip().isdigit():
+      return max(int(value), devices)
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return max(cores or 1, devices)
+
+
 def child_env(base: dict, index: int, count: int, address: str, devices: int | None,
               visible: str | None) -> dict:
   """The environment of process ``index`` of ``count``."""
@@ -53,6 +72,9 @@ def child_env(base: dict, index: int, count: int, address: str, devices: int | N
     flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                      if not f.startswith("--xla_force_host_platform_device_count="))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    # the pool of one process with all count x devices devices: the same partial sums, the
+    # same bits as that process (cpu_pool_size)
+    env["PJRT_NPROC"] = str(cpu_pool_size(base, count * devices))
   if visible is not None:  # e.g. "0,1;2,3": process i sees the i-th group
     groups = visible.split(";")
     env["JAX_LOCAL_DEVICE_IDS"] = groups[index]
