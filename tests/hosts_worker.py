@@ -13,7 +13,8 @@ from tlt_jax import hosts  # pylint: disable=wrong-import-position
 
 mode = sys.argv[1]
 hosts.initialize(timeout_s=float(os.environ.get("TEST_TIMEOUT_S", "60")),
-                 heartbeat_s=int(os.environ.get("TEST_HEARTBEAT_S", "30")))
+                 heartbeat_s=int(os.environ.get("TEST_HEARTBEAT_S", "30")),
+                 connect_timeout_s=int(os.environ.get("TEST_CONNECT_S", "120")))
 me = hosts.process_index()
 print(f"round 1: {hosts.allgather({'from': me}, 'test')}", flush=True)
 if mode == "die" and me == 1:

@@ -77,6 +77,33 @@ def test_a_dead_peer_ends_the_others_by_its_missing_heartbeats():
   assert waited < 45
 
 
+def _alone(index: int) -> tuple[subprocess.CompletedProcess, float]:
+  """Process ``index`` of 2 started alone: the other never comes (5 s to meet)."""
+  address = f"127.0.0.1:{launch.free_port()}"
+  t0 = time.monotonic()
+  done = subprocess.run([sys.executable, "-m", "tests.hosts_worker", "gather"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=90, check=False,
+                        env=_env(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2",
+                                 JAX_PROCESS_ID=str(index), TEST_CONNECT_S="5"))
+  return done, time.monotonic() - t0
+
+
+def test_a_process_that_cannot_reach_the_coordinator_says_so_within_the_timeout():
+  done, waited = _alone(1)  # process 0 (which hosts the coordinator) never started
+  assert done.returncode == 1, done.stderr[-2000:]
+  assert "process 1 could not reach the coordinator at 127.0.0.1:" in done.stderr
+  assert "within 5s" in done.stderr and "start process 0 too" in done.stderr
+  assert waited < 40
+
+
+def test_process_0_whose_peers_never_come_says_why_before_jax_ends_it():
+  done, waited = _alone(0)
+  assert done.returncode != 0
+  assert ("process 0 of 2: the job's processes did not all reach the coordinator" in
+          done.stderr), done.stderr[-2000:]
+  assert waited < 60
+
+
 def test_the_launcher_stops_the_others_when_one_dies_and_names_it(capfd):
   t0 = time.monotonic()
   code = launch.launch(["die"], processes=2, module="tests.hosts_worker", grace_s=5,

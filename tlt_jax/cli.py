@@ -17,9 +17,11 @@ from typing import Callable
 from tlt_jax import compile_cache
 from tlt_jax.job import typed_config
 from tlt_jax.checkpoint import CheckpointError
+from tlt_jax.hosts import PeerLostError
 
-# Errors that come from what the user gave (config, files, data), printed without a traceback.
-USER_ERRORS = (ValueError, TypeError, OSError, CheckpointError, FloatingPointError)
+# Errors that come from what the user gave (config, files, data), or from another process of the
+# job (named in the message), printed without a traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, CheckpointError, FloatingPointError, PeerLostError)
 _HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull")
 
 

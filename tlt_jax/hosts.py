@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
+import sys
+import threading
+import time
 from typing import Any
 
 import jax
@@ -81,6 +85,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                      f"${ENV_ADDRESS})")
   # CPU processes exchange their collectives' data over gloo (a no-op for accelerators)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if address is not None and index not in (None, 0):  # process 0 hosts the coordinator
+    wait_for_coordinator(address, index, connect_timeout_s)
+  # JAX aborts the process (no exception) when the processes do not all meet in time: say why
+  # first, so the abort is not the only line a user sees
+  warn = threading.Timer(max(0.0, connect_timeout_s - 1.0), _say_not_met,
+                         (address, index, count, connect_timeout_s))
+  warn.daemon = True
+  warn.start()
   try:
     # leaving waits for the other processes at most heartbeat_s (not JAX's 5 minutes), so a
     # process that stops with an error is not held up by a peer that hangs
@@ -96,7 +108,38 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                         f"coordinator at {address} within {connect_timeout_s}s ({_first(e)}); "
                         "check that every process was started with the same address and "
                         "process count, and that process 0 is running") from None
+  finally:
+    warn.cancel()
   _state["timeout_s"] = timeout_s
+
+
+def wait_for_coordinator(address: str, index: int | None, timeout_s: float) -> None:
+  """Returns once the coordinator at ``host:port`` accepts connections; raises
+  :class:`PeerLostError` after ``timeout_s`` (JAX itself would abort the process, saying only
+  that a deadline passed)."""
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout_s
+  last = None
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+        return
+    except OSError as e:
+      last = e
+    if time.monotonic() >= deadline:
+      raise PeerLostError(
+          f"process {index} could not reach the coordinator at {address} within {timeout_s:.0f}s "
+          f"({last}): process 0 hosts it, so start process 0 too (with the same "
+          f"${ENV_ADDRESS}, ${ENV_COUNT}), or fix the address; a cluster's launcher "
+          "(srun, python -m tlt_jax.launch) starts them all")
+    time.sleep(0.25)
+
+
+def _say_not_met(address, index, count, timeout_s) -> None:
+  print(f"tlt_jax.hosts: process {index} of {count}: the job's processes did not all reach the "
+        f"coordinator at {address} within {timeout_s:.0f}s; JAX is about to end this process. "
+        "Check that every process was started, with the same address and process count",
+        file=sys.stderr, flush=True)
 
 
 def _first(e: BaseException) -> str:
