@@ -561,8 +561,8 @@ def run_mutant(mutant: Mutant, timeout: int) -> tuple[str, float, str]:
     path.write_text(text.replace(mutant.old, mutant.new))
     env = dict(os.environ, PYTHONPATH=str(dest), JAX_PLATFORMS="cpu")
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           *mutant.tests], cwd=dest, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p",
+                           "no:cacheprovider", *mutant.tests], cwd=dest, env=env, capture_output=True, text=True,
                           timeout=timeout)
     seconds = time.perf_counter() - t0
     tail = (done.stdout.strip().splitlines() or [""])[-1]
