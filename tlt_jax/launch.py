@@ -11,8 +11,9 @@ with ``JAX_COORDINATOR_ADDRESS`` (a free local port), ``JAX_NUM_PROCESSES`` and
 machine whose processes should use its accelerators, and pick them with
 ``--visible-devices``). Simulated devices also get the thread pool that one process holding all
 of them would have (``PJRT_NPROC``, see ``cpu_pool_size``), so that a launched run computes
-bit for bit what one process with ``processes x devices`` CPU devices computes. Process 0's output is passed through; the others' lines are prefixed
-with ``[process i]`` (the job prints from process 0 only, so they show warnings and errors).
+bit for bit what one process with ``processes x devices`` CPU devices computes. Process 0's
+output is passed through; the others' lines are prefixed with ``[process i]`` (the job prints
+from process 0 only, so they show warnings and errors).
 
 When a process fails (a non-zero exit, or killed by a signal) while others still run, the others
 are stopped at once (SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher exits with
