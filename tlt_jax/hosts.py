@@ -161,8 +161,9 @@ def is_primary() -> bool:
 
 def allgather(value: Any, tag: str) -> list[Any]:
   """Every process's ``value`` (any picklable object: the job's processes trust each other, as
-  they do with any pickled state), in process order; with one process, ``[value]``. Every process must call it with the same ``tag``s in the same order; raises
-  :class:`PeerLostError` when a peer's value does not come within the timeout."""
+  they do with any pickled state), in process order; with one process, ``[value]``. Every
+  process must call it with the same ``tag``s in the same order; raises :class:`PeerLostError`
+  when a peer's value does not come within the timeout."""
   count = jax.process_count()
   if count == 1:
     return [value]
