@@ -562,8 +562,8 @@ def run_mutant(mutant: Mutant, timeout: int) -> tuple[str, float, str]:
     env = dict(os.environ, PYTHONPATH=str(dest), JAX_PLATFORMS="cpu")
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p",
-                           "no:cacheprovider", *mutant.tests], cwd=dest, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                           "no:cacheprovider", *mutant.tests], cwd=dest, env=env,
+                          capture_output=True, text=True, timeout=timeout)
     seconds = time.perf_counter() - t0
     tail = (done.stdout.strip().splitlines() or [""])[-1]
     if done.returncode == 5:  # pytest: no tests collected
