@@ -58,6 +58,13 @@ def main():
                       "scratch drafter")
   parser.add_argument("--serial-steps", type=int, default=8, help="online drafter steps per "
                       "RL step")
+  parser.add_argument("--drift", default="none", choices=["none", "format"], help="format: the "
+                      "drift workload (rl_bench.FormatShiftTask: the reward favours a trace "
+                      "style the warm start writes only --new-style-share of the time)")
+  parser.add_argument("--new-style-share", type=float, default=0.05, help="--drift format: "
+                      "share of the warm start's traces in the new style")
+  parser.add_argument("--old-style-reward", type=float, default=0.25, help="--drift format: "
+                      "reward of a correct answer in the old style (the new style earns 1)")
   a = parser.parse_args()
   t_start = time.perf_counter()
   job, policy_dir, drafter_dir = rb.prepare(a)
@@ -77,8 +84,9 @@ def main():
   frozen = arms["frozen"]
   frozen_eval = make_eval_step(frozen.engine.drafter_graphdef, frozen.graphdef)
   start = rb.params_vector(arms["adapted"])
+  kl_probe = rb.make_kl_probe(job, policy_dir)
   rows = {name: [] for name in ARMS}
-  drift = []
+  drift, kls, styles = [], [], []
   for step in range(a.steps):
     order = harness.repeat_order(ARMS, step, "rotate")
     # the weights each arm drafts this step's rollout with (the engine's copy, never donated)
@@ -95,12 +103,14 @@ def main():
                             heldout_top1=round(float(m["top1"]), 5))
     gap = np.linalg.norm(rb.params_vector(arms["adapted"]) - start) / np.linalg.norm(start)
     drift.append(float(gap))
+    kls.append(kl_probe(frozen))  # this step's rollout (the policy before this step's update)
+    styles.append(rb.new_style_share([job.tokenizer.decode(t) for t in frozen.last_rollout[1]]))
     row = {n: rows[n][-1] for n in ARMS}
     print(f"step {step + 1:3d} reward {row['adapted']['reward']:.3f}  accept len " +
           "  ".join(f"{n} {rb.fmt(row[n].get('mean_accept_len'), '.2f')}" for n in ARMS) +
           "  held-out top-1 " + "  ".join(f"{n} {row[n]['heldout_top1']:.3f}" for n in ARMS) +
           f"  (adapted in-sample {rb.fmt(row['adapted'].get('drafter_train_top1'))})" +
-          f"  policy moved {gap:.2e}  compiles " +
+          f"  policy moved {gap:.2e}  KL {kls[-1]:.3f}  new style {styles[-1]:.2f}  compiles " +
           "/".join(str(row[n]["compiles"]) for n in ARMS), flush=True)
   check = rb.same_trajectory(arms, rows)
   third = max(1, a.steps // 3)
@@ -126,6 +136,15 @@ def main():
           trainer_vs_script_heldout_top1_max_abs_gap=max(
               abs(r["drafter_top1"] - r["heldout_top1"]) for r in mine))
   last = {n: summary[n]["accept_len_last_third"] for n in ARMS}
+  adapted_rows = rows["adapted"]
+  critical_path = dict(  # one device: the adapted drafter's serial steps sit inside the RL step
+      drafter_serial_s_median=rb.median(r.get("drafter_serial_s") for r in adapted_rows),
+      rollout_s_median=rb.median(r["rollout_s"] for r in adapted_rows),
+      step_s_median=rb.median(r["step_s"] for r in adapted_rows),
+      frozen_rollout_s_median=summary["frozen"]["rollout_s_median"])
+  workload = ("the default tiny job" if a.drift == "none" else
+              f"format shift: a correct answer earns 1 in a carry-first trace style the warm "
+              f"start writes {a.new_style_share:.0%} of the time, {a.old_style_reward} in its own")
   mean_all = {n: summary[n]["accept_len_mean"] for n in ARMS}
   report = dict(
       command=" ".join(sys.argv), args=vars(a), spec=dict(depth=a.depth, topk=1,
@@ -138,6 +157,8 @@ def main():
                           seq_len=training.seq_len),
       initial_drafter=rb.drafter_report(drafter_dir), policy_dir=str(policy_dir),
       build_s=round(build_s, 1), trajectory=check, policy_rel_l2_from_start=drift,
+      workload=workload, policy_kl_to_start=kls, new_style_share=styles,
+      critical_path=critical_path,
       summary=summary,
       adapted_over_frozen_last_third=last["adapted"] / last["frozen"],
       adapted_over_frozen_mean=mean_all["adapted"] / mean_all["frozen"],

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+import re
 import statistics
 import time
 from typing import Any
@@ -36,14 +37,90 @@ from harness import (Drafter, DrafterTrainingConfig, EngineConfig, GRPOTrainer, 
                      save_drafter, split_drafter, warm_start, write_report)
 from tlt_jax import train
 from tlt_jax.configs.tiny_grpo import get_config
+from tlt_jax.rl.tasks import ArithmeticTask, Problem, extract_answer
 from tlt_jax.job import typed_config as config_lib
 from tlt_jax.job.build import Job, build_job
 from tlt_jax.job.runner import initial_model
+from tlt_jax.rl.packing import padded_batch
+from tlt_jax.rl.update import make_logprobs_fn
 
 CACHE = pathlib.Path("experiments/out/rl_bench")
 PAPER_TABLE6 = {"stale_drafter_accept_len": 4.59, "adapted_drafter_accept_len": 6.53,
                 "source": "TLT paper, Table 6 (Qwen2.5-7B, accept length of a drafter trained "
                           "on the initial policy vs one kept adapted)"}
+
+
+# ------------------------------------------------------------------------------- drift workload
+
+
+NEW_STYLE_MARK = "="  # the first character of a completion written in the new style
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatShiftTask:
+  """Addition whose reward favours a trace style the warm start rarely writes: RL must move the
+  policy's output distribution (the drift workload of drafter_drift.py --drift format).
+
+  The old style is ArithmeticTask's trace (`` 3+4+0=07 5+6+0=11 #117``); the new one opens with
+  ``=`` and writes each column carry first (``= 0+4+3=07 1+6+5=12 #127``): the same arithmetic in
+  a token order a drafter trained on the old style does not expect. The warm start's traces are
+  in the new style with probability ``new_style_share``; a correct answer earns 1.0 in the new
+  style and ``old_style_reward`` in the old, a wrong one 0."""
+
+  base: ArithmeticTask
+  new_style_share: float = 0.05
+  old_style_reward: float = 0.25
+  name: str = "arithmetic-format-shift"
+
+  @property
+  def alphabet(self) -> str:
+    return self.base.alphabet
+
+  def digit_probs(self) -> np.ndarray:
+    return self.base.digit_probs()
+
+  def sample(self, rng: np.random.Generator, n: int) -> list[Problem]:
+    """``n`` problems; each one's trace in the new style with probability new_style_share."""
+    problems = self.base.sample(rng, n)
+    styles = rng.random(n) < self.new_style_share
+    return [new_style(p) if s else p for p, s in zip(problems, styles)]
+
+  def reward(self, problem: Problem, completion: str) -> float:
+    """1.0 for a correct answer in the new style, old_style_reward in the old, else 0."""
+    correct = self.base.reward(problem, completion)
+    if not correct:
+      return 0.0
+    return 1.0 if is_new_style(completion) else self.old_style_reward
+
+
+def new_style(problem: Problem) -> Problem:
+  """``problem`` with its trace rewritten carry first: ``x+y+c=tt`` -> ``c+y+x=tt``."""
+  steps = []
+  for chunk in problem.solution.split():
+    if chunk.startswith("#"):
+      steps.append(chunk)
+      continue
+    match = re.fullmatch(r"(\d+)([+-])(\d+)\2(\d+)=(\d+)", chunk)
+    if match is None or match.group(2) != "+":
+      return problem  # subtraction traces stay as they are
+    x, _, y, c, total = match.groups()
+    steps.append(f"{c}+{y}+{x}={total}")
+  return dataclasses.replace(problem, solution=f"{NEW_STYLE_MARK} " + " ".join(steps))
+
+
+def is_new_style(completion: str) -> bool:
+  return completion.startswith(NEW_STYLE_MARK) and extract_answer(completion) is not None
+
+
+def with_format_shift(job: Job, share: float = 0.05, old_reward: float = 0.25) -> Job:
+  """``job`` on the drift workload: its arithmetic task wrapped in FormatShiftTask."""
+  task = FormatShiftTask(job.task, new_style_share=share, old_style_reward=old_reward)
+  return dataclasses.replace(job, task=task)
+
+
+def new_style_share(completions: list[str]) -> float:
+  """The share of ``completions`` written in the new style."""
+  return float(np.mean([is_new_style(c) for c in completions])) if completions else 0.0
 
 
 # ---------------------------------------------------------------------------------- the job
@@ -74,7 +151,10 @@ def warm_policy_dir(job: Job, say=print) -> pathlib.Path:
   """The warm-started policy of ``job`` (model, sft, task, seed) saved as an HF directory; made
   once, then read from the cache."""
   cfg = job.cfg
-  key = _key(cfg.model.to_dict(), cfg.sft.to_dict(), cfg.task.to_dict(), cfg.seed)
+  parts = [cfg.model.to_dict(), cfg.sft.to_dict(), cfg.task.to_dict(), cfg.seed]
+  if isinstance(job.task, FormatShiftTask):  # the drift workload's warm start sees its traces
+    parts.append(dataclasses.asdict(job.task))
+  key = _key(*parts)
   path = CACHE / f"policy_{key}"
   if (path / "config.json").is_file():
     return path
@@ -174,6 +254,8 @@ def prepare(args, **extra: Any) -> tuple[Job, pathlib.Path, pathlib.Path]:
   """The job of ``args`` (see ``add_job_args``; ``extra``: dotted overrides), the warm policy's
   directory and the initial drafter's (both cached)."""
   job = job_for(args.prompts, args.group, args.max_new, args.lr, args.seed, **extra)
+  if getattr(args, "drift", "none") == "format":
+    job = with_format_shift(job, args.new_style_share, args.old_style_reward)
   policy_dir = warm_policy_dir(job)
   drafter_dir = initial_drafter_dir(job, policy_dir, steps=args.drafter_steps, seed=args.seed)
   return job, policy_dir, drafter_dir
@@ -231,13 +313,15 @@ def make_arm(job: Job, policy_dir: pathlib.Path, *, drafter: str | pathlib.Path 
 
 def record_rollouts(trainer: GRPOTrainer) -> None:
   """Wraps the trainer's engine so that each rollout leaves a digest of its tokens in
-  ``trainer.rollout_digests`` and, for a data-parallel rollout, its per-device stats and decode
+  ``trainer.rollout_digests`` (the last rollout's prompts, tokens and log-probs in
+  ``trainer.last_rollout``) and, for a data-parallel rollout, its per-device stats and decode
   wall time in ``trainer.rollout_devices_stats``."""
   trainer.rollout_digests, trainer.rollout_devices_stats = [], []
   inner = trainer.engine.generate
 
   def generate(prompts, params, *args, **kwargs):
     result = inner(prompts, params, *args, **kwargs)
+    trainer.last_rollout = (prompts, result.tokens, result.logprobs)
     tokens = hashlib.sha256(json.dumps(result.tokens).encode()).hexdigest()[:16]
     trainer.rollout_digests.append(tokens)
     if result.stats.devices is not None:
@@ -247,6 +331,30 @@ def record_rollouts(trainer: GRPOTrainer) -> None:
     return result
 
   trainer.engine.generate = generate
+
+
+def make_kl_probe(job: Job, policy_dir: pathlib.Path):
+  """``kl(trainer) -> float``: KL(policy || warm start) per completion token, estimated on the
+  trainer's last rollout (tokens sampled from the policy, their log-probs as sampled, minus the
+  warm start's log-probs of the same tokens). One jitted shape: every rollout padded to
+  prompts_per_step x group_size rows of max_prompt_len + max_new_tokens."""
+  graphdef, warm = nnx.split(load_policy(policy_dir))
+  logprobs = jax.jit(make_logprobs_fn(graphdef, job.trainer.temperature))
+  length = job.engine.max_prompt_len + job.trainer.max_new_tokens
+  rows = job.trainer.prompts_per_step * job.grpo.group_size
+
+  def kl(trainer: GRPOTrainer) -> float:
+    prompts, tokens, sampled = trainer.last_rollout
+    pad = rows - len(prompts)
+    batch = padded_batch(list(prompts) + [[0]] * pad, list(tokens) + [[]] * pad,
+                         list(sampled) + [np.zeros(0, np.float32)] * pad, np.zeros(rows),
+                         length, job.engine.pad_token_id)
+    mine = batch["old_logprobs"]
+    theirs = np.asarray(logprobs(warm, {"ids": batch["ids"]}))
+    mask = batch["mask"]
+    return float(((mine - theirs) * mask).sum() / max(mask.sum(), 1.0))
+
+  return kl
 
 
 def params_vector(trainer: GRPOTrainer) -> np.ndarray:

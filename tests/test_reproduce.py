@@ -1,0 +1,102 @@
+"""experiments/reproduce.py: one command per paper table/figure; the tiny Fig. 17 entry runs for
+real (CI's one tiny entry), the other entries' renderers are checked on small reports."""
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from experiments import reproduce as rp
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=600):
+  return subprocess.run([sys.executable, "-m", "experiments.reproduce", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_entry_is_listed_with_its_scripts():
+  out = run_cli("--list", timeout=60)
+  assert out.returncode == 0, out.stderr
+  for name in ("table4", "fig13", "table5", "table6", "fig11", "fig17", "table3"):
+    assert name in out.stdout
+  assert "experiments/bench_sd.py" in out.stdout and "experiments/drafter_drift.py" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("table7",), "unknown entry 'table7'"),
+    ((), "say which table or figure"),
+    (("fig17", "--model", "/nowhere.gguf"), "--model goes with --size real"),
+    (("fig17", "--size", "real", "--model", "/nowhere.gguf"), "no such file"),
+])
+def test_bad_arguments_say_what_to_do(args, message):
+  out = run_cli(*args, timeout=60)
+  assert out.returncode == 2 and message in out.stderr
+
+
+def test_an_entry_without_a_real_version_says_so(tmp_path):
+  out = run_cli("table6", "--size", "real", "--work-dir", str(tmp_path / "w"), "--results-dir",
+                str(tmp_path / "r"), "--index", str(tmp_path / "RESULTS.md"))
+  assert out.returncode == 1
+  assert "table6 has no --size real version" in out.stderr and "--size tiny" in out.stderr
+
+
+def test_fig17_tiny_writes_its_table_png_and_the_index(tmp_path):
+  """CI's tiny entry: the real script runs; ours come from its JSON, the paper's beside them."""
+  args = ("fig17", "--size", "tiny", "--work-dir", str(tmp_path / "w"), "--results-dir",
+          str(tmp_path / "results"), "--index", str(tmp_path / "RESULTS.md"))
+  out = run_cli(*args)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  md = (tmp_path / "results" / "fig17_tiny.md").read_text()
+  measured = json.loads((tmp_path / "w" / "tiny" / "drafter_save_latency.json").read_text())
+  tiny = measured["results"][0]
+  assert f"{tiny['full_blocking_ms']:.0f} ms" in md  # ours: the measurement of this run
+  assert "893 ms" in md and "97 ms" in md  # the paper's, in its own row
+  assert "python -m experiments.reproduce fig17 --size tiny" in md
+  assert (tmp_path / "results" / "fig17_tiny.png").stat().st_size > 1000
+  index = (tmp_path / "RESULTS.md").read_text()
+  assert "Fig. 17" in index and "results/fig17_tiny.png" in index
+  again = run_cli(*args)  # the same command again: the script's JSON is reused, not remade
+  assert again.returncode == 0 and "cached: experiments/drafter_save_latency.py" in again.stdout
+
+
+def _ns(**kw):
+  return argparse.Namespace(**{"size": "tiny", "model": None, **kw})
+
+
+def _drift_report(adapted, frozen):
+  steps = 6
+  rows = lambda v: [dict(mean_accept_len=v, step_s=1.0) for _ in range(steps)]
+  arm = lambda v: dict(accept_len_first_third=v, accept_len_last_third=v, accept_len_mean=v,
+                       heldout_top1_first_third=0.9, heldout_top1_last_third=0.8)
+  return dict(summary=dict(adapted=arm(adapted), frozen=arm(frozen), scratch=arm(1.5)),
+              adapted_over_frozen_last_third=adapted / frozen, args=dict(steps=steps, out="x"),
+              spec=dict(depth=5), trajectory=dict(identical_tokens=True),
+              policy_kl_to_start=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5],
+              steps=dict(adapted=rows(adapted), frozen=rows(frozen), scratch=rows(1.5)),
+              critical_path=dict(drafter_serial_s_median=0.2, rollout_s_median=0.1,
+                                 step_s_median=0.5))
+
+
+def test_table6_puts_the_paper_beside_ours_and_flags_a_miss():
+  hit = rp.render_table6({"drafter_drift": _drift_report(4.2, 3.0)}, _ns())
+  text = "\n".join(hit.lines)
+  assert "**1.40×**" in text and "| adapted | 4.20 | 4.20 | 4.20 | 0.900 → 0.800 | 6.53 |" in text
+  assert "Target missed" not in text and "KL" in text and "0.200 s per RL step" in text
+  miss = rp.render_table6({"drafter_drift": _drift_report(3.1, 3.0)}, _ns())
+  assert any("Target missed" in line for line in miss.lines)
+
+
+def test_fig11_explains_a_missed_speedup_from_the_measured_breakdown():
+  def arm(step, rollout, ratio):
+    return dict(step_s_median=step, rollout_s_median=rollout, update_s_median=step - rollout,
+                drafter_serial_s_median=0.0, step_vs_vanilla_paired_median=ratio)
+  report = dict(summary=dict(vanilla=arm(1.0, 0.2, 1.0), tlt=arm(1.25, 0.3, 1.25)),
+                steps=dict(vanilla=[dict(step_s=1.0)], tlt=[dict(step_s=1.25)]))
+  text = "\n".join(rp.render_fig11({"e2e_speedup": report}, _ns()).lines)
+  assert "**0.80×**" in text  # 1 / 1.25: slower than vanilla, said as it is
+  assert "The rollout is 20% of vanilla's step" in text and "at most 1.25× faster" in text
