@@ -100,3 +100,34 @@ def test_fig11_explains_a_missed_speedup_from_the_measured_breakdown():
   text = "\n".join(rp.render_fig11({"e2e_speedup": report}, _ns()).lines)
   assert "**0.80×**" in text  # 1 / 1.25: slower than vanilla, said as it is
   assert "The rollout is 20% of vanilla's step" in text and "at most 1.25× faster" in text
+
+
+DRIFT_CHECK = """
+import json, re, numpy as np, rl_bench as rb
+from tlt_jax.rl.tasks import ArithmeticTask
+task = rb.FormatShiftTask(ArithmeticTask(max_digits=6), new_style_share=0.3, old_style_reward=0.25)
+problems = task.sample(np.random.default_rng(0), 400)
+new = [p for p in problems if rb.is_new_style(p.solution)]
+steps_ok = all(int(c) + int(y) + int(x) == int(t) and c in "01"
+               for p in new for c, y, x, t in re.findall(r"(\\d)\\+(\\d)\\+(\\d)=(\\d\\d)", p.solution))
+old = next(p for p in problems if not rb.is_new_style(p.solution))
+wrong = new[0].solution.replace("#" + new[0].answer, "#" + str(int(new[0].answer) + 1))
+print(json.dumps(dict(share=len(new) / len(problems), steps_ok=steps_ok,
+                      answers=[task.reward(p, p.solution) for p in (new[0], old)],
+                      wrong=task.reward(new[0], wrong),
+                      first=new[0].solution[:12], same_prompts=[p.prompt for p in problems[:5]] ==
+                      [p.prompt for p in task.sample(np.random.default_rng(0), 5)])))
+"""
+
+
+def test_the_drift_workload_rewards_the_style_its_warm_start_rarely_writes():
+  env = dict(__import__("os").environ, PYTHONPATH=f"{REPO / 'experiments'}:{REPO}",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", DRIFT_CHECK], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert 0.22 < got["share"] < 0.38  # new_style_share of the warm start's traces
+  assert got["steps_ok"] and got["first"].startswith("= ")  # carry first, the same arithmetic
+  assert got["answers"] == [1.0, 0.25] and got["wrong"] == 0.0
+  assert got["same_prompts"]
