@@ -1,8 +1,9 @@
-"""One prepared accelerator check: logit parity and vanilla vs speculative decoding, into one JSON.
+"""One prepared accelerator check: parity, vanilla vs speculative decoding, RL steps: one JSON.
 
   experiments/accelerator_check.sh [--model DIR_OR_GGUF] [--drafter DIR] [--dtype bfloat16]
                                    [--batches 1,8,32] [--max-new-tokens 256] [--out FILE]
-  experiments/accelerator_check.sh --tiny     # tiny random model + drafter: CI on a CPU, < 60 s
+                                   [--rl-steps 6] [--rl-budget-s 170] [--rl-arms ...]
+  experiments/accelerator_check.sh --tiny     # tiny random model + drafter: CI on a CPU
 
 (the shell script sets the XLA flags and a timeout, then runs this driver; running the driver
 directly works too.) What it measures:
@@ -19,6 +20,18 @@ directly works too.) What it measures:
    with the mean accepted length and whether SD emitted exactly the vanilla tokens (where it did
    not, the two tokens' logit gap at the first divergence: ~0 is a tie of the bf16 logits that
    the batch shapes break differently, not a bug).
+3. rl (the paper's Fig. 11 in miniature): a few GRPO steps per arm on GSM8K-style word problems
+   (``gsm_style_problems``, written here to a JSONL file and read by ``MathDatasetTask``), the
+   policy in ``--dtype``: ``vanilla`` rollouts, ``sd_frozen`` (the adaptive engine: vanilla plus
+   EAGLE chains, chosen per segment by the tuner, with a drafter never updated) and ``tlt`` (the
+   same engine, the drafter trained online between rollout and update). The drafter is
+   ``--drafter`` or one warmed up here by ``--rl-drafter-warmup`` offline steps on the policy's
+   own rollouts. Every arm verifies with coupled sampling, so all emit the same tokens and
+   follow one policy trajectory (checked: ``rl.trajectory``); the arms step in turn, and per arm
+   the medians of step / rollout / update / drafter seconds, the per-step ratios to vanilla and
+   the mean accepted length are reported. The stage has the last ``--rl-budget-s`` seconds of
+   ``--budget-s`` to itself (the speed stage starts no batch size after that point) and stops
+   between steps when the next would end past ``--budget-s``, saying so (``rl.stopped``).
 
 The driver imports only the package's runtime dependencies (no torch, transformers or
 ml_collections); ``gguf`` is needed only for a ``.gguf`` model. The JSON is rewritten after every
@@ -48,8 +61,11 @@ import numpy as np
 from flax import nnx
 
 import harness
-from harness import (CharTokenizer, Drafter, ModelConfig, NgramConfig, SamplingParams, SpecConfig,
-                     Transformer, load_drafter, load_tokenizer)
+from harness import (CharTokenizer, Drafter, DrafterTrainingConfig, EngineConfig, GRPOTrainer,
+                     ModelConfig, NgramConfig, SamplingParams, SpecConfig, TrainerConfig,
+                     Transformer, TunerConfig, load_drafter, load_tokenizer)
+from tlt_jax.rl.external_tasks import MathDatasetTask
+from tlt_jax.rl.trainer import encode_prompt
 
 DEFAULT_OUT = "experiments/out/accelerator_check.json"
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -425,6 +441,248 @@ def measure_batch(target, drafter, prompts, answers, strategies: dict, params: S
   return out
 
 
+# ----------------------------------------------------------------------------- RL steps (Fig. 11)
+
+
+RL_ARMS = ("vanilla", "sd_frozen", "tlt")
+
+
+def copy_module(module):
+  """``module`` with its own copy of every array (the policy update and the drafter's train step
+  donate their buffers, so arms must never share one)."""
+  graphdef, state = nnx.split(module)
+  return nnx.merge(graphdef, jax.tree.map(jnp.array, state))
+
+
+def write_gsm_style_file(path: pathlib.Path, n: int, seed: int) -> pathlib.Path:
+  """``n`` of ``gsm_style_problems`` as JSONL records (``question``, bare ``answer``): the layout
+  ``MathDatasetTask`` reads, which adds the boxed-answer instruction itself."""
+  records = [dict(question=text[:-len(MATH_SUFFIX)], answer=str(answer))
+             for text, answer in gsm_style_problems(n, seed)]
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  return path
+
+
+def rl_sizes(a) -> dict:
+  """The RL stage's sizes: --tiny's for a CPU, else sized for one GPU and a few steps."""
+  tiny = a.tiny
+  return dict(prompts=a.rl_prompts or (2 if tiny else 4), group=a.rl_group or (4 if tiny else 8),
+              max_new=a.rl_max_new or (24 if tiny else 192), steps=a.rl_steps,
+              strategies=a.rl_strategies or ([2] if tiny else [3, 5]))
+
+
+def warm_drafter(target: Transformer, engine, prompts: list[list[int]], max_new: int,
+                 steps: int, seed: int) -> tuple[Drafter, dict]:
+  """A fresh EAGLE drafter trained offline for ``steps`` steps on the target's own completions of
+  ``prompts`` (temperature 1, by ``engine``), as the TLT paper's initial drafter; its log."""
+  t0 = time.perf_counter()
+  result = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=1.0,
+                                                   seed=seed + 7))
+  sequences = [p + t for p, t in zip(prompts, result.tokens)]
+  batch = harness.make_batch_from_sequences(target, sequences, 128, pack=True,
+                                            prompt_lens=[len(p) for p in prompts])
+  drafter = Drafter.create(target.config, seed=seed + 1)
+  graphdef, params = harness.split_drafter(drafter)
+  optimizer = harness.make_optimizer(2e-3, weight_decay=0.0, clip_norm=1.0)
+  opt_state = optimizer.init(params)
+  step = harness.make_train_step(graphdef, target, optimizer)
+  target_params = nnx.state(target)
+  rng = np.random.default_rng(seed)
+  metrics = {}
+  for _ in range(steps):
+    index = rng.choice(batch.num_rows, size=8, replace=batch.num_rows < 8)
+    params, opt_state, metrics = step(params, opt_state, target_params, batch.take(index))
+  log = dict(steps=steps, prompts=len(prompts), rows=int(batch.num_rows),
+             trained_positions=int(batch.mask.sum()),
+             last={k: float(v) for k, v in jax.device_get(metrics).items()},
+             seconds=time.perf_counter() - t0)
+  return nnx.merge(graphdef, params), log
+
+
+def rl_summary(rows: dict[str, list[dict]], skip: int) -> dict:
+  """Per arm: medians over the steps from ``skip`` on of step / rollout / update / drafter
+  seconds, the per-step ratios to vanilla's step (same tokens) and their median, the ratio of
+  the medians, and the mean accepted length over the steps that ran SD."""
+  van = rows["vanilla"]
+  kept = range(min(skip, len(van) - 1), len(van))
+  med = lambda xs: statistics.median(xs) if xs else None
+  out = {}
+  for name, mine in rows.items():
+    accepts = [mine[i]["mean_accept_len"] for i in kept
+               if mine[i]["sd_share"] > 0 and mine[i].get("mean_accept_len")]
+    paired = [mine[i]["step_s"] / van[i]["step_s"] for i in kept]
+    out[name] = dict(
+        step_s_median=med([mine[i]["step_s"] for i in kept]),
+        rollout_s_median=med([mine[i]["rollout_s"] for i in kept]),
+        update_s_median=med([mine[i]["update_s"] for i in kept]),
+        drafter_s_median=med([mine[i].get("drafter_serial_s", 0.0) for i in kept]),
+        step_vs_vanilla_paired=paired, step_vs_vanilla_paired_median=med(paired),
+        rollout_vs_vanilla_paired_median=med([mine[i]["rollout_s"] / van[i]["rollout_s"]
+                                              for i in kept]),
+        mean_accept_len=float(np.mean(accepts)) if accepts else None,
+        steps_with_sd=sum(mine[i]["sd_share"] > 0 for i in kept),
+        sd_share_mean=float(np.mean([mine[i]["sd_share"] for i in kept])),
+        compiles_during_steps=sum(r["compiles"] for r in mine))
+    out[name]["speedup_vs_vanilla"] = 1.0 / out[name]["step_vs_vanilla_paired_median"]
+  return out
+
+
+def rl_stage(a, target: Transformer, tokenizer, drafter: Drafter | None, report: dict, write,
+             deadline: float) -> None:
+  """Stage 3 (see the module docstring): builds the arms, then steps them in turn until
+  ``--rl-steps`` or ``deadline`` (a ``time.perf_counter()`` value); fills ``report["rl"]``."""
+  t_stage = time.perf_counter()
+  size = rl_sizes(a)
+  rows_per_step = size["prompts"] * size["group"]
+  out_path = pathlib.Path(a.out)
+  data = write_gsm_style_file(out_path.with_name(out_path.stem + ".gsm_style.jsonl"),
+                              256, a.seed + 1)
+  task = MathDatasetTask(data, name="gsm_style")
+  chat = tokenizer is not None and callable(getattr(tokenizer, "apply_chat_template", None))
+  tok = tokenizer if tokenizer is not None else char_tokenizer()
+  prompt_len = max(len(encode_prompt(tok, p, chat)) for p in task.problems)
+  prompt_len = -(-prompt_len // 16) * 16
+  cfg = target.config
+  pad = tok.pad_token_id if tok.pad_token_id is not None else cfg.eos_token_ids[0]
+  buckets = tuple(sorted({min(rows_per_step, a.rl_sd_max_batch), rows_per_step}))
+  engine = EngineConfig(max_batch=rows_per_step, max_prompt_len=prompt_len,
+                        max_new_tokens=size["max_new"], batch_buckets=buckets,
+                        prefill_buckets=(prompt_len,), kv_buckets=(), pad_token_id=pad,
+                        sd_max_batch=a.rl_sd_max_batch, verify="coupled",
+                        tuner=TunerConfig(kind=a.rl_tuner, seed=a.seed))
+  chains = tuple(SpecConfig(d, 1, d + 1) for d in size["strategies"])
+  trainer_config = TrainerConfig(steps=max(size["steps"], 1), prompts_per_step=size["prompts"],
+                                 learning_rate=a.rl_lr, warmup_steps=0, minibatches=1,
+                                 max_new_tokens=size["max_new"], temperature=1.0,
+                                 update_tokens=0, seed=a.seed)
+  grpo_config = harness.grpo.GRPOConfig(group_size=size["group"])
+  arms = [arm for arm in RL_ARMS if arm in a.rl_arms]
+  rl: dict[str, Any] = dict(
+      complete=False, stopped=None, arms=arms, budget_s=a.rl_budget_s,
+      task=dict(kind="gsm_style", source="in-repo templated word problems "
+                "(accelerator_check.gsm_style_problems), read by MathDatasetTask",
+                path=str(data), problems=len(task), chat_template=chat),
+      job=dict(prompts_per_step=size["prompts"], group_size=size["group"],
+               rows_per_step=rows_per_step, max_new_tokens=size["max_new"],
+               max_prompt_len=prompt_len, batch_buckets=list(buckets),
+               sd_max_batch=a.rl_sd_max_batch, strategies=[dataclasses.asdict(s) for s in chains],
+               verify="coupled", tuner=a.rl_tuner, dtype=cfg.dtype, policy_lr=a.rl_lr,
+               note="params and AdamW state in the policy's dtype: in bf16, updates smaller than "
+                    "half a weight's ulp round away; the stage measures time, not learning"),
+      build_s={}, steps={arm: [] for arm in arms})
+  report["rl"] = rl
+
+  def out_of_time(what: str, needs: float = 0.0) -> bool:
+    left = deadline - time.perf_counter()
+    if left >= needs:
+      return False
+    rl["stopped"] = (f"out of budget before {what}: {max(left, 0):.0f}s left of --budget-s, "
+                     f"{needs:.0f}s needed")
+    say(f"rl: {rl['stopped']}")
+    write()
+    return True
+
+  if "vanilla" not in arms:
+    raise SystemExit(f"--rl-arms must include vanilla (the reference), got {a.rl_arms}")
+  if out_of_time("building the arms", needs=1.0):
+    return
+  write()
+
+  def make_arm(name: str, arm_drafter, training=None) -> GRPOTrainer:
+    t0 = time.perf_counter()
+    config = (engine if arm_drafter is None else
+              dataclasses.replace(engine, strategies=chains))
+    trainer = GRPOTrainer(copy_module(target), tok, task, config, grpo_config, trainer_config,
+                          drafter=arm_drafter, chat_template=chat, drafter_training=training)
+    trainer.engine.precompile()
+    trainer.precompile_update()
+    trainer.precompile_drafter()
+    rl["build_s"][name] = time.perf_counter() - t0
+    say(f"rl: built {name} in {rl['build_s'][name]:.0f}s")
+    write()
+    return trainer
+
+  trainers = {"vanilla": make_arm("vanilla", None)}
+  sd_arms = [arm for arm in arms if arm != "vanilla"]
+  initial = None
+  if sd_arms:
+    if drafter is not None and a.drafter:
+      initial, rl["initial_drafter"] = drafter, dict(source=a.drafter)
+    elif a.rl_drafter_warmup > 0:
+      if out_of_time("warming up the drafter", needs=1.0):
+        return
+      problems = task.sample(np.random.default_rng([77_000, a.seed]), rows_per_step)
+      prompts = [trainers["vanilla"].encode_prompt(p) for p in problems]
+      initial, log = warm_drafter(target, trainers["vanilla"].engine, prompts, size["max_new"],
+                                  a.rl_drafter_warmup, a.seed)
+      rl["initial_drafter"] = dict(source="warmed up here on the policy's own rollouts", **log)
+      say(f"rl: drafter warmed up by {log['steps']} steps in {log['seconds']:.0f}s, top-1 "
+          f"{log['last'].get('top1', float('nan')):.3f}")
+    else:
+      initial = Drafter.create(cfg, seed=a.seed + 1)
+      rl["initial_drafter"] = dict(source="random (untrained)")
+    write()
+  # a drafter from scratch learns at DrafterTrainingConfig's 1e-3; a trained one is fine-tuned
+  # at 1e-4 (at 1e-3 it fell behind a frozen copy: docs/benchmarks.md, "The adaptive drafter")
+  lr = 1e-3 if rl.get("initial_drafter", {}).get("source", "").startswith("random") else 1e-4
+  for name in sd_arms:
+    if out_of_time(f"building {name}", needs=1.0):
+      return
+    training = (DrafterTrainingConfig(learning_rate=lr, seed=a.seed) if name == "tlt" else None)
+    trainers[name] = make_arm(name, copy_module(initial), training)
+  rl["drafter_lr"] = lr if "tlt" in arms else None
+
+  steps = rl["steps"]
+  slowest = 0.0  # the longest round so far: what the next one is assumed to need
+  for step in range(size["steps"]):
+    if out_of_time(f"RL step {step + 1}", needs=slowest):
+      break
+    t0 = time.perf_counter()
+    for name in harness.repeat_order(arms, step, "rotate"):
+      m = trainers[name].step()
+      row = {k: (float(v) if isinstance(v, (float, np.floating)) else v)
+             for k, v in m.items() if k in RL_STEP_KEYS}
+      # the share of decode steps that speculative arms ran (the tuner's choices)
+      row["sd_share"] = float(sum(v for k, v in m.items()
+                                  if k.startswith("arm_share/") and k != "arm_share/vanilla"))
+      steps[name].append(row)
+    slowest = max(slowest, time.perf_counter() - t0)
+    say(f"rl step {step + 1}: reward {steps['vanilla'][-1]['reward']:.3f} | " + " | ".join(
+        f"{n} {steps[n][-1]['step_s']:.2f}s (rollout {steps[n][-1]['rollout_s']:.2f}, accept "
+        f"{steps[n][-1].get('mean_accept_len') or 0:.2f})" for n in arms))
+    write()
+  done = len(steps["vanilla"])
+  if done:
+    digests = {n: [r["rollout_digest"] for r in steps[n]] for n in arms}
+    rewards = {n: [r["reward"] for r in steps[n]] for n in arms}
+    rl["trajectory"] = dict(
+        identical_tokens=all(digests[n] == digests["vanilla"] for n in arms),
+        identical_rewards=all(rewards[n] == rewards["vanilla"] for n in arms),
+        first_divergent_step={n: next(i + 1 for i, (x, y) in
+                                      enumerate(zip(digests[n], digests["vanilla"])) if x != y)
+                              for n in arms if digests[n] != digests["vanilla"]})
+    rl["summary"] = rl_summary(steps, skip=1)
+    rl["steps_in_medians"] = len(range(min(1, done - 1), done))
+    tuners = {n: trainers[n].engine.tuner.summary() for n in sd_arms
+              if trainers[n].engine.tuner is not None}
+    rl["tuners"] = json.loads(json.dumps(tuners, default=str))
+  rl["steps_done"] = done
+  rl["complete"] = done == size["steps"]
+  rl["seconds"] = time.perf_counter() - t_stage
+  for name, s in rl.get("summary", {}).items():
+    say(f"rl {name:9s} step {s['step_s_median']:.3f}s (x{s['step_vs_vanilla_paired_median']:.2f}"
+        f" vanilla, paired) rollout {s['rollout_s_median']:.3f}s update "
+        f"{s['update_s_median']:.3f}s drafter {s['drafter_s_median']:.3f}s accept "
+        f"{s['mean_accept_len']}")
+  write()
+
+
+# what the JSON keeps of a trainer step's metrics
+RL_STEP_KEYS = ("step", "reward", "step_s", "rollout_s", "update_s", "tail_s", "compiles",
+                "rollout_digest", "mean_accept_len", "len_p50", "len_max", "drafter_serial_s",
+                "drafter_serial_steps", "drafter_top1", "drafter_train_top1", "sd_switches")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -458,8 +716,35 @@ def parse_args(argv=None):
                       help="tokens per prompt of the parity check (default 256, --tiny 64)")
   parser.add_argument("--reference", choices=["auto", "none"], default="auto",
                       help="auto: compare with transformers where torch and transformers import")
-  parser.add_argument("--budget-s", type=float, default=420.0,
-                      help="start no new batch size after this many seconds")
+  parser.add_argument("--budget-s", type=float, default=None,
+                      help="the driver's budget: nothing new starts past it (default 420)")
+  parser.add_argument("--rl-budget-s", type=float, default=170.0,
+                      help="the last seconds of --budget-s kept for the RL stage: the speed "
+                           "stage starts no batch size after --budget-s minus this")
+  parser.add_argument("--rl-steps", type=int, default=None,
+                      help="RL steps per arm (default 6, --tiny 3; 0: no RL stage); the first "
+                           "is left out of the medians")
+  parser.add_argument("--rl-arms", type=lambda t: [x for x in t.split(",") if x],
+                      default=None, help=f"of {','.join(RL_ARMS)}, vanilla needed (default all; "
+                      "--tiny vanilla,tlt)")
+  parser.add_argument("--rl-prompts", type=int, default=None,
+                      help="prompts per RL step (default 4, --tiny 2)")
+  parser.add_argument("--rl-group", type=int, default=None,
+                      help="samples per prompt (default 8, --tiny 4)")
+  parser.add_argument("--rl-max-new", type=int, default=None,
+                      help="new tokens per sample at most (default 192, --tiny 24)")
+  parser.add_argument("--rl-strategies", type=ints, default=None,
+                      help="the adaptive engine's chain depths (default 3,5; --tiny 2)")
+  parser.add_argument("--rl-sd-max-batch", type=int, default=None,
+                      help="SD only in batch buckets up to this (also the small bucket; "
+                           "default 8, --tiny 8: one bucket)")
+  parser.add_argument("--rl-drafter-warmup", type=int, default=None,
+                      help="without --drafter: offline steps of the initial drafter on the "
+                           "policy's own rollouts (default 200, --tiny 0; 0: a random one)")
+  parser.add_argument("--rl-tuner", choices=["cost", "beg_mab", "ucb1"], default=None,
+                      help="the adaptive engine's tuner (default cost, the engine's own; --tiny "
+                           "beg_mab, which tries every arm once, so the few CPU steps run SD)")
+  parser.add_argument("--rl-lr", type=float, default=1e-5, help="the policy's learning rate")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=DEFAULT_OUT)
   a = parser.parse_args(argv)
@@ -473,6 +758,15 @@ def parse_args(argv=None):
   a.chain_depth = a.chain_depth or (3 if tiny else 4)
   a.tree = a.tree or ([3, 2, 6] if tiny else [5, 4, 16])
   a.ngram_depth = a.ngram_depth or (4 if tiny else 8)
+  a.budget_s = a.budget_s or 420.0
+  a.rl_steps = (3 if tiny else 6) if a.rl_steps is None else a.rl_steps
+  a.rl_sd_max_batch = a.rl_sd_max_batch or 8
+  if a.rl_drafter_warmup is None:
+    a.rl_drafter_warmup = 0 if tiny else 200
+  a.rl_arms = a.rl_arms or (["vanilla", "tlt"] if tiny else list(RL_ARMS))
+  a.rl_tuner = a.rl_tuner or ("beg_mab" if tiny else "cost")
+  if "vanilla" not in a.rl_arms or set(a.rl_arms) - set(RL_ARMS):
+    parser.error(f"--rl-arms takes vanilla and any of {RL_ARMS[1:]}, got {a.rl_arms}")
   if len(a.tree) != 3:
     parser.error(f"--tree takes depth,topk,verify_tokens, got {a.tree}")
   if a.tiny and a.model:
@@ -483,6 +777,13 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
   a = parse_args(argv)
   t_start = time.perf_counter()
+  cache = None
+  if a.tiny and not jax.config.jax_compilation_cache_dir:
+    # the RL arms compile the same policy update (and more): with a cache for this run alone,
+    # each later arm loads what an earlier one compiled
+    cache = tempfile.TemporaryDirectory(prefix="accelerator_check_xla_")
+    jax.config.update("jax_compilation_cache_dir", cache.name)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   out_path = pathlib.Path(a.out)
   out_path.parent.mkdir(parents=True, exist_ok=True)
   device = jax.devices()[0]
@@ -562,11 +863,12 @@ def main(argv=None) -> dict:
   params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=0.0, seed=a.seed)
   width = max(map(len, prompts)) + a.max_new_tokens  # of the divergence check's one forward
   report["speed"] = {}
+  speed_budget = a.budget_s - (a.rl_budget_s if a.rl_steps else 0.0)
   for bs in a.batches:
     elapsed = time.perf_counter() - t_start
-    if elapsed > a.budget_s:
-      report["skipped"].append(f"batch {bs}: over the --budget-s {a.budget_s:.0f}s "
-                               f"({elapsed:.0f}s spent)")
+    if elapsed > speed_budget:
+      report["skipped"].append(f"batch {bs}: past the speed stage's {speed_budget:.0f}s "
+                               f"(--budget-s less --rl-budget-s; {elapsed:.0f}s spent)")
       say(report["skipped"][-1])
       continue
     t0 = time.perf_counter()
@@ -585,9 +887,24 @@ def main(argv=None) -> dict:
   # the largest logit gap at a first divergence: ~0 means bf16 ties broken differently by batch
   # shapes (expected in bf16), a large one a real bug (greedy SD must pick the target's argmax)
   report["greedy_divergence_max_gap"] = max(gaps) if gaps else None
+  write()
+
+  # 3. end-to-end RL steps: vanilla vs TLT
+  if a.rl_steps:
+    try:
+      rl_stage(a, target, tokenizer, drafter, report, write, deadline=t_start + a.budget_s)
+    except Exception as error:  # pylint: disable=broad-except  # keep what the others measured
+      report.setdefault("rl", {})["error"] = f"{type(error).__name__}: {error}"
+      say(f"rl: failed: {report['rl']['error']}")
+      if a.tiny:  # CI: a failure here is a bug to see
+        raise
+  else:
+    report["skipped"].append("RL stage: --rl-steps 0")
   report["complete"] = True
   write()
   say(f"wrote {out_path} in {report['wall_s']:.0f}s")
+  if cache is not None:
+    cache.cleanup()
   return report
 
 

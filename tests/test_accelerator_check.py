@@ -39,7 +39,7 @@ def test_tiny_check_writes_the_promised_json(tmp_path):
   out = tmp_path / "check.json"
   env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu")
   proc = subprocess.run([str(SCRIPT), "--tiny", "--out", str(out)], env=env, cwd=tmp_path,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=480)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "jax" in proc.stdout and "devices" in proc.stdout  # the script prints the device
   r = json.loads(out.read_text())
@@ -72,6 +72,62 @@ def test_tiny_check_writes_the_promised_json(tmp_path):
     assert s["greedy_identical"] is True and s["rows_identical"] == 1.0, name
   assert row["eagle_tree"]["spec"]["topk"] > 1 and row["eagle_chain"]["spec"]["topk"] == 1
   assert r["greedy_identical"] is True
+  check_rl_stage(r)
+
+
+def check_rl_stage(r: dict) -> None:
+  """The RL stage of a --tiny run: both arms stepped 3 times on the GSM8K-style task, on one
+  trajectory (coupled verification), tlt with SD and its drafter trained, within the budget."""
+  rl = r["rl"]
+  assert "error" not in rl, rl.get("error")
+  assert rl["complete"] is True and rl["stopped"] is None and rl["steps_done"] == 3
+  assert rl["arms"] == ["vanilla", "tlt"] and set(rl["steps"]) == {"vanilla", "tlt"}
+  assert rl["task"]["kind"] == "gsm_style" and rl["task"]["problems"] == 256
+  assert pathlib.Path(rl["task"]["path"]).is_file()
+  assert rl["job"]["verify"] == "coupled" and rl["job"]["dtype"] == "bfloat16"
+  assert rl["job"]["rows_per_step"] == 8 and rl["job"]["strategies"]
+  for name, steps in rl["steps"].items():
+    assert [s["step"] for s in steps] == [1, 2, 3], name
+    for s in steps:
+      for key in ("step_s", "rollout_s", "update_s"):
+        assert finite_positive(s[key]), (name, key, s)
+      assert s["step_s"] >= s["rollout_s"] + s["update_s"] and s["compiles"] == 0
+  # the same tokens and rewards in both arms at every step
+  assert rl["trajectory"] == dict(identical_tokens=True, identical_rewards=True,
+                                  first_divergent_step={})
+  digests = [[s["rollout_digest"] for s in rl["steps"][n]] for n in ("vanilla", "tlt")]
+  assert digests[0] == digests[1] and len(set(digests[0])) == 3  # fresh samples every step
+  van, tlt = rl["summary"]["vanilla"], rl["summary"]["tlt"]
+  assert rl["steps_in_medians"] == 2  # the first step is left out
+  for s in (van, tlt):
+    for key in ("step_s_median", "rollout_s_median", "update_s_median",
+                "step_vs_vanilla_paired_median", "speedup_vs_vanilla"):
+      assert finite_positive(s[key]), key
+    assert len(s["step_vs_vanilla_paired"]) == 2
+  assert van["step_vs_vanilla_paired_median"] == 1.0 and van["drafter_s_median"] == 0
+  assert van["steps_with_sd"] == 0 and van["mean_accept_len"] is None
+  # tlt: the adaptive engine ran speculative segments, and the drafter trained every step
+  assert tlt["steps_with_sd"] >= 1 and tlt["mean_accept_len"] >= 1.0 and tlt["sd_share_mean"] > 0
+  assert van["sd_share_mean"] == 0
+  assert all(s["drafter_serial_steps"] > 0 for s in rl["steps"]["tlt"])
+  assert tlt["drafter_s_median"] > 0
+  assert set(rl["tuners"]) == {"tlt"}
+  # the budget: the stage ended within --budget-s (and the whole run too)
+  assert rl["seconds"] > 0 and r["wall_s"] <= r["args"]["budget_s"]
+
+
+def test_rl_stage_stops_cleanly_when_out_of_budget(tmp_path):
+  """With no time left the RL stage builds nothing and says why in the JSON."""
+  driver = load_driver()
+  args = driver.parse_args(["--tiny", "--out", str(tmp_path / "check.json")])
+  model, tokenizer, _ = driver.load_target(args)
+  report, writes = {}, []
+  driver.rl_stage(args, model, tokenizer, None, report, lambda: writes.append(1),
+                  deadline=driver.time.perf_counter())
+  rl = report["rl"]
+  assert rl["complete"] is False and "out of budget before building the arms" in rl["stopped"]
+  assert rl["steps"] == {"vanilla": [], "tlt": []} and writes
+  assert rl["job"]["sd_max_batch"] == 8 and rl["task"]["chat_template"] is False
 
 
 def test_gsm_style_problems_are_deterministic_word_problems():
