@@ -68,8 +68,8 @@ class FormatShiftTask:
   style and ``old_style_reward`` in the old, a wrong one 0."""
 
   base: ArithmeticTask
-  new_style_share: float = 0.05
-  old_style_reward: float = 0.25
+  new_style_share: float = 0.08
+  old_style_reward: float = 0.0
   name: str = "arithmetic-format-shift"
 
   @property
@@ -112,7 +112,7 @@ def is_new_style(completion: str) -> bool:
   return completion.startswith(NEW_STYLE_MARK) and extract_answer(completion) is not None
 
 
-def with_format_shift(job: Job, share: float = 0.05, old_reward: float = 0.25) -> Job:
+def with_format_shift(job: Job, share: float = 0.08, old_reward: float = 0.0) -> Job:
   """``job`` on the drift workload: its arithmetic task wrapped in FormatShiftTask."""
   task = FormatShiftTask(job.task, new_style_share=share, old_style_reward=old_reward)
   return dataclasses.replace(job, task=task)
