@@ -68,13 +68,6 @@ def main():
                       "scratch drafter")
   parser.add_argument("--serial-steps", type=int, default=8, help="online drafter steps per "
                       "RL step")
-  parser.add_argument("--drift", default="none", choices=["none", "format"], help="format: the "
-                      "drift workload (rl_bench.FormatShiftTask: the reward favours a trace "
-                      "style the warm start writes only --new-style-share of the time)")
-  parser.add_argument("--new-style-share", type=float, default=0.08, help="--drift format: "
-                      "share of the warm start's traces in the new style")
-  parser.add_argument("--old-style-reward", type=float, default=0.0, help="--drift format: "
-                      "reward of a correct answer in the old style (the new style earns 1)")
   a = parser.parse_args()
   t_start = time.perf_counter()
   job, policy_dir, drafter_dir = rb.prepare(a)

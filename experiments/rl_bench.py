@@ -237,7 +237,7 @@ def drafter_report(path: pathlib.Path) -> dict:
 
 def add_job_args(parser, *, steps: int, out: str) -> None:
   """The arguments every RL experiment shares: the job's sizes, the policy lr, the initial
-  drafter's offline steps, the seed and the report's path."""
+  drafter's offline steps, the seed, the report's path and the workload (--drift)."""
   parser.add_argument("--steps", type=int, default=steps, help="RL steps")
   parser.add_argument("--prompts", type=int, default=4, help="prompts per RL step")
   parser.add_argument("--group", type=int, default=8, help="samples per prompt")
@@ -248,13 +248,20 @@ def add_job_args(parser, *, steps: int, out: str) -> None:
                       "initial drafter")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=out)
+  parser.add_argument("--drift", default="none", choices=["none", "format"], help="format: the "
+                      "drift workload (FormatShiftTask: the reward pays for a trace style the "
+                      "warm start writes only --new-style-share of the time)")
+  parser.add_argument("--new-style-share", type=float, default=0.08, help="--drift format: "
+                      "share of the warm start's traces in the new style")
+  parser.add_argument("--old-style-reward", type=float, default=0.0, help="--drift format: "
+                      "reward of a correct answer in the old style (the new style earns 1)")
 
 
 def prepare(args, **extra: Any) -> tuple[Job, pathlib.Path, pathlib.Path]:
   """The job of ``args`` (see ``add_job_args``; ``extra``: dotted overrides), the warm policy's
   directory and the initial drafter's (both cached)."""
   job = job_for(args.prompts, args.group, args.max_new, args.lr, args.seed, **extra)
-  if getattr(args, "drift", "none") == "format":
+  if args.drift == "format":
     job = with_format_shift(job, args.new_style_share, args.old_style_reward)
   policy_dir = warm_policy_dir(job)
   drafter_dir = initial_drafter_dir(job, policy_dir, steps=args.drafter_steps, seed=args.seed)
