@@ -34,6 +34,7 @@ import os
 import pathlib
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -84,8 +85,9 @@ class Rendered:
   """What an entry shows: markdown lines (a table and notes) and a function drawing its PNG."""
 
   lines: list[str]
-  draw: Callable[[object], None]  # draw(matplotlib_figure)
+  draw: Callable[[object], None] | None  # draw(matplotlib_figure), or None with copy_png
   verdict: str  # one line for docs/RESULTS.md
+  copy_png: pathlib.Path | None = None  # a PNG the script drew itself, copied as it is
 
 
 class ReproduceError(RuntimeError):
@@ -149,31 +151,16 @@ def _sd_report(reports: dict[str, dict]) -> dict:
   return reports["bench_sd"] if "bench_sd" in reports else reports["bench_sd_smollm2"]
 
 
+def _sd_png(reports: dict[str, dict], a: argparse.Namespace, which: str) -> pathlib.Path:
+  """The heatmap the SD benchmark drew beside its JSON (``which``: batch or depth)."""
+  stem = "bench_sd" if "bench_sd" in reports else "bench_sd_smollm2"
+  return pathlib.Path(_sd_report(reports)["args"]["out_dir"]) / f"{stem}_{which}.png"
+
+
 def _cell(cell: dict | None) -> str:
   if cell is None:
     return "–"
   return f"{cell['speedup']:.2f}× ({cell['mean_accept_len']:.2f})"
-
-
-def _grid(block: dict, rows: list, cols: list) -> list[list[float]]:
-  return [[block[str(r)].get(f"verify={c}", {}).get("speedup", float("nan")) for c in cols]
-          for r in rows]
-
-
-def _heat(fig, grid, rows, cols, xlabel, ylabel, title):
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  ax = fig.add_subplot(1, 1, 1)
-  values = np.array(grid, dtype=float)
-  image = ax.imshow(values, cmap="viridis", aspect="auto")
-  for i in range(len(rows)):
-    for j in range(len(cols)):
-      ax.text(j, i, f"{values[i, j]:.2f}×", ha="center", va="center", color="w")
-  ax.set_xticks(range(len(cols)), [str(c) for c in cols])
-  ax.set_yticks(range(len(rows)), [str(r) for r in rows])
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title)
-  fig.colorbar(image, ax=ax, label="SD tokens/s ÷ vanilla tokens/s")
 
 
 def render_table4(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
@@ -201,9 +188,7 @@ def render_table4(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
              f"{PAPER['table4'][(32, 16)]}× at batch 32)")
   if peak < PAPER["sd_batch1"][0]:
     lines += ["", *sd_breakdown(reports)]
-  return Rendered(lines, lambda fig: _heat(fig, _grid(block, batches, verify), batches, verify,
-                                           "tokens to verify", "batch", "Table 4 shape"),
-                  verdict)
+  return Rendered(lines, None, verdict, copy_png=_sd_png(reports, a, "batch"))
 
 
 def sd_breakdown(reports: dict[str, dict]) -> list[str]:
@@ -246,10 +231,9 @@ def render_fig13(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
                 f"the best speedup is {peak:.2f}×."]
   if peak < PAPER["sd_batch1"][0]:
     lines += ["", *sd_breakdown(reports)]
-  return Rendered(lines, lambda fig: _heat(fig, _grid(block, depths, verify), depths, verify,
-                                           "tokens to verify", "draft depth", "Fig. 13 shape"),
-                  f"best {peak:.2f}× at batch 1 (paper: SD alone "
-                  f"{PAPER['sd_batch1'][0]}–{PAPER['sd_batch1'][1]}×)")
+  return Rendered(lines, None, f"best {peak:.2f}× at batch 1 (paper: SD alone "
+                               f"{PAPER['sd_batch1'][0]}–{PAPER['sd_batch1'][1]}×)",
+                  copy_png=_sd_png(reports, a, "depth"))
 
 
 # -------------------------------------------------------------------------------- table 5
@@ -637,7 +621,10 @@ def reproduce(entry: Entry, a: argparse.Namespace, hw: dict, say=print) -> pathl
   results.mkdir(parents=True, exist_ok=True)
   stem = f"{entry.name}_{a.size}"
   png = results / f"{stem}.png"
-  draw_png(rendered.draw, png)
+  if rendered.copy_png is not None:
+    shutil.copyfile(rendered.copy_png, png)
+  else:
+    draw_png(rendered.draw, png)
   (results / f"{stem}.json").write_text(json.dumps(
       {name: rep for name, rep in reports.items() if name not in ("bench_target",
                                                                   "bench_drafter")},
