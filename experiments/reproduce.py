@@ -580,11 +580,12 @@ def describe(hw: dict) -> str:
 def execute(run: Run, work: pathlib.Path, fresh: bool, say=print) -> dict:
   """Runs ``run`` unless its JSON exists from the identical command; returns that JSON."""
   stamp = run.out.with_name(run.out.name + ".command")
-  if not fresh and run.out.is_file() and stamp.is_file() and stamp.read_text() == run.key:
+  made = read_stamp(stamp)
+  if not fresh and run.out.is_file() and made.get("command") == run.key:
     say(f"[reproduce] cached: {run.key}")
     return json.loads(run.out.read_text())
   run.out.parent.mkdir(parents=True, exist_ok=True)
-  log = work / (pathlib.Path(run.argv[0]).stem + ".log")
+  log = work / (report_name(run) + ".log")
   runner = {".py": [sys.executable], ".sh": ["bash"]}[pathlib.Path(run.argv[0]).suffix]
   argv = runner + list(run.argv)
   say(f"[reproduce] running: {shlex.join(argv)}  (log: {log})", flush=True)
@@ -601,8 +602,17 @@ def execute(run: Run, work: pathlib.Path, fresh: bool, say=print) -> dict:
                          f"its output is in {log}")
   if not run.out.is_file():
     raise ReproduceError(f"{run.key} finished but wrote no {run.out}; see {log}")
-  stamp.write_text(run.key)
+  stamp.write_text(json.dumps(dict(command=run.key, seconds=round(time.perf_counter() - t0, 1),
+                                   finished=datetime.datetime.now().isoformat(timespec="seconds"))))
   return json.loads(run.out.read_text())
+
+
+def read_stamp(stamp: pathlib.Path) -> dict:
+  """What made a script's JSON: its command, and how long it ran (absent in older stamps)."""
+  if not stamp.is_file():
+    return {}
+  text = stamp.read_text()
+  return json.loads(text) if text.startswith("{") else dict(command=text)
 
 
 def report_name(run: Run) -> str:
@@ -631,10 +641,13 @@ def reproduce(entry: Entry, a: argparse.Namespace, hw: dict, say=print) -> pathl
       indent=1, default=str) + "\n")
   command = f"python -m experiments.reproduce {entry.name} --size {a.size}" + (
       f" --model {a.model}" if a.model else "")
-  scripts = [r.key for r in entry.runs(a, work)]
+  runs = entry.runs(a, work)
+  scripts = [r.key for r in runs]
+  took = [read_stamp(r.out.with_name(r.out.name + ".command")).get("seconds") for r in runs]
+  spent = (f"its scripts ran {sum(took):.0f} s" if None not in took else
+           f"{time.perf_counter() - t0:.0f} s in this call, cached scripts at zero")
   text = [f"## {entry.title} ({a.size})", "",
-          f"`{command}` — {datetime.date.today().isoformat()}, {describe(hw)}; "
-          f"{time.perf_counter() - t0:.0f} s (cached runs included at zero).", "",
+          f"`{command}` — {datetime.date.today().isoformat()}, {describe(hw)}; {spent}.", "",
           *rendered.lines, "", f"![{entry.name}]({png.name})", "",
           "Scripts run: " + "; ".join(f"`python {s}`" for s in scripts), "",
           f"<!-- verdict: {rendered.verdict} -->", ""]
