@@ -100,6 +100,7 @@ def test_fig11_explains_a_missed_speedup_from_the_measured_breakdown():
   text = "\n".join(rp.render_fig11({"e2e_speedup": report}, _ns()).lines)
   assert "**0.80×**" in text  # 1 / 1.25: slower than vanilla, said as it is
   assert "The rollout is 20% of vanilla's step" in text and "at most 1.25× faster" in text
+  assert "0.000 s a step" in text
 
 
 DRIFT_CHECK = """
