@@ -68,6 +68,11 @@ class Run:
   def key(self) -> str:
     return shlex.join(self.argv)
 
+  @property
+  def stamp(self) -> pathlib.Path:
+    """Beside the JSON: the command that made it and how long it ran (``read_stamp``)."""
+    return self.out.with_name(self.out.name + ".command")
+
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
@@ -309,7 +314,8 @@ def render_table6(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
   paper = PAPER["table6"][0] / PAPER["table6"][1]
   kl = r.get("policy_kl_to_start") or []
   lines = [f"{r['args']['steps']} GRPO steps on the drift workload ({r.get('workload', '')}); "
-           f"every arm drafts the same policy trajectory with a chain of depth {r['spec']['depth']} "
+           "every arm drafts the same policy trajectory with a chain of depth "
+           f"{r['spec']['depth']} "
            f"and coupled verification (identical tokens: {r['trajectory']['identical_tokens']}). "
            "Accept: tokens per live row per speculative step.", ""]
   lines += table(["drafter", "accept, first third", "accept, last third", "accept, all steps",
@@ -564,8 +570,8 @@ def hardware() -> dict:
   """What the results were measured on (the JAX backend as the scripts see it)."""
   info = dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version())
   try:
-    probe = subprocess.run([sys.executable, "-c", "import jax; d = jax.devices()[0]; "
-                            "print(jax.__version__, d.platform, d.device_kind, len(jax.devices()))"],
+    probe = subprocess.run([sys.executable, "-c", "import jax; d = jax.devices()[0]; print("
+                            "jax.__version__, d.platform, d.device_kind, len(jax.devices()))"],
                            capture_output=True, text=True, timeout=120, check=True)
     version, backend, kind, count = probe.stdout.split()[-4:]
     info.update(jax=version, backend=backend, device=kind, devices=int(count))
@@ -581,9 +587,7 @@ def describe(hw: dict) -> str:
 
 def execute(run: Run, work: pathlib.Path, fresh: bool, say=print) -> dict:
   """Runs ``run`` unless its JSON exists from the identical command; returns that JSON."""
-  stamp = run.out.with_name(run.out.name + ".command")
-  made = read_stamp(stamp)
-  if not fresh and run.out.is_file() and made.get("command") == run.key:
+  if not fresh and run.out.is_file() and read_stamp(run.stamp).get("command") == run.key:
     say(f"[reproduce] cached: {run.key}")
     return json.loads(run.out.read_text())
   run.out.parent.mkdir(parents=True, exist_ok=True)
@@ -604,8 +608,9 @@ def execute(run: Run, work: pathlib.Path, fresh: bool, say=print) -> dict:
                          f"its output is in {log}")
   if not run.out.is_file():
     raise ReproduceError(f"{run.key} finished but wrote no {run.out}; see {log}")
-  stamp.write_text(json.dumps(dict(command=run.key, seconds=round(time.perf_counter() - t0, 1),
-                                   finished=datetime.datetime.now().isoformat(timespec="seconds"))))
+  finished = datetime.datetime.now().isoformat(timespec="seconds")
+  run.stamp.write_text(json.dumps(dict(command=run.key, finished=finished,
+                                       seconds=round(time.perf_counter() - t0, 1))))
   return json.loads(run.out.read_text())
 
 
@@ -625,9 +630,8 @@ def reproduce(entry: Entry, a: argparse.Namespace, hw: dict, say=print) -> pathl
   """Runs ``entry``'s scripts and writes its markdown, PNG and JSON under ``a.results_dir``."""
   work = pathlib.Path(a.work_dir) / a.size
   t0 = time.perf_counter()
-  reports = {}
-  for run in entry.runs(a, work):
-    reports[report_name(run)] = execute(run, work, a.fresh, say)
+  runs = entry.runs(a, work)
+  reports = {report_name(run): execute(run, work, a.fresh, say) for run in runs}
   rendered = entry.render(reports, a)
   results = pathlib.Path(a.results_dir)
   results.mkdir(parents=True, exist_ok=True)
@@ -643,15 +647,13 @@ def reproduce(entry: Entry, a: argparse.Namespace, hw: dict, say=print) -> pathl
       indent=1, default=str) + "\n")
   command = f"python -m experiments.reproduce {entry.name} --size {a.size}" + (
       f" --model {a.model}" if a.model else "")
-  runs = entry.runs(a, work)
-  scripts = [r.key for r in runs]
-  took = [read_stamp(r.out.with_name(r.out.name + ".command")).get("seconds") for r in runs]
+  took = [read_stamp(r.stamp).get("seconds") for r in runs]
   spent = (f"its scripts ran {sum(took):.0f} s" if None not in took else
            f"{time.perf_counter() - t0:.0f} s in this call, cached scripts at zero")
   text = [f"## {entry.title} ({a.size})", "",
           f"`{command}` — {datetime.date.today().isoformat()}, {describe(hw)}; {spent}.", "",
           *rendered.lines, "", f"![{entry.name}]({png.name})", "",
-          "Scripts run: " + "; ".join(f"`python {s}`" for s in scripts), "",
+          "Scripts run: " + "; ".join(f"`python {r.key}`" for r in runs), "",
           f"<!-- verdict: {rendered.verdict} -->", ""]
   path = results / f"{stem}.md"
   path.write_text("\n".join(text))
@@ -692,8 +694,8 @@ def write_index(results: pathlib.Path, index: pathlib.Path) -> None:
           else ""
       rel = os.path.relpath(path, index.parent)
       lines.append(f"| [{ENTRIES[name].title}]({rel}) | {size} | {verdict} |")
-      body = text.replace("](" + f"{name}_{size}.png)",
-                          "](" + os.path.relpath(results / f"{name}_{size}.png", index.parent) + ")")
+      png = os.path.relpath(results / f"{name}_{size}.png", index.parent)
+      body = text.replace(f"]({name}_{size}.png)", f"]({png})")
       sections.append("#" + body)
   index.write_text("\n".join(lines + [""] + sections) + "\n")
 

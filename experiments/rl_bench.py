@@ -152,8 +152,8 @@ def warm_policy_dir(job: Job, say=print) -> pathlib.Path:
   once, then read from the cache."""
   cfg = job.cfg
   parts = [cfg.model.to_dict(), cfg.sft.to_dict(), cfg.task.to_dict(), cfg.seed]
-  if isinstance(job.task, FormatShiftTask):  # the drift workload's warm start sees its traces
-    parts.append(dataclasses.asdict(job.task))
+  if isinstance(job.task, FormatShiftTask):  # its warm start sees the new style's share of
+    parts.append(job.task.new_style_share)  # traces (the reward plays no part in it)
   key = _key(*parts)
   path = CACHE / f"policy_{key}"
   if (path / "config.json").is_file():

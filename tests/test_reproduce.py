@@ -85,7 +85,8 @@ def _drift_report(adapted, frozen):
 def test_table6_puts_the_paper_beside_ours_and_flags_a_miss():
   hit = rp.render_table6({"drafter_drift": _drift_report(4.2, 3.0)}, _ns())
   text = "\n".join(hit.lines)
-  assert "**1.40×**" in text and "| adapted | 4.20 | 4.20 | 4.20 | 0.900 → 0.800 | 6.53 |" in text
+  assert "**1.40×**" in text
+  assert "| adapted | 4.20 | 4.20 | 4.20 | 0.900 → 0.800 | 6.53 |" in text
   assert "Target missed" not in text and "KL" in text and "0.200 s per RL step" in text
   miss = rp.render_table6({"drafter_drift": _drift_report(3.1, 3.0)}, _ns())
   assert any("Target missed" in line for line in miss.lines)
@@ -109,8 +110,9 @@ from tlt_jax.rl.tasks import ArithmeticTask
 task = rb.FormatShiftTask(ArithmeticTask(max_digits=6), new_style_share=0.3, old_style_reward=0.25)
 problems = task.sample(np.random.default_rng(0), 400)
 new = [p for p in problems if rb.is_new_style(p.solution)]
+step = r"(\\d)\\+(\\d)\\+(\\d)=(\\d\\d)"
 steps_ok = all(int(c) + int(y) + int(x) == int(t) and c in "01"
-               for p in new for c, y, x, t in re.findall(r"(\\d)\\+(\\d)\\+(\\d)=(\\d\\d)", p.solution))
+               for p in new for c, y, x, t in re.findall(step, p.solution))
 old = next(p for p in problems if not rb.is_new_style(p.solution))
 wrong = new[0].solution.replace("#" + new[0].answer, "#" + str(int(new[0].answer) + 1))
 print(json.dumps(dict(share=len(new) / len(problems), steps_ok=steps_ok,
