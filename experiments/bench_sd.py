@@ -64,8 +64,13 @@ def main():
         f"{k} {v['speedup']:.2f}x (accept {v['mean_accept_len']:.2f})"
         for k, v in table[bs].items() if k.startswith("verify")), flush=True)
 
-  fig13 = harness.depth_table(target, drafter, prompts[:a.fig13_batch], a.fig13_depths,
+  # the batch table's row at --fig13-batch is Fig. 13's row at --depth: measured once
+  shared = a.depth in a.fig13_depths and a.fig13_batch in a.batches
+  fig13 = harness.depth_table(target, drafter, prompts[:a.fig13_batch],
+                              [d for d in a.fig13_depths if not (shared and d == a.depth)],
                               lambda depth: a.verify, a.topk, params, a.max_new, a.repeats)
+  if shared:
+    fig13 = {d: fig13[d] if d in fig13 else table[a.fig13_batch] for d in a.fig13_depths}
 
   out_dir = pathlib.Path(a.out_dir)
   summary = {"args": vars(a), "target": dict(layers=config.num_layers, hidden=config.hidden_size,

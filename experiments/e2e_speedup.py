@@ -6,7 +6,8 @@ vanilla rollouts vs the same speculative rollouts with a frozen drafter, as rati
 
 The default job (configs/tiny_grpo.py) at a small size on one device: the tiny policy is
 warm-started once and an initial EAGLE drafter trained offline on its own rollouts (both cached
-under experiments/out/rl_bench/). Four GRPO trainers start from the same weights and seeds:
+under experiments/out/rl_bench/). Up to four GRPO trainers (--arms; default all four) start from
+the same weights and seeds:
 
 * ``vanilla``: no drafter;
 * ``sd_frozen``: the initial drafter, never updated;
@@ -19,7 +20,7 @@ under experiments/out/rl_bench/). Four GRPO trainers start from the same weights
 Both speculative arms use the same engine: ``--engine adaptive`` (default; TLT's: vanilla plus
 the chain strategies of --strategies, chosen per segment and batch bucket by the tuner,
 SD only in buckets <= sd_max_batch) or ``fixed`` (every segment the first chain). Every arm
-verifies with ``coupled`` sampling, so all four emit exactly the tokens of vanilla sampling and
+verifies with ``coupled`` sampling, so all arms emit exactly the tokens of vanilla sampling and
 follow the same policy trajectory (tokens and rewards checked equal at every step): only speed
 differs. The arms step in turn, the order rotating every step, so that load from other
 processes falls on all of them; each step's time is compared with vanilla's at the same step
@@ -31,6 +32,7 @@ coincide) and step times.
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 import time
@@ -56,13 +58,14 @@ def summarize(rows: dict, skip: int) -> tuple[dict, range, list[int]]:
   """Per arm: medians of step/rollout/update/drafter seconds over the steps from ``skip`` on,
   the paired ratios to vanilla (per step, then the median; also over the steps where no arm
   compiled) and the ratios of the medians; the mean accepted length over the steps that ran SD."""
+  names = list(rows)
   n = len(rows["vanilla"])
   kept = range(skip, n)
-  clean = [i for i in kept if all(rows[name][i]["compiles"] == 0 for name in ARMS)]
+  clean = [i for i in kept if all(rows[name][i]["compiles"] == 0 for name in names)]
   van = rows["vanilla"]
   other = lambda r: r["step_s"] - r["rollout_s"] - r["update_s"] - r.get("drafter_serial_s", 0)
   summary = {}
-  for name in ARMS:
+  for name in names:
     mine = rows[name]
     accepts = [accept_len(mine[i]) for i in kept]
     summary[name] = dict(
@@ -89,14 +92,16 @@ def summarize(rows: dict, skip: int) -> tuple[dict, range, list[int]]:
             mine[i]["rollout_s"] / van[i]["rollout_s"] for i in clean))
   # accepted length against the frozen drafter's, over the steps where both ran SD (the tuner
   # picks SD per segment and bucket from timings, so the arms' SD steps differ)
-  both = [i for i in kept if accept_len(rows["tlt"][i]) and accept_len(rows["sd_frozen"][i])]
-  summary["tlt"]["accept_len_vs_sd_frozen_paired"] = dict(
-      steps=len(both),
-      tlt_mean=rb.mean(accept_len(rows["tlt"][i]) for i in both),
-      sd_frozen_mean=rb.mean(accept_len(rows["sd_frozen"][i]) for i in both),
-      ratio_median=rb.median(accept_len(rows["tlt"][i]) / accept_len(rows["sd_frozen"][i])
-                             for i in both))
-  for name in ARMS:
+  if "tlt" in rows and "sd_frozen" in rows:
+    both = [i for i in kept
+            if accept_len(rows["tlt"][i]) and accept_len(rows["sd_frozen"][i])]
+    summary["tlt"]["accept_len_vs_sd_frozen_paired"] = dict(
+        steps=len(both),
+        tlt_mean=rb.mean(accept_len(rows["tlt"][i]) for i in both),
+        sd_frozen_mean=rb.mean(accept_len(rows["sd_frozen"][i]) for i in both),
+        ratio_median=rb.median(accept_len(rows["tlt"][i]) / accept_len(rows["sd_frozen"][i])
+                               for i in both))
+  for name in names:
     s = summary[name]
     s["step_median_ratio_vs_vanilla"] = s["step_s_median"] / summary["vanilla"]["step_s_median"]
     s["rollout_median_ratio_vs_vanilla"] = (s["rollout_s_median"]
@@ -142,9 +147,24 @@ def plot(rows: dict, path: pathlib.Path) -> str | None:
   return str(path)
 
 
+def arm_names(text: str) -> tuple[str, ...]:
+  """``--arms``: a comma list of ARMS, vanilla always among them (every ratio is to it)."""
+  names = tuple(n.strip() for n in text.split(",") if n.strip())
+  unknown = [n for n in names if n not in ARMS]
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown arm(s) {', '.join(unknown)}: choose from "
+                                     f"{', '.join(ARMS)}")
+  if "vanilla" not in names:
+    raise argparse.ArgumentTypeError("--arms must include vanilla: every ratio is taken "
+                                     "against it")
+  return tuple(n for n in ARMS if n in names)
+
+
 def main():
   parser = harness.parser(__doc__)
   rb.add_job_args(parser, steps=20, out="docs/results/e2e_speedup.json")
+  parser.add_argument("--arms", type=arm_names, default=ARMS, help="comma list of the arms "
+                      f"to run (default: all of {','.join(ARMS)}; vanilla is always needed)")
   parser.add_argument("--engine", default="adaptive", choices=["adaptive", "fixed"])
   parser.add_argument("--strategies", type=chains, default=chains("3,5"),
                       help="chain depths, e.g. 3,5 (fixed: the first)")
@@ -162,29 +182,31 @@ def main():
   sd = (dict(strategies=a.strategies) if a.engine == "adaptive"
         else dict(spec=a.strategies[0]))
   t0 = time.perf_counter()
-  arms = {
-      "vanilla": rb.make_arm(job, policy_dir),
-      "sd_frozen": rb.make_arm(job, policy_dir, drafter=drafter_dir, **sd),
-      **{name: rb.make_arm(job, policy_dir, drafter=drafter_dir, **sd,
-                           training=DrafterTrainingConfig(learning_rate=a.drafter_lr,
-                                                          serial_steps=a.serial_steps,
-                                                          serial_budget=budget, seed=a.seed))
+  names = a.arms
+  build = {
+      "vanilla": lambda: rb.make_arm(job, policy_dir),
+      "sd_frozen": lambda: rb.make_arm(job, policy_dir, drafter=drafter_dir, **sd),
+      **{name: (lambda budget=budget: rb.make_arm(
+          job, policy_dir, drafter=drafter_dir, **sd,
+          training=DrafterTrainingConfig(learning_rate=a.drafter_lr, serial_steps=a.serial_steps,
+                                         serial_budget=budget, seed=a.seed)))
          for name, budget in (("tlt", "ledger"), ("tlt_fixed", "fixed"))},
   }
+  arms = {name: build[name]() for name in names}
   build_s = time.perf_counter() - t0
   print(f"built and compiled {len(arms)} arms in {build_s:.0f}s", flush=True)
-  rows = {name: [] for name in ARMS}
+  rows = {name: [] for name in names}
   for step in range(a.steps):
-    for name in harness.repeat_order(ARMS, step, "rotate"):
+    for name in harness.repeat_order(names, step, "rotate"):
       rows[name].append(rb.step_row(arms[name].step()))
     print(f"step {step + 1:3d} reward {rows['vanilla'][-1]['reward']:.3f}  step s " +
-          "  ".join(f"{n} {rows[n][-1]['step_s']:.3f}" for n in ARMS) + "  rollout s " +
-          "  ".join(f"{n} {rows[n][-1]['rollout_s']:.3f}" for n in ARMS) + "  accept " +
-          "  ".join(f"{n} {rb.fmt(accept_len(rows[n][-1]), '.2f')}" for n in ARMS[1:]) +
-          "  compiles " + "/".join(str(rows[n][-1]["compiles"]) for n in ARMS), flush=True)
+          "  ".join(f"{n} {rows[n][-1]['step_s']:.3f}" for n in names) + "  rollout s " +
+          "  ".join(f"{n} {rows[n][-1]['rollout_s']:.3f}" for n in names) + "  accept " +
+          "  ".join(f"{n} {rb.fmt(accept_len(rows[n][-1]), '.2f')}" for n in names[1:]) +
+          "  compiles " + "/".join(str(rows[n][-1]["compiles"]) for n in names), flush=True)
   check = rb.same_trajectory(arms, rows)
   summary, kept, clean = summarize(rows, a.skip)
-  tuners = {n: arms[n].engine.tuner.summary() for n in ARMS[1:]
+  tuners = {n: arms[n].engine.tuner.summary() for n in names[1:]
             if arms[n].engine.tuner is not None}
   png = plot(rows, pathlib.Path(a.out).with_suffix(".png"))
   report = dict(
@@ -197,7 +219,7 @@ def main():
       initial_drafter=rb.drafter_report(drafter_dir), build_s=round(build_s, 1),
       trajectory=check, steps_in_medians=len(kept), steps_without_compiles=len(clean),
       summary=summary, tuners=tuners, plot=png,
-      precompile_s={name: arms[name].precompile_s for name in ARMS},
+      precompile_s={name: arms[name].precompile_s for name in names},
       steps=rows, wall_s=round(time.perf_counter() - t_start, 1))
   rb.finish(a.out, report, [summary_line(name, s) for name, s in summary.items()])
 

@@ -143,9 +143,10 @@ def sd_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
           Run(script("train_drafter_offline", "--target", target, "--out", drafter,
                      "--steps", 300, "--prompts", 256, "--eval-prompts", 48),
               drafter / "train_log.json"),
+          # 3 batches x 3 widths, 2 more depths at batch 1 (depth 7 there is the batch-1 row)
           Run(script("bench_sd", "--target", target, "--drafter", drafter, "--batches",
-                     "1,4,16,32", "--verify", "4,8,16", "--fig13-depths", "3,5,7",
-                     "--max-new", 96, "--repeats", 3, "--out-dir", work),
+                     "1,4,32", "--verify", "4,8,16", "--fig13-depths", "3,5,7",
+                     "--max-new", 96, "--repeats", 2, "--out-dir", work),
               work / "bench_sd.json"),
           # where an SD step's time goes (draft vs verify), and a T-token pass vs a 1-token one
           Run(script("bench_sd", "--target", target, "--drafter", drafter, "--phase-split",
@@ -253,9 +254,11 @@ def pool_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
                        "--out", work / "ablate_pool.json"), work / "ablate_pool.json")]
   # the memory of an executable does not depend on the weights: a random model of the bench
   # target's shape is compiled when no trained target is there
-  return [Run(script("ablate_pool", "--target", work / "bench_target", "--max-batch", 8,
-                     "--max-new", 64, "--out", work / "ablate_pool.json"),
-              work / "ablate_pool.json")]
+  # buckets 1, 2, 4 (the naive pool compiles every strategy at each): SD up to batch 2 and
+  # batch x verify <= 32 in the thresholded pool
+  return [Run(script("ablate_pool", "--target", work / "bench_target", "--max-batch", 4,
+                     "--max-new", 64, "--sd-max-batch", 2, "--verify-budget", 32,
+                     "--out", work / "ablate_pool.json"), work / "ablate_pool.json")]
 
 
 def render_table5(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
@@ -366,8 +369,9 @@ def e2e_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
   # on the drift workload (it shares table6's warm policy and initial drafter): TLT's drafter
   # has something to adapt to there
   out = work / "e2e_speedup.json"
-  return [Run(script("e2e_speedup", "--steps", 12, *DRIFT_WORKLOAD, "--drafter-lr", "5e-4",
-                     "--out", out), out)]
+  # the paper's three arms (tlt_fixed, the fixed serial budget, is e2e_speedup's extra)
+  return [Run(script("e2e_speedup", "--steps", 10, "--arms", "vanilla,sd_frozen,tlt",
+                     *DRIFT_WORKLOAD, "--drafter-lr", "5e-4", "--out", out), out)]
 
 
 def render_fig11(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:

@@ -144,3 +144,34 @@ def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
   rows = report["steps_metrics"]
   assert [r["reward"] for r in rows["none"]] == [r["reward"] for r in rows["eagle"]]
   assert all("drafter_serial_s" not in r for r in rows["none"])
+
+
+@pytest.mark.parametrize("arms, message", [("sd_frozen,tlt", "must include vanilla"),
+                                           ("vanilla,tlt_fast", "unknown arm(s) tlt_fast")])
+def test_e2e_speedup_checks_its_arms_before_any_work(tmp_path, arms, message):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, str(EXPERIMENTS / "e2e_speedup.py"), "--arms", arms],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+  assert not (tmp_path / "experiments").exists()  # nothing warm-started or cached
+
+
+def test_e2e_speedup_summarizes_a_subset_of_arms(monkeypatch):
+  """``--arms vanilla,sd_frozen`` (Fig. 11 without TLT's drafter training): the summary covers the
+  arms that ran, each paired with vanilla's step."""
+  monkeypatch.syspath_prepend(str(EXPERIMENTS))
+  import e2e_speedup  # pylint: disable=import-outside-toplevel
+
+  def row(step_s, accept=None):
+    r = dict(step_s=step_s, rollout_s=step_s / 2, update_s=step_s / 4, tail_s=0.0, compiles=0,
+             reward=0.5)
+    return r if accept is None else dict(r, mean_accept_len=accept)
+
+  rows = {"vanilla": [row(9.0), row(1.0), row(1.0), row(1.0)],
+          "sd_frozen": [row(9.0, 2.0), row(0.5, 2.0), row(0.8, 2.0), row(0.5, 2.0)]}
+  assert e2e_speedup.arm_names("sd_frozen, vanilla") == ("vanilla", "sd_frozen")
+  summary, kept, _ = e2e_speedup.summarize(rows, skip=1)
+  assert set(summary) == {"vanilla", "sd_frozen"} and list(kept) == [1, 2, 3]
+  assert summary["sd_frozen"]["step_vs_vanilla_paired_median"] == pytest.approx(0.5)
+  assert summary["sd_frozen"]["speedup_vs_vanilla"] == pytest.approx(2.0)
+  assert summary["vanilla"]["step_vs_vanilla_paired_median"] == pytest.approx(1.0)
