@@ -595,6 +595,9 @@ def execute(run: Run, work: pathlib.Path, fresh: bool, say=print) -> dict:
     say(f"[reproduce] cached: {run.key}")
     return json.loads(run.out.read_text())
   run.out.parent.mkdir(parents=True, exist_ok=True)
+  # a run killed part way (this process or the script) leaves no stamp, so its JSON, whole,
+  # partial or an earlier run's, is never taken for this command's: the next call runs it again
+  run.stamp.unlink(missing_ok=True)
   log = work / (report_name(run) + ".log")
   runner = {".py": [sys.executable], ".sh": ["bash"]}[pathlib.Path(run.argv[0]).suffix]
   argv = runner + list(run.argv)
@@ -613,8 +616,10 @@ def execute(run: Run, work: pathlib.Path, fresh: bool, say=print) -> dict:
   if not run.out.is_file():
     raise ReproduceError(f"{run.key} finished but wrote no {run.out}; see {log}")
   finished = datetime.datetime.now().isoformat(timespec="seconds")
-  run.stamp.write_text(json.dumps(dict(command=run.key, finished=finished,
-                                       seconds=round(time.perf_counter() - t0, 1))))
+  partial = run.stamp.with_name(run.stamp.name + ".tmp")
+  partial.write_text(json.dumps(dict(command=run.key, finished=finished,
+                                     seconds=round(time.perf_counter() - t0, 1))))
+  partial.replace(run.stamp)  # whole or absent
   return json.loads(run.out.read_text())
 
 

@@ -3,9 +3,12 @@ real (CI's one tiny entry), the other entries' renderers are checked on small re
 
 import argparse
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -134,3 +137,58 @@ def test_the_drift_workload_rewards_the_style_its_warm_start_rarely_writes():
   assert got["steps_ok"] and got["first"].startswith("= ")  # carry first, the same arithmetic
   assert got["answers"] == [1.0, 0.25] and got["wrong"] == 0.0
   assert got["same_prompts"]
+
+
+TOY = """\
+import json, os, pathlib, sys, time
+out, flag = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+out.write_text('{"value": ')  # a JSON half written
+if flag.exists():  # the run to be killed: waits here
+  (flag.parent / "toy.pid").write_text(str(os.getpid()))
+  print("started", flush=True)
+  time.sleep(120)
+out.write_text(json.dumps({"value": 42}))
+"""
+
+DRIVER = """\
+import pathlib, sys
+from experiments import reproduce as rp
+run = rp.Run(tuple(sys.argv[1:4]), pathlib.Path(sys.argv[2]))
+rp.execute(run, pathlib.Path(sys.argv[4]), fresh=True)
+"""
+
+
+def test_a_run_killed_part_way_is_run_again_not_taken_from_the_cache(tmp_path):
+  """reproduce killed (SIGKILL) while a script runs: the next call runs that script again and
+  gets what an uninterrupted run gets, never the half-written JSON under the earlier stamp."""
+  toy, out, flag, work = (tmp_path / "toy.py", tmp_path / "toy.json", tmp_path / "hang",
+                          tmp_path / "work")
+  toy.write_text(TOY)
+  work.mkdir()
+  run = rp.Run((str(toy), str(out), str(flag)), out)
+  quiet = lambda *_, **__: None
+  assert rp.execute(run, work, fresh=False, say=quiet) == {"value": 42}  # uninterrupted
+  reference = out.read_text()
+  assert rp.read_stamp(run.stamp)["command"] == run.key
+
+  flag.touch()  # --fresh, killed while the script runs
+  driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(toy), str(out), str(flag),
+                             str(work)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+  try:
+    for line in driver.stdout:
+      if "started" in line:
+        break
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=30)
+  finally:
+    pid = tmp_path / "toy.pid"
+    if pid.exists():
+      try:
+        os.kill(int(pid.read_text()), signal.SIGKILL)  # the orphaned script
+      except ProcessLookupError:
+        pass
+  time.sleep(0.2)
+  assert out.read_text() == '{"value": '  # what the kill left
+  flag.unlink()
+  assert rp.execute(run, work, fresh=False, say=quiet) == {"value": 42}  # resumed: run again
+  assert out.read_text() == reference and rp.read_stamp(run.stamp)["command"] == run.key
