@@ -13,12 +13,13 @@ Pools compiled for the same target, buckets and strategies:
 
 Memory is the sum over executables of ``compiled.memory_analysis()`` (arguments + outputs +
 temporaries - aliased), i.e. what holding every executable's buffers at once would take; the
-largest single executable is reported too. Without a trained target a random model of the bench
-target's shape is used (compile cost and memory do not depend on the weights).
+largest single executable is reported too. ``--target random``: a random model of the bench
+target's width with --layers layers (compile cost and memory do not depend on the weights).
 """
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 import time
@@ -29,6 +30,22 @@ from harness import (Drafter, EngineConfig, ModelConfig, RolloutEngine, SpecConf
 
 STRATEGIES = (SpecConfig(3, 1, 4), SpecConfig(7, 1, 8), SpecConfig(5, 4, 16), SpecConfig(7, 4, 16),
               SpecConfig(7, 4, 32))
+
+
+def specs(text: str) -> tuple[SpecConfig, ...]:
+  """``--strategies``: comma list of depth:topk:verify, e.g. 3:1:4,5:4:16."""
+  out = []
+  for item in text.split(","):
+    try:
+      depth, topk, verify = (int(x) for x in item.split(":"))
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"strategy {item!r}: write depth:topk:verify, e.g. "
+                                       "5:4:16") from None
+    try:
+      out.append(SpecConfig(depth, topk, verify))
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(f"strategy {item!r}: {e}") from None
+  return tuple(out)
 
 
 def pool_of(engines: list[RolloutEngine]) -> dict:
@@ -54,31 +71,39 @@ def main():
   parser.add_argument("--max-new", type=int, default=256)
   parser.add_argument("--sd-max-batch", type=int, default=8)
   parser.add_argument("--verify-budget", type=int, default=64)
+  parser.add_argument("--strategies", type=specs, default=STRATEGIES, help="depth:topk:verify "
+                      "list (default: " + ",".join(f"{x.depth}:{x.topk}:{x.verify_tokens}"
+                                                   for x in STRATEGIES) + ")")
+  parser.add_argument("--layers", type=int, default=6, help="layers of the random model used "
+                      "when --target is not a checkpoint directory (compile time grows with it)")
   parser.add_argument("--out", default="experiments/out/ablate_pool.json")
   a = parser.parse_args()
   if pathlib.Path(a.target).is_dir():
     target, config = harness.hf.from_pretrained(a.target)
+  elif a.target != "random":
+    parser.error(f"--target {a.target}: no such checkpoint directory (train one with "
+                 "experiments/train_bench_target.py, or say --target random)")
   else:
-    config = ModelConfig(vocab_size=19, hidden_size=256, intermediate_size=512, num_layers=6,
-                         num_heads=8, num_kv_heads=4, head_dim=32)
+    config = ModelConfig(vocab_size=19, hidden_size=256, intermediate_size=512,
+                         num_layers=a.layers, num_heads=8, num_kv_heads=4, head_dim=32)
     target = init_model(config)
   drafter = Drafter.create(config, seed=0)
   base = dict(max_batch=a.max_batch, max_prompt_len=48, max_new_tokens=a.max_new,
               prefill_buckets=(48,))
   rows = {}
-  naive = harness.engines_for(target, base, {strategy_name(s): s for s in STRATEGIES}, drafter)
+  naive = harness.engines_for(target, base, {strategy_name(s): s for s in a.strategies}, drafter)
   rows["naive (every strategy x every bucket)"] = pool_of(list(naive.values()))
   print(rows, flush=True)
   rows["shared, SD at every bucket"] = pool_of([RolloutEngine(
-      target, drafter=drafter, config=EngineConfig(**base, strategies=STRATEGIES,
+      target, drafter=drafter, config=EngineConfig(**base, strategies=a.strategies,
                                                    sd_max_batch=a.max_batch))])
   print(rows, flush=True)
   shared = RolloutEngine(target, drafter=drafter, config=EngineConfig(
-      **base, strategies=STRATEGIES, sd_max_batch=a.sd_max_batch,
+      **base, strategies=a.strategies, sd_max_batch=a.sd_max_batch,
       verify_budget=a.verify_budget))
   rows[f"shared + threshold (SD at batch <= {a.sd_max_batch}, batch x verify <= "
        f"{a.verify_budget})"] = pool_of([shared])
-  report = dict(command=" ".join(sys.argv), strategies=[strategy_name(s) for s in STRATEGIES],
+  report = dict(command=" ".join(sys.argv), strategies=[strategy_name(s) for s in a.strategies],
                 buckets=list(shared.config.batch_buckets),
                 served={b: [s.name for s in shared.strategies_for(b)]
                         for b in shared.config.batch_buckets},

@@ -175,3 +175,14 @@ def test_e2e_speedup_summarizes_a_subset_of_arms(monkeypatch):
   assert summary["sd_frozen"]["step_vs_vanilla_paired_median"] == pytest.approx(0.5)
   assert summary["sd_frozen"]["speedup_vs_vanilla"] == pytest.approx(2.0)
   assert summary["vanilla"]["step_vs_vanilla_paired_median"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategies", "3:1:5"], "verify_tokens must be depth + 1"),
+    (["--strategies", "5-4-16"], "write depth:topk:verify"),
+    (["--target", "no_such_dir"], "or say --target random")])
+def test_ablate_pool_says_what_is_wrong_with_its_arguments(tmp_path, args, message):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, str(EXPERIMENTS / "ablate_pool.py"), *args],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
