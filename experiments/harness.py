@@ -83,7 +83,12 @@ def floats(text: str) -> list[float]:
 
 def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
   """The argument parser of a script whose docstring is ``doc`` (its first line the
-  description)."""
+  description). Started from inside experiments/, a script would write its default outputs
+  (``experiments/out/...``, relative paths) to experiments/experiments/out: it stops first."""
+  if pathlib.Path.cwd().resolve() == pathlib.Path(__file__).resolve().parent:
+    raise SystemExit("error: run the experiments from the repository root (cd ..; python "
+                     "experiments/NAME.py): their default paths (experiments/out/...) are "
+                     "relative to it")
   return argparse.ArgumentParser(description=doc.splitlines()[0], **kwargs)
 
 

@@ -186,3 +186,13 @@ def test_ablate_pool_says_what_is_wrong_with_its_arguments(tmp_path, args, messa
   proc = subprocess.run([sys.executable, str(EXPERIMENTS / "ablate_pool.py"), *args],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_script_started_inside_experiments_stops_before_writing_there():
+  """Its relative default outputs would land in experiments/experiments/out (a cached policy
+  was once committed from there)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, "drafter_save_latency.py", "--repeats", "1"],
+                        cwd=EXPERIMENTS, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1 and "from the repository root" in proc.stderr, proc.stderr[-2000:]
+  assert not (EXPERIMENTS / "experiments").exists() and not (EXPERIMENTS / "docs").exists()
