@@ -192,3 +192,22 @@ def test_a_run_killed_part_way_is_run_again_not_taken_from_the_cache(tmp_path):
   flag.unlink()
   assert rp.execute(run, work, fresh=False, say=quiet) == {"value": 42}  # resumed: run again
   assert out.read_text() == reference and rp.read_stamp(run.stamp)["command"] == run.key
+
+
+def test_fresh_runs_a_script_shared_by_two_entries_once(tmp_path, monkeypatch):
+  """``all --fresh``: Fig. 13 takes the scripts Table 4 has just run in this call, not a second
+  run of each; an earlier call's JSON is still run again."""
+  counter = tmp_path / "runs"
+  toy = tmp_path / "count.py"
+  toy.write_text("import json, pathlib, sys\n"
+                 f"c = pathlib.Path({str(counter)!r})\n"
+                 "c.write_text(str(int(c.read_text() or 0) + 1) if c.exists() else '1')\n"
+                 "pathlib.Path(sys.argv[1]).write_text(json.dumps({'ok': 1}))\n")
+  out = tmp_path / "count.json"
+  run = rp.Run((str(toy), str(out)), out)
+  quiet = lambda *_, **__: None
+  rp.execute(run, tmp_path, fresh=False, say=quiet)  # an earlier call's JSON
+  monkeypatch.setattr(rp, "RAN_HERE", set())  # a new process
+  for _ in range(2):  # two entries of one --fresh call asking for the same script
+    assert rp.execute(run, tmp_path, fresh=True, say=quiet) == {"ok": 1}
+  assert counter.read_text() == "2"  # the earlier one, then once in this call
