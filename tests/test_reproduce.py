@@ -107,6 +107,20 @@ def test_fig11_explains_a_missed_speedup_from_the_measured_breakdown():
   assert "0.000 s a step" in text
 
 
+def test_table5_shows_what_each_pool_compiles_when_it_misses():
+  def pool(total, **kinds):
+    return dict(executables=sum(kinds.values()), compile_s=1.0, memory_mb_total=total,
+                memory_mb_max=10.0, by_kind=kinds)
+  report = dict(strategies=["chain d3"], buckets=[1, 2, 4],
+                pools={"naive": pool(900.0, prefill=18, compact=24),
+                       "shared + threshold": pool(450.0, prefill=3, catchup=6)})
+  text = "\n".join(rp.render_table5({"ablate_pool": report}, _ns()).lines)
+  assert "**2.00×** here" in text and "30.4 GB → 10.7 GB = 2.84×" in text
+  assert "**Target missed**" in text and "| naive | 0 | 24 | 18 |" in text
+  report["pools"]["shared + threshold"]["memory_mb_total"] = 300.0  # 3.00x: met, no breakdown
+  assert "Target missed" not in "\n".join(rp.render_table5({"ablate_pool": report}, _ns()).lines)
+
+
 DRIFT_CHECK = """
 import json, re, numpy as np, rl_bench as rb
 from tlt_jax.rl.tasks import ArithmeticTask
