@@ -19,7 +19,6 @@ target's width with --layers layers (compile cost and memory do not depend on th
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 import time
@@ -30,22 +29,6 @@ from harness import (Drafter, EngineConfig, ModelConfig, RolloutEngine, SpecConf
 
 STRATEGIES = (SpecConfig(3, 1, 4), SpecConfig(7, 1, 8), SpecConfig(5, 4, 16), SpecConfig(7, 4, 16),
               SpecConfig(7, 4, 32))
-
-
-def specs(text: str) -> tuple[SpecConfig, ...]:
-  """``--strategies``: comma list of depth:topk:verify, e.g. 3:1:4,5:4:16."""
-  out = []
-  for item in text.split(","):
-    try:
-      depth, topk, verify = (int(x) for x in item.split(":"))
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"strategy {item!r}: write depth:topk:verify, e.g. "
-                                       "5:4:16") from None
-    try:
-      out.append(SpecConfig(depth, topk, verify))
-    except ValueError as e:
-      raise argparse.ArgumentTypeError(f"strategy {item!r}: {e}") from None
-  return tuple(out)
 
 
 def pool_of(engines: list[RolloutEngine]) -> dict:
@@ -71,9 +54,9 @@ def main():
   parser.add_argument("--max-new", type=int, default=256)
   parser.add_argument("--sd-max-batch", type=int, default=8)
   parser.add_argument("--verify-budget", type=int, default=64)
-  parser.add_argument("--strategies", type=specs, default=STRATEGIES, help="depth:topk:verify "
-                      "list (default: " + ",".join(f"{x.depth}:{x.topk}:{x.verify_tokens}"
-                                                   for x in STRATEGIES) + ")")
+  parser.add_argument("--strategies", type=harness.spec_list, default=STRATEGIES,
+                      help="depth,topk,verify_tokens per ;-separated entry (default: " +
+                      ";".join(f"{x.depth},{x.topk},{x.verify_tokens}" for x in STRATEGIES) + ")")
   parser.add_argument("--skip-unthresholded", action="store_true", help="compile only the "
                       "naive pool and the shared one with the threshold (Table 5's two rows)")
   parser.add_argument("--layers", type=int, default=6, help="layers of the random model used "

@@ -183,16 +183,17 @@ def main():
         else dict(spec=a.strategies[0]))
   t0 = time.perf_counter()
   names = a.arms
-  build = {
-      "vanilla": lambda: rb.make_arm(job, policy_dir),
-      "sd_frozen": lambda: rb.make_arm(job, policy_dir, drafter=drafter_dir, **sd),
-      **{name: (lambda budget=budget: rb.make_arm(
-          job, policy_dir, drafter=drafter_dir, **sd,
-          training=DrafterTrainingConfig(learning_rate=a.drafter_lr, serial_steps=a.serial_steps,
-                                         serial_budget=budget, seed=a.seed)))
-         for name, budget in (("tlt", "ledger"), ("tlt_fixed", "fixed"))},
-  }
-  arms = {name: build[name]() for name in names}
+
+  def make(name: str):
+    if name == "vanilla":
+      return rb.make_arm(job, policy_dir)
+    budget = {"tlt": "ledger", "tlt_fixed": "fixed"}.get(name)  # sd_frozen: never trained
+    training = None if budget is None else DrafterTrainingConfig(
+        learning_rate=a.drafter_lr, serial_steps=a.serial_steps, serial_budget=budget,
+        seed=a.seed)
+    return rb.make_arm(job, policy_dir, drafter=drafter_dir, **sd, training=training)
+
+  arms = {name: make(name) for name in names}
   build_s = time.perf_counter() - t0
   print(f"built and compiled {len(arms)} arms in {build_s:.0f}s", flush=True)
   rows = {name: [] for name in names}

@@ -81,6 +81,23 @@ def floats(text: str) -> list[float]:
   return [float(x) for x in text.split(",") if x]
 
 
+def spec_list(text: str) -> tuple[SpecConfig, ...]:
+  """``--strategies "3,1,4;7,4,16"``: a (depth, topk, verify_tokens) triple per ``;`` entry;
+  a malformed or invalid entry is an argparse error naming it."""
+  out = []
+  for entry in (e for e in text.split(";") if e.strip()):
+    try:
+      depth, topk, verify = (int(x) for x in entry.split(","))
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"strategy {entry!r}: write depth,topk,verify_tokens, "
+                                       "e.g. 5,4,16 (entries separated by ;)") from None
+    try:
+      out.append(SpecConfig(depth, topk, verify))
+    except ValueError as e:
+      raise argparse.ArgumentTypeError(f"strategy {entry!r}: {e}") from None
+  return tuple(out)
+
+
 def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
   """The argument parser of a script whose docstring is ``doc`` (its first line the
   description). Started from inside experiments/, a script would write its default outputs

@@ -33,23 +33,11 @@ import sys
 import time
 
 import harness
-from harness import Drafter, SamplingParams, SpecConfig, TunerConfig, strategy_name
+from harness import Drafter, SamplingParams, TunerConfig, strategy_name
 
 MODES = ("rejection", "coupled")
 FIRST, LAST = 4, 8  # the issue's "first 4" rounds (learning) and "last 8" (learned)
 TARGETS = {"all": 0.95, f"first{FIRST}": 0.90}
-
-
-def specs(text: str) -> tuple[SpecConfig, ...]:
-  """``"3,1,4;7,4,16"`` -> the strategies (depth, topk, verify_tokens) of each ``;`` entry."""
-  out = []
-  for entry in text.split(";"):
-    if entry.strip():
-      parts = [int(x) for x in entry.split(",")]
-      if len(parts) != 3:
-        raise SystemExit(f"--strategies entry {entry!r} must be depth,topk,verify_tokens")
-      out.append(SpecConfig(*parts))
-  return tuple(out)
 
 
 def speed_summary(vanilla_s: list[float], mine_s: list[float]) -> dict:
@@ -82,7 +70,7 @@ def main():
                       "(its batch)")
   parser.add_argument("--max-new", type=int, default=160)
   parser.add_argument("--temperature", type=float, default=1.0)
-  parser.add_argument("--strategies", type=specs, default=harness.BENCH_STRATEGIES,
+  parser.add_argument("--strategies", type=harness.spec_list, default=harness.BENCH_STRATEGIES,
                       help="the adaptive pool besides vanilla: depth,topk,verify_tokens entries "
                       "separated by ';' (default: ablate_tuner.py's 3,1,4;7,1,8;5,4,16;7,4,16)")
   parser.add_argument("--tuner", default=None, choices=["cost", "beg_mab", "ucb1"],

@@ -178,8 +178,8 @@ def test_e2e_speedup_summarizes_a_subset_of_arms(monkeypatch):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategies", "3:1:5"], "verify_tokens must be depth + 1"),
-    (["--strategies", "5-4-16"], "write depth:topk:verify"),
+    (["--strategies", "3,1,5"], "verify_tokens must be depth + 1"),
+    (["--strategies", "5:4:16"], "write depth,topk,verify_tokens"),
     (["--target", "no_such_dir"], "or say --target random")])
 def test_ablate_pool_says_what_is_wrong_with_its_arguments(tmp_path, args, message):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
