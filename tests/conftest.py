@@ -1,12 +1,25 @@
-"""Shared test setup: keep JAX on the CPU and quiet, and compile fast.
+"""Shared test setup: keep JAX on the CPU and quiet, compile fast, share compiled work, and pick
+the tier.
 
-Compiling is most of the suite's time (one module: 129 XLA compiles, 94 of its 112 seconds), and
-the tests check what the programs compute, not how fast XLA's emitted code runs. So unless
-``TLT_TEST_FAST_COMPILE=0`` is set, the tests ask XLA:CPU for its cheapest backend (optimisation
-level 0, no fusion emitters): about half the compile time. The flags go into ``XLA_FLAGS``, which
-the tests' own subprocesses inherit (they append their simulated device count to it). A jaxlib
-that does not know a flag aborts at start-up, so the flags are tried once in a subprocess first
-and left out (with a note) if that fails.
+Two tiers (tests/README.md): ``python -m pytest`` runs the fast tier (every test not marked
+``slow``: each mechanism at least once, at small sizes); ``python -m pytest -m ""`` runs all of
+them (the full tier), ``-m slow`` only what the fast tier leaves out.
+
+Compiling is most of the suite's time, and the tests check what the programs compute, not how
+fast XLA's emitted code runs. So unless ``TLT_TEST_FAST_COMPILE=0`` is set, the tests ask XLA:CPU
+for its cheapest backend (optimisation level 0, no fusion emitters): about half the compile time.
+The flags go into ``XLA_FLAGS``, which the tests' own subprocesses inherit (they append their
+simulated device count to it). A jaxlib that does not know a flag aborts at start-up, so the
+flags are tried once in a subprocess first and left out (with a note) if that fails.
+
+One persistent compilation cache serves the whole session: the pytest process that starts first
+(xdist's controller, or the only one) makes a fresh directory and names it in
+``$TLT_TEST_COMPILE_CACHE``; its workers and every subprocess a test starts inherit it, and the
+in-process tests use it too (``$JAX_COMPILATION_CACHE_DIR``). A program built again by another
+test, worker or CLI run is loaded, not compiled. XLA keys an entry by the program, its compile
+options, the flags and the jaxlib version, so sharing is safe. It is never the user's own cache;
+``TLT_TEST_COMPILE_CACHE=/some/dir`` set by hand keeps one across sessions (a warm run) and is
+left in place.
 """
 
 import atexit
@@ -19,10 +32,21 @@ import tempfile
 from tests.xla_env import FAST_COMPILE_FLAGS
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The entry points keep a persistent compilation cache (tlt_jax/compile_cache.py). The tests' CLI
-# subprocesses share one made fresh for this session, never the user's ~/.cache one.
-os.environ["TLT_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="tlt_jax_test_xla_")
-atexit.register(shutil.rmtree, os.environ["TLT_COMPILE_CACHE"], ignore_errors=True)
+
+SESSION_CACHE = "TLT_TEST_COMPILE_CACHE"
+
+
+def _share_one_compile_cache() -> None:
+  if not os.environ.get(SESSION_CACHE):  # the session's first process: the cache is its own
+    os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="tlt_jax_test_xla_")
+    atexit.register(shutil.rmtree, os.environ[SESSION_CACHE], ignore_errors=True)
+  directory = os.environ[SESSION_CACHE]
+  os.makedirs(directory, exist_ok=True)
+  # the entry points' cache (tlt_jax/compile_cache.py) and JAX's own, for in-process tests
+  os.environ["TLT_COMPILE_CACHE"] = directory
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 
 def _with_fast_compile() -> None:
@@ -42,4 +66,25 @@ def _with_fast_compile() -> None:
     os.environ["TLT_TEST_FAST_COMPILE"] = "0"
 
 
+_share_one_compile_cache()
 _with_fast_compile()
+
+
+# The heaviest files first, measured (tests/README.md): xdist hands out whole files in this order
+# (``--dist loadfile --no-loadscope-reorder``), so no worker starts a long file while the other
+# is finishing. Files not named keep their collection order after these.
+HEAVIEST_FIRST = (
+    "tests/test_kill_resume.py", "tests/test_multiprocess.py", "tests/test_notebooks.py",
+    "tests/test_train_job.py", "tests/rollout/test_lossless_deep.py",
+    "tests/rollout/test_parallel.py", "tests/rollout/test_adaptive.py", "tests/rl/test_trainer.py",
+    "tests/rollout/test_suffix.py", "tests/rollout/test_speculative.py",
+    "tests/test_accelerator_check.py", "tests/test_experiments.py",
+    "tests/rollout/test_kv_buckets.py", "tests/test_reproduce.py",
+    "tests/rl/test_online_drafter.py", "tests/test_hosts.py", "tests/rollout/test_hidden.py",
+    "tests/rl/test_ledger_trainer.py", "tests/drafter/test_spot_rounds.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+  rank = {path: i for i, path in enumerate(HEAVIEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable

@@ -51,6 +51,47 @@ def garble(step_dir) -> None:
   assert os.path.getsize(path) == size
 
 
+class CrashAtSync(Exception):
+  """A crash simulated when a writer syncs its file (``crash_at_fsync``)."""
+
+
+def crash_at_fsync(monkeypatch) -> list[str]:
+  """From now on ``os.fsync`` records the path of the file it is asked to sync and raises
+  ``CrashAtSync``, as if the machine went down there; returns the recorded paths."""
+  synced = []
+
+  def fsync(fd):
+    synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+    raise CrashAtSync(synced[-1])
+
+  monkeypatch.setattr(os, "fsync", fsync)
+  return synced
+
+
+def assert_written_atomically(path, write, monkeypatch) -> None:
+  """``write()`` replaces the file at ``path`` atomically: it syncs a sibling file first, and a
+  crash there leaves the old file whole (a writer in place would have cut it short)."""
+  path = os.fspath(path)
+  old = _read(path)
+  with monkeypatch.context() as patch:
+    synced = crash_at_fsync(patch)
+    try:
+      write()
+    except CrashAtSync:
+      pass
+  assert len(synced) == 1, f"{path}: never synced before it was renamed into place"
+  assert synced[0] != os.path.realpath(path), f"{path} was written in place"
+  assert os.path.dirname(synced[0]) == os.path.dirname(os.path.realpath(path))
+  assert _read(path) == old, f"{path} changed before the new contents were synced"
+  write()  # and without the crash, the new contents replace the old
+  assert _read(path) != old and not os.path.exists(synced[0])
+
+
+def _read(path) -> bytes:
+  with open(path, "rb") as f:
+    return f.read()
+
+
 class RoundRobin:
   """A scripted tuner: every bucket cycles through its arms, one segment each."""
 

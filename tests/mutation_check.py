@@ -33,6 +33,7 @@ class Mutant:
   new: str
   tests: tuple[str, ...]  # pytest node ids / -k expressions as argv pieces
   why: str
+  tier: str = "fast"  # the tier whose tests catch it: "fast" (README's command) or "full"
 
 
 MUTANTS = [
@@ -536,12 +537,71 @@ MUTANTS = [
            "  if True:\n    return BUFFER_FILE",
            ("tests/test_multiprocess.py", "-k", "online_drafter"),
            "every process writes its drafter buffer to the same checkpoint file"),
+    # issue 34: behaviours and assertions no test checked
+    Mutant("notebook_glob_misses_one", "tests/test_notebooks.py",
+           'NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))',
+           'NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*_*_*.ipynb"))',
+           ("tests/test_notebooks.py", "-k", "there_are_notebooks"),
+           "a narrower glob finds 3 of the 4 notebooks: one is never executed"),
+    Mutant("dead_peer_takes_others_with_it", "tests/hosts_worker.py",
+           'if mode == "die" and me == 1:', 'if mode == "die" and me != 0:',
+           ("tests/test_hosts.py", "-k", "dead_peer"),
+           "more processes die than the one named: JAX names processes 1 and 2, and process 2 "
+           "exits by itself instead of being ended"),
+    Mutant("tail_idle_is_the_least_idle_device", "tlt_jax/drafter/online.py",
+           '"tail_idle_device_s": float(sum(d.idle_s for d in devices)),',
+           '"tail_idle_device_s": float(min((d.idle_s for d in devices), default=0.0)),',
+           ("tests/test_train_job.py", "-k", "four_devices"),
+           "the tail's idle device-seconds are the least idle device's (the slowest one's 0 s)"),
+    Mutant("first_segment_counts_as_a_switch", "tlt_jax/rollout/scheduler.py",
+           "if previous is not None and strategy.name != previous:",
+           "if strategy.name != previous:",
+           ("tests/rl/test_adaptive_trainer.py", "-k", "reports_switches"),
+           "sd_switches counts a chunk's first segment as a change of arm"),
+    Mutant("bench_update_speedup_inverted", "experiments/bench_update.py",
+           'out["speedup"] = out["padded"]["update_s"] / out["packed"]["update_s"]',
+           'out["speedup"] = out["packed"]["update_s"] / out["padded"]["update_s"]',
+           ("tests/test_experiments.py", "-k", "cheapest_benchmarks"),
+           "the packed update's speedup is reported as packed / padded seconds", tier="full"),
+    Mutant("every_step_samples_with_one_seed", "tlt_jax/rl/trainer.py",
+           "seed=(cfg.seed * 1_000_003 + self.step_count) % 2**32)",
+           "seed=(cfg.seed * 1_000_003) % 2**32)",
+           ("tests/rl/test_trainer.py", "-k", "seed_of_its_own"),
+           "every RL step's rollout samples with the same seed: the same noise per row and "
+           "position each step"),
+    Mutant("history_stores_the_next_groups_row", "tlt_jax/rl/trainer.py",
+           "self.history.add(prompts[first], completions[first:first + g])",
+           "self.history.add(prompts[first], completions[first + 1:first + g + 1])",
+           ("tests/rl/test_trainer.py", "-k", "its_own_prompts_history"),
+           "a prompt's history gets the next prompt's first completion (decoding stays lossless)"),
+    Mutant("history_rows_paired_r_mod_p", "tlt_jax/rl/trainer.py",
+           "history=[h for h in earlier for _ in range(g)])",
+           "history=[earlier[r % len(earlier)] for r in range(len(prompts))])",
+           ("tests/rl/test_trainer.py", "-k", "its_own_prompts_history"),
+           "row r drafts from prompt r % P's history instead of its own (r // g)"),
+    Mutant("config_json_written_in_place", "tlt_jax/job/typed_config.py",
+           'tmp = path.with_name(path.name + ".tmp")', "tmp = path",
+           ("tests/test_train_job.py", "-k", "replaced_atomically"),
+           "config.json is truncated and rewritten in place: a crash leaves a partial config"),
+    Mutant("drafter_buffer_written_in_place", "tlt_jax/drafter/online.py",
+           '    tmp = path + ".tmp"\n', "    tmp = path\n",
+           ("tests/rl/test_online_drafter.py", "-k", "replaced_atomically"),
+           "the drafter buffer file is rewritten in place: a crash leaves a partial buffer"),
+    Mutant("ledger_no_debit_without_training", "tlt_jax/drafter/ledger.py",
+           "    else:\n      self.balance_s -= other_s\n", "",
+           ("tests/drafter/test_ledger.py", "-k", "without_training"),
+           "a step that trained no drafter step does not pay for its evaluation and copy"),
+    Mutant("llama3_rope_blend_inverted", "tlt_jax/models/transformer.py",
+           "blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled",
+           "blended = smooth * scaled / scaling.factor + (1 - smooth) * scaled",
+           ("tests/models/test_transformer.py", "-k", "published_llama31"),
+           "Llama-3 RoPE scaling blends the mid band the wrong way round"),
 ]
 
 
 def copy_repo(dest: pathlib.Path) -> None:
   """The package, tests and build files (no .git, no outputs) into ``dest``."""
-  for name in ("tlt_jax", "tests", "notebooks"):
+  for name in ("tlt_jax", "tests", "notebooks", "experiments"):
     shutil.copytree(ROOT / name, dest / name, symlinks=True,
                     ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
   for name in ("pyproject.toml", "README.md"):
@@ -560,9 +620,11 @@ def run_mutant(mutant: Mutant, timeout: int) -> tuple[str, float, str]:
       return "NOT APPLIED", 0.0, f"the text to replace occurs {text.count(mutant.old)} times"
     path.write_text(text.replace(mutant.old, mutant.new))
     env = dict(os.environ, PYTHONPATH=str(dest), JAX_PLATFORMS="cpu")
+    # the fast tier's tests only (a fast-tier mutant whose tests are all slow matches no test)
+    tier = ["-m", "not slow"] if mutant.tier == "fast" else ["-m", ""]
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p",
-                           "no:cacheprovider", *mutant.tests], cwd=dest, env=env,
+                           "no:cacheprovider", *tier, *mutant.tests], cwd=dest, env=env,
                           capture_output=True, text=True, timeout=timeout)
     seconds = time.perf_counter() - t0
     tail = (done.stdout.strip().splitlines() or [""])[-1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -93,7 +94,13 @@ def test_cheapest_benchmarks_run_at_tiny_sizes(tmp_path):
   assert set(rollout["tokens_per_s"]) == {"bucketed", "static"}
   assert set(rollout["row_steps"]) == {"bucketed", "static"}
   assert len(rollout["speedup_all"]) == 2 and rollout["speedup_median"] > 0
-  assert rollout["workload"]["tokens"] > 0 and "length_p99" in rollout["workload"]
+  assert rollout["speedup_median"] == statistics.median(rollout["speedup_all"])
+  workload = rollout["workload"]
+  assert (workload["batch"], workload["max_new_tokens"]) == (2, 16)
+  # two answers of at most 16 tokens: the median length is half their sum, the quantiles ordered
+  assert workload["tokens"] == 2 * workload["length_p50"]
+  assert workload["length_p50"] <= workload["length_p90"] <= workload["length_p99"] <= \
+      workload["length_max"] <= 16
 
   capacity = json.loads(out["capacity"].read_text())
   assert capacity["base"] == "48-buckets" and set(capacity["engines"]) == {"48-buckets", "48-full"}
@@ -103,6 +110,14 @@ def test_cheapest_benchmarks_run_at_tiny_sizes(tmp_path):
         engine)
   assert capacity["engines"]["48-buckets"]["slowdown_vs_base"] == 1.0
   assert {"p50", "p90", "max", "tokens"} <= set(capacity["lengths"])
+  # one timed repeat: each slowdown is the base's tokens per second over the engine's
+  base_tps = capacity["engines"]["48-buckets"]["tokens_per_s"]
+  for engine in capacity["engines"].values():
+    assert engine["slowdown_runs"] == [engine["slowdown_vs_base"]]
+    assert engine["slowdown_vs_base"] == base_tps / engine["tokens_per_s"]
+  lengths = capacity["lengths"]
+  assert lengths["tokens"] == 2 * lengths["p50"]  # two answers
+  assert lengths["p50"] <= lengths["p90"] <= lengths["max"] <= 48
 
   update = json.loads(out["update"].read_text())
   (offline,) = update["offline_tokens"]
@@ -114,6 +129,16 @@ def test_cheapest_benchmarks_run_at_tiny_sizes(tmp_path):
     assert {"update_s", "s_per_valid_generated_token", "tokens_padded", "tokens_valid",
             "passes"} <= set(result[name])
   assert result["packed"]["tokens_padded"] == offline["packed"]
+  # the timed update counted the tokens the offline count gives, and the ratios are of the
+  # numbers reported
+  assert result["padded"]["tokens_padded"] == offline["padded"]
+  assert result["padded"]["tokens_valid"] == result["packed"]["tokens_valid"] == offline["valid"]
+  assert result["tokens_ratio"] == offline["ratio"] == offline["padded"] / offline["packed"]
+  assert result["speedup"] == result["padded"]["update_s"] / result["packed"]["update_s"]
+  for name in ("padded", "packed"):
+    assert result[name]["update_s"] == statistics.median(result[name]["update_s_all"])
+    assert result[name]["s_per_valid_generated_token"] == (result[name]["update_s"] /
+                                                           result["generated_tokens"])
 
 
 @pytest.mark.slow

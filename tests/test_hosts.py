@@ -4,6 +4,7 @@ reported within a bounded time instead of a hang."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -23,13 +24,13 @@ def _env(**extra) -> dict:
   return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **extra)
 
 
-def by_hand(mode: str, **extra) -> list[subprocess.Popen]:
-  """Two ``tests.hosts_worker`` processes started without the launcher (as srun would)."""
+def by_hand(mode: str, count: int = 2, **extra) -> list[subprocess.Popen]:
+  """``count`` ``tests.hosts_worker`` processes started without the launcher (as srun would)."""
   address = f"127.0.0.1:{launch.free_port()}"
   return [subprocess.Popen([sys.executable, "-m", "tests.hosts_worker", mode], cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=_env(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2",
-                                    JAX_PROCESS_ID=str(i), **extra)) for i in range(2)]
+                           env=_env(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(count),
+                                    JAX_PROCESS_ID=str(i), **extra)) for i in range(count)]
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 7, 8, 13, 32])
@@ -67,13 +68,18 @@ def test_a_silent_peer_is_named_after_the_timeout():
 
 
 def test_a_dead_peer_ends_the_others_by_its_missing_heartbeats():
-  procs = by_hand("die", TEST_HEARTBEAT_S="3")
+  """Process 1 of 3 dies: JAX ends both others, naming process 1 alone as the one that stopped
+  sending heartbeats."""
+  procs = by_hand("die", count=3, TEST_HEARTBEAT_S="3")
   t0 = time.monotonic()
-  out = procs[0].communicate(timeout=90)[0]
+  outs = [procs[i].communicate(timeout=90)[0] for i in (0, 2)]
   waited = time.monotonic() - t0
   assert procs[1].wait(timeout=10) == 3
-  assert procs[0].returncode != 0  # JAX ends it (abort): it does not wait for the 60 s timeout
-  assert "stopped sending heartbeats" in out and "1" in out.split("heartbeats")[1][:40]
+  for proc, out in zip((procs[0], procs[2]), outs):
+    # JAX ends it (abort): it neither waits for the 60 s timeout (exit 1) nor exits by itself
+    assert proc.returncode not in (0, 1, 3), out[-2000:]
+    named = re.findall(r"stopped sending heartbeats\):\n((?:\d+\n)+)", out)
+    assert named and all(tasks.split() == ["1"] for tasks in named), out[-2000:]
   assert waited < 45
 
 

@@ -48,6 +48,7 @@ def test_an_entry_without_a_real_version_says_so(tmp_path):
   assert "table6 has no --size real version" in out.stderr and "--size tiny" in out.stderr
 
 
+@pytest.mark.slow
 def test_fig17_tiny_writes_its_table_png_and_the_index(tmp_path):
   """CI's tiny entry: the real script runs; ours come from its JSON, the paper's beside them."""
   args = ("fig17", "--size", "tiny", "--work-dir", str(tmp_path / "w"), "--results-dir",

@@ -50,6 +50,23 @@ def test_a_drafter_that_never_pays_stops_costing_time():
   assert sum(s for s, _ in grants) == 16 and grants[2:] == [(0, 0)] * 8
 
 
+def test_a_step_without_training_debits_only_the_drafter_time_it_took():
+  """No drafter step ran (nothing granted): its evaluation and copy seconds are still debited,
+  and neither the measured step cost nor the step counts change."""
+  ledger = DrafterLedger(savings_share=0.5, bootstrap_steps=1, max_steps=8)
+  play(ledger, [(0.0, 0.01)])  # the bootstrap step measures 10 ms a step
+  ledger.credit(0.1)  # 0.05 s to spend
+  before = ledger.state_dict()
+  entry = ledger.spend(0, 0, 0.0, other_s=0.02, saved_s=0.1)
+  assert (entry.steps, entry.bootstrap, entry.drafter_s) == (0, 0, 0.02)
+  assert entry.net_s == pytest.approx(0.08)
+  assert ledger.balance_s == pytest.approx(before["balance_s"] - 0.02)
+  assert ledger.drafter_s == pytest.approx(before["drafter_s"] + 0.02)
+  assert ledger.step_s == before["step_s"] == pytest.approx(0.01)
+  assert (ledger.steps, ledger.bootstrap_left) == (before["steps"], before["bootstrap_left"])
+  assert ledger.grant() == (3, 0)  # 0.03 s left buys 3 steps, not the 5 that 0.05 s would
+
+
 def test_totals_and_lines():
   ledger = DrafterLedger(savings_share=1.0, bootstrap_steps=0, max_steps=8)
   play(ledger, [(0.05, 0.01), (0.05, 0.01)])

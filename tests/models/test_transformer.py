@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from flax import nnx
 
 from tests.models.random_model import random_model
 from tlt_jax.models.model_config import ModelConfig, RopeScaling
-from tlt_jax.models.transformer import KVCache, Transformer
+from tlt_jax.models.transformer import KVCache, Transformer, rope_inv_freq
 
 CONFIG = ModelConfig.tiny()
 # A small tree of draft tokens: node i hangs under TREE_PARENTS[i] (-1: the root).
@@ -184,3 +185,38 @@ def test_config_derives_and_normalises_fields():
   ModelConfig.tiny(rope_scaling=RopeScaling(rope_type="linear", factor=2.0))
   with pytest.raises(ValueError, match="num_kv_heads"):
     ModelConfig.tiny().replace(num_kv_heads=3)  # replace re-validates
+
+
+def llama31_scaled_frequencies(dim: int, theta: float, factor: float, low_freq_factor: float,
+                               high_freq_factor: float, old_context_len: int) -> np.ndarray:
+  """Meta's published ``apply_scaling`` of Llama 3.1, one frequency at a time, in float64."""
+  low_freq_wavelen = old_context_len / low_freq_factor
+  high_freq_wavelen = old_context_len / high_freq_factor
+  out = []
+  for i in range(0, dim, 2):
+    freq = 1.0 / theta ** (i / dim)
+    wavelen = 2 * math.pi / freq
+    if wavelen < high_freq_wavelen:
+      out.append(freq)
+    elif wavelen > low_freq_wavelen:
+      out.append(freq / factor)
+    else:
+      smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+      out.append((1 - smooth) * freq / factor + smooth * freq)
+  return np.array(out)
+
+
+def test_llama3_rope_scaling_gives_the_published_llama31_frequencies():
+  """Llama 3.1's head_dim 128, theta 5e5, factor 8 over 8192 positions: the high frequencies are
+  kept, the low ones divided by 8, and the band between blended as Meta's formula does."""
+  config = ModelConfig.tiny(head_dim=128, rope_theta=500000.0, rope_scaling=RopeScaling(
+      rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+      original_max_position_embeddings=8192))
+  ours = np.asarray(rope_inv_freq(config), np.float64)
+  expected = llama31_scaled_frequencies(128, 500000.0, 8.0, 1.0, 4.0, 8192)
+  unscaled = 1.0 / 500000.0 ** (np.arange(0, 128, 2) / 128)
+  kept, divided = expected == unscaled, expected == unscaled / 8
+  blended = ~kept & ~divided
+  assert kept.sum() and divided.sum() and blended.sum()  # every regime occurs
+  assert ours.shape == (64,) and ours[0] == 1.0
+  np.testing.assert_allclose(ours, expected, rtol=1e-5)

@@ -38,15 +38,32 @@ def adaptive_trainer(tuner: TunerConfig | None = None) -> GRPOTrainer:
 
 @pytest.fixture(scope="module")
 def stepped():
-  """An adaptive trainer after one RL step, and that step's metrics."""
+  """An adaptive trainer after one RL step, that step's metrics and its rollout's stats."""
   trainer = adaptive_trainer()
-  return trainer, trainer.step()
+  results, real = [], trainer.engine.generate
+
+  def generate(*args, **kwargs):
+    results.append(real(*args, **kwargs))
+    return results[-1]
+
+  trainer.engine.generate = generate
+  metrics = trainer.step()
+  del trainer.engine.generate
+  (result,) = results
+  return trainer, metrics, result.stats
 
 
 def test_an_adaptive_step_reports_switches_acceptance_and_arm_shares(stepped):
-  trainer, m = stepped
+  trainer, m, stats = stepped
   assert trainer.engine.tuner is not None
-  assert isinstance(m["sd_switches"], int) and m["sd_switches"] >= 0
+  # the step's 8 rows decode as one chunk: a switch is a change of arm from one segment to the
+  # next, and a catch-up each change from vanilla to the learned drafter's chain
+  arms = [segment[3] for segment in stats.segments]
+  assert stats.segments[0][0] == 8 and set(arms) <= {"vanilla", "chain d2"}, stats.segments
+  assert isinstance(m["sd_switches"], int)
+  assert m["sd_switches"] == sum(a != b for a, b in zip(arms, arms[1:])), arms
+  assert stats.catchups == sum(a == "vanilla" != b for a, b in zip(arms, arms[1:])), arms
+  assert (m["sd_switch_s"] > 0) == (stats.catchups > 0)
   assert m["sd_switch_s"] >= 0.0
   assert 1.0 <= m["mean_accept_len"] <= STRATEGY[0] + 1  # accepted drafts + the bonus token
   shares = {k: v for k, v in m.items() if k.startswith("arm_steps/")}
@@ -128,7 +145,7 @@ def test_run_sd_summary_weighs_steps_by_their_decode_steps():
 def test_the_tuner_state_goes_through_a_checkpoint(stepped, tmp_path):
   """save -> a fresh trainer -> restore: the tuner is the saved one (a fresh tuner's state differs,
   so a restore that skips the tuner fails here), and it goes on choosing from there."""
-  trainer, _ = stepped
+  trainer, _, _ = stepped
   saved = trainer.engine.tuner.state_dict()
   assert saved["buckets"], "one RL step must have taught the tuner something"
   with Checkpointer(tmp_path / "ckpt") as ckpt:
@@ -158,7 +175,7 @@ def test_the_tuner_state_goes_through_a_checkpoint(stepped, tmp_path):
 def test_a_tuner_of_another_kind_starts_fresh_and_says_so(stepped, tmp_path):
   """Resumed with another tuner kind (a deliberate override): reported, and that tuner starts
   from nothing rather than failing the resume."""
-  trainer, _ = stepped
+  trainer, _, _ = stepped
   with Checkpointer(tmp_path / "ckpt") as ckpt:
     trainer.save(ckpt)
   other = adaptive_trainer(TunerConfig(kind="ucb1"))
@@ -173,7 +190,7 @@ def test_a_tuner_of_another_kind_starts_fresh_and_says_so(stepped, tmp_path):
 
 
 def test_a_vanilla_trainer_saves_no_tuner_and_ignores_one_in_a_checkpoint(stepped, tmp_path):
-  trainer, _ = stepped
+  trainer, _, _ = stepped
   with Checkpointer(tmp_path / "ckpt") as ckpt:
     trainer.save(ckpt)
   task = ArithmeticTask(max_digits=3)

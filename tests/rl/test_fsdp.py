@@ -6,7 +6,6 @@ sharded layout, and clear errors for fsdp sizes that do not fit. The 4-device ch
 a fresh process (``fsdp_check.py``); each test here reads its part of what that measured."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from tests.xla_env import subprocess_env
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
@@ -34,8 +34,7 @@ SHARDS = {"fsdp1": 1, "fsdp4": 4, "data2_fsdp2_packed": 2, "fsdp4_packed": 4}
 @pytest.fixture(scope="module")
 def measured() -> dict:
   """What ``fsdp_check.py`` measured on 4 simulated devices (one subprocess for the module)."""
-  env = {"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin"),
-         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+  env = subprocess_env()
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "rl" / "fsdp_check.py")],
                         capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
                         check=False)

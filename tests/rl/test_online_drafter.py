@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import assert_written_atomically
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
@@ -106,6 +107,18 @@ def test_a_damaged_buffer_file_is_reported_and_the_buffer_starts_empty(stepped, 
   assert any("does not match its checksum" in s for s in said), said
   assert resumed.online.buffer.num_samples == 0
   assert resumed.online.spot.steps == trainer.online.spot.steps  # the drafter itself restored
+
+
+def test_the_buffer_file_is_replaced_atomically(stepped, tmp_path, monkeypatch):
+  """The buffer beside a checkpoint is synced under another name and renamed into place: a crash
+  while it is written leaves the old file whole."""
+  trainer, _, _ = stepped
+  path = tmp_path / BUFFER_FILE
+  path.write_bytes(b"the buffer of an earlier save")
+  data, sha = trainer.online.buffer_bytes()
+  assert_written_atomically(path, lambda: trainer.online.write_buffer(str(tmp_path), data),
+                            monkeypatch)
+  assert path.read_bytes() == data and trainer.online.restore_buffer(str(tmp_path), sha) is None
 
 
 def test_drafter_training_config_errors():

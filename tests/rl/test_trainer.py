@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.xla_env import subprocess_env
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
@@ -127,7 +128,7 @@ def run_script(name: str) -> str:
   """Runs ``tests/rl/<name>`` in a fresh process (it sets its own XLA device count); its stdout."""
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "rl" / name)], capture_output=True,
                         text=True, timeout=600, cwd=ROOT,
-                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+                        env=subprocess_env())
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout
 
@@ -136,6 +137,7 @@ def test_one_device_and_eight_devices_give_the_same_update():
   assert "max abs difference" in run_script("dp_equality.py")
 
 
+@pytest.mark.slow
 def test_trainer_on_a_four_device_mesh_steps_without_recompiling():
   """Rollout on one device, updates over 4 (simulated) devices: two steps, the second compiling
   nothing, then a NaN update restores the mesh-replicated state (see multi_device_trainer.py)."""
@@ -396,6 +398,42 @@ def test_each_step_drafts_from_the_earlier_completions_of_its_prompts(engine_use
     assert calls[2]["history"][row] == (second[prompt] + first[prompt])[:3]
   # the bytes: each prompt's overhead and 3 completions, as the store counts them
   assert metrics[-1]["history_bytes"] == trainer.history.size_bytes > 0
+
+
+def test_each_row_drafts_from_its_own_prompts_history_and_its_group_is_stored_there(
+    engine_uses_history):
+  """Rows come group by group (row r is prompt r // g): every row gets its own prompt's earlier
+  completions, and each group's completions are stored under its own prompt, newest first."""
+  trainer = make_trainer(num_prompts=4, history=HistoryConfig(per_prompt=4))
+  g = trainer.grpo_config.group_size
+  prompts = [trainer.encode_prompt(p) for p in trainer.problems_for(0)]
+  earlier = [[[3 + i] * (i + 1)] for i in range(len(prompts))]  # each names its prompt
+  for prompt, completions in zip(prompts, earlier):
+    trainer.history.add(prompt, completions)
+  calls = record_generate(trainer)
+  trainer.step()
+  (call,) = calls
+  assert call["prompts"] == [tuple(p) for p in prompts for _ in range(g)]
+  assert call["history"] == [earlier[r // g] for r in range(len(call["prompts"]))]
+  groups = [[t for t in call["tokens"][i * g:(i + 1) * g] if t] for i in range(len(prompts))]
+  assert len({tuple(map(tuple, group)) for group in groups}) == len(prompts)  # told apart
+  assert trainer.history.lookup(prompts) == [group + old for group, old in zip(groups, earlier)]
+
+
+def test_each_step_samples_its_rollout_with_a_seed_of_its_own():
+  """The same seed every step would give each row the same noise at each position, step after
+  step: each step's rollout gets another one."""
+  trainer = make_trainer()
+  seeds, real = [], trainer.engine.generate
+
+  def generate(prompts, params, *args, **kwargs):
+    seeds.append(params.seed)
+    return real(prompts, params, *args, **kwargs)
+
+  trainer.engine.generate = generate
+  trainer.step()
+  trainer.step()
+  assert len(seeds) == 2 and seeds[0] != seeds[1], seeds
 
 
 def test_the_store_is_saved_and_restored_exactly_and_old_checkpoints_still_load(

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from tests.xla_env import device_count_flags
+from tests.xla_env import subprocess_env
 
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer
@@ -418,8 +418,7 @@ def two_device_check():
 
 
 def test_two_device_packed_update_equals_the_one_device_full_length_update():
-  env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin", "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": device_count_flags(2)}
+  env = subprocess_env(devices=2)
   code = "from tests.rl.test_update_buckets import two_device_check; two_device_check()"
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=600, cwd=ROOT, env=env)

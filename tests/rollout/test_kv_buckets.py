@@ -68,7 +68,8 @@ def generate(engine, temperature):
   return engine.generate(prompts(), params)
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "chain", "tree", "ngram"])
+@pytest.mark.parametrize("kind", ["vanilla", pytest.param("chain", marks=pytest.mark.slow),
+                                  pytest.param("tree", marks=pytest.mark.slow), "ngram"])
 def test_growing_caches_change_nothing(engines, kind):
   """Greedy and sampled, through the same two engines (compiling is most of the cost)."""
   pair = [engines(kind, ()), engines(kind, LADDER)]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.xla_env import subprocess_env
 from tlt_jax.rollout.parallel import shard_ranges
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +45,6 @@ def test_two_devices_same_tokens_and_idle_devices_work():
   engine."""
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "rollout" / "parallel_check.py")],
                         capture_output=True, text=True, timeout=600, cwd=ROOT,
-                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
+                        env=subprocess_env())
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "parallel rollout ok" in proc.stdout, proc.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import pathlib
 from typing import Any, Iterable, TypeVar
 
@@ -122,8 +123,12 @@ def read_json_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
 
 
 def write_json_config(cfg: ml_collections.ConfigDict, path: str | pathlib.Path) -> None:
-  """Writes ``cfg`` as readable JSON, atomically (tmp file + rename)."""
+  """Writes ``cfg`` as readable JSON, atomically: a tmp file, synced to disk, then renamed over
+  ``path`` (a crash leaves the old file or the new one, never a part)."""
   path = pathlib.Path(path)
   tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-  tmp.replace(path)
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
