@@ -50,8 +50,8 @@ def reference_hidden(target, sequences):
   return np.asarray(target.forward(jnp.asarray(ids), return_hidden=True).hidden)
 
 
-@pytest.mark.parametrize("name,temperature", [pytest.param("chain", 0.0, marks=pytest.mark.slow),
-                                              ("adaptive", 1.0)])
+@pytest.mark.parametrize("name,temperature", [
+    ("chain", 0.0), pytest.param("adaptive", 1.0, marks=pytest.mark.slow)])
 def test_hidden_states_match_the_targets_own_pass(engines, target, name, temperature):
   """Chain SD (every token from a verify pass) and the adaptive engine switching between vanilla
   and a tree every 2 steps (vanilla passes, tree verify passes, catch-ups)."""
