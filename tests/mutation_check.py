@@ -1,13 +1,15 @@
 """Plants known, plausible one-line bugs ("mutants") in a temporary copy of the repository and
 checks that the tests meant to catch each one fail. Not collected by pytest; run it by hand:
 
-  python tests/mutation_check.py               # every mutant (about 6 min on 2 cores)
-  python tests/mutation_check.py --list        # names, files and the tests that must catch them
+  python tests/mutation_check.py               # every mutant
+  python tests/mutation_check.py --list        # names, tiers, files, the tests that catch them
   python tests/mutation_check.py resume_skips_optimizer_state checksums_not_verified
 
 Each mutant is an exact text replacement that must apply exactly once (so a refactor that moves
-the code makes the script fail loudly rather than test nothing). Exit status 1 if any mutant
-survives (its tests pass) or no longer applies.
+the code makes the script fail loudly rather than test nothing), caught in its tier: a fast-tier
+mutant's tests run with ``-m "not slow"`` (the README's command), a full-tier one's with
+``-m ""``. The mutants of one call share one compile cache (``$TLT_TEST_COMPILE_CACHE``, made
+fresh unless set). Exit status 1 if any mutant survives (its tests pass) or no longer applies.
 """
 
 from __future__ import annotations
@@ -263,7 +265,8 @@ MUTANTS = [
     Mutant("drafter_saves_kept_on_resume", "tlt_jax/job/runner.py",
            "dropped = drafter_ckpt.delete_after(trainer.step_count)", "dropped = []",
            ("tests/test_train_job.py", "-k", "eagle_drafter_trains_online"),
-           "the drafter's selective saves of the steps a resumed run redoes collide with them"),
+           "the drafter's selective saves of the steps a resumed run redoes collide with them",
+           tier="full"),
     Mutant("config_written_before_restore", "tlt_jax/job/runner.py",
            "  if not cfg.resume and hosts.is_primary():\n    save_run_config(cfg, logdir)\n  fsdp =",
            "  if hosts.is_primary():\n    save_run_config(cfg, logdir)\n  fsdp =",
@@ -651,14 +654,18 @@ def main() -> int:
     parser.error(f"unknown mutants {sorted(unknown)}")
   if args.list:
     for m in chosen:
-      print(f"{m.name:36s} {m.file:28s} {' '.join(m.tests)}\n{'':36s} {m.why}")
+      print(f"{m.name:36s} {m.tier:4s} {m.file:28s} {' '.join(m.tests)}\n{'':36s} {m.why}")
     return 0
-  failures = 0
-  for m in chosen:
-    verdict, seconds, detail = run_mutant(m, args.timeout)
-    failures += verdict != "caught"
-    print(f"{verdict:12s} {m.name:36s} {seconds:6.0f}s  {detail}", flush=True)
-  print(f"{len(chosen) - failures} of {len(chosen)} mutants caught")
+  failures, caught = 0, {"fast": 0, "full": 0}
+  with tempfile.TemporaryDirectory(prefix="mutants_xla_") as cache:
+    os.environ.setdefault("TLT_TEST_COMPILE_CACHE", cache)
+    for m in chosen:
+      verdict, seconds, detail = run_mutant(m, args.timeout)
+      failures += verdict != "caught"
+      caught[m.tier] += verdict == "caught"
+      print(f"{verdict:12s} {m.tier:4s} {m.name:36s} {seconds:6.0f}s  {detail}", flush=True)
+  print(f"{len(chosen) - failures} of {len(chosen)} mutants caught "
+        f"({caught['fast']} in the fast tier, {caught['full']} in the full tier)")
   return 1 if failures else 0
 
 

@@ -55,6 +55,7 @@ def test_two_processes_exchange_in_rounds_and_leave_together():
     assert "round 1: [{'from': 0}, {'from': 1}]" in out and "round 2: [0, 10]" in out
 
 
+@pytest.mark.slow
 def test_a_silent_peer_is_named_after_the_timeout():
   procs = by_hand("silent", TEST_TIMEOUT_S="3", TEST_HEARTBEAT_S="5")
   t0 = time.monotonic()
@@ -102,6 +103,7 @@ def test_a_process_that_cannot_reach_the_coordinator_says_so_within_the_timeout(
   assert waited < 40
 
 
+@pytest.mark.slow
 def test_process_0_whose_peers_never_come_says_why_before_jax_ends_it():
   done, waited = _alone(0)
   assert done.returncode != 0

@@ -512,6 +512,7 @@ def checkpoint_tuner(logdir, step: int) -> dict:
   return json.loads(metadata.read_text())["tuner"]
 
 
+@pytest.mark.slow
 def test_a_run_with_a_saved_drafter_and_strategies_resumes_them_and_the_tuner(
     saved_drafter, tmp_path, capsys):
   """The adaptive engine in the main job: SD and per-arm metrics in metrics.jsonl, the drafter,
@@ -690,6 +691,7 @@ def test_final_model_is_never_written_from_non_finite_weights(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["final_model"]
 
 
+@pytest.mark.slow
 def test_eagle_drafter_trains_online_saves_resumes_and_exports(tmp_path):
   """config.drafter='eagle': the drafter trains during RL (one device: serial steps), its state
   is in every checkpoint with the data buffer, selective async saves are timed against the full

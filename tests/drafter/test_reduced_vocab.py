@@ -150,7 +150,8 @@ def greedy_case(target):
       prompts, GREEDY_PARAMS)
 
 
-@pytest.mark.parametrize("spec", [SpecConfig(4, 1, 5), SpecConfig(4, 3, 12)],
+@pytest.mark.parametrize("spec", [SpecConfig(4, 1, 5),
+                                  pytest.param(SpecConfig(4, 3, 12), marks=pytest.mark.slow)],
                          ids=["chain", "tree"])
 def test_greedy_sd_with_a_reduced_vocabulary_equals_vanilla(target, greedy_case, spec):
   """Greedy SD with a reduced draft vocabulary emits vanilla's tokens, including tokens the

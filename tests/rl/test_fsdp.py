@@ -82,6 +82,7 @@ def test_no_devices_is_an_error():
     make_mesh([], 1)
 
 
+@pytest.mark.slow
 def test_bad_fsdp_on_four_devices_lists_the_divisors(measured):
   for fsdp in ("3", "0", "8"):
     message = measured["errors"][fsdp]

@@ -238,6 +238,7 @@ def test_kl_to_the_reference_policy_is_reported_and_grows_as_params_move():
   assert kls[-1] > kls[0]
 
 
+@pytest.mark.slow
 def test_trainer_runs_with_speculative_rollouts():
   """The n-gram drafter plugs into the RL step (its losslessness is tested in
   tests/rollout/test_speculative.py: sampled SD matches the target's distribution, not its
@@ -493,6 +494,7 @@ def test_epoch_mode_steps_revisit_the_prompt_set():
   assert make_trainer().schedule is None
 
 
+@pytest.mark.slow
 def test_the_suffix_drafter_drafts_from_the_store():
   """A trainer with the suffix drafter alone keeps the store and its steps draft speculatively
   (an acceptance length); from the second epoch every prompt has history."""

@@ -417,6 +417,7 @@ def two_device_check():
   print("2-device packed update ok")
 
 
+@pytest.mark.slow
 def test_two_device_packed_update_equals_the_one_device_full_length_update():
   env = subprocess_env(devices=2)
   code = "from tests.rl.test_update_buckets import two_device_check; two_device_check()"

@@ -140,8 +140,15 @@ SAMPLED = {"plain": dict(temperature=1.0), "topk": dict(temperature=0.7, top_k=5
            "topp": dict(temperature=0.9, top_p=0.8)}
 
 
-@pytest.mark.parametrize("sampling", list(SAMPLED))
-@pytest.mark.parametrize("mode", ["chain", "tree", "adaptive"])
+# the fast tier: every mode with plain sampling, top-k and top-p on chains; the full tier: all
+COUPLED_FAST = {("chain", "plain"), ("tree", "plain"), ("adaptive", "plain"), ("chain", "topk"),
+                ("chain", "topp")}
+
+
+@pytest.mark.parametrize("mode, sampling", [
+    pytest.param(mode, sampling, id=f"{mode}-{sampling}",
+                 marks=() if (mode, sampling) in COUPLED_FAST else pytest.mark.slow)
+    for sampling in SAMPLED for mode in ("chain", "tree", "adaptive")])
 def test_coupled_speculative_emits_vanillas_sampled_tokens(engines, sampling, mode):
   params = SamplingParams(max_new_tokens=40, seed=5, stop_token_ids=STOPS, **SAMPLED[sampling])
   vanilla, engine = engines("mirror/vanilla"), engines(f"mirror/{mode}-coupled")
@@ -154,6 +161,7 @@ def test_coupled_speculative_emits_vanillas_sampled_tokens(engines, sampling, mo
   assert got.stats.mean_accept_len > 1.5  # drafts were really accepted, not just bonuses
 
 
+@pytest.mark.slow
 def test_rejection_sampling_does_not_reproduce_vanillas_tokens(engines):
   """The coupled test above bites: rejection sampling (lossless in law) draws other tokens."""
   params = SamplingParams(max_new_tokens=40, seed=5, temperature=1.0, stop_token_ids=())

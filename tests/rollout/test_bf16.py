@@ -80,7 +80,7 @@ def test_vanilla_bf16_decodes(vanilla_greedy):
     assert lp.dtype == np.float32 and np.all(np.isfinite(lp)) and np.all(lp <= 0)
 
 
-@pytest.mark.parametrize("strategy", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_greedy_speculative_equals_vanilla_in_bf16(engines, vanilla_greedy, strategy):
   """Greedy SD emits the target's argmax after each prefix, so it equals vanilla as long as the
   verify pass (T tokens) rounds each row's logits as the one-token decode does. That holds on the

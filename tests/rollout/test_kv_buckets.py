@@ -68,8 +68,8 @@ def generate(engine, temperature):
   return engine.generate(prompts(), params)
 
 
-@pytest.mark.parametrize("kind", ["vanilla", pytest.param("chain", marks=pytest.mark.slow),
-                                  pytest.param("tree", marks=pytest.mark.slow), "ngram"])
+@pytest.mark.parametrize("kind", ["vanilla"] + [pytest.param(k, marks=pytest.mark.slow)
+                                               for k in ("chain", "tree", "ngram")])
 def test_growing_caches_change_nothing(engines, kind):
   """Greedy and sampled, through the same two engines (compiling is most of the cost)."""
   pair = [engines(kind, ()), engines(kind, LADDER)]
@@ -123,7 +123,7 @@ def test_bad_kv_buckets_are_rejected(bad):
     EngineConfig(kv_buckets=bad)
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "tree"])
+@pytest.mark.parametrize("kind", ["vanilla", pytest.param("tree", marks=pytest.mark.slow)])
 def test_precompiled_pool_covers_every_growth(engines, kind):
   engine = engines(kind, LADDER)  # shared: what the growth test used is compiled already
   config = engine.config

@@ -65,8 +65,14 @@ def spec_engines(targets):
   return get
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("drafter_kind", ["random", "mirror"])
+# the fast tier: a chain and the widest tree with a random drafter, the widest tree with a mirror
+GREEDY_FAST = {("random", "chain"), ("random", "tree-3"), ("mirror", "tree-3")}
+
+
+@pytest.mark.parametrize("drafter_kind, strategy", [
+    pytest.param(kind, strategy, id=f"{kind}-{strategy}",
+                 marks=() if (kind, strategy) in GREEDY_FAST else pytest.mark.slow)
+    for kind in ("random", "mirror") for strategy in STRATEGIES])
 def test_greedy_speculative_equals_vanilla(spec_engines, vanilla_results, drafter_kind, strategy):
   spec = spec_engines(drafter_kind, strategy)
   params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
@@ -176,6 +182,7 @@ def test_bad_spec_configs_are_rejected(targets):
     RolloutEngine(target, config=EngineConfig(spec=SpecConfig()))
 
 
+@pytest.mark.slow
 def test_phase_timing_reports_draft_and_verify_time(targets, vanilla_results):
   target, drafter = targets["mirror"]
   engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(

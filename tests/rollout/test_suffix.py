@@ -224,7 +224,7 @@ def grouped_prompts(seed=0):
   return [p for p in (rng.integers(7, 32, n).tolist() for n in (5, 9, 3)) for _ in range(2)]
 
 
-@pytest.mark.parametrize("name", ["chain", "tree"])
+@pytest.mark.parametrize("name", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
 def test_greedy_with_history_and_group_drafts_equals_vanilla(engines, name):
   prompts = grouped_prompts()
   greedy = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
@@ -253,6 +253,7 @@ def test_greedy_with_history_and_group_drafts_equals_vanilla(engines, name):
       assert "history" not in by_source and got.stats.source_steps.get("group", 0) > 0
 
 
+@pytest.mark.slow
 def test_coupled_mode_emits_vanilla_sampling_tokens_with_history(target):
   prompts = grouped_prompts(3)
   sampled = SamplingParams(max_new_tokens=40, temperature=1.0, seed=5, stop_token_ids=STOPS)
@@ -269,6 +270,7 @@ def test_coupled_mode_emits_vanilla_sampling_tokens_with_history(target):
     assert got.tokens == want.tokens
 
 
+@pytest.mark.slow
 def test_nothing_compiles_after_precompile_with_history(engines):
   engine = engines("tree")
   engine.precompile()
