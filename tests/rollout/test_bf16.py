@@ -80,7 +80,7 @@ def test_vanilla_bf16_decodes(vanilla_greedy):
     assert lp.dtype == np.float32 and np.all(np.isfinite(lp)) and np.all(lp <= 0)
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", ["chain", pytest.param("tree", marks=pytest.mark.slow)])
 def test_greedy_speculative_equals_vanilla_in_bf16(engines, vanilla_greedy, strategy):
   """Greedy SD emits the target's argmax after each prefix, so it equals vanilla as long as the
   verify pass (T tokens) rounds each row's logits as the one-token decode does. That holds on the
@@ -96,7 +96,9 @@ def test_greedy_speculative_equals_vanilla_in_bf16(engines, vanilla_greedy, stra
     np.testing.assert_allclose(got, want, atol=0.1)
 
 
-@pytest.mark.parametrize("strategy", ["vanilla", *STRATEGIES])
+# the tree engine is built (and warmed up) by the greedy test above: both are in the full tier
+@pytest.mark.parametrize("strategy", ["vanilla", "chain",
+                                      pytest.param("tree", marks=pytest.mark.slow)])
 def test_sampled_bf16_decoding_runs(engines, strategy):
   result = engines[strategy].generate(prompts(), SAMPLED)  # same executables, traced params
   assert result.stats.compiles == 0
