@@ -38,6 +38,7 @@ def test_drafter_exports_are_the_implementations():
   assert set(drafter_pkg.__all__) <= set(dir(drafter_pkg))
 
 
+@pytest.mark.slow
 def test_each_package_imports_first_in_a_fresh_process():
   """No circular import, whichever package a user imports first."""
   for first in ("tlt_jax.rollout", "tlt_jax.models", "tlt_jax.drafter", "tlt_jax.rl.trainer",

@@ -192,6 +192,7 @@ def test_coupled_tokens_do_not_depend_on_the_drafter_or_the_batch(models, engine
   assert useless.stats.mean_accept_len < good_run.stats.mean_accept_len - 0.5
 
 
+@pytest.mark.slow
 def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(engines):
   engine = engines("mirror/adaptive")
   # BEG-MAB exploring at every pull: its choices come from its seeded RNG, not from measured
@@ -302,6 +303,7 @@ def test_config_errors_say_what_to_do(models):
   assert cfg.tuner.kind == "ucb1" and cfg.segment_steps == 32 and cfg.adaptive
 
 
+@pytest.mark.slow
 def test_every_change_of_arm_is_a_switch_with_the_ngram_drafter_too(models):
   """n-gram strategies need no catch-up, yet vanilla -> n-gram, n-gram -> vanilla and one chain
   depth -> another are switches; a chunk's first segment is none (two chunks here)."""
