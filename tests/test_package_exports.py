@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from tlt_jax import models, rollout
 from tlt_jax.models import drafter, hf, load, transformer, weights
 from tlt_jax.rollout import engine, ngram, parallel, sampling, speculative, tuner
