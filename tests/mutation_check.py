@@ -155,7 +155,8 @@ MUTANTS = [
            "lagging |= not strategy.learned and self.learned",
            "lagging = False",
            ("tests/rollout/test_adaptive.py", "-k", "greedy_with_switching and mirror"),
-           "vanilla -> SD switches skip the drafter's catch-up (drafts from a stale drafter)"),
+           "vanilla -> SD switches skip the drafter's catch-up (drafts from a stale drafter)",
+           tier="full"),
     Mutant("coupled_noise_of_the_next_position", "tlt_jax/rollout/speculative.py",
            "logp = logp + jnp.take_along_axis(noise, draft.depth[:, :, None], axis=1)",
            "logp = logp + jnp.take_along_axis(noise, jnp.minimum(draft.depth + 1, spec.depth)"
