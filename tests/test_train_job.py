@@ -400,6 +400,18 @@ def test_a_refused_resume_writes_nothing(finished_run, tmp_path):
   assert {name: (logdir / name).read_bytes() for name in before} == before
 
 
+def test_a_new_run_in_a_logdir_with_checkpoints_is_refused(finished_run):
+  """Without --config.resume a logdir that holds checkpoints is refused before any work, with
+  the flag that continues it, and nothing there changes (the kill/resume tests resume such a
+  logdir)."""
+  logdir = finished_run[0]
+  before = {p: p.read_bytes() for p in logdir.rglob("*") if p.is_file()}
+  with pytest.raises(ConfigError, match=r"already holds checkpoints \(latest step 2\); pass "
+                                        r"--config.resume=True to continue that run"):
+    train.run(tiny_config(logdir))
+  assert {p: p.read_bytes() for p in logdir.rglob("*") if p.is_file()} == before
+
+
 class FakeTrainer:
   """What ``runner._train`` uses of a GRPOTrainer; ``step`` runs ``on_step(step)`` first."""
 
