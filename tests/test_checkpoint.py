@@ -17,6 +17,7 @@ from flax import nnx
 
 from tlt_jax import checkpoint as ck
 from tlt_jax.checkpoint import CheckpointError, Checkpointer
+from tests.xla_env import subprocess_env
 
 # After a failed (corrupt) read, orbax's tensorstore callbacks may hit an already closed asyncio
 # loop in a background thread; that noise is harmless and not ours.
@@ -180,7 +181,7 @@ for step in range(1, 41):
 
 def test_sigkill_mid_save_leaves_previous_checkpoint(tmp_path):
   directory = str(tmp_path / "run")
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  env = subprocess_env()
   proc = subprocess.Popen([sys.executable, "-c", _CHILD, directory], stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True, env=env)
   lines: queue.Queue = queue.Queue()

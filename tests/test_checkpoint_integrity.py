@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.helpers import garble, largest_file
+from tests.xla_env import subprocess_env
 from tlt_jax.checkpoint import console
 from tlt_jax.checkpoint import (CheckpointCorruptError, CheckpointError, Checkpointer,
                                 NonFiniteError, UnverifiedCheckpointWarning)
@@ -271,7 +272,7 @@ def test_truncated_checkpoint_one_line_error_and_quiet_stderr(tmp_path):
   path = largest_file(tmp_path / "1")
   os.truncate(path, os.path.getsize(path) // 2)
 
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  env = subprocess_env()
   proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], capture_output=True,
                         text=True, env=env, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,13 +15,13 @@ import pytest
 from tlt_jax import hosts, launch
 from tlt_jax.rollout.parallel import shard_ranges
 from tlt_jax.rollout.processes import process_rows
-from tests.xla_env import device_count_flags
+from tests.xla_env import device_count_flags, subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _env(**extra) -> dict:
-  return dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **extra)
+  return subprocess_env(**extra)
 
 
 def by_hand(mode: str, count: int = 2, **extra) -> list[subprocess.Popen]:

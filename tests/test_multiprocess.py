@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from tests.test_train_job import tiny_flags
-from tests.xla_env import device_count_flags
+from tests.xla_env import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the main-job tests' tiny sizes, on one-digit sums with a longer warm start, so the rewards
@@ -49,8 +49,7 @@ def args(logdir, flags: dict, *extra) -> list[str]:
 
 def one_process(logdir, flags: dict) -> None:
   done = subprocess.run([sys.executable, "-m", "tlt_jax.train", *args(logdir, flags)], cwd=ROOT,
-                        env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-                                 XLA_FLAGS=device_count_flags(4)),
+                        env=subprocess_env(4),
                         capture_output=True, text=True, timeout=900, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
 
@@ -62,8 +61,7 @@ def launched(logdir, flags: dict, *extra, kill_at: int | None = None):
   command = [sys.executable, "-m", "tlt_jax.launch", "--processes", "2", "--devices-per-process",
              "2", "--", *args(logdir, flags, *extra)]
   proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=dict(os.environ, PYTHONPATH=str(ROOT),
-                                              JAX_PLATFORMS="cpu"))
+                          text=True, env=subprocess_env())
   lines, killed_at = [], None
   try:
     for line in proc.stdout:

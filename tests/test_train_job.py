@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_written_atomically, garble
-from tests.xla_env import device_count_flags
+from tests.xla_env import subprocess_env
 from tlt_jax import generate, train
 from tlt_jax.job import runner
 from tlt_jax.job.build import build_job
@@ -588,7 +588,7 @@ def test_generate_rejects_a_prompt_string_instead_of_a_list():
 
 
 def cli(*args, timeout=120):
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  env = subprocess_env()
   return subprocess.run([sys.executable, "-m", "tlt_jax.train", *args], capture_output=True,
                         text=True, timeout=timeout, cwd=ROOT, env=env)
 
@@ -647,8 +647,7 @@ def test_main_job_on_four_devices_and_ctrl_c_says_how_to_resume(tmp_path):
   # one whose shard finishes first
   flat.update({"trainer.steps": 50, "checkpoint_every": 1, "rollout_devices": 2,
                "drafter": "eagle"})
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-             XLA_FLAGS=device_count_flags(4))
+  env = subprocess_env(4)
   proc = subprocess.Popen(
       [sys.executable, "-m", "tlt_jax.train", f"--config.logdir={logdir}",
        *[f"--config.{k}={v}" for k, v in flat.items()]],

@@ -4,7 +4,6 @@ no recompiles, threads, a second device)."""
 from __future__ import annotations
 
 import itertools
-import os
 import pathlib
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 from flax import nnx
 
 from tests.helpers import sharp_random_model
-from tests.xla_env import device_count_flags
+from tests.xla_env import subprocess_env
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.drafter.objective import layout_rows, target_features
@@ -201,8 +200,7 @@ def two_device_main():
 
 
 def test_runs_on_a_second_device():
-  env = dict(PYTHONPATH=str(ROOT), PATH=os.environ.get("PATH", "/usr/bin"), JAX_PLATFORMS="cpu",
-             XLA_FLAGS=device_count_flags(2))
+  env = subprocess_env(2)
   proc = subprocess.run(
       [sys.executable, "-c", "from tests.drafter.test_spot import two_device_main as m; m()"],
       capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)

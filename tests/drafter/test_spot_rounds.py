@@ -6,7 +6,6 @@ precompile, preemption between rounds, an exact resume, and who took part."""
 from __future__ import annotations
 
 import itertools
-import os
 import pathlib
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from flax import nnx
 
 from tests.drafter.test_spot import (CONFIG, assert_trees_equal, filled, make_samples, make_target,
                                      updates_applied)
-from tests.xla_env import device_count_flags
+from tests.xla_env import subprocess_env
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.objective import CE_WEIGHT, batch_loss, split_drafter
 from tlt_jax.drafter.online import DrafterTrainingConfig, OnlineDrafter, step_metrics
@@ -224,8 +223,7 @@ def four_device_main():
 
 
 def test_rounds_on_four_devices():
-  env = dict(PYTHONPATH=str(ROOT), PATH=os.environ.get("PATH", "/usr/bin"), JAX_PLATFORMS="cpu",
-             XLA_FLAGS=device_count_flags(4))
+  env = subprocess_env(4)
   proc = subprocess.run(
       [sys.executable, "-c",
        "from tests.drafter.test_spot_rounds import four_device_main as m; m()"],

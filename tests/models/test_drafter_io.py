@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tests.models.random_model import random_model
+from tests.xla_env import subprocess_env
 from tlt_jax.job.build import DEFAULT_CONFIG, build_job
 from tlt_jax.job.typed_config import load_config_file
 from tlt_jax.models.model_config import ModelConfig
@@ -176,7 +176,7 @@ def test_train_cli_reports_a_damaged_drafter_in_one_line(tmp_path):
   cfg.logdir = str(tmp_path / "run")
   policy_config = build_job(cfg).model_config  # the default job's policy
   root = Path(__file__).resolve().parents[2]
-  env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+  env = subprocess_env()
   drafter_dir = tmp_path / "drafter"
   save_drafter(random_drafter(policy_config), drafter_dir)
   tensors = load_file(str(drafter_dir / PARAMS_FILE))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from tlt_jax.models import hf  # noqa: E402
 from tlt_jax.models.weights import WeightsError, hf_tensor_names  # noqa: E402
 from tlt_jax.models.model_config import ModelConfig, RopeScaling  # noqa: E402
 from tests.models.random_model import random_model  # noqa: E402
+from tests.xla_env import subprocess_env  # noqa: E402
 from tlt_jax.models.transformer import Transformer  # noqa: E402
 
 TOLERANCE = 1e-4
@@ -338,7 +338,7 @@ def one_line_error(proc) -> str:
 def run_generate(path):
   """``python -m tlt_jax.generate --config.model.path=path`` as a user runs it."""
   root = Path(__file__).resolve().parents[2]
-  env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+  env = subprocess_env()
   return subprocess.run([sys.executable, "-m", "tlt_jax.generate", f"--config.model.path={path}",
                          "--prompt", "1+2=?"], capture_output=True, text=True, timeout=300,
                         cwd=root, env=env)
