@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import sys
 import time
 from typing import TYPE_CHECKING, Iterable
 
@@ -145,9 +146,9 @@ class MetricsLog:
       tmp.replace(self.path)
     self.jsonl = open(self.path, "a", encoding="utf-8")
     try:
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      summary_writer = tensorboardx_writer_class()
       purge = None if resume_step is None else resume_step + 1
-      self.writer = SummaryWriter(str(logdir), purge_step=purge)
+      self.writer = summary_writer(str(logdir), purge_step=purge)
     except ImportError:
       self.writer = None
 
@@ -175,6 +176,21 @@ class MetricsLog:
     self.jsonl.close()
     if self.writer is not None:
       self.writer.close()
+
+
+def tensorboardx_writer_class():
+  """tensorboardX's ``SummaryWriter``, imported without torch: where torch is installed,
+  tensorboardX imports it only to accept torch tensors (the job logs Python floats), and that
+  import costs 2-3 s of every job's start. Raises ImportError without tensorboardX."""
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  finally:
+    if blocked and sys.modules.get("torch", 0) is None:
+      del sys.modules["torch"]
+  return SummaryWriter
 
 
 def export_final_model(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
