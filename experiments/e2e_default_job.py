@@ -22,6 +22,12 @@ eagle arm also makes the job's selective async drafter save after each step when
 ``drafter_training.save_every`` asks for it and training changed the drafter (timed apart as
 ``drafter_save_s``).
 
+``--verify rejection`` runs the SD arm with rejection sampling instead (its tokens, and so the
+trajectory, differ from vanilla's: nothing is asserted), ``--verify both`` runs it twice, once
+per mode, as two arms stepping in turn with ``none`` (the rejection arm is named
+``<drafter>_rejection``), and also reports the paired ratio coupled / rejection: issue 35's
+question, whether coupled verification costs speed in the job.
+
 Reported: the paired per-step ratio eagle step seconds / none step seconds, its median over the
 steps (step 1 and every step in which either arm compiled left out), over the first quarter of
 the steps (or the first ``--split-step`` steps: epoch mode's first epoch, which has no history)
@@ -75,12 +81,13 @@ def assignment(text: str) -> tuple[str, object]:
   return key.strip(), literal(value)
 
 
-def job_config(seed: int, drafter: str, overrides: list[tuple[str, object]]):
-  """The default job's config with ``seed``, ``drafter``, coupled verification and the
-  ``overrides`` (dotted keys) applied."""
+def job_config(seed: int, drafter: str, overrides: list[tuple[str, object]],
+               verify: str = "coupled"):
+  """The default job's config with ``seed``, ``drafter``, ``verify`` and the ``overrides``
+  (dotted keys) applied."""
   cfg = config_lib.load_config_file(DEFAULT_CONFIG)
   cfg.seed, cfg.drafter = seed, drafter
-  cfg.rollout.verify = "coupled"
+  cfg.rollout.verify = verify
   for key, value in overrides:
     try:
       config_lib.set_dotted(cfg, key, value)
@@ -114,23 +121,24 @@ def seconds_keys(rows: dict[str, list[dict]]) -> list[str]:
   return sorted({k for arm in rows.values() for r in arm for k in r if k.endswith("_s")})
 
 
-def paired(rows: dict[str, list[dict]], key: str, steps: list[int]) -> dict:
+def paired(rows: dict[str, list[dict]], key: str, steps: list[int], sd: str) -> dict:
   """``key`` per arm (its median over ``steps``, 0 where an arm lacks it) and the paired
-  per-step ratio eagle / none (median; None where none's value is 0) and difference."""
+  per-step ratio ``sd`` / none (median; None where none's value is 0) and difference."""
   get = lambda arm, i: float(rows[arm][i].get(key, 0.0))
-  out = {f"{arm}_median": statistics.median(get(arm, i) for i in steps) for arm in ARMS}
-  out["diff_median"] = statistics.median(get(ARMS[1], i) - get("none", i) for i in steps)
-  ratios = [get(ARMS[1], i) / get("none", i) for i in steps if get("none", i) > 0]
+  out = {f"{arm}_median": statistics.median(get(arm, i) for i in steps) for arm in ("none", sd)}
+  out["diff_median"] = statistics.median(get(sd, i) - get("none", i) for i in steps)
+  ratios = [get(sd, i) / get("none", i) for i in steps if get("none", i) > 0]
   out["ratio_median"] = statistics.median(ratios) if ratios else None
   return out
 
 
 def summarize(rows: dict[str, list[dict]], compiled: list[bool], skip: int,
-              split: int | None = None) -> dict:
-  """Paired step-time and rollout-time ratios over the kept steps (from ``skip`` on, none
-  compiled), all of them, the first quarter of the run's steps (or the first ``split``) and the
-  rest; every ``*_s`` key's breakdown."""
-  sd = ARMS[1]
+              split: int | None = None, sd: str | None = None, base: str = "none") -> dict:
+  """Paired step-time and rollout-time ratios ``sd`` / ``base`` (``sd``: the first SD arm by
+  default) over the kept steps (from ``skip`` on, none compiled), all of them, the first quarter
+  of the run's steps (or the first ``split``) and the rest; every ``*_s`` key's breakdown (against
+  none)."""
+  sd = sd or ARMS[1]
   n = len(rows["none"])
   kept = [i for i in range(skip, n) if not compiled[i]]
   if not kept:
@@ -141,15 +149,17 @@ def summarize(rows: dict[str, list[dict]], compiled: list[bool], skip: int,
            "rest": [i for i in kept if i >= quarter]}
 
   def span_ratios(key):
-    ratio = lambda i: rows[sd][i][key] / rows["none"][i][key]
+    ratio = lambda i: rows[sd][i][key] / rows[base][i][key]
     return {span: dict(median=statistics.median(ratio(i) for i in s) if s else None,
                        steps=len(s),
                        total=(sum(rows[sd][i][key] for i in s) /
-                              sum(rows["none"][i][key] for i in s)) if s else None)
+                              sum(rows[base][i][key] for i in s)) if s else None)
             for span, s in spans.items()}
   out = dict(steps=n, kept_steps=[i + 1 for i in kept], quarter_steps=quarter,
              step_ratio=span_ratios("step_s"), rollout_ratio=span_ratios("rollout_s"))
-  out["breakdown"] = {key: paired(rows, key, kept) for key in seconds_keys(rows)}
+  if base != "none":
+    return out
+  out["breakdown"] = {key: paired(rows, key, kept, sd) for key in seconds_keys(rows)}
   if "drafter_save_s" in out["breakdown"]:  # the job's loop: the step plus the drafter save
     loop = lambda arm, i: rows[arm][i]["step_s"] + rows[arm][i].get("drafter_save_s", 0.0)
     out["step_plus_save_ratio_median"] = statistics.median(
@@ -173,20 +183,26 @@ def main():
                       "suffix or eagle+suffix")
   parser.add_argument("--split-step", type=int, default=None, help="the first span's steps "
                       "(default: a quarter of them), e.g. epoch mode's steps per epoch")
+  parser.add_argument("--verify", default="coupled", choices=["coupled", "rejection", "both"],
+                      help="the SD arm's rollout.verify (both: one SD arm per mode)")
   parser.add_argument("--out", default="experiments/out/e2e_default_job.json")
   a = parser.parse_args()
   t_start = time.perf_counter()
   global ARMS  # pylint: disable=global-statement
-  ARMS = ("none", a.drafter)
-  sd = a.drafter
-  cfgs = {"none": job_config(a.seed, "none", a.both),
-          sd: job_config(a.seed, sd, a.both + a.eagle)}
+  sd = a.drafter if a.verify != "rejection" else f"{a.drafter}_rejection"
+  ARMS = ("none", sd) + ((f"{a.drafter}_rejection",) if a.verify == "both" else ())
+  cfgs = {"none": job_config(a.seed, "none", a.both)}
+  for arm in ARMS[1:]:
+    cfgs[arm] = job_config(a.seed, a.drafter, a.both + a.eagle,
+                           "rejection" if arm.endswith("_rejection") else "coupled")
+  coupled_arms = [arm for arm in ARMS[1:] if not arm.endswith("_rejection")]
   jobs = {arm: build_job(cfg) for arm, cfg in cfgs.items()}
   steps = a.steps if a.steps is not None else jobs["none"].trainer.steps
   if steps < 1:
     raise SystemExit("--steps must be >= 1")
   policy_dir = rb.warm_policy_dir(jobs["none"])  # model, sft, task and seed: both arms'
-  assert rb.warm_policy_dir(jobs[sd]) == policy_dir, "the arms' warm starts differ"
+  assert all(rb.warm_policy_dir(jobs[arm]) == policy_dir for arm in ARMS), (
+      "the arms' warm starts differ")
   t0 = time.perf_counter()
   trainers = {arm: make_trainer(job, policy_dir) for arm, job in jobs.items()}
   build_s = time.perf_counter() - t0
@@ -196,7 +212,8 @@ def main():
   saves = None
   with tempfile.TemporaryDirectory() as tmp:
     if trainers[sd].online is not None and eagle_job.drafter_save_every:
-      saves = Checkpointer(pathlib.Path(tmp) / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
+      saves = {arm: Checkpointer(pathlib.Path(tmp) / arm / DRAFTER_CHECKPOINTS, keep=2,
+                                 async_save=True) for arm in ARMS[1:]}
     rows = {arm: [] for arm in ARMS}
     compiled = []
     try:
@@ -205,16 +222,18 @@ def main():
         for arm in harness.repeat_order(ARMS, step, "rotate"):
           trainer = trainers[arm]
           m = trainer.step()
-          if arm == sd and saves is not None and \
+          if arm != "none" and saves is not None and \
               trainer.step_count % eagle_job.drafter_save_every == 0:
-            m["drafter_save_s"] = trainer.online.selective_save(saves, trainer.step_count) or 0.0
+            m["drafter_save_s"] = trainer.online.selective_save(saves[arm],
+                                                                trainer.step_count) or 0.0
           rows[arm].append({k: (v if isinstance(v, (bool, int)) else float(v))
                             for k, v in m.items() if isinstance(v, (int, float, np.number))})
         compiled.append(harness.compile_count() > c0)
         digests = {arm: trainers[arm].rollout_digests[-1] for arm in ARMS}
-        assert digests["none"] == digests[sd], f"step {step + 1}: the arms' tokens differ"
-        assert rows["none"][-1]["reward"] == rows[sd][-1]["reward"], (
-            f"step {step + 1}: the arms' rewards differ")
+        for arm in coupled_arms:  # coupled SD emits vanilla's tokens
+          assert digests["none"] == digests[arm], f"step {step + 1}: {arm}'s tokens differ"
+          assert rows["none"][-1]["reward"] == rows[arm][-1]["reward"], (
+              f"step {step + 1}: {arm}'s rewards differ")
         n, e = rows["none"][-1], rows[sd][-1]
         print(f"step {step + 1:3d} reward {n['reward']:.3f} step none {n['step_s']:.3f}s {sd} "
               f"{e['step_s']:.3f}s (x{e['step_s'] / n['step_s']:.2f}) rollout "
@@ -223,14 +242,24 @@ def main():
               f"{rb.fmt(e.get('mean_accept_len'), '.2f')} sd share "
               f"{1 - e.get('arm_share/vanilla', 1.0):.2f}" +
               (" (compiled)" if compiled[-1] else ""), flush=True)
+        if a.verify == "both":
+          r = rows[ARMS[2]][-1]
+          print(f"         {ARMS[2]} {r['step_s']:.3f}s (x{r['step_s'] / n['step_s']:.2f}) "
+                f"rollout {r['rollout_s']:.3f}s accept {rb.fmt(r.get('mean_accept_len'), '.2f')}"
+                f" sd share {1 - r.get('arm_share/vanilla', 1.0):.2f}", flush=True)
     finally:
-      if saves is not None:
-        saves.close()
+      for saver in (saves or {}).values():
+        saver.close()
   summary = summarize(rows, compiled, a.skip, a.split_step)
+  summaries = {arm: summarize(rows, compiled, a.skip, a.split_step, sd=arm) for arm in ARMS[1:]}
+  coupled_vs_rejection = None
+  if a.verify == "both":  # paired per step: coupled's time / rejection's
+    coupled_vs_rejection = summarize(rows, compiled, a.skip, a.split_step, sd=sd, base=ARMS[2])
   tuner = trainers[sd].engine.tuner
   report = dict(
       command=" ".join(sys.argv), config=str(DEFAULT_CONFIG), seed=a.seed, steps=steps,
-      drafter=sd, both=dict(a.both), eagle_overrides=dict(a.eagle), verify="coupled",
+      drafter=a.drafter, arms=list(ARMS), both=dict(a.both), eagle_overrides=dict(a.eagle),
+      verify=a.verify,
       target=TARGET,
       target_met=summary["step_ratio"]["all"]["median"] <= TARGET,
       job=dict(prompts_per_step=eagle_job.trainer.prompts_per_step,
@@ -240,7 +269,8 @@ def main():
                sd_max_batch=eagle_job.engine.sd_max_batch,
                drafter_training=eagle_job.cfg.drafter_training.to_dict()),
       build_s=round(build_s, 1), precompile_s={arm: t.precompile_s for arm, t in trainers.items()},
-      identical_tokens_and_rewards=True, summary=summary,
+      identical_tokens_and_rewards=bool(coupled_arms), summary=summary, summaries=summaries,
+      coupled_over_rejection=coupled_vs_rejection,
       tuner=None if tuner is None else tuner.summary(), steps_metrics=rows,
       wall_s=round(time.perf_counter() - t_start, 1))
   out = harness.write_json(a.out, report)
@@ -250,6 +280,13 @@ def main():
       f"; target <= {TARGET}: {'met' if report['target_met'] else 'MISSED'}")
   print(f"{sd} / none rollout time, paired median: " + ", ".join(
       f"{span} {rb.fmt(r['median'])}" for span, r in summary["rollout_ratio"].items()))
+  if coupled_vs_rejection is not None:
+    print("coupled / rejection, paired median: step " + ", ".join(
+        f"{span} {rb.fmt(r['median'])}" for span, r in coupled_vs_rejection["step_ratio"].items())
+        + "; rollout " + ", ".join(f"{span} {rb.fmt(r['median'])}"
+                                    for span, r in coupled_vs_rejection["rollout_ratio"].items()))
+    for arm in ARMS[1:]:
+      print(f"  {arm} / none step, all: {rb.fmt(summaries[arm]['step_ratio']['all']['median'])}")
   if "step_plus_save_ratio_median" in summary:
     print(f"  with the job's drafter save after each step: "
           f"{summary['step_plus_save_ratio_median']:.3f}")

@@ -151,13 +151,21 @@ def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
           "sft.steps=2", "model.hidden_size=32", "model.intermediate_size=64",
           "model.num_layers=1", "trainer.max_new_tokens=16"]
   args = ["--steps", "3", "--config-override", "drafter_training.serial_steps=2",
-          "--out", str(out)]
+          "--verify", "both", "--out", str(out)]
   for item in tiny:
     args += ["--set", item]
   codes = run_scripts([(str(EXPERIMENTS / "e2e_default_job.py"), args)], tmp_path, timeout=300)
   assert set(codes.values()) == {"returned"}, codes
   report = json.loads(out.read_text())
-  assert report["identical_tokens_and_rewards"] and report["verify"] == "coupled"
+  assert report["identical_tokens_and_rewards"] and report["verify"] == "both"
+  assert report["arms"] == ["none", "eagle", "eagle_rejection"]
+  both = report["coupled_over_rejection"]["step_ratio"]["all"]
+  rows = report["steps_metrics"]
+  kept = [i - 1 for i in report["summary"]["kept_steps"]]
+  assert both["median"] == statistics.median(rows["eagle"][i]["step_s"] /
+                                             rows["eagle_rejection"][i]["step_s"] for i in kept)
+  assert set(report["summaries"]) == {"eagle", "eagle_rejection"}
+  assert all(r["drafter_serial_steps"] == 2 for r in rows["eagle_rejection"])
   assert report["eagle_overrides"] == {"drafter_training.serial_steps": 2}
   assert report["job"]["drafter_training"]["serial_steps"] == 2
   summary = report["summary"]
@@ -166,7 +174,6 @@ def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
   breakdown = summary["breakdown"]
   assert {"step_s", "rollout_s", "update_s"} <= set(breakdown)
   assert breakdown["drafter_serial_s"]["none_median"] == 0.0  # no drafter in the none arm
-  rows = report["steps_metrics"]
   assert [r["reward"] for r in rows["none"]] == [r["reward"] for r in rows["eagle"]]
   assert all("drafter_serial_s" not in r for r in rows["none"])
 

@@ -9,7 +9,12 @@ adaptive engine. Whatever depends on the machine's timing differs between any tw
 cases avoid it: the tuners map buckets to arms (``kind="fixed"``; a bandit's choices follow
 measured speeds, and with rejection sampling the tokens follow the arms), their saved state
 (decisions and pulls per bucket and arm) must match the uninterrupted run's; on two devices the
-drafter trains in serial steps (``spot=False``: how many spot steps fit in a tail is timing). The CLI subprocesses share the
+drafter trains in serial steps (``spot=False``: how many spot steps fit in a tail is timing).
+
+The configuration users run (the default tuner and budget, coupled verification) has its own
+cases: two uninterrupted runs and a stopped and resumed one must follow one policy trajectory
+(every metric ``tlt_jax.rl.trainer.metric_kind`` calls "exact", and the final weights), while
+the tuner and the drafter may differ by what they measured. The CLI subprocesses share the
 session's persistent compilation cache (tests/conftest.py), so only the first run of a program
 compiles it.
 """
@@ -28,6 +33,7 @@ import pytest
 from tests.test_train_job import tiny_flags
 from tests.xla_env import subprocess_env
 from tlt_jax.models import hf
+from tlt_jax.rl.trainer import metric_kind
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 5
@@ -37,8 +43,10 @@ TINY = {**tiny_flags(), "trainer.steps": STEPS, "trainer.max_new_tokens": 24,
 
 
 def fixed_tuner(sd_arm: str) -> dict:
-  """The adaptive engine with a fixed tuner: SD in buckets 1-2, vanilla in 4-8."""
-  return {"rollout.tuner.kind": "fixed",
+  """The adaptive engine with a fixed tuner: SD in buckets 1-2, vanilla in 4-8, verified by
+  rejection sampling (the drafts then decide the tokens, so drafter or tuner state restored
+  wrong shows in the policy's trajectory too)."""
+  return {"rollout.tuner.kind": "fixed", "rollout.verify": "rejection",
           "rollout.tuner.fixed": f'((2, "{sd_arm}"), (8, "vanilla"))'}
 
 
@@ -55,10 +63,12 @@ CASES = {
     "eagle_2_devices": ({**EAGLE, "drafter_training.spot": False, "rollout_devices": 2}, 2),
     "ngram_adaptive": ({"drafter": "ngram", "rollout.strategies": "((2, 1, 3),)",
                         "rollout.segment_steps": 4, **fixed_tuner("ngram d2")}, 1),
+    # the default tuner and budget: test_with_the_default_tuner_...
+    "eagle_default_tuner": ({"drafter": "eagle", "drafter_training.rows": 2,
+                             "drafter_training.seq_len": 32}, 1),
+    "ngram_default_tuner": ({"drafter": "ngram", "rollout.strategies": "((2, 1, 3),)",
+                             "rollout.segment_steps": 4}, 1),
 }
-# what a step measures in seconds (or counts by timing) differs between any two runs
-TIMED = ("_s", "_ms")
-TIMED_PREFIXES = ("arm_tps/", "tail_idle")
 
 
 def command(logdir, flags: dict, *extra) -> list[str]:
@@ -93,10 +103,10 @@ def run_job(logdir, flags, devices, *extra, kill=None, timeout=600):
 
 
 def step_rows(logdir) -> list[dict]:
-  """metrics.jsonl's rows (RL steps and evaluations) without what depends on timing."""
+  """metrics.jsonl's rows (RL steps and evaluations) without the measured seconds
+  (``metric_kind``: what a fixed tuner and budget decide is compared too)."""
   rows = [json.loads(line) for line in (pathlib.Path(logdir) / "metrics.jsonl").open()]
-  return [{k: v for k, v in row.items()
-           if not k.endswith(TIMED) and not k.startswith(TIMED_PREFIXES)} for row in rows]
+  return [{k: v for k, v in row.items() if metric_kind(k) != "timed"} for row in rows]
 
 
 def final_params(logdir) -> list[np.ndarray]:
@@ -139,29 +149,8 @@ FAST_TIER_CASE = ("eagle_ledger", signal.SIGKILL)
     for c, s in SIGNAL_CASES])
 def test_a_stopped_run_resumes_to_the_uninterrupted_one(references, tmp_path, case, sig):
   flags, devices = CASES[case]
-  seed = random.randrange(2**32)
-  # stop once this step is logged; a SIGKILL after a checkpoint (every 2 steps), so that there
-  # is something to resume, with steps to do again when it is odd
-  at = random.Random(seed).randint(2 if sig == signal.SIGKILL else 1, STEPS - 2)
-  why = f"{case}, {signal.Signals(sig).name} after step {at} (seed {seed})"
   logdir = tmp_path / "run"
-  rc, out, err = run_job(logdir, flags, devices, kill=(sig, at))
-  assert f"step {at:4d}/{STEPS}" in out, (why, err[-3000:])
-  assert not (logdir / "final_model").exists(), why
-  if sig == signal.SIGKILL:
-    assert rc == -signal.SIGKILL, (why, rc, err[-2000:])
-    # (the same command without resume is refused: test_train_job.py, in process)
-  else:  # the step in flight ends, is saved, and the message says how to go on
-    assert rc == 128 + sig, (why, rc, err[-3000:])
-    assert "Traceback" not in err, (why, err[-3000:])
-    assert f"stopped by {signal.Signals(sig).name} after step" in err, (why, err[-2000:])
-    assert f"--config.logdir={logdir} --config.resume=True" in err, why
-    stopped = int(err.split("stopped by")[1].split("after step")[1].split(",")[0])
-    assert (logdir / "checkpoints" / str(stopped)).is_dir(), (why, stopped)
-
-  rc, out, err = run_job(logdir, flags, devices, "--config.resume=True")
-  assert rc == 0, (why, err[-3000:])
-  assert "resumed from" in out, why
+  why = stop_and_resume(logdir, case, sig)
   reference = references(case)
   want, got = step_rows(reference), step_rows(logdir)
   assert [r["step"] for r in got] == [r["step"] for r in want], why
@@ -176,6 +165,79 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_one(references, tmp_path, ca
   if "rollout.tuner.kind" in flags:  # the tuner decided, it shows, and its state went on
     assert any(k.startswith("arm_steps/") for k in got[1]), (why, sorted(got[1]))
     assert tuner_counts(reference) == tuner_counts(logdir), why
+
+
+def stop_and_resume(logdir, case: str, sig) -> str:
+  """Runs ``case`` into ``logdir``, stops it with ``sig`` once a random step is logged, checks
+  how it stopped, and resumes it to the end; returns what names the run in a failure message
+  (the case, signal, step and seed)."""
+  flags, devices = CASES[case]
+  seed = random.randrange(2**32)
+  # stop once this step is logged; a SIGKILL after a checkpoint (every 2 steps), so that there
+  # is something to resume, with steps to do again when it is odd
+  at = random.Random(seed).randint(2 if sig == signal.SIGKILL else 1, STEPS - 2)
+  why = f"{case}, {signal.Signals(sig).name} after step {at} (seed {seed})"
+  rc, out, err = run_job(logdir, flags, devices, kill=(sig, at))
+  assert f"step {at:4d}/{STEPS}" in out, (why, err[-3000:])
+  assert not (logdir / "final_model").exists(), why
+  if sig == signal.SIGKILL:
+    assert rc == -signal.SIGKILL, (why, rc, err[-2000:])
+    # (the same command without resume is refused: test_train_job.py, in process)
+  else:  # the step in flight ends, is saved, and the message says how to go on
+    assert rc == 128 + sig, (why, rc, err[-3000:])
+    assert "Traceback" not in err, (why, err[-3000:])
+    assert f"stopped by {signal.Signals(sig).name} after step" in err, (why, err[-2000:])
+    assert f"--config.logdir={logdir} --config.resume=True" in err, why
+    stopped = int(err.split("stopped by")[1].split("after step")[1].split(",")[0])
+    assert (logdir / "checkpoints" / str(stopped)).is_dir(), (why, stopped)
+  rc, out, err = run_job(logdir, flags, devices, "--config.resume=True")
+  assert rc == 0, (why, err[-3000:])
+  assert "resumed from" in out, why
+  return why
+
+
+# The configuration users run: the default tuner ("cost"), serial budget ("ledger") and
+# verification ("coupled"). The tuner's choices and the ledger's grants follow measured time, so
+# what the drafter and the tuner do differs between any two runs; the policy's trajectory (the
+# metrics tlt_jax.rl.trainer.metric_kind calls "exact", and the weights) may not.
+DEFAULT_TUNER_CASES = [("eagle_default_tuner", signal.SIGKILL),
+                       ("ngram_default_tuner", signal.SIGINT)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, sig", DEFAULT_TUNER_CASES,
+                         ids=[f"{c}-{signal.Signals(s).name}" for c, s in DEFAULT_TUNER_CASES])
+def test_with_the_default_tuner_two_runs_and_a_resumed_one_follow_one_policy(references, tmp_path,
+                                                                             case, sig):
+  flags, devices = CASES[case]
+  stopped = tmp_path / "stopped"
+  why = stop_and_resume(stopped, case, sig)
+  again = tmp_path / "again"  # a second uninterrupted run
+  rc, _, err = run_job(again, flags, devices)
+  assert rc == 0, (why, err[-3000:])
+  reference = references(case)
+  want = policy_rows(reference)
+  for name, logdir in (("the resumed run", stopped), ("a second run", again)):
+    got = policy_rows(logdir)
+    assert [r["step"] for r in got] == [r["step"] for r in want], (name, why)
+    for a, b in zip(want, got):
+      assert a == b, (name, why, {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
+                                  if a.get(k) != b.get(k)})
+    for a, b in zip(final_params(reference), final_params(logdir)):
+      np.testing.assert_array_equal(a, b, err_msg=f"{name}: {why}")
+  # there were timed decisions to make: the tuner chose an arm per segment, SD ran, and the
+  # drafter trained on what the ledger granted
+  rows = [json.loads(line) for line in (reference / "metrics.jsonl").open()]
+  assert any(k.startswith("arm_steps/") for r in rows for k in r), why
+  assert any(r.get("mean_accept_len") for r in rows), why
+  if case.startswith("eagle"):
+    assert sum(r.get("drafter_serial_steps", 0) for r in rows) > 0, why
+
+
+def policy_rows(logdir) -> list[dict]:
+  """metrics.jsonl's rows with only what follows the policy's trajectory (``metric_kind``)."""
+  rows = [json.loads(line) for line in (pathlib.Path(logdir) / "metrics.jsonl").open()]
+  return [{k: v for k, v in row.items() if metric_kind(k) == "exact"} for row in rows]
 
 
 def tuner_counts(logdir) -> dict:

@@ -752,7 +752,8 @@ def test_a_killed_suffix_drafter_run_resumes_to_the_uninterrupted_one(tmp_path):
   # a fixed tuner: speculative in every bucket that offers a choice (timing-free, so the resumed
   # run must match exactly; the cost tuner's state is resumed in its own tests)
   flags = {"drafter": "suffix", "task.num_prompts": 8, "trainer.prompts_per_step": 4,
-           "rollout.tuner.kind": "fixed", "rollout.tuner.fixed": "((8, 'suffix d8'),)"}
+           "rollout.tuner.kind": "fixed", "rollout.tuner.fixed": "((8, 'suffix d8'),)",
+           "rollout.verify": "rejection"}
   reference = tmp_path / "reference"
   rc, _, err = run_job(reference, flags, 1)
   assert rc == 0, err[-3000:]

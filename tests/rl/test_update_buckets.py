@@ -39,9 +39,11 @@ def make_trainer(update_tokens=BUDGET, loss_agg="token-mean", kl_coef=0.0, mesh=
   tokenizer = CharTokenizer(task.alphabet)
   config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,
                             bos_token_id=tokenizer.bos_token_id)
+  # the batch's own old log-probs (ragged_batch's, chosen so that some ratios clip), unless a
+  # test asks for the policy's (old_logprobs="policy", the job's default)
   trainer_kw = dict(steps=2, prompts_per_step=4, max_new_tokens=NEW_TOKENS, minibatches=1,
                     eval_problems=8, update_tokens=update_tokens, learning_rate=1e-3,
-                    warmup_steps=0)
+                    warmup_steps=0, old_logprobs="rollout")
   trainer_kw.update(kw)
   return GRPOTrainer(init_model(config, seed=0), tokenizer, task,
                      EngineConfig(max_batch=8, max_prompt_len=PROMPT_LEN,
@@ -425,3 +427,34 @@ def test_two_device_packed_update_equals_the_one_device_full_length_update():
                         timeout=600, cwd=ROOT, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "2-device packed update ok" in proc.stdout
+
+
+@pytest.mark.parametrize("update_tokens", [BUDGET, 0])
+def test_the_policys_old_logprobs_are_its_forward_pass_and_compile_nothing_after_precompile(
+    update_tokens):
+  """old_logprobs="policy": before a step's first update, the completions' log-probs under the
+  params (packed micro-batches, or full-length rows), 0 off the completions; precompiled with
+  the rest (one forward pass per packed length), so that no step compiles."""
+  trainer = make_trainer(update_tokens=update_tokens, minibatches=2, old_logprobs="policy")
+  plain = make_trainer(update_tokens=update_tokens, minibatches=2)
+  extra = len(trainer.policy.update_buckets) if update_tokens else 1
+  assert trainer.precompile_update() == plain.precompile_update() + extra
+  batch = ragged_batch(trainer, LONG_TAIL, seed=4)
+  order = np.random.default_rng(0).permutation(len(LONG_TAIL))
+  want = jax.jit(make_logprobs_fn(trainer.graphdef))(trainer.params, {"ids": batch["ids"]})
+  before = compile_count()
+  got = trainer.policy.policy_logprobs(batch, order)
+  np.testing.assert_allclose(got, np.where(batch["mask"] > 0, want, 0.0), rtol=1e-5, atol=1e-5)
+  assert np.all(got[batch["mask"] == 0] == 0.0) and np.all(got[batch["mask"] > 0] < 0.0)
+  # one epoch: the first minibatch's are its update's own (NaN: the loss takes its own)
+  first = order[:len(order) // 2]
+  lazy = trainer.policy.policy_logprobs(batch, order, first_by_update=True)
+  assert np.all(np.isnan(lazy[first][batch["mask"][first] > 0]))
+  np.testing.assert_array_equal(np.delete(lazy, first, 0), np.delete(got, first, 0))
+  metrics = trainer.policy_update(batch)
+  assert compile_count() == before, "a step compiled after precompile_update()"
+  assert metrics["skipped_updates"] == 0 and np.isfinite(metrics["loss"])
+  # one minibatch: its update's own pass gives the old log-probs, so every ratio is exactly 1
+  single = make_trainer(update_tokens=update_tokens, old_logprobs="policy")
+  m = single.policy_update(batch)
+  assert (m["ratio_mean"], m["clip_fraction"], m["approx_kl"]) == (1.0, 0.0, 0.0), m

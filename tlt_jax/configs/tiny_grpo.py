@@ -55,24 +55,30 @@ def get_config() -> ml_collections.ConfigDict:
   # TrainerConfig: RL steps, prompts per step, AdamW, updates per step, rollout length, tokens
   # per update micro-batch (sequences are packed into rows of about their live length; 0: every
   # row padded to the full length); on_nonfinite: a non-finite update "stop"s the run (params
-  # as before the step) or is "skip"ped and counted
+  # as before the step) or is "skip"ped and counted; old_logprobs: the loss's old log-probs from
+  # the "policy"'s own forward pass before the step's updates (exact for a seed whatever the
+  # rollout decoded with) or from the "rollout" (no extra pass; their last bits follow the arm)
   c.trainer = ml_collections.ConfigDict(dict(
       steps=60, prompts_per_step=32, learning_rate=5e-5, warmup_steps=2, grad_clip=1.0,
       minibatches=2, epochs=1, max_new_tokens=96, temperature=1.0, eval_problems=512,
-      update_tokens=2048, on_nonfinite="stop"))
+      update_tokens=2048, on_nonfinite="stop", old_logprobs="policy"))
   # EngineConfig of the rollout engine (batch buckets up to max_batch rows). The adaptive
   # engine (needs a drafter): strategies lists [depth, topk, verify_tokens] triples, e.g.
   #   --config.drafter=ngram --config.rollout.strategies="((4, 1, 5), (8, 1, 9))"
   # and the tuner picks vanilla or one of them per decode segment of at most segment_steps
   # steps (None: 32 when adaptive, else unbounded), in every batch bucket <= sd_max_batch (and,
-  # with verify_budget > 0, bucket * verify_tokens <= verify_budget). verify: "rejection"
-  # (lossless rejection sampling) or "coupled" (SD emits exactly vanilla's tokens for a seed).
+  # with verify_budget > 0, bucket * verify_tokens <= verify_budget). verify: "coupled" (the
+  # default: SD emits exactly the tokens vanilla sampling draws for the seed, so the tuner's
+  # choices, which follow measured speeds, change no token and one config and seed give one
+  # policy trajectory; measured as fast as rejection: docs/benchmarks.md) or "rejection"
+  # (lossless rejection sampling: the same law, faster where it accepts more, but its tokens
+  # follow the arm, so with an adaptive tuner runs are not reproducible).
   # () = vanilla decoding (with a drafter: one fixed speculative strategy for every segment).
   # suffix_strategies: the suffix drafter's [depth, topk, verify_tokens] triples (with
   # drafter="suffix" or "...+suffix"; () = one chain of suffix.depth)
   c.rollout = ml_collections.ConfigDict(dict(
       max_batch=64, max_prompt_len=32, strategies=(), sd_max_batch=8, verify_budget=0,
-      segment_steps=config_dict.placeholder(int), verify="rejection", suffix_strategies=()))
+      segment_steps=config_dict.placeholder(int), verify="coupled", suffix_strategies=()))
   # TunerConfig of the adaptive engine: kind "cost" (the default: calibrated step costs against
   # counted accepted lengths, one short probe of probe_steps per strategy and drafter version),
   # "beg_mab" (epsilon-greedy on windowed medians of tokens/s), "ucb1" or "fixed"

@@ -171,3 +171,18 @@ def packed_microbatches(mini: dict[str, np.ndarray], packs: list[list[int]], len
       out["weights"][prd] = weights[i, :n - 1]
       at += n
   return [{k: v[j * size:(j + 1) * size] for k, v in out.items()} for j in range(count)]
+
+
+def unpack_predictions(values: np.ndarray, packs: list[list[int]], lengths: np.ndarray,
+                       out: np.ndarray) -> np.ndarray:
+  """Writes per-predicted-token ``values`` of packed rows (``[len(packs), T - 1]``, the rows of
+  ``packed_microbatches`` for these ``packs``) back to their sequences' rows of ``out``
+  (``[rows, L - 1]``, as in ``padded_batch``); ``lengths``: the sequences' ``needed_lengths``.
+  Returns ``out``."""
+  for r, pack in enumerate(packs):
+    at = 0
+    for i in pack:
+      n = int(lengths[i])
+      out[i, :n - 1] = values[r, at:at + n - 1]
+      at += n
+  return out

@@ -87,6 +87,14 @@ class TrainerConfig:
   # many problems (distinct prompts) drawn once from the seed and visited once per epoch in a
   # shuffled order (``tasks.EpochSchedule``); at least prompts_per_step
   num_prompts: int = 0
+  # Where the policy loss's old log-probs come from. "policy" (the default): the update's own
+  # forward pass over the step's completions with the params that sampled them, before the
+  # step's first update: they depend on the params and tokens alone. "rollout": the log-probs the
+  # rollout engine computed while sampling (no extra forward pass over the step's tokens), whose
+  # last bits depend on how it decoded: a speculative step's verify pass over
+  # several tokens rounds otherwise than a one-token decode step, so the tuner's timed choice of
+  # arm would change the losses, and the run would not follow its seed alone.
+  old_logprobs: str = "policy"
 
   def __post_init__(self):
     require_positive_ints(self, "steps", "prompts_per_step", "minibatches", "epochs",
@@ -107,6 +115,9 @@ class TrainerConfig:
       raise ValueError(f"TrainerConfig.num_prompts={n} is fewer than prompts_per_step="
                        f"{self.prompts_per_step}: every step would repeat a prompt; use at "
                        f"least {self.prompts_per_step} (or 0: fresh problems every step)")
+    if self.old_logprobs not in ("policy", "rollout"):
+      raise ValueError(f"TrainerConfig.old_logprobs must be 'policy' or 'rollout', got "
+                       f"{self.old_logprobs!r}")
     if self.on_nonfinite not in ("stop", "skip"):
       raise ValueError(f"TrainerConfig.on_nonfinite must be 'stop' or 'skip', got "
                        f"{self.on_nonfinite!r}")
@@ -174,6 +185,31 @@ def tokens_digest(tokens) -> int:
     h.update(np.asarray(row, np.int64).tobytes())
     h.update(b"|")
   return int(h.hexdigest()[:12], 16)
+
+
+# What a step's metrics follow (``metric_kind``). "timed": measured seconds or rates. "decided":
+# counts and scores that follow decisions made from measured time: the tuner's arm per segment
+# (arm shares, switches, accepted lengths, which executables a lazily compiled pool compiles),
+# the drafter's budget (the steps the ledger granted or
+# that fit in a tail) and so what the drafter learned (its losses and top-1). "exact": the
+# policy's trajectory (rewards, lengths, rollout digests, policy losses, held-out evaluations),
+# which with rollout.verify="coupled" (the default) follows the config and seed alone: every arm
+# emits the tokens vanilla sampling draws. Every checkpoint saves the decisions' state (tuner,
+# ledger), so a resumed run decides on from where it stopped.
+_TIMED_SUFFIXES = ("_s", "_ms")
+_TIMED_PREFIXES = ("arm_tps/",)
+_DECIDED_PREFIXES = ("arm_share/", "arm_steps/", "accept_len/", "accept_share/", "drafter_",
+                     "ledger_", "spot_", "tlt_", "tail_idle")
+_DECIDED = ("mean_accept_len", "sd_switches", "decode_steps", "compiles")
+
+
+def metric_kind(key: str) -> str:
+  """"timed", "decided" or "exact": what a step metric ``key`` follows (see above)."""
+  if key.endswith(_TIMED_SUFFIXES) or key.startswith(_TIMED_PREFIXES):
+    return "timed"
+  if key.startswith(_DECIDED_PREFIXES) or key in _DECIDED:
+    return "decided"
+  return "exact"
 
 
 def _policy_attribute(name: str, settable: bool = True) -> property:

@@ -27,6 +27,7 @@ on_nonfinite, update_tokens, seed) and does not import it.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import jax
@@ -41,7 +42,7 @@ from tlt_jax.aot import AotCache
 from tlt_jax.rl import grpo
 from tlt_jax.rl.mesh import UpdateLayout
 from tlt_jax.rl.packing import bucket_rows, needed_lengths, packed_microbatches, plan_packs, \
-    update_buckets
+    unpack_predictions, update_buckets
 
 
 class NonFiniteUpdateError(FloatingPointError):
@@ -101,8 +102,13 @@ def _make_loss_fn(graphdef: nnx.GraphDef, config: grpo.GRPOConfig, temperature: 
     share = {}
     if "weights" in batch:
       share = dict(token_weights=batch["weights"], total_tokens=total_tokens)
-    return grpo.policy_loss(logprobs_of(params, batch), batch["old_logprobs"],
-                            batch["advantages"], batch["mask"], config, ref_logprobs=ref, **share)
+    logprobs = logprobs_of(params, batch)
+    # NaN old log-probs (PolicyUpdate.policy_logprobs): the params of this very pass are the
+    # ones that sampled the rows, so the old log-probs are this pass's own (ratio 1)
+    old = batch["old_logprobs"]
+    old = jnp.where(jnp.isnan(old), jax.lax.stop_gradient(logprobs), old)
+    return grpo.policy_loss(logprobs, old, batch["advantages"], batch["mask"], config,
+                            ref_logprobs=ref, **share)
 
   return loss_fn
 
@@ -125,6 +131,18 @@ def _guarded_step(optimizer: optax.GradientTransformation, params, opt_state, gr
 
 PADDED_KEYS = ("ids", "mask", "old_logprobs", "advantages")
 PACKED_KEYS = PADDED_KEYS + ("positions", "segments", "weights")
+FORWARD_KEYS = ("ids", "positions", "segments")  # what a packed forward pass reads
+
+
+def _jit_logprobs(graphdef: nnx.GraphDef, layout: UpdateLayout, temperature: float,
+                  keys: tuple[str, ...]):
+  """The jitted ``logprobs(params, batch) -> [B, L-1]`` of ``make_logprobs_fn`` (a padded batch
+  with ``keys=("ids",)``, a packed micro-batch with ``FORWARD_KEYS``): no gradient, the result
+  replicated (every process can read it)."""
+  logprobs_of = make_logprobs_fn(graphdef, temperature)
+  return jax.jit(lambda params, batch: logprobs_of(layout.gather(params), batch),
+                 in_shardings=(layout.params, layout.rows_of(keys)),
+                 out_shardings=layout.replicated)
 
 
 def _jit_padded_update(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
@@ -248,6 +266,11 @@ class PolicyUpdate:
     self.update_fn = _ref_optional(self._padded_update)
     self._packed = make_packed_update_fns(graphdef, self.optimizer, grpo_config, mesh,
                                           temperature=config.temperature, layout=self.layout)
+    # the old log-probs' forward pass (TrainerConfig.old_logprobs="policy")
+    self.recompute = getattr(config, "old_logprobs", "policy") == "policy"
+    self._logprobs = {
+        "packed": _jit_logprobs(graphdef, self.layout, config.temperature, FORWARD_KEYS),
+        "padded": _jit_logprobs(graphdef, self.layout, config.temperature, ("ids",))}
     # the params all-gathered for the rollout engines (FSDP only)
     self._gather = jax.jit(lambda tree: tree, in_shardings=(self.layout.params,),
                            out_shardings=self.layout.replicated)
@@ -263,25 +286,34 @@ class PolicyUpdate:
   # ---- one step's updates ---------------------------------------------------------------------
   def run(self, batch: dict[str, np.ndarray], step: int) -> dict[str, Any]:
     """``epochs`` x ``minibatches`` policy updates on RL step ``step``'s batch
-    (``packing.padded_batch``'s arrays), in a random order that depends on (seed, step). Returns
+    (``packing.padded_batch``'s arrays), in a random order that depends on (seed, step), against
+    the old log-probs the batch brings or (``old_logprobs="policy"``) those of the params before
+    the step's first update (``policy_logprobs``). Returns
     the mean of each update metric over the applied updates, ``skipped_updates``, and the tokens
     the updates ran through the model: ``update_tokens_padded`` (rows x length of every pass) and
     ``update_tokens_valid`` (the prompt + completion tokens of the rows with a completion), summed
-    over the updates. Raises ``NonFiniteUpdateError`` (``on_nonfinite="stop"``) with the params
+    over the updates, and ``old_logprobs_s``, the seconds of the old log-probs' forward pass.
+    Raises ``NonFiniteUpdateError`` (``on_nonfinite="stop"``) with the params
     and optimizer state from before the step."""
     cfg = self.config
     n = len(batch["advantages"])
     size = n // cfg.minibatches
     lengths = needed_lengths(batch["mask"])
     order_rng = np.random.default_rng([cfg.seed, step, 1])
+    orders = [order_rng.permutation(n) for _ in range(cfg.epochs)]
+    old_logprobs_s = 0.0
+    if self.recompute:  # the first update's own pass serves its rows when no later epoch needs them
+      t0 = time.perf_counter()
+      batch = dict(batch, old_logprobs=self.policy_logprobs(batch, orders[0],
+                                                            first_by_update=cfg.epochs == 1))
+      old_logprobs_s = time.perf_counter() - t0
     # "stop" restores the state from before the step; the update donates its inputs, so keep a
     # device copy (a single update needs none: a rejected update already returns its inputs)
     before = None
     if self._keeps_copy():
       before = self._compiled(("copy",))((self.params, self.opt_state))
     metrics, padded, valid, passes = [], 0, 0, 0
-    for _ in range(cfg.epochs):
-      order = order_rng.permutation(n)
+    for order in orders:
       for m in range(cfg.minibatches):
         picked = order[m * size:(m + 1) * size]
         valid += int(lengths[picked].sum())
@@ -309,7 +341,39 @@ class PolicyUpdate:
     applied = [m for m, ok in zip(metrics, finite) if ok] or metrics  # all skipped: report NaNs
     out = {k: float(np.mean([m[k] for m in applied])) for k in applied[0]}
     out.update(skipped_updates=finite.count(False), update_tokens_padded=padded,
-               update_tokens_valid=valid, update_passes=passes)
+               update_tokens_valid=valid, update_passes=passes, old_logprobs_s=old_logprobs_s)
+    return out
+
+  def policy_logprobs(self, batch: dict[str, np.ndarray], order: np.ndarray,
+                      first_by_update: bool = False) -> np.ndarray:
+    """The log-probs of ``batch``'s completion tokens under the current params (``[N, L-1]``, 0
+    off the completions): a forward pass over each minibatch of ``order`` in the layout its
+    update runs in (packed micro-batches, or full-length rows), so they are a function of the
+    params and tokens alone. ``first_by_update``: the first minibatch's are left to its update's
+    own forward pass, which runs with these params (NaN there: the loss takes its own log-probs),
+    one pass fewer."""
+    cfg = self.config
+    size = len(order) // cfg.minibatches
+    out = np.zeros_like(batch["old_logprobs"])
+    if first_by_update:
+      out[order[:size]] = np.where(batch["mask"][order[:size]] > 0, np.nan, 0.0)
+    for m in range(1 if first_by_update else 0, cfg.minibatches):
+      picked = order[m * size:(m + 1) * size]
+      mini = {k: v[picked] for k, v in batch.items()}
+      got = np.zeros_like(mini["old_logprobs"])
+      if cfg.update_tokens:
+        lengths = needed_lengths(mini["mask"])
+        for length, packs in plan_packs(lengths, self.update_buckets, self.update_rows):
+          forward = self._compiled(("logprobs", length))
+          micros = packed_microbatches(mini, packs, length, self.update_rows[length],
+                                       self.grpo_config.loss_agg, self.pad_token_id)
+          values = [forward(self.params, {k: micro[k] for k in FORWARD_KEYS})
+                    for micro in micros]
+          unpack_predictions(np.concatenate(jax.device_get(values)), packs, lengths, got)
+      else:
+        got = np.asarray(jax.device_get(self._compiled(("padded_logprobs",))(
+            self.params, {"ids": mini["ids"]})))
+      out[picked] = np.where(mini["mask"] > 0, got, 0.0)
     return out
 
   def _packed_update(self, batch, picked, lengths):
@@ -346,10 +410,14 @@ class PolicyUpdate:
   # ---- executables ----------------------------------------------------------------------------
   def executable_keys(self) -> list[tuple]:
     """The keys of every executable the updates use: each micro-batch length's gradient step,
-    the optimizer step (or the full-length update), the device copy ``stop`` keeps, and under
+    the optimizer step (or the full-length update), each length's forward pass of the old
+    log-probs (``old_logprobs="policy"``), the device copy ``stop`` keeps, and under
     FSDP the gather of ``rollout_params``."""
     keys = ([("zeros",)] + [("accumulate", t) for t in self.update_buckets] + [("apply",)]
             if self.config.update_tokens else [("padded",)])
+    if self.recompute:
+      keys += ([("logprobs", t) for t in self.update_buckets] if self.config.update_tokens
+               else [("padded_logprobs",)])
     return (keys + ([("copy",)] if self._keeps_copy() else [])
             + ([("gather",)] if self.layout.sharded else []))
 
@@ -392,6 +460,12 @@ class PolicyUpdate:
                                      packed_spec(self.update_rows[key[1]], key[1]), scalar)
     if key[0] == "apply":
       return fns["apply"].lower(self.params, self.opt_state, acc)
+    if key[0] == "logprobs":
+      micro = packed_spec(self.update_rows[key[1]], key[1])
+      return self._logprobs["packed"].lower(self.params, {k: micro[k] for k in FORWARD_KEYS})
+    if key[0] == "padded_logprobs":
+      ids = padded_spec(self.minibatch_rows, self.seq_len)["ids"]
+      return self._logprobs["padded"].lower(self.params, {"ids": ids})
     if key[0] == "zeros":
       return fns["zeros"].lower(self.params)
     if key[0] == "gather":

@@ -1,0 +1,87 @@
+"""Same config and seed, same run, with TLT on (issue 35).
+
+The adaptive engine's tuner picks an arm per segment from measured speeds, and the ledger grants
+the drafter steps from measured savings: those decisions differ between any two runs. What the
+policy learns must not: in the default job (``rollout.verify="coupled"``) every arm emits the
+tokens vanilla sampling draws for the seed, so rewards, losses and weights follow the seed alone.
+The kill/resume and two-run checks of whole jobs are in tests/test_kill_resume.py.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from tests.test_train_job import tiny_config
+from tlt_jax.job import runner
+from tlt_jax.job.build import build_job, job_devices
+from tlt_jax.models.transformer import init_model
+from tlt_jax.rl.trainer import metric_kind
+from tlt_jax.rollout.tuner import TunerConfig
+
+
+def job_trainer(tmp_path, fixed=None, **top):
+  """The tiny default job's trainer with ``drafter=eagle`` (its strategies, verification, tuner,
+  ledger and online drafter), the tuner fixed to ``fixed`` when given, on a fresh policy."""
+  job = build_job(tiny_config(tmp_path / "run", drafter="eagle", **top))
+  if fixed is not None:
+    job = dataclasses.replace(job, engine=dataclasses.replace(
+        job.engine, tuner=TunerConfig(kind="fixed", fixed=fixed)))
+  mesh = jax.sharding.Mesh(np.array(job_devices(job.cfg)), ("data",))
+  return runner.make_trainer(job, init_model(job.model_config, seed=0), mesh)
+
+
+def policy(trainer) -> list[np.ndarray]:
+  return [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
+
+
+def test_in_the_default_job_the_tuners_choice_of_arm_changes_nothing_the_policy_learns(tmp_path):
+  """Two RL steps of the default job (drafter=eagle), once with every SD-capable bucket forced
+  onto a speculative arm and once onto vanilla: the same tokens, rewards, losses and weights,
+  while acceptance and the drafter's training differ."""
+  probe = job_trainer(tmp_path)
+  engine = probe.engine
+  sd_max, top = engine.config.sd_max_batch, engine.config.max_batch
+  sd_arm = next(s.name for s in engine.strategies_for(min(engine.config.batch_buckets))
+                if s.name != "vanilla")
+  above = ((top, "vanilla"),) if top > sd_max else ()
+  runs = {}
+  for name, fixed in (("speculative", ((sd_max, sd_arm),) + above),
+                      ("vanilla", ((top, "vanilla"),))):
+    trainer = job_trainer(tmp_path / name, fixed)
+    used, packed_update = [], trainer.policy._packed_update
+
+    def recording(batch, picked, lengths, used=used, packed_update=packed_update):
+      used.append(np.array(batch["old_logprobs"][picked]))  # what the loss compares against
+      return packed_update(batch, picked, lengths)
+
+    trainer.policy._packed_update = recording
+    runs[name] = ([trainer.step() for _ in range(2)], policy(trainer), used)
+  (sd_rows, sd_params, sd_old), (v_rows, v_params, v_old) = runs["speculative"], runs["vanilla"]
+  assert len(sd_old) == len(v_old) == 4  # 2 steps x 2 minibatches
+  for a, b in zip(sd_old, v_old):  # the loss's old log-probs: the rollout's would differ here
+    np.testing.assert_array_equal(a, b)
+  assert all(r.get("mean_accept_len") for r in sd_rows), "no speculative step ran"
+  assert not any(r.get("mean_accept_len") for r in v_rows)
+  for a, b in zip(sd_rows, v_rows):
+    exact = [k for k in a if metric_kind(k) == "exact"]
+    assert {"rollout_digest", "reward", "loss"} <= set(exact)
+    assert {k: a[k] for k in exact} == {k: b.get(k) for k in exact}
+  for a, b in zip(sd_params, v_params):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_every_metric_has_a_kind():
+  """What a step reports is exact (the policy's trajectory), decided (follows a timed decision)
+  or timed (seconds); tests/test_kill_resume.py compares the exact ones between runs."""
+  exact = ["reward", "rollout_digest", "len_p50", "len_max", "loss", "approx_kl", "epoch",
+           "eval_accuracy", "eval_sampled_reward", "step"]
+  decided = ["compiles", "mean_accept_len", "arm_share/vanilla", "arm_steps/8/chain_d3", "sd_switches",
+             "decode_steps", "accept_len/eagle", "accept_share/eagle", "drafter_loss",
+             "drafter_top1", "drafter_serial_steps", "drafter_bootstrap_steps",
+             "drafter_spot_devices"]
+  timed = ["step_s", "rollout_s", "sd_saved_s", "arm_tps/8/vanilla", "ledger_balance_s",
+           "tlt_saved_s", "drafter_serial_s", "update_s", "tail_idle_device_s"]
+  assert {k: metric_kind(k) for k in exact} == dict.fromkeys(exact, "exact")
+  assert {k: metric_kind(k) for k in decided} == dict.fromkeys(decided, "decided")
+  assert {k: metric_kind(k) for k in timed} == dict.fromkeys(timed, "timed")
