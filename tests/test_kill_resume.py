@@ -225,11 +225,12 @@ def test_with_the_default_tuner_two_runs_and_a_resumed_one_follow_one_policy(ref
                                   if a.get(k) != b.get(k)})
     for a, b in zip(final_params(reference), final_params(logdir)):
       np.testing.assert_array_equal(a, b, err_msg=f"{name}: {why}")
-  # there were timed decisions to make: the tuner chose an arm per segment, SD ran, and the
-  # drafter trained on what the ledger granted
+  # there were timed decisions to make: the tuner chose an arm per segment and the drafter
+  # trained on what the ledger granted. (At these sizes the cost tuner keeps vanilla: its
+  # calibrated costs say SD cannot pay here. A step with SD forced onto every segment changes
+  # nothing the policy learns either: tests/test_same_seed.py.)
   rows = [json.loads(line) for line in (reference / "metrics.jsonl").open()]
   assert any(k.startswith("arm_steps/") for r in rows for k in r), why
-  assert any(r.get("mean_accept_len") for r in rows), why
   if case.startswith("eagle"):
     assert sum(r.get("drafter_serial_steps", 0) for r in rows) > 0, why
 
