@@ -312,8 +312,9 @@ def test_save_and_restore_continue_exactly(tmp_path):
 @pytest.mark.parametrize("temperature", [0.6, 1.4])
 def test_first_update_sees_ratio_one_at_any_sampling_temperature(temperature):
   """The rollout's old log-probs are of softmax(logits / T); the update must score tokens the
-  same way, or even the first (on-policy) update has importance ratios != 1."""
-  trainer = make_trainer(temperature=temperature, minibatches=1)
+  same way, or even the first (on-policy) update has importance ratios != 1 (the rollout's:
+  the policy's own old log-probs would agree with any scoring)."""
+  trainer = make_trainer(temperature=temperature, minibatches=1, old_logprobs="rollout")
   varied_rewards(trainer)
   m = trainer.step()
   assert abs(m["ratio_mean"] - 1.0) < 1e-4 and abs(m["approx_kl"]) < 1e-6, m
