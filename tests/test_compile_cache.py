@@ -33,10 +33,13 @@ print(json.dumps(dict(rc=rc, compiles=compile_count(),
 
 
 def run_generate(args, **env):
-  """The counting generate in a subprocess: (counts, stderr)."""
+  """The counting generate in a subprocess: (counts, stderr). Without the session's settings of
+  JAX's cache thresholds (tests/conftest.py): the entry point must make its own."""
+  inherited = {k: v for k, v in os.environ.items()
+               if not k.startswith("JAX_PERSISTENT_CACHE_")}
   proc = subprocess.run([sys.executable, "-c", _COUNTING_MAIN, *args], capture_output=True,
                         text=True, timeout=300, cwd=ROOT,
-                        env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
+                        env=dict(inherited, PYTHONPATH=str(ROOT), **env))
   assert proc.returncode == 0, proc.stderr[-2000:]
   return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
