@@ -90,7 +90,7 @@ MUTANTS = [
            "the default job verifies by rejection sampling: the tuner's timed choice of arm "
            "changes the tokens"),
     Mutant("old_logprobs_from_rollout", "tlt_jax/rl/update.py",
-           'self.recompute = getattr(config, "old_logprobs", "policy") == "policy"',
+           'self.recompute = config.old_logprobs == "policy"',
            "self.recompute = False",
            ("tests/test_same_seed.py", "-k", "choice_of_arm"),
            "the loss's old log-probs are the rollout's, whose last bits follow the arm"),
@@ -100,11 +100,10 @@ MUTANTS = [
            ("tests/rl/test_update_buckets.py", "-k", "policys_old_logprobs"),
            "the first update's rows take old log-probs of 0 instead of its own pass's"),
     Mutant("unpacked_logprobs_shifted", "tlt_jax/rl/packing.py",
-           "      out[i, :n - 1] = values[r, at:at + n - 1]\n      at += n\n",
-           "      out[i, :n - 1] = values[r, at:at + n - 1]\n      at += n - 1\n",
+           "    out[i, :n - 1] = values[r, at:at + n - 1]\n",
+           "    out[i, :n - 1] = values[r, at + 1:at + n]\n",
            ("tests/rl/test_update_buckets.py", "-k", "policys_old_logprobs"),
-           "the recomputed old log-probs of a packed row's later sequences come from the wrong "
-           "offsets"),
+           "the recomputed old log-probs are read back one packed position late"),
     Mutant("rerun_metric_rows_repeated", "tlt_jax/job/run_dir.py",
            'row.get("step", 0) <= resume_step', "True",
            ("tests/test_train_job.py", "-k", "replaces_rerun"),

@@ -24,6 +24,7 @@ from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.job.typed_config import ConfigError, load_config_file, read_json_config
 from tlt_jax.models.drafter import Drafter, save_drafter
 from tlt_jax.rl.history import HistoryConfig
+from tlt_jax.rl.trainer import metric_kind
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.speculative import SpecConfig
@@ -340,7 +341,7 @@ def checkpoint_metadata(logdir, step: int) -> dict:
 
 def untimed_rows(logdir) -> list[dict]:
   rows = [json.loads(line) for line in (pathlib.Path(logdir) / "metrics.jsonl").open()]
-  return [{k: v for k, v in r.items() if not k.endswith(("_s", "_ms")) and k != "compiles"}
+  return [{k: v for k, v in r.items() if metric_kind(k) != "timed" and k != "compiles"}
           for r in rows]
 
 

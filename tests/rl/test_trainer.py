@@ -16,7 +16,7 @@ from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, step_problems
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, metric_kind, step_problems
 from tlt_jax.rl.update import NonFiniteUpdateError, learning_rate_schedule
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.utils import compile_count
@@ -322,12 +322,9 @@ def test_first_update_sees_ratio_one_at_any_sampling_temperature(temperature):
 
 
 # ---- the history store (a suffix drafter's) ------------------------------------------------------
-TIMED = ("_s", "_ms")
-
-
 def untimed(metrics: dict) -> dict:
   """A step's metrics without what depends on timing or on what other trainers compiled."""
-  return {k: v for k, v in metrics.items() if not k.endswith(TIMED) and k != "compiles"}
+  return {k: v for k, v in metrics.items() if metric_kind(k) != "timed" and k != "compiles"}
 
 
 def record_generate(trainer) -> list[dict]:

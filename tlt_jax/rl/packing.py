@@ -157,19 +157,15 @@ def packed_microbatches(mini: dict[str, np.ndarray], packs: list[list[int]], len
              segments=np.full(shape, -1, np.int32), mask=np.zeros(pred, np.float32),
              old_logprobs=np.zeros(pred, np.float32), advantages=np.zeros(pred, np.float32),
              weights=np.zeros(pred, np.float32))
-  for r, pack in enumerate(packs):
-    at = 0
-    for i in pack:
-      n = int(lengths[i])
-      tok, prd = np.s_[r, at:at + n], np.s_[r, at:at + n - 1]
-      out["ids"][tok] = mini["ids"][i, :n]
-      out["positions"][tok] = np.arange(n)
-      out["segments"][tok] = i
-      out["mask"][prd] = mini["mask"][i, :n - 1]
-      out["old_logprobs"][prd] = mini["old_logprobs"][i, :n - 1]
-      out["advantages"][prd] = mini["advantages"][i]
-      out["weights"][prd] = weights[i, :n - 1]
-      at += n
+  for r, i, at, n in placements(packs, lengths):
+    tok, prd = np.s_[r, at:at + n], np.s_[r, at:at + n - 1]
+    out["ids"][tok] = mini["ids"][i, :n]
+    out["positions"][tok] = np.arange(n)
+    out["segments"][tok] = i
+    out["mask"][prd] = mini["mask"][i, :n - 1]
+    out["old_logprobs"][prd] = mini["old_logprobs"][i, :n - 1]
+    out["advantages"][prd] = mini["advantages"][i]
+    out["weights"][prd] = weights[i, :n - 1]
   return [{k: v[j * size:(j + 1) * size] for k, v in out.items()} for j in range(count)]
 
 
@@ -179,10 +175,18 @@ def unpack_predictions(values: np.ndarray, packs: list[list[int]], lengths: np.n
   ``packed_microbatches`` for these ``packs``) back to their sequences' rows of ``out``
   (``[rows, L - 1]``, as in ``padded_batch``); ``lengths``: the sequences' ``needed_lengths``.
   Returns ``out``."""
+  for r, i, at, n in placements(packs, lengths):
+    out[i, :n - 1] = values[r, at:at + n - 1]
+  return out
+
+
+def placements(packs: list[list[int]], lengths: np.ndarray):
+  """Where ``packs`` put each sequence: ``(packed row, sequence, offset, length)``, the sequences
+  of a packed row back to back from offset 0 in pack order (``packed_microbatches`` lays them out
+  so, ``unpack_predictions`` reads them back so)."""
   for r, pack in enumerate(packs):
     at = 0
     for i in pack:
       n = int(lengths[i])
-      out[i, :n - 1] = values[r, at:at + n - 1]
+      yield r, i, at, n
       at += n
-  return out

@@ -22,7 +22,7 @@ executable per length, compiled ahead of time on first use or all at once by
 
 ``config`` below is the trainer's ``TrainerConfig`` (``rl/trainer.py``): this module reads its
 update fields (learning_rate, warmup_steps, grad_clip, minibatches, epochs, temperature,
-on_nonfinite, update_tokens, seed) and does not import it.
+on_nonfinite, update_tokens, old_logprobs, seed) and does not import it.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ class PolicyUpdate:
     self._packed = make_packed_update_fns(graphdef, self.optimizer, grpo_config, mesh,
                                           temperature=config.temperature, layout=self.layout)
     # the old log-probs' forward pass (TrainerConfig.old_logprobs="policy")
-    self.recompute = getattr(config, "old_logprobs", "policy") == "policy"
+    self.recompute = config.old_logprobs == "policy"
     self._logprobs = {
         "packed": _jit_logprobs(graphdef, self.layout, config.temperature, FORWARD_KEYS),
         "padded": _jit_logprobs(graphdef, self.layout, config.temperature, ("ids",))}
