@@ -2,7 +2,7 @@
 
   python experiments/train_bench_target.py      # once: the 3.6M bench target
   python experiments/train_drafter_offline.py   # once: its EAGLE drafter (only its config is used)
-  python experiments/never_slower.py [--rounds 16] [--strategies "3,1,4;7,1,8"]
+  python experiments/never_slower.py [--rounds 16] [--strategies "3,1,4;7,1,8"] [--trained]
 
 Issue 21's first test. The drafter has random weights (``Drafter.create(config, seed=123)``):
 speculative decoding with it can only cost, so the best the adaptive engine can do is to find
@@ -21,7 +21,9 @@ every round.
 
 Reported per verification mode: the per-round ratio vanilla seconds / adaptive seconds, its
 median over all rounds, the first 4 and the last 8, the ratio of total times over all rounds and
-over the first 4; the seconds the adaptive engine spent in speculative arms each round (from
+over the first 4; coupled's speed over rejection's (per-round median and total: issue 35
+asks whether coupling's exactness costs speed, which ``--trained`` measures where SD runs); the
+seconds the adaptive engine spent in speculative arms each round (from
 ``RolloutStats.arms``) and the tuner's final choice per bucket. The issue's targets: >= 0.95x
 over all rounds and >= 0.90x in the first 4.
 """
@@ -78,14 +80,17 @@ def main():
   parser.add_argument("--segment-steps", type=int, default=None,
                       help="EngineConfig.segment_steps (default: the engine's)")
   parser.add_argument("--drafter-seed", type=int, default=123)
+  parser.add_argument("--trained", action="store_true",
+                      help="draft with the trained drafter instead of a random one (issue 35: "
+                      "coupled against rejection verification where SD pays)")
   parser.add_argument("--prompt-seed", type=int, default=0)
   parser.add_argument("--out", default="experiments/out/never_slower.json")
   a = parser.parse_args()
   if a.rounds < 1 or a.prompts < 1:
     raise SystemExit("--rounds and --prompts must be >= 1")
   t_start = time.perf_counter()
-  target, config, _, tokenizer = harness.load_bench(a.target, a.drafter)
-  useless = Drafter.create(config, seed=a.drafter_seed)
+  target, config, trained, tokenizer = harness.load_bench(a.target, a.drafter)
+  drafter = trained if a.trained else Drafter.create(config, seed=a.drafter_seed)
   prompts = harness.sweep_prompts(tokenizer, a.prompts, a.prompt_seed)
   stop = tuple(sorted({tokenizer.eos_token_id, *config.eos_token_ids}))
   plen = max(len(p) for p in prompts)
@@ -97,7 +102,7 @@ def main():
   if a.segment_steps is not None:
     adaptive["segment_steps"] = a.segment_steps
   engines = harness.engines_for(target, base, {
-      f"adaptive {mode}": dict(adaptive, verify=mode) for mode in MODES}, useless)
+      f"adaptive {mode}": dict(adaptive, verify=mode) for mode in MODES}, drafter)
   sampling = lambda seed: SamplingParams(max_new_tokens=a.max_new, temperature=a.temperature,
                                          seed=seed, stop_token_ids=stop)
   compiles0 = harness.compile_count()
@@ -132,7 +137,8 @@ def main():
         f"{got[f'adaptive {mode}']['sd_s']:.2f}s)" for mode in MODES), flush=True)
   vanilla_s = [r["seconds"] for r in runs["vanilla"]]
   report = dict(
-      command=" ".join(sys.argv), target=a.target, drafter=f"random (seed {a.drafter_seed})",
+      command=" ".join(sys.argv), target=a.target,
+      drafter=a.drafter if a.trained else f"random (seed {a.drafter_seed})",
       strategies=[strategy_name(s) for s in a.strategies], rounds=a.rounds, prompts=a.prompts,
       max_new=a.max_new, temperature=a.temperature, stop_ids=list(stop),
       tuner=a.tuner or "engine default", segment_steps=a.segment_steps or "engine default",
@@ -155,6 +161,12 @@ def main():
                                      for r, v in zip(mine, runs["vanilla"])],
         tuner_choice={b: v.get("best") for b, v in tuner.items() if isinstance(v, dict)},
         tuner_summary=tuner)
+  coupled_over_rejection = [r["seconds"] / c["seconds"] for r, c in
+                            zip(runs["adaptive rejection"], runs["adaptive coupled"])]
+  report["coupled_speed_over_rejection"] = dict(
+      per_round=coupled_over_rejection, median=statistics.median(coupled_over_rejection),
+      total=sum(r["seconds"] for r in runs["adaptive rejection"]) /
+      sum(c["seconds"] for c in runs["adaptive coupled"]))
   out = harness.write_json(a.out, report)
   for mode in MODES:
     m = report["modes"][mode]
@@ -164,6 +176,9 @@ def main():
           f"{s[f'median_last{LAST}']:.3f}x; total time: all {s['total_all']:.3f}x, first "
           f"{FIRST} {s[f'total_first{FIRST}']:.3f}x; SD seconds per round "
           f"{[round(x, 2) for x in m['sd_s']]}; choice {m['tuner_choice']}", flush=True)
+  c = report["coupled_speed_over_rejection"]
+  print(f"== coupled speed / rejection speed: median of per-round ratios {c['median']:.3f}x, "
+        f"total time {c['total']:.3f}x", flush=True)
   print(f"wrote {out} in {time.perf_counter() - t_start:.0f}s")
 
 

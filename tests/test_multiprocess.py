@@ -28,6 +28,7 @@ import pytest
 
 from tests.test_train_job import tiny_flags
 from tests.xla_env import subprocess_env
+from tlt_jax.rl.trainer import metric_kind
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the main-job tests' tiny sizes, on one-digit sums with a longer warm start, so the rewards
@@ -118,6 +119,15 @@ def test_two_processes_killed_and_resumed_reproduce_one_process_on_four_devices(
   assert_same_run(step_rows(run), reference)
   for a, b in zip(final_params(run), final_params(tmp_path / "one")):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+  # a layout reproduces itself bit for bit: an uninterrupted 2 x 2 run logs every untimed metric
+  # (losses included) and ends with the weights of the killed and resumed one
+  rc, out, _ = launched(tmp_path / "two_again", fsdp)
+  assert rc == 0, out[-3000:]
+  untimed = lambda rows: [{k: v for k, v in r.items() if metric_kind(k) != "timed"} for r in rows]
+  assert untimed(step_rows(tmp_path / "two_again")) == untimed(step_rows(run))
+  for a, b in zip(final_params(run), final_params(tmp_path / "two_again")):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow
