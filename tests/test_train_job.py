@@ -165,7 +165,7 @@ def test_the_run_config_is_replaced_atomically(tmp_path, monkeypatch):
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path):
   cfg = tiny_config(tmp_path / "empty", resume=True)
-  with pytest.raises(ConfigError, match=r"holds no checkpoint; drop --config.resume"):
+  with pytest.raises(ConfigError, match=r"holds no run \(no checkpoint, no config.json\); drop --config.resume"):
     train.run(cfg)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pathlib
 import re
 import sys
+import warnings
 from typing import Callable
 
 from tlt_jax import compile_cache
@@ -112,6 +113,9 @@ def main(doc: str, run: Callable, default_config: pathlib.Path, argv: list[str],
     run(config, overrides=config_overrides(argv),
         **{name: holder.value for name, holder in extra.items()})
   except KeyboardInterrupt as e:
+    # a save cut short leaves orbax's coroutines unawaited: no noise after the advice line
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
+                            category=RuntimeWarning)
     print(f"\n{e or 'interrupted'}", file=sys.stderr)
     return getattr(e, "exit_code", 130)  # 128 + the signal's number (SIGTERM: 143)
   except USER_ERRORS as e:

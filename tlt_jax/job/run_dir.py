@@ -6,6 +6,8 @@
   <logdir>/drafter_checkpoints/ selective async saves of the online drafter alone
   <logdir>/final_model/         the policy with its tokenizer (``tlt_jax.generate`` loads it)
   <logdir>/final_drafter/       the online-trained drafter (``load_drafter`` loads it)
+  <logdir>/leftovers-<time>/    an attempt stopped before its first checkpoint, set aside by the
+                                run that started over there
 
 Finished directories are swapped in whole (``replace_dir``); a resumed run drops the metrics rows
 of the steps it does again.
@@ -58,9 +60,11 @@ def open_run(cfg: ml_collections.ConfigDict, logdir: pathlib.Path,
              overrides: Iterable[str] | None
              ) -> tuple[ml_collections.ConfigDict, int | None, str | None]:
   """The config the run goes on with, the latest checkpoint step in ``logdir`` and a line for
-  the console (or None). A resume (``cfg.resume``) needs a checkpoint and takes the saved
-  config, except ``overrides`` (see ``resume_config``); a new run refuses a logdir that holds
-  checkpoints. Writes nothing."""
+  the console (or None). A resume (``cfg.resume``) takes the saved config, except ``overrides``
+  (see ``resume_config``), and continues from the latest checkpoint; a run stopped before its
+  first checkpoint has only its ``config.json``, and its resume starts it over with that config
+  (returned with ``resume=False``: a new run, whose leftovers ``set_aside_leftovers`` moves).
+  A new run refuses a logdir that holds checkpoints. Writes nothing."""
   checkpoint_dir = logdir / CHECKPOINTS
   with Checkpointer(checkpoint_dir, keep=None) as probe:
     latest = probe.latest_step()
@@ -70,16 +74,46 @@ def open_run(cfg: ml_collections.ConfigDict, logdir: pathlib.Path,
                         f"{latest}); pass --config.resume=True to continue that run, or choose "
                         "another --config.logdir")
     return cfg, latest, None
-  if latest is None:
-    raise ConfigError(f"config.resume=True but {checkpoint_dir} holds no checkpoint; "
-                      f"drop --config.resume to start a new run in {logdir}")
   saved_file = logdir / CONFIG_FILE
+  if latest is None:
+    if not saved_file.exists():
+      raise ConfigError(f"config.resume=True but {logdir} holds no run (no checkpoint, no "
+                        f"{CONFIG_FILE}); drop --config.resume to start a new run there")
+    cfg, notes = resume_config(cfg, read_json_config(saved_file), overrides)
+    cfg.resume = False
+    return cfg, None, (f"{logdir}'s run stopped before its first checkpoint: it starts over "
+                       "with its saved config" + (", overridden:\n" + "\n".join(notes)
+                                                  if notes else ""))
   if not saved_file.exists():
     return cfg, latest, (f"resuming {logdir}: no {CONFIG_FILE} there, so the given config is "
                          "used as is")
   cfg, notes = resume_config(cfg, read_json_config(saved_file), overrides)
   return cfg, latest, (f"resuming {logdir} with its saved config" +
                        (", overridden:\n" + "\n".join(notes) if notes else ""))
+
+
+LEFTOVERS = "leftovers-"  # where a new run moves an earlier attempt's files (no checkpoint)
+
+
+def set_aside_leftovers(logdir: pathlib.Path) -> pathlib.Path | None:
+  """Moves whatever ``logdir`` holds (an attempt stopped before its first checkpoint: its
+  config, metrics and events; earlier set-asides stay where they are) into a new
+  ``<logdir>/leftovers-<time>/``, so that a new run never mixes its files with another's;
+  returns that directory, or None when there was nothing to move."""
+  if not logdir.is_dir():
+    return None
+  entries = [p for p in logdir.iterdir() if not p.name.startswith(LEFTOVERS)]
+  if not entries:
+    return None
+  stamp = time.strftime("%Y%m%d-%H%M%S")
+  aside, n = logdir / f"{LEFTOVERS}{stamp}", 1
+  while aside.exists():
+    n += 1
+    aside = logdir / f"{LEFTOVERS}{stamp}-{n}"
+  aside.mkdir()
+  for entry in entries:
+    entry.rename(aside / entry.name)
+  return aside
 
 
 def save_run_config(cfg: ml_collections.ConfigDict, logdir: pathlib.Path) -> None:

@@ -7,6 +7,7 @@ The config has been turned into a ``Job`` (``build.py``) and the run directory o
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from typing import Iterable
@@ -21,7 +22,8 @@ from tlt_jax.drafter import ledger as ledger_lines
 from tlt_jax.job.build import Job, build_job, check_top_level, describe, job_devices
 from tlt_jax.job.rollout_config import split_drafter
 from tlt_jax.job.run_dir import CHECKPOINTS, DRAFTER_CHECKPOINTS, FINAL_MODEL, MetricsLog, \
-    choose_logdir, export_final_drafter, export_final_model, open_run, save_run_config
+    choose_logdir, export_final_drafter, export_final_model, open_run, save_run_config, \
+    set_aside_leftovers
 from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.models.load import from_pretrained
 from tlt_jax.models.drafter import Drafter, drafter_policy_mismatch
@@ -62,6 +64,8 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
          f"{logdir / 'metrics.jsonl'}, {logdir / FINAL_MODEL}")
     return dict(history=[], lengths=[], finished=True, step=latest)
   if not cfg.resume and hosts.is_primary():
+    if (aside := set_aside_leftovers(logdir)) is not None:  # never two runs' files in one logdir
+      _say(f"{logdir} held files of an earlier attempt but no checkpoint: moved them to {aside}")
     save_run_config(cfg, logdir)
   fsdp = cfg.get("fsdp", 1)
   # without FSDP the plain 1-D mesh: the update compiles (and rounds) exactly as it always did
@@ -73,15 +77,18 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
         if hosts.process_count() > 1 else ""))
   with StopSignals() as stop:
     t_start = time.perf_counter()
-    model = initial_model(job, cfg.seed)
+    with _outside_the_steps(job, latest, "while loading the policy"):
+      model = initial_model(job, cfg.seed)
     if not cfg.resume:
-      model = _warm_start(model, job)
+      with _outside_the_steps(job, latest, "during the warm start"):
+        model = _warm_start(model, job)
     learned = split_drafter(cfg.drafter)[0]
     if isinstance(job.drafter, Drafter) and learned != "eagle":
       warning = drafter_policy_mismatch(learned, model)  # the policy RL starts from
       if warning:
         _say(f"warning: {warning}")
-    trainer = make_trainer(job, model, mesh)
+    with _outside_the_steps(job, latest, "while building the trainer"):
+      trainer = make_trainer(job, model, mesh)
     if len(trainer.rollout_devices) > 1:
       _say(f"rollout: data-parallel over {len(trainer.rollout_devices)} devices (an engine "
            "each)")
@@ -103,17 +110,18 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
     if trainer.online is not None and job.drafter_save_every:
       drafter_ckpt = Checkpointer(logdir / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
     with Checkpointer(logdir / CHECKPOINTS, keep=2) as checkpointer:
-      if cfg.resume:  # the checkpoint holds the warm-started (and RL-trained) params
-        trainer.restore(checkpointer)
-        _say(f"resumed from {checkpointer.step_dir(trainer.step_count)}")
-        if hosts.is_primary():  # only now: a refused resume leaves the run as it was
-          save_run_config(cfg, logdir)
-        if drafter_ckpt is not None:  # selective saves of the steps this run does again
-          dropped = drafter_ckpt.delete_after(trainer.step_count)
-          if dropped:
-            _say(f"dropped the drafter's selective saves of steps {dropped} (newer than the "
-                 "checkpoint; they are written again as those steps are re-done)")
-      _precompile(trainer)
+      with _outside_the_steps(job, latest, "while restoring and compiling"):
+        if cfg.resume:  # the checkpoint holds the warm-started (and RL-trained) params
+          trainer.restore(checkpointer)
+          _say(f"resumed from {checkpointer.step_dir(trainer.step_count)}")
+          if hosts.is_primary():  # only now: a refused resume leaves the run as it was
+            save_run_config(cfg, logdir)
+          if drafter_ckpt is not None:  # selective saves of the steps this run does again
+            dropped = drafter_ckpt.delete_after(trainer.step_count)
+            if dropped:
+              _say(f"dropped the drafter's selective saves of steps {dropped} (newer than the "
+                   "checkpoint; they are written again as those steps are re-done)")
+        _precompile(trainer)
       log = MetricsLog(logdir, resume_step=trainer.step_count if cfg.resume else None,
                        write=hosts.is_primary())
       try:
@@ -124,10 +132,11 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
           drafter_ckpt.close()
     summary["wall_s"] = time.perf_counter() - t_start
     final, extra = logdir / FINAL_MODEL, ""
-    if hosts.is_primary():  # the params are replicated: process 0 holds them all
-      final = export_final_model(trainer, job)
-      if trainer.online is not None:
-        extra = f", final drafter {export_final_drafter(trainer, job)}"
+    with _outside_the_steps(job, trainer.step_count, "while exporting the final model"):
+      if hosts.is_primary():  # the params are replicated: process 0 holds them all
+        final = export_final_model(trainer, job)
+        if trainer.online is not None:
+          extra = f", final drafter {export_final_drafter(trainer, job)}"
     hosts.barrier("exported")  # no process ends before the run's files are complete
   _say(f"results: metrics {log.path}, tensorboard --logdir {logdir}, checkpoints "
        f"{checkpointer.directory}, final model {final}{extra}")
@@ -252,24 +261,52 @@ def _resume_hint(job: Job) -> str:
           "--config.resume=True")
 
 
+def _interrupted(e: KeyboardInterrupt, doing: str, checkpointer: Checkpointer,
+                 job: Job) -> Interrupted:
+  """A stop at once (a second signal, or a plain KeyboardInterrupt) in the RL phase: where it
+  hit, what is saved, and the command that goes on from there."""
+  latest = checkpointer.latest_step()
+  where = (f"the last checkpoint is step {latest}" if latest is not None
+           else "no checkpoint was written yet, so the run starts over with its config")
+  return Interrupted(getattr(e, "exit_code", 130) - 128,
+                     f"interrupted {doing}; {where}; {_resume_hint(job)}")
+
+
+@contextlib.contextmanager
+def _outside_the_steps(job: Job, latest: int | None, where: str):
+  """A stop outside the RL steps (a signal while loading, warm-starting, restoring, compiling
+  or exporting) says what is saved and how to go on: the run is as its last checkpoint left
+  it, or, before the first, it has only its config, which the same resume command starts
+  over."""
+  try:
+    yield
+  except Interrupted as e:
+    kept = (f"the run is as its checkpoint of step {latest} left it" if latest is not None else
+            "nothing was saved but the run's config.json, so the run starts over")
+    raise Interrupted(e.exit_code - 128, f"{e} {where}: {kept}; {_resume_hint(job)}") from None
+
+
 def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: MetricsLog,
            drafter_ckpt: Checkpointer | None = None, stop: StopSignals | None = None) -> dict:
   cfg = job.cfg
   stop = stop or StopSignals()
   start_step = trainer.step_count
-  if start_step == 0:
-    accuracy_start, sampled_start = _evaluate(trainer)
-    log.write(0, {"eval_accuracy": accuracy_start, "eval_sampled_reward": sampled_start})
-  else:
-    earlier = [r for r in log.rows() if r.get("step") == 0 and "eval_accuracy" in r]
-    accuracy_start = earlier[0]["eval_accuracy"] if earlier else float("nan")
-    sampled_start = earlier[0]["eval_sampled_reward"] if earlier else float("nan")
   history, lengths = [], []
   saved_step = None
+  doing = "during the held-out evaluation at the start"  # what a second signal interrupts
   try:
+    if start_step == 0:
+      accuracy_start, sampled_start = _evaluate(trainer)
+      log.write(0, {"eval_accuracy": accuracy_start, "eval_sampled_reward": sampled_start})
+    else:
+      earlier = [r for r in log.rows() if r.get("step") == 0 and "eval_accuracy" in r]
+      accuracy_start = earlier[0]["eval_accuracy"] if earlier else float("nan")
+      sampled_start = earlier[0]["eval_sampled_reward"] if earlier else float("nan")
     with stop.graceful():
       while trainer.step_count < job.trainer.steps and stop.signum is None:
+        doing = f"during step {trainer.step_count + 1}"
         m = trainer.step()
+        doing = f"after step {trainer.step_count}, before it was logged"
         history.append(m)
         lengths.extend(trainer.last_lengths.tolist())
         if drafter_ckpt is not None and trainer.step_count % job.drafter_save_every == 0:
@@ -279,16 +316,28 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
             m["drafter_save_ms"] = 1e3 * waited
         if (cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0) or \
             trainer.step_count == job.trainer.steps:
+          doing = f"after step {trainer.step_count} was saved"  # (a save is never cut short)
           t0 = time.perf_counter()
-          trainer.save(checkpointer, {"config": cfg.to_dict()})  # everything, blocking
-          m["checkpoint_save_ms"] = 1e3 * (time.perf_counter() - t0)
-          saved_step = trainer.step_count
+          with stop.deferred():
+            trainer.save(checkpointer, {"config": cfg.to_dict()})  # everything, blocking
+            m["checkpoint_save_ms"] = 1e3 * (time.perf_counter() - t0)
+            saved_step = trainer.step_count
         log.write(m["step"], m)
         _say(f"step {m['step']:4d}/{job.trainer.steps} reward {m['reward']:.3f} loss "
              f"{m['loss']:+.4f} len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
              f"{m['len_max']} rollout {m['rollout_s']:.1f}s (tail {m['tail_s']:.1f}s) update "
              f"{m['update_s']:.1f}s" + _drafter_line(m) +
              (f" | {arms}" if (arms := arm_line(m)) else ""))
+    stopped = stop.signum is not None and trainer.step_count < job.trainer.steps
+    if stopped and saved_step != trainer.step_count:  # the step in flight when the signal came
+      doing = f"after step {trainer.step_count} was saved"
+      with stop.deferred():
+        trainer.save(checkpointer, {"config": cfg.to_dict()})
+    if not stopped:
+      doing = f"after step {trainer.step_count}, during the final held-out evaluation"
+      accuracy_end, sampled_end = _evaluate(trainer)
+      log.write(trainer.step_count, {"eval_accuracy": accuracy_end,
+                                     "eval_sampled_reward": sampled_end})
   except NonFiniteUpdateError as e:
     latest = checkpointer.latest_step()
     then = (f"resume from step {latest}: {_resume_hint(job)}" if latest is not None else
@@ -297,22 +346,12 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
         f"{e}; nothing non-finite was saved. To go on, {then} and add "
         "--config.trainer.on_nonfinite=skip (drops such updates) or a lower "
         "--config.trainer.learning_rate") from None
-  except KeyboardInterrupt as e:
-    latest = checkpointer.latest_step()
-    where = (f"the last checkpoint is step {latest}" if latest is not None
-             else "no checkpoint was written yet")
-    raise Interrupted(getattr(e, "exit_code", 130) - 128,
-                      f"interrupted during step {trainer.step_count + 1}; {where}; "
-                      f"{_resume_hint(job)}") from None
-  if stop.signum is not None and trainer.step_count < job.trainer.steps:
-    if saved_step != trainer.step_count:  # the step in flight when the signal came
-      trainer.save(checkpointer, {"config": cfg.to_dict()})
+  except KeyboardInterrupt as e:  # a second signal: at once
+    raise _interrupted(e, doing, checkpointer, job) from None
+  if stopped:
     raise Interrupted(stop.signum, f"stopped by {signal.Signals(stop.signum).name} after step "
                       f"{trainer.step_count}, saved as "
                       f"{checkpointer.step_dir(trainer.step_count)}; {_resume_hint(job)}")
-  accuracy_end, sampled_end = _evaluate(trainer)
-  log.write(trainer.step_count, {"eval_accuracy": accuracy_end,
-                                 "eval_sampled_reward": sampled_end})
   summary = dict(accuracy_start=accuracy_start, accuracy_end=accuracy_end,
                  sampled_start=sampled_start, sampled_end=sampled_end, history=history,
                  lengths=lengths, step=trainer.step_count, finished=True)

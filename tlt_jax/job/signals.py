@@ -13,13 +13,16 @@ class StopSignals:
 
   Inside ``graceful()`` (the RL steps) the first signal asks the run to stop after the step in
   flight, which is then checkpointed; a second one stops at once, as either does outside it: an
-  ``Interrupted`` (a ``KeyboardInterrupt``) is raised wherever the main thread is. Handlers are
+  ``Interrupted`` (a ``KeyboardInterrupt``) is raised wherever the main thread is, except inside
+  ``deferred()`` (a checkpoint being written), whose end it waits for. Handlers are
   installed only from the main thread, and the previous ones come back on exit.
   """
 
   def __init__(self):
     self.signum: int | None = None  # the signal that asked for a stop, inside graceful()
     self._graceful = False
+    self._deferred = False
+    self._pending: int | None = None  # a stop at once that waits for the end of deferred()
     self._old: dict = {}
 
   def __enter__(self) -> "StopSignals":
@@ -42,6 +45,19 @@ class StopSignals:
     finally:
       self._graceful = False
 
+  @contextlib.contextmanager
+  def deferred(self):
+    """Within this block (a checkpoint being written) a signal that would stop the run at once
+    waits for the block to end: a save is never cut in half by a second Ctrl-C."""
+    self._deferred = True
+    try:
+      yield self
+    finally:
+      self._deferred = False
+    pending, self._pending = self._pending, None
+    if pending is not None:
+      raise Interrupted(pending, f"{signal.Signals(pending).name} received")
+
   def _handle(self, signum, frame) -> None:
     del frame
     name = signal.Signals(signum).name
@@ -50,6 +66,12 @@ class StopSignals:
       # os.write, not print: the main thread may be inside a print when the signal lands
       os.write(2, f"\n{name}: stopping after the step in flight, which is then saved (send "
                   f"{name} again to stop at once)\n".encode())
+      return
+    if self._deferred:
+      if self._pending is None:
+        self._pending = signum
+        os.write(2, f"\n{name}: stopping once the checkpoint being written is complete\n"
+                 .encode())
       return
     raise Interrupted(signum, f"{name} received")
 
