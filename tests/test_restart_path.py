@@ -243,3 +243,40 @@ def test_the_command_lines_advice_after_a_stop_before_any_checkpoint_works_as_pr
   assert "warm start: 2000 steps" in out and "moved them to" in out, out[-2000:]
   assert files(logdir) == ["checkpoints", "config.json", "events", "final_model",
                            "leftovers/config.json", "metrics.jsonl"]
+
+
+def snapshot(logdir) -> dict:
+  """Every file under ``logdir`` with its size and modification time."""
+  return {str(p.relative_to(logdir)): (p.stat().st_size, p.stat().st_mtime_ns)
+          for p in sorted(pathlib.Path(logdir).rglob("*")) if p.is_file()}
+
+
+def test_a_resume_that_changes_the_models_shape_names_the_flag_before_loading_anything(
+    tmp_path, monkeypatch):
+  logdir = tmp_path / "run"
+  cfg = tiny_config(logdir)
+  cfg.trainer.steps = 1
+  train.run(cfg)
+  before = snapshot(logdir)
+  real_init = runner.init_model
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("the resume built a model before checking its overrides")
+
+  monkeypatch.setattr(runner, "init_model", refuse)
+  for name, value, saved in (("model.hidden_size", 64, 32), ("drafter", "ngram", "none")):
+    again = tiny_config(logdir, resume=True)
+    section, _, field = name.rpartition(".")
+    (again[section] if section else again)[field] = value
+    with pytest.raises(Exception) as e:
+      train.run(again, overrides=[name])
+    assert str(e.value) == (
+        f"--config.{name}={value!r} conflicts with the run's saved config ({name}={saved!r}): "
+        "its checkpoints hold arrays made for the saved value. "
+        f"Drop --config.{name} to resume the run, or start a new run with it in another "
+        "--config.logdir")
+    assert snapshot(logdir) == before  # refused: nothing written
+  monkeypatch.setattr(runner, "init_model", real_init)
+  again = tiny_config(logdir, resume=True)  # the advice: the same resume without the override
+  again.trainer.steps = 2
+  assert train.run(again, overrides=["trainer.steps"])["step"] == 2

@@ -87,9 +87,31 @@ def open_run(cfg: ml_collections.ConfigDict, logdir: pathlib.Path,
   if not saved_file.exists():
     return cfg, latest, (f"resuming {logdir}: no {CONFIG_FILE} there, so the given config is "
                          "used as is")
-  cfg, notes = resume_config(cfg, read_json_config(saved_file), overrides)
+  saved = read_json_config(saved_file)
+  cfg, notes = resume_config(cfg, saved, overrides)
+  check_resume_overrides(saved, cfg)
   return cfg, latest, (f"resuming {logdir} with its saved config" +
                        (", overridden:\n" + "\n".join(notes) if notes else ""))
+
+
+# fields a checkpoint's arrays depend on: the policy's architecture (or pretrained model) and
+# which drafter the run trains; a resume cannot change them
+FIXED_BY_CHECKPOINT = ("model.", "drafter")
+
+
+def check_resume_overrides(saved: ml_collections.ConfigDict,
+                           cfg: ml_collections.ConfigDict) -> None:
+  """Refuses, before anything is loaded, a resume whose overrides change what the checkpoint's
+  arrays were made for (``FIXED_BY_CHECKPOINT``), naming the flag and the saved value."""
+  stored, current = flatten(saved), flatten(cfg)
+  for name in sorted(stored):
+    if name in current and _differs(stored[name], current[name]) and any(
+        name == f or (f.endswith(".") and name.startswith(f)) for f in FIXED_BY_CHECKPOINT):
+      raise ConfigError(
+          f"--config.{name}={current[name]!r} conflicts with the run's saved config "
+          f"({name}={stored[name]!r}): its checkpoints hold arrays made for the saved value. "
+          f"Drop --config.{name} to resume the run, or start a new run with it in another "
+          "--config.logdir")
 
 
 LEFTOVERS = "leftovers-"  # where a new run moves an earlier attempt's files (no checkpoint)
