@@ -280,3 +280,27 @@ def test_a_resume_that_changes_the_models_shape_names_the_flag_before_loading_an
   again = tiny_config(logdir, resume=True)  # the advice: the same resume without the override
   again.trainer.steps = 2
   assert train.run(again, overrides=["trainer.steps"])["step"] == 2
+
+
+@pytest.mark.parametrize("damage", ["garbled", "missing"])
+def test_a_damaged_config_json_is_taken_from_the_checkpoint_and_written_again(
+    tmp_path, capsys, damage):
+  logdir = tmp_path / "run"
+  cfg = tiny_config(logdir)
+  cfg.trainer.steps = 1
+  train.run(cfg)
+  good = (logdir / "config.json").read_text()
+  if damage == "garbled":
+    (logdir / "config.json").write_text('{"trainer": {"steps": 1')  # cut short
+  else:
+    (logdir / "config.json").unlink()
+  capsys.readouterr()
+  again = tiny_config(logdir, resume=True)
+  again.trainer.steps = 2
+  assert train.run(again, overrides=["trainer.steps"])["step"] == 2
+  out = capsys.readouterr().out
+  assert f"resuming {logdir} with the config in its checkpoint of step 1 (" in out, out[:2000]
+  assert "config.json is written again from it once the checkpoint is restored)" in out
+  # the checkpoint's config, with the override: the file a clean resume would have written
+  assert json.loads((logdir / "config.json").read_text()) == {
+      **json.loads(good), "trainer": {**json.loads(good)["trainer"], "steps": 2}}

@@ -572,11 +572,13 @@ def test_a_logdir_that_is_a_file_is_rejected_before_work(tmp_path, no_work):
     train.run(tiny_config(tmp_path / "file"))
 
 
-def test_a_broken_saved_config_names_the_file(finished_run, tmp_path):
-  logdir = tmp_path / "copy"
-  shutil.copytree(finished_run[0], logdir)
+def test_a_broken_saved_config_names_the_file(tmp_path):
+  """Without a checkpoint to take the config from (with one: test_restart_path.py)."""
+  logdir = tmp_path / "run"
+  logdir.mkdir()
   (logdir / "config.json").write_text("{broken")
-  with pytest.raises(ConfigError, match=r"config.json is not valid JSON"):
+  with pytest.raises(ConfigError, match=r"config.json is not valid JSON.*There is no checkpoint "
+                                        r"to take the config from either: drop --config.resume"):
     train.run(tiny_config(logdir, resume=True))
 
 

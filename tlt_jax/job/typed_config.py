@@ -114,8 +114,7 @@ def set_dotted(cfg: ml_collections.ConfigDict, name: str, value: Any) -> None:
 def read_json_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
   """A config saved as JSON (a run's ``config.json``); errors name the file."""
   try:
-    return ml_collections.ConfigDict(read_json_object(
-        path, "restore it from a backup or delete the run's logdir to start over"))
+    return ml_collections.ConfigDict(read_json_object(path))
   except FileNotFoundError:
     raise ConfigError(f"{path} does not exist") from None
   except ValueError as e:
