@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tlt_jax import generate
-from tlt_jax.job.typed_config import load_config_file
+from tlt_jax.job.typed_config import ConfigError, load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -72,3 +72,22 @@ def test_command_line_overrides():
       [sys.executable, "-m", "tlt_jax.generate", "--config.rollout.max_batch=-1"],
       capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert bad.returncode != 0 and "EngineConfig.max_batch" in bad.stderr
+
+
+def test_a_long_prompt_or_completion_names_the_flags_to_change():
+  """Checked before the engine is built, in the flags a user types (not EngineConfig's or
+  SamplingParams' fields)."""
+  cfg = tiny_config()
+  cfg.rollout.max_prompt_len = 8
+  with pytest.raises(ConfigError) as e:
+    generate.run(cfg, prompts=["1+2=?", "123456+654321=?"])
+  assert str(e.value) == (
+      "--prompt number 2 is 16 tokens long (with its BOS) but --config.rollout.max_prompt_len is 8; "
+      "raise --config.rollout.max_prompt_len to at least 16 or shorten the prompt")
+  cfg = tiny_config()
+  cfg.sampling.max_new_tokens = 40
+  with pytest.raises(ConfigError) as e:
+    generate.run(cfg)
+  assert str(e.value) == (
+      "--config.sampling.max_new_tokens=40 exceeds --config.rollout.max_new_tokens=24 (the "
+      "longest completion the engine is built for); lower the first or raise the second")

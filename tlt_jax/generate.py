@@ -92,6 +92,8 @@ def run(cfg, overrides=None, prompts: list[str] | None = None, chat: bool = Fals
   sampling = to_dataclass(SamplingParams, section(cfg, "sampling"), "sampling", seed=cfg.seed)
   texts = list(prompts) if prompts else demo_prompts(cfg.num_prompts, cfg.seed)
   ids = encode_prompts(tokenizer, texts, chat=chat)
+  check_lengths(ids, engine_config, sampling, given=bool(prompts),
+                bos_id=None if chat else getattr(tokenizer, "bos_token_id", None))
   engine = RolloutEngine(model, config=engine_config)
   if precompile:
     n = engine.precompile()
@@ -109,6 +111,25 @@ def run(cfg, overrides=None, prompts: list[str] | None = None, chat: bool = Fals
   print(f"{s['tokens']} tokens in {s['wall_s']:.2f}s ({s['tokens_per_s']:.0f} tok/s excl. "
         f"compile), compiles during generate: {s['compiles']} ({s['compile_s']:.1f}s)")
   return dict(s, texts=completions)
+
+
+def check_lengths(ids: list[list[int]], engine_config: EngineConfig, sampling: SamplingParams,
+                  given: bool, bos_id: int | None = None) -> None:
+  """The engine's limits, checked before it is built, in the flags a user types (``bos_id``:
+  the tokenizer's BOS, which starts every prompt and counts)."""
+  if sampling.max_new_tokens > engine_config.max_new_tokens:
+    raise ConfigError(
+        f"--config.sampling.max_new_tokens={sampling.max_new_tokens} exceeds "
+        f"--config.rollout.max_new_tokens={engine_config.max_new_tokens} (the longest completion "
+        "the engine is built for); lower the first or raise the second")
+  for i, prompt in enumerate(ids):
+    if len(prompt) > engine_config.max_prompt_len:
+      which = f"--prompt number {i + 1}" if given else f"demo prompt {i}"
+      extra = " (with its BOS)" if bos_id is not None else ""
+      raise ConfigError(
+          f"{which} is {len(prompt)} tokens long{extra} but --config.rollout.max_prompt_len is "
+          f"{engine_config.max_prompt_len}; raise --config.rollout.max_prompt_len to at least "
+          f"{max(len(p) for p in ids)} or shorten the prompt")
 
 
 def _prompt_flag() -> dict:
