@@ -91,7 +91,8 @@ def test_every_metric_has_a_kind():
              "drafter_top1", "drafter_serial_steps", "drafter_bootstrap_steps",
              "drafter_spot_devices"]
   timed = ["step_s", "rollout_s", "sd_saved_s", "arm_tps/8/vanilla", "ledger_balance_s",
-           "tlt_saved_s", "drafter_serial_s", "update_s", "tail_idle_device_s"]
+           "tlt_saved_s", "drafter_serial_s", "update_s", "tail_idle_device_s",
+           "process_rollout_s/0", "process_idle_s/1"]  # (per process, several processes)
   assert {k: metric_kind(k) for k in exact} == dict.fromkeys(exact, "exact")
   assert {k: metric_kind(k) for k in decided} == dict.fromkeys(decided, "decided")
   assert {k: metric_kind(k) for k in timed} == dict.fromkeys(timed, "timed")

@@ -196,7 +196,7 @@ def tokens_digest(tokens) -> int:
 # which with rollout.verify="coupled" (the default) follows the config and seed alone: every arm
 # emits the tokens vanilla sampling draws. Every checkpoint saves the decisions' state (tuner,
 # ledger), so a resumed run decides on from where it stopped.
-_TIMED_SUFFIXES = ("_s", "_ms")
+_TIMED_SUFFIXES = ("_s", "_ms")  # of the name, or of its first part ("process_idle_s/1")
 _TIMED_PREFIXES = ("arm_tps/",)
 _DECIDED_PREFIXES = ("arm_share/", "arm_steps/", "accept_len/", "accept_share/", "drafter_",
                      "ledger_", "spot_", "tlt_", "tail_idle")
@@ -205,7 +205,7 @@ _DECIDED = ("mean_accept_len", "sd_switches", "decode_steps", "compiles")
 
 def metric_kind(key: str) -> str:
   """"timed", "decided" or "exact": what a step metric ``key`` follows (see above)."""
-  if key.endswith(_TIMED_SUFFIXES) or key.startswith(_TIMED_PREFIXES):
+  if key.split("/", 1)[0].endswith(_TIMED_SUFFIXES) or key.startswith(_TIMED_PREFIXES):
     return "timed"
   if key.startswith(_DECIDED_PREFIXES) or key in _DECIDED:
     return "decided"
