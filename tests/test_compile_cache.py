@@ -32,12 +32,21 @@ print(json.dumps(dict(rc=rc, compiles=compile_count(),
 """
 
 
+# the same for the main job (tlt_jax.train)
+_COUNTING_TRAIN = _COUNTING_MAIN.replace(
+    "from tlt_jax import cli, generate", "from tlt_jax import cli, train").replace(
+    """cli.main(generate.__doc__, generate.run, generate._DEFAULT_CONFIG, sys.argv,
+              extra_flags=generate._prompt_flag)""",
+    "cli.main(train.__doc__, train.run, train.DEFAULT_CONFIG, sys.argv)")
+
+
 def run_generate(args, **env):
   """The counting generate in a subprocess: (counts, stderr). Without the session's settings of
   JAX's cache thresholds (tests/conftest.py): the entry point must make its own."""
   inherited = {k: v for k, v in os.environ.items()
                if not k.startswith("JAX_PERSISTENT_CACHE_")}
-  proc = subprocess.run([sys.executable, "-c", _COUNTING_MAIN, *args], capture_output=True,
+  proc = subprocess.run([sys.executable, "-c", env.pop("main", _COUNTING_MAIN), *args],
+                        capture_output=True,
                         text=True, timeout=300, cwd=ROOT,
                         env=dict(inherited, PYTHONPATH=str(ROOT), **env))
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -139,3 +148,22 @@ def test_an_unknown_flag_says_so_in_one_line(flag, hint):
   assert proc.returncode == 2
   assert proc.stderr == (f"error: unknown flag {name}{hint}\n"
                          "(--help lists the flags and config fields)\n")
+
+
+@pytest.mark.slow
+def test_a_resumed_run_loads_every_executable_its_run_compiled(tmp_path):
+  """The main job stopped after a checkpoint and resumed: every executable the resume needs (the
+  rollout's with restored weights among them) is a cache hit, and the cache gains nothing."""
+  from tests.test_train_job import tiny_flags  # pylint: disable=import-outside-toplevel
+  cache, logdir = tmp_path / "cache", tmp_path / "run"
+  args = [f"--config.{k}={v}" for k, v in tiny_flags().items()] + [
+      f"--config.logdir={logdir}", f"--compile_cache={cache}", "--config.checkpoint_every=1"]
+  first, _ = run_generate(args + ["--config.trainer.steps=1"], main=_COUNTING_TRAIN)
+  assert first["rc"] == 0 and first["compiles"] > 0 and first["hits"] == 0
+  written = sorted(p.name for p in entries(cache))
+  resumed, err = run_generate(args + ["--config.trainer.steps=2", "--config.resume=True"],
+                              main=_COUNTING_TRAIN)
+  assert resumed["rc"] == 0, err[-2000:]
+  assert resumed["requests"] == resumed["compiles"] > 0
+  assert resumed["hits"] == resumed["requests"], (resumed, err[-2000:])
+  assert sorted(p.name for p in entries(cache)) == written

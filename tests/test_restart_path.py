@@ -304,3 +304,18 @@ def test_a_damaged_config_json_is_taken_from_the_checkpoint_and_written_again(
   # the checkpoint's config, with the override: the file a clean resume would have written
   assert json.loads((logdir / "config.json").read_text()) == {
       **json.loads(good), "trainer": {**json.loads(good)["trainer"], "steps": 2}}
+
+
+def test_a_signal_during_a_save_waits_for_the_save_then_stops():
+  """``StopSignals.deferred()`` (around every checkpoint save): a signal that would stop the run
+  at once is held until the block ends, so a second Ctrl-C never leaves half a checkpoint."""
+  from tlt_jax.job.signals import StopSignals  # pylint: disable=import-outside-toplevel
+  finished = []
+  with StopSignals() as stop:
+    with pytest.raises(Interrupted, match="^SIGINT received$") as e:
+      with stop.deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler has run by now
+        finished.append("the save")
+    assert e.value.exit_code == 130
+  assert finished == ["the save"]

@@ -27,9 +27,12 @@ def on_device(tree, device):
   ``device_put``."""
   def put(x):
     if isinstance(x, jax.Array):
-      for shard in x.addressable_shards:
+      for i, shard in enumerate(x.addressable_shards):
         if shard.device == device and shard.data.shape == x.shape:
-          return shard.data
+          # a single-device array whatever ``x``'s sharding (``shard.data`` of a one-device
+          # mesh's array keeps the mesh's): the engine's executables compile for one sharding,
+          # so a resumed run (restored arrays) hits the cache of the run it continues
+          return x.addressable_data(i)
     return jax.device_put(x, device)
   return jax.tree.map(put, tree)
 
