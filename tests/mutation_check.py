@@ -103,10 +103,11 @@ MUTANTS = [
            ("tests/test_generate.py", "-k", "long_prompt"),
            "a too-long --prompt is reported as EngineConfig.max_prompt_len, not the flag"),
     Mutant("resume_misses_the_compile_cache", "tlt_jax/rollout/interface.py",
-           "          return x.addressable_data(i)", "          return shard.data",
-           ("tests/test_compile_cache.py", "-k", "resumed"),
+           "          return jax.device_put(shard.data, device)", "          return shard.data",
+           ("tests/rollout/test_engine.py", "-k", "on_device"),
            "a resumed run's rollout compiles for the restored arrays' sharding: every rollout "
-           "executable misses the cache its own run filled", tier="full"),
+           "executable misses the cache its own run filled (tests/test_compile_cache.py's "
+           "resumed-run test, full tier, catches it too)"),
     Mutant("new_run_overwrites_checkpoints", "tlt_jax/job/run_dir.py",
            "  if not cfg.resume:\n    if latest is not None:",
            "  if not cfg.resume:\n    if False:",

@@ -269,3 +269,35 @@ def test_every_chunk_samples_as_one_batch_would(model, engines):
   plain = engines().generate(prompts, unfiltered)
   for prompt, toks, lps in zip(prompts, plain.tokens, plain.logprobs):
     np.testing.assert_allclose(lps, full_logprobs(model, prompt, toks), atol=1e-4)
+
+
+_ON_DEVICE_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from tlt_jax.rollout.interface import on_device
+for n in (1, 4):
+  mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+  x = jax.device_put(jnp.arange(16.0).reshape(4, 4), NamedSharding(mesh, PartitionSpec()))
+  for shard in x.addressable_shards:
+    y = on_device(x, shard.device)
+    assert y.sharding == SingleDeviceSharding(shard.device), (n, shard.device, y.sharding)
+    assert y.unsafe_buffer_pointer() == shard.data.unsafe_buffer_pointer(), "copied"
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+other = jax.devices()[1]
+z = on_device(jax.device_put(jnp.ones(3), jax.devices()[0]), other)  # elsewhere: copied there
+assert z.sharding == SingleDeviceSharding(other)
+print("ok")
+"""
+
+
+def test_on_device_hands_each_engine_a_single_device_view_of_its_copy():
+  """The engines' weights are single-device arrays on their device, whatever sharding the
+  update left them in (a one-device mesh's included: compiling for that sharding made a resumed
+  run, whose restored weights are single-device, miss the compile cache), without a copy where
+  the device holds a full one."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from tests.xla_env import subprocess_env  # pylint: disable=import-outside-toplevel
+  done = subprocess.run([sys.executable, "-c", _ON_DEVICE_CHECK], env=subprocess_env(4),
+                        capture_output=True, text=True, timeout=120, check=False)
+  assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

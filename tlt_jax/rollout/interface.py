@@ -27,12 +27,13 @@ def on_device(tree, device):
   ``device_put``."""
   def put(x):
     if isinstance(x, jax.Array):
-      for i, shard in enumerate(x.addressable_shards):
+      for shard in x.addressable_shards:
         if shard.device == device and shard.data.shape == x.shape:
           # a single-device array whatever ``x``'s sharding (``shard.data`` of a one-device
-          # mesh's array keeps the mesh's): the engine's executables compile for one sharding,
-          # so a resumed run (restored arrays) hits the cache of the run it continues
-          return x.addressable_data(i)
+          # mesh's array keeps the mesh's; device_put onto its own device re-labels it without a
+          # copy): the engine's executables compile for one sharding, so a resumed run (restored
+          # arrays) hits the cache of the run it continues
+          return jax.device_put(shard.data, device)
     return jax.device_put(x, device)
   return jax.tree.map(put, tree)
 
