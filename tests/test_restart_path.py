@@ -27,7 +27,7 @@ from tests.test_train_job import tiny_config, tiny_flags
 from tests.xla_env import subprocess_env
 from tlt_jax import train
 from tlt_jax.job import runner
-from tlt_jax.job.run_dir import LEFTOVERS, open_run, set_aside_leftovers
+from tlt_jax.job.run_dir import LEFTOVERS, set_aside_leftovers
 from tlt_jax.job.signals import Interrupted
 from tlt_jax.rl.trainer import GRPOTrainer
 
@@ -142,16 +142,6 @@ def test_a_new_run_sets_an_earlier_attempts_files_aside_and_a_refused_one_moves_
   assert second is not None and second != aside and sorted(
       p.name for p in second.iterdir()) == ["config.json"]
   assert set_aside_leftovers(logdir) is None  # nothing left to move
-
-
-def test_a_resume_with_neither_checkpoint_nor_config_is_refused_and_moves_nothing(tmp_path):
-  logdir = tmp_path / "run"
-  logdir.mkdir()
-  (logdir / "notes.txt").write_text("mine")
-  with pytest.raises(Exception, match=r"holds no run \(no checkpoint, no config.json\); drop "
-                                      r"--config.resume to start a new run there"):
-    open_run(tiny_config(logdir, resume=True), logdir, overrides=[])
-  assert sorted(p.name for p in logdir.iterdir()) == ["notes.txt"]
 
 
 def launch(logdir, flags: dict, *, until: str, where: str = "stdout", signals: int = 1,

@@ -164,9 +164,15 @@ def test_the_run_config_is_replaced_atomically(tmp_path, monkeypatch):
 
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path):
+  """Neither a checkpoint nor a config.json (with a config.json: tests/test_restart_path.py):
+  refused, and the logdir's files stay where they are."""
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "empty" / "notes.txt").write_text("mine")
   cfg = tiny_config(tmp_path / "empty", resume=True)
-  with pytest.raises(ConfigError, match=r"holds no run \(no checkpoint, no config.json\); drop --config.resume"):
+  with pytest.raises(ConfigError, match=r"holds no run \(no checkpoint, no config.json\); drop "
+                                        r"--config.resume to start a new run there"):
     train.run(cfg)
+  assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["notes.txt"]
 
 
 @pytest.fixture
