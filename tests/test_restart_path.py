@@ -272,7 +272,7 @@ def test_a_resume_that_changes_the_models_shape_names_the_flag_before_loading_an
   assert train.run(again, overrides=["trainer.steps"])["step"] == 2
 
 
-@pytest.mark.parametrize("damage", ["garbled", "missing"])
+@pytest.mark.parametrize("damage", ["garbled", pytest.param("missing", marks=pytest.mark.slow)])
 def test_a_damaged_config_json_is_taken_from_the_checkpoint_and_written_again(
     tmp_path, capsys, damage):
   logdir = tmp_path / "run"
