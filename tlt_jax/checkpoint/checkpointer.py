@@ -131,6 +131,14 @@ class Checkpointer:
     """The newest step, or ``None`` when the directory holds none (or does not exist)."""
     return self._manager.latest_step()
 
+  def read_metadata(self, step: int) -> dict:
+    """The JSON metadata saved with ``step`` alone, without reading its arrays (unverified:
+    ``restore`` checks it against the step's checksums)."""
+    with quiet():
+      restored = self._manager.restore(
+          int(step), args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()}))
+    return dict(restored[_METADATA] or {})
+
   def save(self, step: int, state: PyTree, metadata: dict | None = None, *,
            allow_nonfinite: bool = False) -> None:
     """Writes ``state`` (a pytree of arrays) and the JSON-able ``metadata`` as checkpoint ``step``.

@@ -75,43 +75,39 @@ def open_run(cfg: ml_collections.ConfigDict, logdir: pathlib.Path,
                         "another --config.logdir")
     return cfg, latest, None
   saved_file = logdir / CONFIG_FILE
-  if latest is None:
-    if not saved_file.exists():
-      raise ConfigError(f"config.resume=True but {logdir} holds no run (no checkpoint, no "
-                        f"{CONFIG_FILE}); drop --config.resume to start a new run there")
-    try:
-      saved = read_json_config(saved_file)
-    except ConfigError as e:
-      raise ConfigError(f"{e}. There is no checkpoint to take the config from either: drop "
-                        f"--config.resume to start a new run in {logdir} (its files are set "
-                        "aside)") from None
-    cfg, notes = resume_config(cfg, saved, overrides)
-    cfg.resume = False
-    return cfg, None, (f"{logdir}'s run stopped before its first checkpoint: it starts over "
-                       "with its saved config" + (", overridden:\n" + "\n".join(notes)
-                                                  if notes else ""))
+  if latest is None and not saved_file.exists():
+    raise ConfigError(f"config.resume=True but {logdir} holds no run (no checkpoint, no "
+                      f"{CONFIG_FILE}); drop --config.resume to start a new run there")
   source = "its saved config"
   try:
     saved = read_json_config(saved_file)
   except ConfigError as e:  # missing or damaged: every checkpoint carries the run's config
+    if latest is None:
+      raise ConfigError(f"{e}. There is no checkpoint to take the config from either: drop "
+                        f"--config.resume to start a new run in {logdir} (its files are set "
+                        "aside)") from None
     saved = checkpoint_config(checkpoint_dir, latest)
     source = (f"the config in its checkpoint of step {latest} ({e}; {CONFIG_FILE} is written "
               "again from it once the checkpoint is restored)")
   cfg, notes = resume_config(cfg, saved, overrides)
-  check_resume_overrides(saved, cfg)
-  return cfg, latest, (f"resuming {logdir} with {source}" +
-                       (", overridden:\n" + "\n".join(notes) if notes else ""))
+  if latest is None:  # nothing to restore: a new run with the saved config
+    cfg.resume = False
+    head = f"{logdir}'s run stopped before its first checkpoint: it starts over with {source}"
+  else:
+    check_resume_overrides(saved, cfg)
+    head = f"resuming {logdir} with {source}"
+  return cfg, latest, head + (", overridden:\n" + "\n".join(notes) if notes else "")
 
 
 def checkpoint_config(checkpoint_dir: pathlib.Path, step: int) -> ml_collections.ConfigDict:
   """The run config saved in checkpoint ``step``'s metadata (every checkpoint holds one)."""
-  path = checkpoint_dir / str(step) / "metadata" / "metadata"
   try:
-    return ml_collections.ConfigDict(json.loads(path.read_text(encoding="utf-8"))["config"])
-  except (OSError, ValueError, KeyError, TypeError) as e:
+    with Checkpointer(checkpoint_dir, keep=None) as checkpointer:
+      return ml_collections.ConfigDict(checkpointer.read_metadata(step)["config"])
+  except Exception as e:  # pylint: disable=broad-except  (orbax's errors for unreadable files)
     raise ConfigError(f"the run's {CONFIG_FILE} is missing or damaged and its checkpoint of "
-                      f"step {step} holds no readable config ({path}: {e}); restore "
-                      f"{CONFIG_FILE} from a backup") from None
+                      f"step {step} holds no readable config ({checkpoint_dir / str(step)}: "
+                      f"{type(e).__name__}: {e}); restore {CONFIG_FILE} from a backup") from None
 
 
 # fields a checkpoint's arrays depend on: the policy's architecture (or pretrained model) and
