@@ -105,9 +105,8 @@ MUTANTS = [
     Mutant("resume_misses_the_compile_cache", "tlt_jax/rollout/interface.py",
            "          return jax.device_put(shard.data, device)", "          return shard.data",
            ("tests/rollout/test_engine.py", "-k", "on_device"),
-           "a resumed run's rollout compiles for the restored arrays' sharding: every rollout "
-           "executable misses the cache its own run filled (tests/test_compile_cache.py's "
-           "resumed-run test, full tier, catches it too)"),
+           "the rollout decodes with the replicated arrays' one-device views as they are, not "
+           "as single-device arrays"),
     Mutant("new_run_overwrites_checkpoints", "tlt_jax/job/run_dir.py",
            "  if not cfg.resume:\n    if latest is not None:",
            "  if not cfg.resume:\n    if False:",
@@ -661,6 +660,18 @@ MUTANTS = [
            "blended = smooth * scaled / scaling.factor + (1 - smooth) * scaled",
            ("tests/models/test_transformer.py", "-k", "published_llama31"),
            "Llama-3 RoPE scaling blends the mid band the wrong way round"),
+    Mutant("pool_lowers_from_the_arrays", "tlt_jax/rollout/pool.py",
+           "      return jax.jit(fn, donate_argnums=1).lower(self.weights_spec(), self.state_spec",
+           "      return jax.jit(fn, donate_argnums=1).lower(self.weights(), self.state_spec",
+           ("tests/test_compile_cache.py", "-k", "resumed_run"),
+           "the decode segments are lowered from the weight arrays, whose type names the mesh a "
+           "replicated array came from: a resumed run (restored arrays) misses 4 of 45", "full"),
+    Mutant("locked_tuner_reads_unlocked", "tlt_jax/rollout/parallel.py",
+           "    if not callable(value):\n      return value",
+           "    if not callable(value) or name == 'summary':\n      return value",
+           ("tests/rollout/test_parallel.py", "-k", "lock"),
+           "the shared tuner's summary reads beside another thread's plan (CI met a half-built "
+           "prediction: KeyError 'chain d3')"),
 ]
 
 

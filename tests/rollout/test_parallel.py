@@ -48,3 +48,23 @@ def test_two_devices_same_tokens_and_idle_devices_work():
                         env=subprocess_env())
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "parallel rollout ok" in proc.stdout, proc.stdout
+
+
+def test_the_shared_tuner_reads_under_its_lock_too():
+  """Every call through LockedTuner waits for the lock (summary and speeds read what another
+  thread's plan/update is writing: in CI a summary once met a bucket's predictions half built)."""
+  import threading  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.parallel import LockedTuner  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.tuner import Arm, TunerConfig, make_tuner  # pylint: disable=import-outside-toplevel
+  shared = LockedTuner(make_tuner(TunerConfig()))
+  shared.plan(2, [Arm("vanilla", 1), Arm("chain d3", 4)])
+  assert shared.config.kind == "cost"  # plain attributes as they are
+  for call in (shared.summary, lambda: shared.speeds(2), shared.state_dict,
+               lambda: shared.plan(2, [Arm("vanilla", 1)])):
+    done = threading.Event()
+    with shared._lock:  # another thread inside the tuner
+      worker = threading.Thread(target=lambda c=call: (c(), done.set()))
+      worker.start()
+      assert not done.wait(0.2), "a call went past the lock"
+    assert done.wait(10)
+    worker.join()

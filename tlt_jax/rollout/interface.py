@@ -31,8 +31,8 @@ def on_device(tree, device):
         if shard.device == device and shard.data.shape == x.shape:
           # a single-device array whatever ``x``'s sharding (``shard.data`` of a one-device
           # mesh's array keeps the mesh's; device_put onto its own device re-labels it without a
-          # copy): the engine's executables compile for one sharding, so a resumed run (restored
-          # arrays) hits the cache of the run it continues
+          # copy). Its type may still name the mesh: the pool lowers from shapes and the device
+          # alone (ExecutablePool.weights_spec), so a resumed run hits its first run's cache
           return jax.device_put(shard.data, device)
     return jax.device_put(x, device)
   return jax.tree.map(put, tree)

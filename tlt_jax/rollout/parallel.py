@@ -23,6 +23,7 @@ engine's behaviour.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -49,34 +50,26 @@ class RolloutCancelled(Exception):
 
 
 class LockedTuner:
-  """A tuner shared by the engines of several threads: ``choose``/``update`` under one lock."""
+  """A tuner shared by the engines of several threads: every method runs under one lock.
+
+  ``summary`` and ``speeds`` read what ``plan``/``update`` write (the cost tuner caches its
+  predictions per bucket), so reads take the lock too; a read beside another thread's write
+  once found a bucket's predictions half built."""
 
   def __init__(self, tuner: Tuner):
     self.tuner = tuner
-    self._lock = threading.Lock()
+    self._lock = threading.RLock()
 
-  def choose(self, bucket, arms):
-    with self._lock:
-      return self.tuner.choose(bucket, arms)
+  def __getattr__(self, name):  # choose, plan, update, summary, state_dict, ...; config as is
+    value = getattr(self.tuner, name)
+    if not callable(value):
+      return value
 
-  def plan(self, bucket, arms):
-    with self._lock:
-      return self.tuner.plan(bucket, arms)
-
-  def update(self, bucket, arm, tokens, seconds, **measured):
-    with self._lock:
-      return self.tuner.update(bucket, arm, tokens, seconds, **measured)
-
-  def observe_drafter(self, quality=None, **kwargs):  # source=, forget=
-    with self._lock:
-      return self.tuner.observe_drafter(quality, **kwargs)
-
-  def step_cost(self, bucket, arm):
-    with self._lock:
-      return self.tuner.step_cost(bucket, arm)
-
-  def __getattr__(self, name):  # config, summary, state_dict, load_state_dict, ...
-    return getattr(self.tuner, name)
+    @functools.wraps(value)
+    def locked(*args, **kwargs):
+      with self._lock:
+        return value(*args, **kwargs)
+    return locked
 
 
 def shard_ranges(n: int, shards: int) -> list[range]:

@@ -48,6 +48,15 @@ class ExecutablePool:
   def compile_seconds(self) -> float:
     return self.executables.seconds
 
+  def weights_spec(self):
+    """The weights as the executables are lowered for: shapes, dtypes and the device, nothing
+    else. An array's type can also carry the mesh it came from (a one-device view of a replicated
+    array keeps its mesh's name, a restored one does not); lowered from the arrays themselves, a
+    resumed run's HLO (and compile-cache key) would differ from its first run's."""
+    sharding = self.sharding()
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        self.weights())
+
   def args_spec(self):
     return jax.eval_shape(lambda: SamplerArgs.from_params(
         SamplingParams(), (), self.config.max_stop_ids))
@@ -71,7 +80,7 @@ class ExecutablePool:
     ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
     fn = functools.partial(self.steps.prefill, kv_len=kv_len)
-    shapes = jax.eval_shape(fn, self.weights(), ids, vec, vec, vec, self.history_spec(batch),
+    shapes = jax.eval_shape(fn, self.weights_spec(), ids, vec, vec, vec, self.history_spec(batch),
                             self.args_spec())[0]
     sharding = self.sharding()
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
@@ -98,14 +107,14 @@ class ExecutablePool:
       ids = jax.ShapeDtypeStruct((batch, key[2]), jnp.int32)
       vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
       fn = functools.partial(steps.prefill, kv_len=self.config.prefill_kv_len(key[2]))
-      return jax.jit(fn).lower(self.weights(), ids, vec, vec, vec, self.history_spec(batch), args)
+      return jax.jit(fn).lower(self.weights_spec(), ids, vec, vec, vec, self.history_spec(batch), args)
     if kind == "segment":
       fn = functools.partial(steps.segment, stop_at=key[3], group=key[4])
       scalar = jax.ShapeDtypeStruct((), jnp.int32)
-      return jax.jit(fn, donate_argnums=1).lower(self.weights(), self.state_spec(batch, key[2]),
+      return jax.jit(fn, donate_argnums=1).lower(self.weights_spec(), self.state_spec(batch, key[2]),
                                                  args, scalar, scalar)
     if kind == "catchup":
-      return jax.jit(steps.catch_up, donate_argnums=1).lower(self.weights(),
+      return jax.jit(steps.catch_up, donate_argnums=1).lower(self.weights_spec(),
                                                              self.state_spec(batch, key[2]))
     if kind == "compact":
       index = jax.ShapeDtypeStruct((key[2],), jnp.int32, sharding=self.sharding())

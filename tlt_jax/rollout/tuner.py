@@ -674,7 +674,7 @@ class CostModel(Tuner):
     if bucket in self._speeds:
       return self._speeds[bucket]
     vanilla = next((n for n in stats.arms if not self._meta[n].speculative), None)
-    out = self._speeds[bucket] = {}
+    out = {}  # cached once whole (a half-built entry must never be read)
     for name in stats.arms:
       cost = 1.0 if name == vanilla else (None if vanilla is None else
                                           self.relative_cost(bucket, name, vanilla))
@@ -684,6 +684,7 @@ class CostModel(Tuner):
           speed=None if cost is None or length is None else length / cost,
           # an arm whose cost nothing measured yet: as cheap as vanilla
           optimistic=best_case / (1.0 if cost is None else cost))
+    self._speeds[bucket] = out
     return out
 
   # ---- the choice ----------------------------------------------------------------------------
