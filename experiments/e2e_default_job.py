@@ -3,6 +3,8 @@
 
   python experiments/e2e_default_job.py [--steps 16] [--set trainer.prompts_per_step=8 ...]
       [--config-override drafter_training.serial_steps=8 ...]
+  python experiments/e2e_default_job.py --config configs/tiny_longtail.py --drafter suffix \
+      --steps 16 --split-step 4 --verify both     # issue 37: the long-tail job
   python experiments/e2e_default_job.py --drafter suffix --set trainer.num_prompts=64 \
       --split-step 2 --steps 12      # issue 22: recurring prompts, drafts from their history
 
@@ -82,17 +84,17 @@ def assignment(text: str) -> tuple[str, object]:
 
 
 def job_config(seed: int, drafter: str, overrides: list[tuple[str, object]],
-               verify: str = "coupled"):
-  """The default job's config with ``seed``, ``drafter``, ``verify`` and the ``overrides``
-  (dotted keys) applied."""
-  cfg = config_lib.load_config_file(DEFAULT_CONFIG)
+               verify: str = "coupled", path=DEFAULT_CONFIG):
+  """The job ``path`` configures (the default job unless told) with ``seed``, ``drafter``,
+  ``verify`` and the ``overrides`` (dotted keys) applied."""
+  cfg = config_lib.load_config_file(path)
   cfg.seed, cfg.drafter = seed, drafter
   cfg.rollout.verify = verify
   for key, value in overrides:
     try:
       config_lib.set_dotted(cfg, key, value)
     except (KeyError, AttributeError) as e:
-      raise SystemExit(f"no config field {key!r} ({e}); see {DEFAULT_CONFIG}") from None
+      raise SystemExit(f"no config field {key!r} ({e}); see {path}") from None
   return cfg
 
 
@@ -169,8 +171,10 @@ def summarize(rows: dict[str, list[dict]], compiled: list[bool], skip: int,
 
 def main():
   parser = harness.parser(__doc__)
+  parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the job's config file "
+                      "(default: the default job's), e.g. configs/tiny_longtail.py")
   parser.add_argument("--steps", type=int, default=None, help="RL steps per arm (default: the "
-                      "default job's trainer.steps)")
+                      "job's trainer.steps)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--set", dest="both", type=assignment, action="append", default=[],
                       metavar="KEY=VALUE", help="a config field of both arms (repeatable)")
@@ -191,10 +195,10 @@ def main():
   global ARMS  # pylint: disable=global-statement
   sd = a.drafter if a.verify != "rejection" else f"{a.drafter}_rejection"
   ARMS = ("none", sd) + ((f"{a.drafter}_rejection",) if a.verify == "both" else ())
-  cfgs = {"none": job_config(a.seed, "none", a.both)}
+  cfgs = {"none": job_config(a.seed, "none", a.both, path=a.config)}
   for arm in ARMS[1:]:
     cfgs[arm] = job_config(a.seed, a.drafter, a.both + a.eagle,
-                           "rejection" if arm.endswith("_rejection") else "coupled")
+                           "rejection" if arm.endswith("_rejection") else "coupled", a.config)
   coupled_arms = [arm for arm in ARMS[1:] if not arm.endswith("_rejection")]
   jobs = {arm: build_job(cfg) for arm, cfg in cfgs.items()}
   steps = a.steps if a.steps is not None else jobs["none"].trainer.steps
@@ -257,7 +261,7 @@ def main():
     coupled_vs_rejection = summarize(rows, compiled, a.skip, a.split_step, sd=sd, base=ARMS[2])
   tuner = trainers[sd].engine.tuner
   report = dict(
-      command=" ".join(sys.argv), config=str(DEFAULT_CONFIG), seed=a.seed, steps=steps,
+      command=" ".join(sys.argv), config=str(a.config), seed=a.seed, steps=steps,
       drafter=a.drafter, arms=list(ARMS), both=dict(a.both), eagle_overrides=dict(a.eagle),
       verify=a.verify,
       target=TARGET,

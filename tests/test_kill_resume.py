@@ -142,16 +142,14 @@ def references(tmp_path_factory):
 SIGNAL_CASES = [("default", signal.SIGKILL), ("default", signal.SIGTERM),
                 ("eagle", signal.SIGINT), ("eagle_ledger", signal.SIGKILL),
                 ("eagle_2_devices", signal.SIGKILL)]
-# The fast tier's case writes every kind of state at once: the policy and its optimizer, the
-# drafter with its optimizer, data buffer and selective saves, the tuner, and the ledger (the
-# history store's case is in test_train_job.py); the full tier runs every case.
-FAST_TIER_CASE = ("eagle_ledger", signal.SIGKILL)
-
-
+# Every case is a process killed and resumed: the full tier's (the fast tier stays under 10
+# minutes on 2 cores; its restart tests run in-process: tests/test_restart_path.py and
+# tests/rl/test_trainer.py's save and restore). The ledger case writes every kind of state at
+# once: the policy and its optimizer, the drafter with its optimizer, data buffer and selective
+# saves, the tuner, and the ledger (the history store's case is in test_train_job.py).
+@pytest.mark.slow
 @pytest.mark.parametrize("case, sig", [
-    pytest.param(c, s, id=f"{c}-{signal.Signals(s).name}",
-                 marks=() if (c, s) == FAST_TIER_CASE else pytest.mark.slow)
-    for c, s in SIGNAL_CASES])
+    pytest.param(c, s, id=f"{c}-{signal.Signals(s).name}") for c, s in SIGNAL_CASES])
 def test_a_stopped_run_resumes_to_the_uninterrupted_one(references, tmp_path, case, sig):
   flags, devices = CASES[case]
   logdir = tmp_path / "run"

@@ -30,14 +30,9 @@ def test_there_are_notebooks():
   assert all(p.parent == NOTEBOOK_DIR and p.is_file() for p in NOTEBOOKS)
 
 
-# the fast tier executes one notebook, the one that touches the most mechanisms (the adaptive
-# engine's tuner, a drafter trained online, the ledger); the full tier executes them all
-FAST_TIER_NOTEBOOK = "04_adaptive_tlt.ipynb"
-
-
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=() if p.name == FAST_TIER_NOTEBOOK else pytest.mark.slow)
-    for p in NOTEBOOKS], ids=lambda p: p.name)
+# the full tier executes every notebook (each takes 1-3 minutes: too long for the fast tier)
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path, monkeypatch):
   # The kernel inherits the session's persistent compile cache (tests/conftest.py): a program
   # built twice (03 trains twice) or by two notebooks is loaded, not compiled, the second time.

@@ -752,6 +752,7 @@ def test_eagle_drafter_trains_online_saves_resumes_and_exports(tmp_path):
   assert drafter_policy_mismatch(logdir / "final_drafter", final) is None
 
 
+@pytest.mark.slow  # a process killed and resumed: the full tier's
 def test_a_killed_suffix_drafter_run_resumes_to_the_uninterrupted_one(tmp_path):
   """drafter="suffix" in epoch mode (8 prompts, 4 a step: the second epoch, which drafts from the
   first one's completions, starts at step 3), SIGKILLed after a random step and resumed: the same

@@ -93,3 +93,19 @@ def test_invalid_settings_are_rejected():
     ArithmeticTask(digit_exponent=0.0)
   with pytest.raises(ValueError, match="op"):
     ArithmeticTask().make_problem(1, 2, "*")
+
+
+def test_operands_past_int64_are_drawn_and_traced_exactly():
+  """The long-tail job's 24-digit operands (numpy's integers stop at 10**18): every digit count
+  comes out as asked, the trace checks, and 18 digits and fewer draw as they always did."""
+  task = ArithmeticTask(max_digits=24, digit_exponent=0.5)
+  problems = task.sample(np.random.default_rng(3), 300)
+  sizes = {max(len(p.prompt.split("+")[0]), len(p.prompt.split("+")[1][:-2])) for p in problems}
+  assert max(sizes) == 24 and min(sizes) == 1
+  for p in problems:
+    a, b = (int(x) for x in p.prompt[:-2].split("+"))
+    assert p.answer == str(a + b) and task.reward(p, p.solution) == 1.0
+  from tlt_jax.rl import tasks  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(5)
+  assert tasks._random_number(rng, 18) == int(np.random.default_rng(5).integers(10 ** 17, 10 ** 18))
+  assert all(len(str(tasks._random_number(rng, 19))) == 19 for _ in range(50))

@@ -42,3 +42,24 @@ def test_unknown_keys_are_rejected(tmp_path):
   cfg.sft.stepz = 3
   with pytest.raises(ValueError, match=r"config.sft has unknown keys \['stepz'\]"):
     train.run(cfg)
+
+
+def test_the_long_tail_job_is_one_batch_of_heavy_tailed_rows_over_epochs():
+  """configs/tiny_longtail.py builds, and is the shape it says: a step's rows are one engine
+  batch, the prompt set recurs (epoch mode), every trace of its task fits the warm start's rows
+  and the rollout's length, and the traces are heavy-tailed (the longest >= 10x the median)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from tlt_jax.job.build import build_job  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl import tasks  # pylint: disable=import-outside-toplevel
+  cfg = load_config_file(ROOT / "configs" / "tiny_longtail.py")
+  job = build_job(cfg)
+  rows = job.trainer.prompts_per_step * job.grpo.group_size
+  assert rows == job.engine.max_batch and job.trainer.num_prompts > job.trainer.prompts_per_step
+  assert cfg.drafter == "suffix"
+  longest = job.task.make_problem(10 ** 32 - 1, 10 ** 32 - 1)
+  assert len(longest.text) + 2 <= job.sft.row_len  # <bos> ... <eos>
+  assert len(longest.solution) + 1 <= job.trainer.max_new_tokens
+  prompt_set = tasks.sample_distinct(  # the job's prompt set: a few long traces, most short
+      job.task, np.random.default_rng([cfg.seed, tasks.PROMPT_SET_STREAM]), job.trainer.num_prompts)
+  lengths = np.array([len(p.solution) for p in prompt_set])
+  assert lengths.max() >= 10 * np.median(lengths)

@@ -39,3 +39,12 @@ def test_arm_totals_sum_each_arm_over_its_buckets():
                 "1": {"chain d3": tally(0.25, 8, 8, 8)}}
   assert stats.arm_totals("steps") == {"vanilla": 50, "chain d3": 18}
   assert stats.arm_totals("seconds") == {"vanilla": 1.0, "chain d3": 0.75}
+
+
+def test_last_seconds_count_the_segments_with_at_most_an_eighth_of_the_rows_live():
+  from tlt_jax.rollout.stats import last_seconds, tail_seconds  # pylint: disable=import-outside-toplevel
+  segments = [(64, 10, 1.0, "vanilla"), (32, 5, 0.5, "vanilla"), (16, 5, 0.25, "vanilla"),
+              (8, 5, 0.125, "chain d3"), (4, 5, 0.0625, "vanilla"), (1, 40, 2.0, "chain d3")]
+  assert last_seconds(segments) == 0.125 + 0.0625 + 2.0
+  assert tail_seconds(segments) == 0.25 + 0.125 + 0.0625 + 2.0
+  assert last_seconds([]) == 0.0

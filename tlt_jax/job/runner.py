@@ -240,6 +240,8 @@ def _drafter_line(m: dict) -> str:
                  f"{m['drafter_serial_steps']} serial")
   if ledger := ledger_lines.step_line(m):
     parts.append(ledger)
+  elif m.get("sd_saved_s") is not None:  # no online drafter: what SD saved against vanilla steps
+    parts.append(f"SD saved {m['sd_saved_s']:.2f}s")
   if "history_hit_rate" in m:
     parts.append(f"history hits {m['history_hit_rate']:.0%} of prompts")
   return (" | " + ", ".join(parts)) if parts else ""
@@ -325,8 +327,9 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
         log.write(m["step"], m)
         _say(f"step {m['step']:4d}/{job.trainer.steps} reward {m['reward']:.3f} loss "
              f"{m['loss']:+.4f} len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
-             f"{m['len_max']} rollout {m['rollout_s']:.1f}s (tail {m['tail_s']:.1f}s) update "
-             f"{m['update_s']:.1f}s" + _drafter_line(m) +
+             f"{m['len_max']} rollout {m['rollout_s']:.1f}s = "
+             f"{100 * m['rollout_s'] / max(m['step_s'], 1e-9):.0f}% (tail {m['tail_s']:.1f}s, "
+             f"last rows {m['last_s']:.1f}s) update {m['update_s']:.1f}s" + _drafter_line(m) +
              (f" | {arms}" if (arms := arm_line(m)) else ""))
     stopped = stop.signum is not None and trainer.step_count < job.trainer.steps
     if stopped and saved_step != trainer.step_count:  # the step in flight when the signal came
@@ -362,12 +365,14 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
   summary.update(reward_first=float(np.mean([m["reward"] for m in history[:5]])),
                  reward_last=float(np.mean([m["reward"] for m in history[-5:]])),
                  rollout_share=rollout / max(total, 1e-9),
-                 tail_share=sum(m["tail_s"] for m in history) / max(total, 1e-9))
+                 tail_share=sum(m["tail_s"] for m in history) / max(total, 1e-9),
+                 last_share_of_rollout=sum(m["last_s"] for m in history) / max(rollout, 1e-9))
   _say(f"held-out sampled reward: {sampled_start:.3f} -> {sampled_end:.3f}; held-out greedy "
        f"accuracy: {accuracy_start:.3f} -> {accuracy_end:.3f}; train reward "
        f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; rollout "
        f"{100 * summary['rollout_share']:.0f}% of step time (tail "
-       f"{100 * summary['tail_share']:.0f}%)")
+       f"{100 * summary['tail_share']:.0f}%); the last rows (at most an eighth live) took "
+       f"{100 * summary['last_share_of_rollout']:.0f}% of the rollout")
   sd = run_sd_summary(log.rows())  # the whole run's steps, those before a resume too
   if sd:
     _say(sd)

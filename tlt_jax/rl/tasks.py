@@ -178,6 +178,10 @@ class ArithmeticTask:
 
 def _random_number(rng: np.random.Generator, digits: int) -> int:
   """A uniform number with exactly ``digits`` digits (0..9 for one digit)."""
+  if digits > 18:  # past int64: a leading digit and the rest (numbers of 18 digits and fewer
+    # are drawn as they always were, so their problems stay the same for a seed)
+    rest = "".join(str(d) for d in rng.integers(0, 10, size=digits - 1))
+    return int(f"{int(rng.integers(1, 10))}{rest}")
   low = 0 if digits == 1 else 10 ** (digits - 1)
   return int(rng.integers(low, 10 ** digits))
 

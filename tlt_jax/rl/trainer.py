@@ -402,7 +402,8 @@ class GRPOTrainer:
                len_p50=float(np.percentile(lengths, 50)), len_p90=float(np.percentile(lengths, 90)),
                len_p99=float(np.percentile(lengths, 99)), len_max=int(lengths.max()),
                rollout_s=t_rollout, update_s=t_update, step_s=time.perf_counter() - t0,
-               tail_s=result.stats.tail_s, compiles=result.stats.compiles,
+               tail_s=result.stats.tail_s, last_s=result.stats.last_s,
+               compiles=result.stats.compiles,
                rollout_digest=tokens_digest(result.tokens))
     offered = None
     if self.engine.tuner is not None:

@@ -39,7 +39,8 @@ from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
 from tlt_jax.rollout.scheduler import ChunkResult, Request, Scheduler, Strategy
 from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.stats import RolloutStats, mean_accept_len, saved_seconds, tail_seconds
+from tlt_jax.rollout.stats import (RolloutStats, last_seconds, mean_accept_len, saved_seconds,
+                                  tail_seconds)
 from tlt_jax.rollout.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
 from tlt_jax.rollout.suffix import SuffixConfig, check_suffix_spec
 from tlt_jax.rollout.tuner import Tuner, TunerConfig, fixed_arm, make_tuner
@@ -579,6 +580,7 @@ class RolloutEngine(Rollout):
     stats.tokens_per_s = stats.tokens / max(stats.wall_s - stats.compile_s, 1e-9)
     stats.finish_arms()
     stats.tail_s = tail_seconds(stats.segments)
+    stats.last_s = last_seconds(stats.segments)
     if self.config.specs:
       # tokens emitted per live row per speculative step (accepted drafts + the bonus token)
       hist = np.asarray(stats.accept_hist if stats.accept_hist is not None

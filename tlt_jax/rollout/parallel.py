@@ -332,11 +332,13 @@ class DataParallelRollout(Rollout):
         DeviceStats(rows=len(shards[k]), busy_s=busy[k], idle_s=rollout_wall - busy[k],
                     idle_used_s=max(0.0, min(hook_span[k][1], rollout_wall) - hook_span[k][0]),
                     tokens=(results[k].stats.tokens if results[k] else 0),
-                    tail_s=(results[k].stats.tail_s if results[k] else 0.0))
+                    tail_s=(results[k].stats.tail_s if results[k] else 0.0),
+                    last_s=(results[k].stats.last_s if results[k] else 0.0))
         for k in range(len(shards))]
     # the devices decode at once: the rollout's tail is its longest device tail (summing them
     # would count device-seconds, not wall time; the tail's idle devices are in ``idle_s``)
     stats.tail_s = max(d.tail_s for d in stats.devices)
+    stats.last_s = max(d.last_s for d in stats.devices)
     stats.idle_overrun_s = max([0.0] + [end - rollout_wall for start, end in hook_span
                                         if end > start])
     stats.idle = idle_out

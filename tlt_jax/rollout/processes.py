@@ -176,13 +176,15 @@ def _merged(per_process: list[RolloutStats], rows: list[int], wall_s: float) -> 
   for s, wall, n in zip(per_process, walls, rows):
     if s.devices:  # a process's devices waited for the slowest process too
       devices += [DeviceStats(rows=d.rows, busy_s=d.busy_s, idle_s=d.idle_s + slowest - wall,
-                              idle_used_s=d.idle_used_s, tokens=d.tokens, tail_s=d.tail_s)
+                              idle_used_s=d.idle_used_s, tokens=d.tokens, tail_s=d.tail_s,
+                              last_s=d.last_s)
                   for d in s.devices]
     else:  # one device: its rows' wall time, then the wait
       devices.append(DeviceStats(rows=n, busy_s=wall, idle_s=slowest - wall, idle_used_s=0.0,
-                                 tokens=s.tokens, tail_s=s.tail_s))
+                                 tokens=s.tokens, tail_s=s.tail_s, last_s=s.last_s))
   stats.devices = devices
   stats.tail_s = max(s.tail_s for s in per_process)
+  stats.last_s = max(s.last_s for s in per_process)
   overruns = [s.idle_overrun_s for s in per_process if s.idle_overrun_s is not None]
   stats.idle_overrun_s = max(overruns) if overruns else None
   stats.idle = [x for s in per_process for x in (s.idle or [])] or None

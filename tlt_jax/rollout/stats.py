@@ -51,7 +51,7 @@ class ArmTally:
 class DeviceStats:
   """One device of a data-parallel rollout: its ``rows``, ``busy_s`` (its shard's wall time),
   ``idle_s`` (the rest of the rollout, the tail it waited through), ``idle_used_s`` (the part of
-  it the ``idle`` hook ran), and its shard's ``tokens`` and ``tail_s``."""
+  it the ``idle`` hook ran), and its shard's ``tokens``, ``tail_s`` and ``last_s``."""
 
   rows: int
   busy_s: float
@@ -59,6 +59,7 @@ class DeviceStats:
   idle_used_s: float
   tokens: int
   tail_s: float
+  last_s: float = 0.0
 
 
 # summed over devices by ``RolloutStats.merge`` (seconds become device-seconds)
@@ -103,6 +104,7 @@ class RolloutStats:
   wall_s: float = 0.0
   tokens_per_s: float = 0.0
   tail_s: float = 0.0
+  last_s: float = 0.0  # ``last_seconds``: while at most an eighth of the rows were live
   accept_hist: Any = None  # a counter array while decoding, a list once finished
   mean_accept_len: float | None = None
   # per draft source (``steps.DRAFT_SOURCES``: history, group, prompt, self, none, learned,
@@ -250,6 +252,16 @@ def tail_seconds(segments) -> float:
     return 0.0
   first = segments[0][0]
   return float(sum(seconds for bucket, _, seconds, *_ in segments if bucket < first / 2))
+
+
+def last_seconds(segments) -> float:
+  """Decode seconds spent in segments with at most an eighth of the first segment's rows live:
+  the time the rollout's last rows took (the batch buckets halve, so an eighth is where a bucket
+  boundary falls; of 64 rows, the last 8)."""
+  if not segments:
+    return 0.0
+  first = segments[0][0]
+  return float(sum(seconds for bucket, _, seconds, *_ in segments if 8 * bucket <= first))
 
 
 # ---- metrics and console lines ----------------------------------------------------------------
