@@ -71,12 +71,21 @@ CASES = {
     # the drafter trains on the device the tail leaves idle (spot, the default with two)
     "eagle_2_devices_default_tuner": ({"drafter": "eagle", "drafter_training.rows": 2,
                                        "drafter_training.seq_len": 32, "rollout_devices": 2}, 2),
+    # the long-tail job (configs/tiny_longtail.py) at the tiny sizes, with every TLT feature:
+    # the EAGLE drafter trained online and paid by the ledger, the suffix drafter over epochs
+    # (8 prompts, 4 a step), the default tuner choosing among them, coupled verification
+    "longtail_every_feature": ({"@config": "configs/tiny_longtail.py", "drafter": "eagle+suffix",
+                                "drafter_training.rows": 2, "drafter_training.seq_len": 32,
+                                "task.num_prompts": 8, "trainer.prompts_per_step": 4}, 1),
 }
 
 
 def command(logdir, flags: dict, *extra) -> list[str]:
-  return [sys.executable, "-m", "tlt_jax.train", f"--config.logdir={logdir}",
-          *[f"--config.{k}={v}" for k, v in {**TINY, **flags}.items()], *extra]
+  """The job's command line: ``flags["@config"]`` (if given) is its config file."""
+  flags = {**TINY, **flags}
+  path = [f"--config={ROOT / flags.pop('@config')}"] if "@config" in flags else []
+  return [sys.executable, "-m", "tlt_jax.train", *path, f"--config.logdir={logdir}",
+          *[f"--config.{k}={v}" for k, v in flags.items()], *extra]
 
 
 
