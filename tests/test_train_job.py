@@ -434,7 +434,7 @@ class FakeTrainer:
     self.on_step(self.step_count + 1)
     self.step_count += 1
     return dict(step=self.step_count, reward=0.5, loss=0.0, len_p50=1, len_p90=1, len_max=1,
-                rollout_s=0.0, tail_s=0.0, update_s=0.0, step_s=0.0)
+                rollout_s=0.0, tail_s=0.0, last_s=0.0, update_s=0.0, step_s=0.0)
 
   def save(self, checkpointer, metadata=None):
     self.saved.append(self.step_count)
