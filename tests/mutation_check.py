@@ -661,8 +661,8 @@ MUTANTS = [
            ("tests/models/test_transformer.py", "-k", "published_llama31"),
            "Llama-3 RoPE scaling blends the mid band the wrong way round"),
     Mutant("pool_lowers_from_the_arrays", "tlt_jax/rollout/pool.py",
-           "      return jax.jit(fn, donate_argnums=1).lower(self.weights_spec(), self.state_spec",
-           "      return jax.jit(fn, donate_argnums=1).lower(self.weights(), self.state_spec",
+           "      return jax.jit(fn, donate_argnums=1).lower(self.weights_spec(),\n",
+           "      return jax.jit(fn, donate_argnums=1).lower(self.weights(),\n",
            ("tests/test_compile_cache.py", "-k", "resumed_run"),
            "the decode segments are lowered from the weight arrays, whose type names the mesh a "
            "replicated array came from: a resumed run (restored arrays) misses 4 of 45", "full"),

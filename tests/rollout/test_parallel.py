@@ -55,7 +55,8 @@ def test_the_shared_tuner_reads_under_its_lock_too():
   thread's plan/update is writing: in CI a summary once met a bucket's predictions half built)."""
   import threading  # pylint: disable=import-outside-toplevel
   from tlt_jax.rollout.parallel import LockedTuner  # pylint: disable=import-outside-toplevel
-  from tlt_jax.rollout.tuner import Arm, TunerConfig, make_tuner  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.tuner import (  # pylint: disable=import-outside-toplevel
+      Arm, TunerConfig, make_tuner)
   shared = LockedTuner(make_tuner(TunerConfig()))
   shared.plan(2, [Arm("vanilla", 1), Arm("chain d3", 4)])
   assert shared.config.kind == "cost"  # plain attributes as they are

@@ -10,8 +10,9 @@ a few run to ~320 (one column of ``x+y+c=dd`` per digit). Each step rolls out 16
 samples = 64 rows, one batch of the engine: as rows finish the batch shrinks bucket by bucket,
 and the last rows decode alone. The prompt set (64 problems) comes back every 4 steps, so the
 suffix drafter has every prompt's earlier completions to draft from from the second epoch on.
-The step line shows the rollout's share of the step and the share of the rollout the last 10% of
-rows took (``last10``); docs/benchmarks.md, "The long-tail job", has the measurements.
+The step line shows the rollout's share of the step and the seconds its last rows took (``last
+rows``: at most an eighth of them live); docs/benchmarks.md, "The long-tail job", has the
+measurements.
 """
 
 import ml_collections

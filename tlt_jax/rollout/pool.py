@@ -53,9 +53,12 @@ class ExecutablePool:
     else. An array's type can also carry the mesh it came from (a one-device view of a replicated
     array keeps its mesh's name, a restored one does not); lowered from the arrays themselves, a
     resumed run's HLO (and compile-cache key) would differ from its first run's."""
+    return self._on_device(self.weights())
+
+  def _on_device(self, tree):
+    """``tree``'s shapes and dtypes on the weights' device (nothing else of its arrays' types)."""
     sharding = self.sharding()
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        self.weights())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
   def args_spec(self):
     return jax.eval_shape(lambda: SamplerArgs.from_params(
@@ -82,9 +85,7 @@ class ExecutablePool:
     fn = functools.partial(self.steps.prefill, kv_len=kv_len)
     shapes = jax.eval_shape(fn, self.weights_spec(), ids, vec, vec, vec, self.history_spec(batch),
                             self.args_spec())[0]
-    sharding = self.sharding()
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        shapes)
+    return self._on_device(shapes)
 
   def no_history(self, batch: int) -> np.ndarray:
     """A prefill ``history`` input of ``batch`` rows without earlier completions."""
@@ -107,12 +108,14 @@ class ExecutablePool:
       ids = jax.ShapeDtypeStruct((batch, key[2]), jnp.int32)
       vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
       fn = functools.partial(steps.prefill, kv_len=self.config.prefill_kv_len(key[2]))
-      return jax.jit(fn).lower(self.weights_spec(), ids, vec, vec, vec, self.history_spec(batch), args)
+      return jax.jit(fn).lower(self.weights_spec(), ids, vec, vec, vec, self.history_spec(batch),
+                               args)
     if kind == "segment":
       fn = functools.partial(steps.segment, stop_at=key[3], group=key[4])
       scalar = jax.ShapeDtypeStruct((), jnp.int32)
-      return jax.jit(fn, donate_argnums=1).lower(self.weights_spec(), self.state_spec(batch, key[2]),
-                                                 args, scalar, scalar)
+      return jax.jit(fn, donate_argnums=1).lower(self.weights_spec(),
+                                                 self.state_spec(batch, key[2]), args, scalar,
+                                                 scalar)
     if kind == "catchup":
       return jax.jit(steps.catch_up, donate_argnums=1).lower(self.weights_spec(),
                                                              self.state_spec(batch, key[2]))

@@ -248,20 +248,22 @@ def tail_seconds(segments) -> float:
   """Decode seconds spent in segments where fewer than half of the first segment's rows were
   live (the rollout's long tail); ``segments``: ``RolloutStats.segments`` of one engine's
   rollout."""
-  if not segments:
-    return 0.0
-  first = segments[0][0]
-  return float(sum(seconds for bucket, _, seconds, *_ in segments if bucket < first / 2))
+  return _seconds_while(segments, lambda bucket, first: bucket < first / 2)
 
 
 def last_seconds(segments) -> float:
   """Decode seconds spent in segments with at most an eighth of the first segment's rows live:
   the time the rollout's last rows took (the batch buckets halve, so an eighth is where a bucket
   boundary falls; of 64 rows, the last 8)."""
+  return _seconds_while(segments, lambda bucket, first: 8 * bucket <= first)
+
+
+def _seconds_while(segments, live) -> float:
+  """The seconds of the segments whose batch bucket ``live(bucket, first segment's bucket)``."""
   if not segments:
     return 0.0
   first = segments[0][0]
-  return float(sum(seconds for bucket, _, seconds, *_ in segments if 8 * bucket <= first))
+  return float(sum(seconds for bucket, _, seconds, *_ in segments if live(bucket, first)))
 
 
 # ---- metrics and console lines ----------------------------------------------------------------
