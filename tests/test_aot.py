@@ -62,3 +62,55 @@ def test_threads_asking_for_one_key_compile_it_once():
   for t in threads:
     t.join()
   assert calls == [5] and len(got) == 4 and all(g is got[0] for g in got)
+
+
+def test_compile_all_in_threads_keeps_keys_order_and_compiles_each_key_once():
+  cache, calls, ticks = AotCache(), [], []
+  lower_of = lambda n: _lowering(calls, n)()
+  keys = [5, 1, 4, 2, 3]
+  assert cache.compile_all(keys, lower_of, lambda d, t: ticks.append((d, t)), workers=3) == 5
+  assert cache.keys() == keys and calls == keys  # lowered in order, kept in order
+  assert ticks == [(i, 5) for i in range(1, 6)]
+  for n in keys:
+    np.testing.assert_allclose(cache.lookup(n)(jnp.ones(n)), np.full(n, 3.0))
+  before = compile_count()
+  assert cache.compile_all(keys, lower_of, workers=3) == 0 and compile_count() == before
+  assert set(cache.seconds_by_key) == set(keys) and not cache._key_locks  # pylint: disable=protected-access
+
+
+def test_a_get_during_compile_all_waits_for_its_executable():
+  cache, calls = AotCache(), []
+  started = threading.Event()
+  got = []
+
+  def lower_of(n):
+    if n == 2:  # the second key: another thread asks for the first while this one lowers
+      started.set()
+      asker.join(timeout=0.5)  # it must be waiting, not compiling its own
+    return _lowering(calls, n)()
+
+  asker = threading.Thread(target=lambda: (started.wait(), got.append(
+      cache.get(1, _lowering(calls, 1)))))
+  asker.start()
+  cache.compile_all([1, 2], lower_of, workers=2)
+  asker.join()
+  assert calls == [1, 2] and got == [cache.lookup(1)]
+
+
+def test_a_failed_compile_is_raised_and_frees_its_key():
+  cache, calls = AotCache(), []
+
+  def lower_of(n):
+    if n == 2:
+      raise RuntimeError("lowering 2 failed")
+    return _lowering(calls, n)()
+
+  try:
+    cache.compile_all([1, 2, 3], lower_of, workers=2)
+    raise AssertionError("no error")
+  except RuntimeError as e:
+    assert "lowering 2 failed" in str(e)
+  assert 2 not in cache and not cache._key_locks  # pylint: disable=protected-access
+  assert cache.get(2, _lowering(calls, 2)) is not None  # nothing left locked
+  with np.testing.assert_raises_regex(ValueError, "workers must be >= 1"):
+    cache.compile_all([7, 8], lambda n: _lowering(calls, n)(), workers=0)

@@ -15,11 +15,18 @@ parallel.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import threading
 import time
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import jax
+
+
+def default_workers() -> int:
+  """Threads that compile at once by default: the host's cores, at most 8."""
+  return max(1, min(8, os.cpu_count() or 1))
 
 
 class AotCache:
@@ -57,16 +64,70 @@ class AotCache:
 
   def compile_all(self, keys: Iterable[Hashable],
                   lower_of: Callable[[Hashable], jax.stages.Lowered],
-                  progress: Callable[[int, int], Any] | None = None) -> int:
+                  progress: Callable[[int, int], Any] | None = None,
+                  workers: int | None = None) -> int:
     """Compiles every key of ``keys`` not compiled yet (``lower_of(key)`` lowers it); returns how
-    many it compiled now. ``progress(done, total)`` is called after each, ``total`` being how
-    many this call compiles."""
+    many it compiled now. ``progress(done, total)`` is called after each, in ``keys``' order,
+    ``total`` being how many this call compiles.
+
+    The calling thread lowers the keys one by one (tracing is Python) and hands each lowered
+    program to one of ``workers`` threads to compile (XLA compiles outside the GIL), so compiles
+    overlap each other and the next key's lowering; the executables are kept in ``keys``' order,
+    as a serial loop would keep them. ``workers``: by default the host's cores, at most 8; 1
+    compiles in the calling thread. A key another thread asks for meanwhile waits for this call's
+    executable (it is not compiled twice); the first failure is raised once the others finish."""
     missing = [key for key in dict.fromkeys(keys) if key not in self]
-    for done, key in enumerate(missing, 1):
-      self.get(key, lambda key=key: lower_of(key))
-      if progress is not None:
-        progress(done, len(missing))
-    return len(missing)
+    workers = default_workers() if workers is None else int(workers)
+    if workers < 1:
+      raise ValueError(f"workers must be >= 1, got {workers}")
+    if workers == 1 or len(missing) < 2:
+      for done, key in enumerate(missing, 1):
+        self.get(key, lambda key=key: lower_of(key))
+        if progress is not None:
+          progress(done, len(missing))
+      return len(missing)
+    held = []  # (key, its lock), each held until its executable is in
+    with self._lock:
+      for key in missing:
+        held.append((key, self._key_locks.setdefault(key, threading.Lock())))
+    for _, lock in held:
+      lock.acquire()
+    with self._lock:  # a key another thread compiled before its lock was taken is done
+      done_meanwhile = [(key, lock) for key, lock in held if key in self._executables]
+    for item in done_meanwhile:
+      held.remove(item)
+      item[1].release()
+
+    def compile_timed(lowered, lower_s):
+      t0 = time.perf_counter()
+      return lowered.compile(), lower_s + time.perf_counter() - t0
+
+    try:
+      with concurrent.futures.ThreadPoolExecutor(workers, "aot-compile") as pool:
+        try:
+          futures = []
+          for key, _ in held:
+            t0 = time.perf_counter()
+            lowered = lower_of(key)
+            futures.append(pool.submit(compile_timed, lowered, time.perf_counter() - t0))
+          for done, ((key, _), future) in enumerate(zip(held, futures), 1):
+            compiled, seconds = future.result()  # in keys' order
+            with self._lock:
+              self._executables[key] = compiled
+              self.seconds_by_key[key] = seconds
+            if progress is not None:
+              progress(done, len(held))
+        except BaseException:
+          pool.shutdown(wait=True, cancel_futures=True)  # the running compiles end first
+          raise
+    finally:
+      with self._lock:
+        for key, lock in held:
+          if self._key_locks.get(key) is lock:
+            del self._key_locks[key]
+      for _, lock in held:
+        lock.release()
+    return len(held)
 
   def temp_bytes(self) -> dict[Hashable, int | None]:
     """XLA's scratch memory (beyond arguments and outputs) of each executable, by key; None where
