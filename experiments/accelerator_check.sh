@@ -45,4 +45,41 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 "$python" -c 'import jax; print("jax", jax.__version__, "devices:", jax.devices())'
 
-exec timeout --signal=TERM --kill-after=15 "$timeout_s" "$python" "$here/accelerator_check.py" "$@"
+# The long-tail job (issue 37, configs/tiny_longtail.py): vanilla against TLT (suffix drafts,
+# coupled verification: identical tokens) stepping in turn (experiments/e2e_default_job.py),
+# then what a 9-token pass costs against a 1-token pass by model size and batch
+# (experiments/pass_cost.py). LONGTAIL_TIMEOUT_S (default 420) bounds it; its steps stop
+# at LONGTAIL_BUDGET_S (default 300), and each JSON is rewritten as it goes. --longtail-only runs
+# this stage alone, --no-longtail skips it (as --tiny does); LONGTAIL_OUT names the JSONs'
+# folder, LONGTAIL_ARGS adds arguments to the e2e run (e.g. "--set model.hidden_size=512").
+longtail() {
+  local out="${LONGTAIL_OUT:-experiments/out}" t="${LONGTAIL_TIMEOUT_S:-420}" status=0
+  mkdir -p "$out"
+  timeout --signal=TERM --kill-after=15 "$t" "$python" "$here/e2e_default_job.py" \
+    --config tlt_jax/configs/tiny_longtail.py --drafter suffix --steps "${LONGTAIL_STEPS:-16}" \
+    --split-step 4 --allow-divergence --budget-s "${LONGTAIL_BUDGET_S:-300}" \
+    --out "$out/longtail_e2e.json" ${LONGTAIL_ARGS:-} || status=$?
+  timeout --signal=TERM --kill-after=15 90 "$python" "$here/pass_cost.py" \
+    --sizes "${LONGTAIL_SIZES:-128x3,512x6,1024x12}" --batches 1,4,16,64 --tokens 1,9 \
+    --out "$out/pass_cost.json" || echo "pass_cost: exit $?"
+  return "$status"
+}
+
+run_longtail=1
+check_args=()
+for arg in "$@"; do
+  case "$arg" in
+    --longtail-only) longtail; exit $? ;;
+    --no-longtail) run_longtail=0 ;;
+    --tiny) run_longtail=0; check_args+=("$arg") ;;  # a CPU run of the check alone
+    *) check_args+=("$arg") ;;
+  esac
+done
+
+status=0
+timeout --signal=TERM --kill-after=15 "$timeout_s" "$python" "$here/accelerator_check.py" \
+  ${check_args[@]+"${check_args[@]}"} || status=$?
+if [[ "$run_longtail" == 1 ]]; then
+  longtail || status=$?
+fi
+exit "$status"
