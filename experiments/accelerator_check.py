@@ -476,27 +476,16 @@ def warm_drafter(target: Transformer, engine, prompts: list[list[int]], max_new:
   """A fresh EAGLE drafter trained offline for ``steps`` steps on the target's own completions of
   ``prompts`` (temperature 1, by ``engine``), as the TLT paper's initial drafter; its log."""
   t0 = time.perf_counter()
-  result = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=1.0,
-                                                   seed=seed + 7))
-  sequences = [p + t for p, t in zip(prompts, result.tokens)]
-  batch = harness.make_batch_from_sequences(target, sequences, 128, pack=True,
-                                            prompt_lens=[len(p) for p in prompts])
-  drafter = Drafter.create(target.config, seed=seed + 1)
-  graphdef, params = harness.split_drafter(drafter)
-  optimizer = harness.make_optimizer(2e-3, weight_decay=0.0, clip_norm=1.0)
-  opt_state = optimizer.init(params)
-  step = harness.make_train_step(graphdef, target, optimizer)
-  target_params = nnx.state(target)
-  rng = np.random.default_rng(seed)
-  metrics = {}
-  for _ in range(steps):
-    index = rng.choice(batch.num_rows, size=8, replace=batch.num_rows < 8)
-    params, opt_state, metrics = step(params, opt_state, target_params, batch.take(index))
-  log = dict(steps=steps, prompts=len(prompts), rows=int(batch.num_rows),
-             trained_positions=int(batch.mask.sum()),
-             last={k: float(v) for k, v in jax.device_get(metrics).items()},
+  sequences, prompt_lens = harness.own_sequences(engine, prompts, max_new_tokens=max_new,
+                                                 temperature=1.0, seed=seed + 7)
+  drafter, report = harness.warm_up_drafter(
+      target, sequences, prompt_lens, steps=steps, row_len=128, batch_rows=8,
+      learning_rate=2e-3, seed=seed, drafter=Drafter.create(target.config, seed=seed + 1),
+      evaluate=False)  # the stage's budget is for the RL steps
+  log = dict(steps=steps, prompts=len(prompts), rows=report["rows"],
+             trained_positions=report["trained_positions"], last=report["last"],
              seconds=time.perf_counter() - t0)
-  return nnx.merge(graphdef, params), log
+  return drafter, log
 
 
 def rl_summary(rows: dict[str, list[dict]], skip: int) -> dict:

@@ -23,7 +23,8 @@ holds, from the bottom up:
   how every speedup here is reported);
 * the speculative-decoding tables of bench_sd.py and bench_sd_smollm2.py (``measure``,
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
-* offline drafter training (``evaluate``, ``train_steps``);
+* offline drafter training: ``train_steps`` (``tlt_jax.drafter.warmup``'s loop, printing its
+  log lines) and ``evaluate`` (that module's ``evaluate_drafter``);
 * reports: ``write_json`` (indented JSON, its folder made) and the package's ``write_report``.
 
 Imports stay within the package's runtime dependencies (no ``ml_collections``, torch or gguf at
@@ -44,6 +45,8 @@ import numpy as np
 # pylint: disable=unused-import  # names re-used by the scripts (see the module docstring)
 from tlt_jax.drafter.objective import (DrafterBatch, make_batch_from_sequences, make_eval_step,
                                        make_optimizer, make_train_step, split_drafter)
+from tlt_jax.drafter.warmup import (evaluate_drafter as evaluate, own_sequences,
+                                    train_drafter_steps, warm_up_drafter)
 from tlt_jax.models import from_pretrained, hf, load_tokenizer
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import (Drafter, load_drafter, most_frequent_ids, save_drafter,
@@ -432,41 +435,19 @@ def heatmap(path, rows, cols, values, title, xlabel, ylabel):
 # ------------------------------------------------------------------- offline drafter training
 
 
-def evaluate(eval_step, params, target_params, batch: DrafterBatch, rows: int) -> dict:
-  """Token-weighted metrics over every row of ``batch``, in fixed-size chunks (no recompiles)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  totals: dict[str, float] = {}
-  n = batch.num_rows
-  for start in range(0, n, rows):
-    index = np.arange(start, start + rows) % n
-    part = batch.take(index)
-    if start + rows > n:  # wrapped rows count once: zero their mask
-      part = part._replace(mask=part.mask * (np.arange(start, start + rows) < n)[:, None])
-    m = jax.device_get(eval_step(params, target_params, part))
-    w = float(m["num_tokens"])
-    for key, value in m.items():
-      totals[key] = totals.get(key, 0.0) + (w if key == "num_tokens" else float(value) * w)
-  count = max(totals["num_tokens"], 1.0)
-  return {k: (v if k == "num_tokens" else v / count) for k, v in totals.items()}
-
-
 def train_steps(step, params, opt_state, target_params, train: DrafterBatch, a,
                 label: str = "") -> tuple:
   """``a.steps`` jitted steps on random ``a.batch_rows``-row batches of ``train`` (seeded by
-  ``a.seed``), logging every ``a.log_every``; returns (params, opt_state, log, seconds)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(a.seed)
+  ``a.seed``), printing every ``a.log_every`` (``train_drafter_steps``); returns (params,
+  opt_state, log, seconds)."""
+  def say(m: dict) -> None:
+    print(f"  {label}step {m['step']:4d}  loss {m['loss']:.4f}  feat {m['feature_loss']:.4f}  "
+          f"ce {m['ce_loss']:.4f}  top1 {m['top1']:.3f}  {m['elapsed_s']:.0f}s", flush=True)
+
   t0 = time.perf_counter()
-  log = []
-  for i in range(a.steps):
-    index = rng.choice(train.num_rows, size=a.batch_rows, replace=train.num_rows < a.batch_rows)
-    params, opt_state, metrics = step(params, opt_state, target_params, train.take(index))
-    if (i + 1) % a.log_every == 0 or i + 1 == a.steps:
-      m = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
-      m.update(step=i + 1, elapsed_s=round(time.perf_counter() - t0, 1))
-      log.append(m)
-      print(f"  {label}step {i + 1:4d}  loss {m['loss']:.4f}  feat {m['feature_loss']:.4f}  "
-            f"ce {m['ce_loss']:.4f}  top1 {m['top1']:.3f}  {m['elapsed_s']:.0f}s", flush=True)
+  params, opt_state, log, _ = train_drafter_steps(
+      step, params, opt_state, target_params, train, steps=a.steps, batch_rows=a.batch_rows,
+      seed=a.seed, log_every=a.log_every, on_log=say)
   return params, opt_state, log, time.perf_counter() - t0
 
 

@@ -32,9 +32,8 @@ from jax.sharding import Mesh
 
 # pylint: disable=unused-import  # train: for default_learns.py and rollout_share.py
 from harness import (Drafter, DrafterTrainingConfig, EngineConfig, GRPOTrainer, RolloutEngine,
-                     SamplingParams, SpecConfig, evaluate, hf, load_drafter,
-                     make_batch_from_sequences, make_eval_step, make_optimizer, make_train_step,
-                     save_drafter, split_drafter, warm_start, write_report)
+                     SpecConfig, hf, load_drafter, own_sequences, save_drafter, warm_start,
+                     warm_up_drafter, write_report)
 from tlt_jax import train
 from tlt_jax.configs.tiny_grpo import get_config
 from tlt_jax.rl.tasks import ArithmeticTask, Problem, extract_answer
@@ -181,7 +180,8 @@ def initial_drafter_dir(job: Job, policy_dir: pathlib.Path, steps: int = 300,
                         learning_rate: float = 2e-3, seed: int = 0, say=print) -> pathlib.Path:
   """An EAGLE drafter trained offline, before RL, on the warm policy's own rollouts: ``prompts``
   problems (drawn apart from the RL data) completed at the RL temperature, packed into rows, and
-  ``steps`` drafter steps (``tlt_jax.drafter.objective``). Made once, then read from the cache."""
+  ``steps`` drafter steps (``tlt_jax.drafter.warmup.warm_up_drafter``). Made once, then read from
+  the cache."""
   temperature = job.trainer.temperature
   key = _key(policy_dir.name, steps, prompts, row_len, batch_rows, learning_rate, seed,
              temperature, job.trainer.max_new_tokens)
@@ -196,34 +196,20 @@ def initial_drafter_dir(job: Job, policy_dir: pathlib.Path, steps: int = 300,
   engine = RolloutEngine(policy, config=EngineConfig(
       max_batch=64, max_prompt_len=job.engine.max_prompt_len,
       max_new_tokens=job.trainer.max_new_tokens, pad_token_id=job.engine.pad_token_id))
-  result = engine.generate(ids, SamplingParams(max_new_tokens=job.trainer.max_new_tokens,
-                                               temperature=temperature, seed=seed + 1))
-  sequences = [p + t for p, t in zip(ids, result.tokens)]
-  batch = make_batch_from_sequences(policy, sequences, row_len,
-                                    prompt_lens=[len(p) for p in ids], pack=True)
+  sequences, prompt_lens = own_sequences(engine, ids, max_new_tokens=job.trainer.max_new_tokens,
+                                         temperature=temperature, seed=seed + 1)
   generate_s = time.perf_counter() - t0
-  drafter = Drafter.create(job.model_config, seed=seed)
-  graphdef, params = split_drafter(drafter)
-  optimizer = make_optimizer(learning_rate, weight_decay=0.0, clip_norm=1.0)
-  opt_state = optimizer.init(params)
-  step = make_train_step(graphdef, policy, optimizer)
-  eval_step = make_eval_step(graphdef, policy)
-  target_params = nnx.state(policy)
-  rng = np.random.default_rng(seed)
-  log = []
-  for i in range(steps):
-    index = rng.choice(batch.num_rows, size=batch_rows, replace=batch.num_rows < batch_rows)
-    params, opt_state, metrics = step(params, opt_state, target_params, batch.take(index))
-    if (i + 1) % 50 == 0 or i + 1 == steps:
-      m = {k: round(float(v), 4) for k, v in jax.device_get(metrics).items()}
-      log.append(dict(m, step=i + 1))
-  train_top1 = evaluate(eval_step, params, target_params, batch, batch_rows)["top1"]  # every row
-  save_drafter(nnx.merge(graphdef, params), path)
-  report = dict(steps=steps, prompts=prompts, rows=int(batch.num_rows), row_len=row_len,
+  drafter, log = warm_up_drafter(policy, sequences, prompt_lens, steps=steps, row_len=row_len,
+                                 batch_rows=batch_rows, learning_rate=learning_rate, seed=seed)
+  save_drafter(drafter, path)
+  report = dict(steps=steps, prompts=prompts, rows=log["rows"], row_len=row_len,
                 batch_rows=batch_rows, learning_rate=learning_rate, temperature=temperature,
-                trained_positions=int(batch.mask.sum()), generate_s=round(generate_s, 1),
-                total_s=round(time.perf_counter() - t0, 1), train_top1=train_top1,
-                mean_completion=float(np.mean([len(t) for t in result.tokens])), log=log)
+                trained_positions=log["trained_positions"],
+                generate_s=round(generate_s + log["features_s"], 1),  # with the features
+                total_s=round(time.perf_counter() - t0, 1), train_top1=log["train_top1"],
+                mean_completion=float(np.mean([len(s) - n for s, n in zip(sequences,
+                                                                           prompt_lens)])),
+                log=log["log"])
   (path / "train_log.json").write_text(json.dumps(report, indent=2))
   say(f"initial drafter: {steps} offline steps on {prompts} own rollouts, top-1 "
       f"{report['train_top1']:.3f}, {report['total_s']:.0f}s -> {path}")
