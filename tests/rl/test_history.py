@@ -49,6 +49,12 @@ def test_completions_come_back_newest_first_per_prompt_and_at_most_per_prompt():
   # what lookup returns is a copy: changing it leaves the store as it was
   store.lookup([[7]])[0][0].append(99)
   assert store.lookup([[7]]) == [[[70]]]
+  # as arrays (what the rollout packs): the store's own, read-only, the same ids
+  arrays = store.lookup([[1, 2], [7], [9]], arrays=True)
+  assert [[a.tolist() for a in row] for row in arrays] == [[[13], [14, 15], [10, 11]], [[70]], []]
+  assert all(a.dtype == np.int32 and not a.flags.writeable for row in arrays for a in row)
+  with pytest.raises(ValueError):
+    arrays[1][0][0] = 99
   store.add([3], [[], []])  # only empty completions: nothing to keep
   assert store.num_prompts == 2
   # numpy ids are the same prompt as python ints

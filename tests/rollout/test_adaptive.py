@@ -13,6 +13,7 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
+from tlt_jax.rollout.scheduler import SETTLED_SEGMENTS, segment_lengths
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.tuner import TunerConfig, make_tuner
 
@@ -231,6 +232,9 @@ def test_the_cost_tuner_is_calibrated_at_precompile_and_its_rollouts_compile_not
   assert engine.tuner.step_cost(want.pop()[0], "vanilla") is not None
   engine.set_tuner()  # a fresh tuner keeps the engine's calibration
   assert engine.tuner._costs == costs  # pylint: disable=protected-access
+  lengths = engine.scheduler.segment_lengths  # bounded segments, measured against the boundary
+  assert lengths == segment_lengths(costs, overhead, 3) and set(lengths) == {b for b, _ in want}
+  assert all(3 <= n <= 3 * SETTLED_SEGMENTS for n in lengths.values())
   for seed in range(2):
     result = engine.generate(prompts_of([9, 2, 14, 5, 7, 1, 11], seed=seed), SamplingParams(
         max_new_tokens=40, temperature=1.0, seed=seed, stop_token_ids=STOPS))
@@ -352,3 +356,31 @@ def test_the_tuner_is_charged_the_catch_up_of_its_segment(engines, monkeypatch):
   want = [(n, 2.0 if c else 1.0) for n, c in zip(names, caught_up)]
   assert tuner.updates == want, (tuner.updates, want)
   assert stats.catchups == sum(caught_up) > 0 and stats.switch_s == stats.catchups
+
+
+def test_segment_lengths_make_a_boundary_a_small_share_of_a_segment():
+  costs = {(1, "vanilla"): 1e-4, (1, "d4"): 3e-4, (2, "vanilla"): 1e-3, (4, "vanilla"): 1e-5}
+  # a boundary of 10 vanilla steps at bucket 1: 100 steps keep it at 10 %; bucket 2's step costs
+  # as much as the boundary: the configured 32 stand; bucket 4's would want 1000: capped at 8 x 32
+  assert segment_lengths(costs, 1e-3, 32) == {1: 100, 2: 32, 4: 256}
+  assert segment_lengths(costs, 1e-3, 32, share=0.5) == {1: 32, 2: 32, 4: 200}
+  assert segment_lengths(costs, 0.0, 32) == {1: 32, 2: 32, 4: 32}
+  assert segment_lengths(costs, 1e-3, 0) == {}  # unbounded segments stay unbounded
+
+
+def test_bounded_segments_run_the_scheduler_s_measured_length(engines):
+  engine = engines("mirror/adaptive")
+  engine.set_tuner(RoundRobin())  # never settles: every segment is a bounded one
+  prompts = prompts_of([9, 2, 14, 5], seed=3)
+  params = SamplingParams(max_new_tokens=40, temperature=0.0)
+  saved = engine.scheduler.segment_lengths
+  try:
+    steps = {}
+    for lengths in ({}, {b: 7 for b in engine.config.batch_buckets}):
+      engine.scheduler.segment_lengths = lengths
+      stats = engine.generate(prompts, params).stats
+      steps[len(lengths)] = [n for _, n, _, _ in stats.segments]
+    assert max(steps[0]) == 3  # EngineConfig.segment_steps
+    assert max(steps[len(engine.config.batch_buckets)]) == 7
+  finally:
+    engine.scheduler.segment_lengths = saved

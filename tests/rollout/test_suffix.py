@@ -289,6 +289,11 @@ def test_bad_history_and_bad_suffix_configs_are_rejected(engines, target):
     engine.generate(prompts, history=[[]])
   with pytest.raises(ValueError, match=r"history\[1\]\[0\] must be a list of token ids in \[0, 32\)"):
     engine.generate(prompts, history=[[], [[1, 99]], [], [], [], []])
+  with pytest.raises(ValueError, match=r"history\[4\]\[1\] must be a list of token ids"):
+    engine.generate(prompts, history=[[], [[1, 2]], [], [], [[3], [4, -1], [5]], []])
+  stored = np.array([3, 4, 5], np.int32)  # the trainer's store hands out its own arrays: no copy
+  checked = engine.check_history([[stored], [[1, 2]]], 2, observe=False)
+  assert checked[0][0] is stored and checked[1][0].dtype == np.int32
   with pytest.raises(FieldError, match="suffix_strategies.*no suffix drafter"):
     RolloutEngine(target, config=EngineConfig(**BASE, suffix_strategies=(CHAIN,)))
   with pytest.raises(ValueError, match="a suffix tree has topk=2 branches"):

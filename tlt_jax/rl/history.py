@@ -114,6 +114,8 @@ class HistoryStore:
                        f"{type(completions).__name__}")
     new = [_token_ids(c, f"completion {i}") for i, c in enumerate(completions)]
     new = [c for c in new if c.size]
+    for c in new:
+      c.flags.writeable = False  # lookup(arrays=True) hands these out
     if not new:
       return
     old = self._prompts.pop(key, [])
@@ -134,9 +136,13 @@ class HistoryStore:
         self._bytes -= _prompt_cost(completions) - _prompt_cost(completions[:-1])
         completions.pop()
 
-  def lookup(self, prompts: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+  def lookup(self, prompts: Sequence[Sequence[int]], arrays: bool = False) -> list[list[Any]]:
     """Per prompt, its kept completions as lists of ids, newest first (``[]`` for one never
-    added); the store is unchanged (a lookup does not count as an add for eviction)."""
+    added); the store is unchanged (a lookup does not count as an add for eviction).
+    ``arrays``: the completions as the store's own read-only int32 arrays instead (no copy: what
+    the rollout packs for its suffix drafter)."""
+    if arrays:
+      return [list(self._prompts.get(prompt_key(p), ())) for p in prompts]
     return [[c.tolist() for c in self._prompts.get(prompt_key(p), ())] for p in prompts]
 
   def has(self, prompt_ids) -> bool:

@@ -376,7 +376,7 @@ class GRPOTrainer:
                                                                 self.engine)
     earlier = None
     if self.history is not None:  # per row, the earlier completions of its prompt
-      earlier = self.history.lookup(prompts[::g])
+      earlier = self.history.lookup(prompts[::g], arrays=True)
       options = dict(options, history=[h for h in earlier for _ in range(g)])
     result = self.engine.generate(prompts, sampling, **options)
     t_rollout = time.perf_counter() - t0

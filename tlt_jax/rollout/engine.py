@@ -37,7 +37,8 @@ from tlt_jax.rollout.interface import Rollout, check_prompts, collect_mask, is_i
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
-from tlt_jax.rollout.scheduler import ChunkResult, Request, Scheduler, Strategy
+from tlt_jax.rollout.scheduler import (ChunkResult, Request, Scheduler, Strategy,
+                                      segment_lengths)
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.stats import (RolloutStats, last_seconds, mean_accept_len, saved_seconds,
                                   tail_seconds)
@@ -427,6 +428,8 @@ class RolloutEngine(Rollout):
     if calibrate and self.tuner is not None and self.config.tuner.kind == "cost":
       self.calibration = self.calibrate()
       self.tuner.set_costs(*self.calibration)
+      self.scheduler.segment_lengths = segment_lengths(*self.calibration,
+                                                       self.config.segment_steps)
     return compiled
 
   def calibrate(self, steps: int = 8, repeats: int = 5) -> tuple[dict, float]:
@@ -477,10 +480,10 @@ class RolloutEngine(Rollout):
   def uses_history(self) -> bool:
     return self.suffix is not None
 
-  def check_history(self, history, n: int, observe: bool = True) -> list[list[list[int]]] | None:
-    """``generate``'s ``history`` as lists of ints (None: none, or no suffix drafter to use it);
+  def check_history(self, history, n: int, observe: bool = True) -> list[list[np.ndarray]] | None:
+    """``generate``'s ``history`` as int32 arrays (None: none, or no suffix drafter to use it);
     raises ``ValueError`` naming the first malformed entry; ``observe``: then
-    ``observe_history``."""
+    ``observe_history``. Arrays given as int32 are kept as they are (no copy)."""
     if history is None or self.suffix is None:
       return None
     if isinstance(history, (str, bytes)) or len(history) != n:
@@ -488,17 +491,27 @@ class RolloutEngine(Rollout):
                        f"({n}), got {type(history).__name__} of length "
                        f"{len(history) if hasattr(history, '__len__') else '?'}")
     vocab = self.model_config.vocab_size
-    out = []
+
+    def bad(i, j, completion):
+      return ValueError(f"generate: history[{i}][{j}] must be a list of token ids in "
+                        f"[0, {vocab}), got {completion!r:.80}")
+
+    out, flat = [], []
     for i, earlier in enumerate(history):
       rows = []
       for j, completion in enumerate(earlier or ()):
         ids = np.asarray(completion)
-        if ids.ndim != 1 or (ids.size and (not np.issubdtype(ids.dtype, np.integer)
-                                            or ids.min() < 0 or ids.max() >= vocab)):
-          raise ValueError(f"generate: history[{i}][{j}] must be a list of token ids in "
-                           f"[0, {vocab}), got {completion!r:.80}")
-        rows.append(ids.astype(np.int64).tolist())
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+          raise bad(i, j, completion)
+        rows.append(ids)
       out.append(rows)
+      flat += rows
+    ids = np.concatenate(flat) if flat else np.zeros(0, np.int32)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):  # one check for all; then which
+      i, j = next((i, j) for i, rows in enumerate(out) for j, c in enumerate(rows)
+                  if c.size and (c.min() < 0 or c.max() >= vocab))
+      raise bad(i, j, history[i][j])
+    out = [[c.astype(np.int32, copy=False) for c in rows] for rows in out]
     if observe:
       self.observe_history(out)
     return out

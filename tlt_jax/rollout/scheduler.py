@@ -30,6 +30,27 @@ from tlt_jax.rollout.tuner import Arm, Tuner
 
 
 SETTLED_SEGMENTS = 8  # a settled bucket's segments: this many times EngineConfig.segment_steps
+BOUNDARY_SHARE = 0.1  # a bounded segment runs long enough that its boundary costs at most this
+# share of it, by the calibration's measure (``segment_lengths``)
+
+
+def segment_lengths(step_costs: dict, boundary_s: float, segment_steps: int,
+                    share: float = BOUNDARY_SHARE) -> dict[int, int]:
+  """The most steps of a bounded segment per batch bucket (a bucket the tuner has not settled):
+  at least ``segment_steps``, and enough that one segment boundary (``boundary_s``: dispatch and
+  the host's read of the finished rows) costs at most ``share`` of the segment's vanilla steps
+  (``step_costs[(bucket, "vanilla")]``, seconds), capped at a settled segment's length. Where a
+  boundary costs ten decode steps (an accelerator, whose small decode steps are launch-bound), the
+  segments grow from 32 steps to ~100; where it costs one or two, they stay as configured."""
+  if segment_steps <= 0:  # unbounded already
+    return {}
+  cap = SETTLED_SEGMENTS * segment_steps
+  out = {}
+  for (bucket, name), seconds in step_costs.items():
+    if name == "vanilla" and seconds > 0:
+      wanted = int(np.ceil(boundary_s / (share * seconds)))
+      out[bucket] = int(min(max(segment_steps, wanted), cap))
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +119,8 @@ class Scheduler:
     self.tuner = tuner
     self.weights = weights
     self.learned = learned_drafter
+    self.segment_lengths: dict[int, int] = {}  # per bucket, a bounded segment's most steps
+    # (``segment_lengths``, from the engine's calibration; else EngineConfig.segment_steps)
 
   def _run_timed(self, stats: RolloutStats, stat: str, key: tuple, *args):
     """Runs executable ``key`` on ``args`` to completion, adding its seconds to the field ``stat``
@@ -113,14 +136,15 @@ class Scheduler:
     """The strategy for the next segment at ``batch``, whether the tuner chose it, and the most
     steps the segment may run (0: no limit). A bucket with one strategy, or one the tuner has
     settled (``Decision.max_steps == 0``), runs ``SETTLED_SEGMENTS`` times ``segment_steps``:
-    few boundaries, and still one every so often, where an interrupt is noticed."""
+    few boundaries, and still one every so often, where an interrupt is noticed. Other segments
+    run ``segment_lengths[batch]`` steps (measured: see ``segment_lengths``) or ``segment_steps``."""
     options = list(self.strategies_for(batch))
     settled = SETTLED_SEGMENTS * self.config.segment_steps
+    bounded = self.segment_lengths.get(batch, self.config.segment_steps)
     if len(options) == 1 or self.tuner is None:
-      return options[0], False, settled if len(options) == 1 else self.config.segment_steps
+      return options[0], False, settled if len(options) == 1 else bounded
     decision = self.tuner.plan(batch, [s.arm for s in options])
-    steps = {None: self.config.segment_steps, 0: settled}.get(decision.max_steps,
-                                                             decision.max_steps)
+    steps = {None: bounded, 0: settled}.get(decision.max_steps, decision.max_steps)
     return next(s for s in options if s.name == decision.arm), True, steps
 
   def run_chunk(self, request: Request, chunk: range, stats: RolloutStats) -> ChunkResult:
