@@ -94,7 +94,9 @@ def test_rollout_metrics_of_hand_made_stats():
   speed; spaces in arm names become underscores."""
   arm = lambda steps, tps: ArmTally(segments=1, steps=steps, tokens=0, row_steps=0, seconds=1.0,
                                     mean_accept_len=None, tokens_per_s=tps)
-  stats = RolloutStats(switches=3, switch_s=0.5, mean_accept_len=2.5,
+  stats = RolloutStats(switches=3, switch_s=0.5, mean_accept_len=2.5, prefill_s=0.25,
+               decode_s=2.0, compact_s=0.125, grow_s=0.0625,
+               segments=[(2, 3, 1.0, "vanilla"), (2, 1, 0.5, "tree d4 k2 v8")],
                arms={"2": {"vanilla": arm(3, 10.0), "tree d4 k2 v8": arm(1, 30.0)},
                      "4": {"vanilla": arm(8, 40.0)},
                      "64": {"vanilla": arm(4, 90.0)}})
@@ -102,6 +104,7 @@ def test_rollout_metrics_of_hand_made_stats():
              4: ["vanilla", "tree d4 k2 v8"], 64: ["vanilla"]}
   assert rollout_metrics(stats, offered) == {
       "sd_switches": 3, "sd_switch_s": 0.5, "mean_accept_len": 2.5,
+      "segments": 2, "prefill_s": 0.25, "decode_s": 2.0, "compact_s": 0.1875,  # with the growth
       # all buckets together: 15 vanilla steps, 1 tree step, no chain step of 16
       "arm_share/vanilla": 15 / 16, "arm_share/chain_d4": 0.0, "arm_share/tree_d4_k2_v8": 1 / 16,
       "decode_steps": 16,
@@ -110,11 +113,12 @@ def test_rollout_metrics_of_hand_made_stats():
       "arm_steps/4/vanilla": 1.0, "arm_tps/4/vanilla": 40.0, "arm_steps/4/tree_d4_k2_v8": 0.0}
   assert arm_line(rollout_metrics(stats, offered)) == "vanilla 94% chain_d4 0% tree_d4_k2_v8 6%"
   vanilla = RolloutStats(switches=0, switch_s=0.0, arms={"8": {"vanilla": arm(4, 5.0)}})
-  assert rollout_metrics(vanilla) == {"sd_switches": 0, "sd_switch_s": 0.0}  # no arm to tell
+  none = {"segments": 0, "prefill_s": 0.0, "decode_s": 0.0, "compact_s": 0.0}
+  assert rollout_metrics(vanilla) == {"sd_switches": 0, "sd_switch_s": 0.0, **none}  # no arm
   assert arm_line(rollout_metrics(vanilla)) == ""
   # one fixed strategy (no tuner, so nothing offered): no arms to compare
   fixed = RolloutStats(switches=0, switch_s=0.0, arms={"8": {"chain d2": arm(6, 5.0)}})
-  assert rollout_metrics(fixed) == {"sd_switches": 0, "sd_switch_s": 0.0}
+  assert rollout_metrics(fixed) == {"sd_switches": 0, "sd_switch_s": 0.0, **none}
 
 
 def test_run_sd_summary_weighs_steps_by_their_decode_steps():

@@ -328,13 +328,16 @@ def untimed(metrics: dict) -> dict:
 
 
 def record_generate(trainer) -> list[dict]:
-  """From now on, each ``trainer.engine.generate`` call's prompts, ``history`` argument (the
-  string "absent" when not given) and completions."""
+  """From now on, each ``trainer.engine.generate`` call's prompts, ``history`` argument (as lists
+  of ints; the string "absent" when not given) and completions."""
   calls, real = [], trainer.engine.generate
 
   def generate(prompts, params, *args, **kwargs):
     result = real(prompts, params, *args, **kwargs)
-    calls.append(dict(prompts=[tuple(p) for p in prompts], history=kwargs.get("history", "absent"),
+    history = kwargs.get("history", "absent")
+    if history != "absent":  # the store's arrays, as lists to compare
+      history = [[list(map(int, c)) for c in row] for row in history]
+    calls.append(dict(prompts=[tuple(p) for p in prompts], history=history,
                       tokens=[list(t) for t in result.tokens]))
     return result
 

@@ -200,7 +200,7 @@ _TIMED_SUFFIXES = ("_s", "_ms")  # of the name, or of its first part ("process_i
 _TIMED_PREFIXES = ("arm_tps/",)
 _DECIDED_PREFIXES = ("arm_share/", "arm_steps/", "accept_len/", "accept_share/", "drafter_",
                      "ledger_", "spot_", "tlt_", "tail_idle")
-_DECIDED = ("mean_accept_len", "sd_switches", "decode_steps", "compiles")
+_DECIDED = ("mean_accept_len", "sd_switches", "decode_steps", "compiles", "segments")
 
 
 def metric_kind(key: str) -> str:

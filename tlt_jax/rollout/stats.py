@@ -274,13 +274,18 @@ def _metric_name(arm: str) -> str:
 
 def rollout_metrics(stats: RolloutStats,
                     offered: dict[int, list[str]] | None = None) -> dict[str, float]:
-  """Scalar metrics of a rollout's ``RolloutResult.stats``: speculative-decoding switches (every
+  """Scalar metrics of a rollout's ``RolloutResult.stats``: its segments and the seconds of its
+  prefill, decode segments and compactions (with cache growth), speculative-decoding switches (every
   change of arm between segments) and the catch-up seconds, the mean accepted length (with SD)
   and, where ``offered`` (bucket -> arm names; the adaptive engine's) gives a choice, each arm's
   share of all the rollout's decode steps (``arm_share/<arm>``, with ``decode_steps``) and, per
   such batch bucket, its share of the bucket's decode steps (``arm_steps/<bucket>/<arm>``) and
   tokens per second (``arm_tps/...``)."""
-  out = {"sd_switches": int(stats.switches), "sd_switch_s": float(stats.switch_s)}
+  out = {"sd_switches": int(stats.switches), "sd_switch_s": float(stats.switch_s),
+         # where a rollout's time goes: its segments (each ends at a host read, a boundary) and
+         # the device's parts; the rest of ``rollout_s`` is the host's
+         "segments": len(stats.segments), "prefill_s": float(stats.prefill_s),
+         "decode_s": float(stats.decode_s), "compact_s": float(stats.compact_s + stats.grow_s)}
   if stats.mean_accept_len is not None:
     out["mean_accept_len"] = float(stats.mean_accept_len)
   for source, length in stats.accept_by_source().items():  # which drafts paid, and how much
