@@ -145,6 +145,27 @@ def paired(rows: dict[str, list[dict]], key: str, steps: list[int], sd: str) -> 
   return out
 
 
+def worst_window(rows: dict[str, list[dict]], sd: str, base: str = "none", width: int = 4) -> dict:
+  """The worst ``width`` consecutive steps (step 1 included: a user waits for it too): the
+  largest ratio of ``sd``'s summed step seconds to ``base``'s over any such window, and its
+  first step (1-based); issue 37's "every window of 4 consecutive steps <= 1.08x"."""
+  n = len(rows[base])
+  if n < width:
+    return dict(width=width, ratio=None, first_step=None)
+  ratios = [sum(rows[sd][i]["step_s"] for i in range(j, j + width)) /
+            sum(rows[base][i]["step_s"] for i in range(j, j + width)) for j in range(n - width + 1)]
+  j = int(np.argmax(ratios))
+  return dict(width=width, ratio=ratios[j], first_step=j + 1)
+
+
+def wall_seconds(trainer, rows: list[dict]) -> float:
+  """An arm's job wall time less the shared warm start: its precompile and every step (with the
+  drafter save the job makes after it)."""
+  p = trainer.precompile_s
+  return (p["rollout"] + p["update"] + p["drafter"] +
+          sum(r["step_s"] + r.get("drafter_save_s", 0.0) for r in rows))
+
+
 def summarize(rows: dict[str, list[dict]], compiled: list[bool], skip: int,
               split: int | None = None, sd: str | None = None, base: str = "none") -> dict:
   """Paired step-time and rollout-time ratios ``sd`` / ``base`` (``sd``: the first SD arm by
@@ -169,7 +190,8 @@ def summarize(rows: dict[str, list[dict]], compiled: list[bool], skip: int,
                               sum(rows[base][i][key] for i in s)) if s else None)
             for span, s in spans.items()}
   out = dict(steps=n, kept_steps=[i + 1 for i in kept], quarter_steps=quarter,
-             step_ratio=span_ratios("step_s"), rollout_ratio=span_ratios("rollout_s"))
+             step_ratio=span_ratios("step_s"), rollout_ratio=span_ratios("rollout_s"),
+             worst_window=worst_window(rows, sd, base))
   if base != "none":
     return out
   out["breakdown"] = {key: paired(rows, key, kept, sd) for key in seconds_keys(rows)}
@@ -308,6 +330,9 @@ def main():
                sd_max_batch=eagle_job.engine.sd_max_batch,
                drafter_training=eagle_job.cfg.drafter_training.to_dict()),
       build_s=round(build_s, 1), precompile_s={arm: t.precompile_s for arm, t in trainers.items()},
+      wall_s_per_arm={arm: round(wall_seconds(trainers[arm], rows[arm]), 2) for arm in ARMS},
+      wall_ratio=wall_seconds(trainers[sd], rows[sd]) / wall_seconds(trainers["none"],
+                                                                     rows["none"]),
       identical_tokens_and_rewards=bool(coupled_arms) and not diverged,
       first_divergent_step=diverged or None, summary=summary, summaries=summaries,
       coupled_over_rejection=coupled_vs_rejection,
@@ -319,6 +344,10 @@ def main():
   print(f"{sd} / none step time, paired median: " + ", ".join(
       f"{span} {rb.fmt(r['median'])} ({r['steps']} steps)" for span, r in ratio.items()) +
       f"; target <= {TARGET}: {'met' if report['target_met'] else 'MISSED'}")
+  print(f"{sd} / none: worst window of {summary['worst_window']['width']} steps "
+        f"{rb.fmt(summary['worst_window']['ratio'])} (from step "
+        f"{summary['worst_window']['first_step']}); precompile + steps "
+        f"{report['wall_ratio']:.3f} ({report['wall_s_per_arm']})")
   print(f"{sd} / none rollout time, paired median: " + ", ".join(
       f"{span} {rb.fmt(r['median'])}" for span, r in summary["rollout_ratio"].items()))
   if coupled_vs_rejection is not None:

@@ -52,6 +52,7 @@ import collections.abc
 import dataclasses
 import math
 import operator
+import statistics
 from typing import Any, Sequence
 
 import numpy as np
@@ -193,11 +194,11 @@ class _ArmStats:
     """Median seconds per step over the window's segments (of >= ``LONG_SEGMENT`` steps only,
     with ``long_only``: short ones are dominated by the boundary); None without any."""
     values = [x for x, n in self.step_s if n >= LONG_SEGMENT or not long_only]
-    return float(np.median(values)) if values else None
+    return float(statistics.median(values)) if values else None
 
   def median(self) -> float | None:
     """Median of the windowed rewards, ``None`` before the first reward."""
-    return float(np.median(self.rewards)) if self.rewards else None
+    return float(statistics.median(self.rewards)) if self.rewards else None
 
 
 class _BucketStats:
@@ -645,7 +646,7 @@ class CostModel(Tuner):
     for a, version in samples:
       then = drafter.qualities.get(version)
       shifted.append(a + (drafter.quality - then if then is not None else 0.0))
-    return float(min(max(np.median(shifted), 0.0), 1.0))
+    return float(min(max(statistics.median(shifted), 0.0), 1.0))
 
   def _fresh(self, arm: str) -> bool:
     """Whether ``arm`` was measured under the current version of its drafter."""
