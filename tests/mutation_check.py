@@ -494,6 +494,12 @@ MUTANTS = [
            "if False:",
            ("tests/rollout/test_suffix.py", "-k", "history"),
            "an out-of-vocabulary id in the history reaches the suffix drafter's gather"),
+    Mutant("bootstrap_ignores_its_time_budget", "tlt_jax/drafter/ledger.py",
+           "        bootstrap = int(min(bootstrap, affordable))",
+           "        bootstrap = int(bootstrap)",
+           ("tests/drafter/test_ledger.py", "-k", "bootstrap_in_time"),
+           "the drafter's bootstrap runs max_steps every RL step whatever its time budget: the "
+           "default job pays it on the critical path"),
     Mutant("point_chain_accepts_every_draft", "tlt_jax/rollout/speculative.py",
            "    passed = u < p_tok\n", "    passed = u < 1.0\n",
            ("tests/rollout/test_suffix.py", "-k", "sampled and chain-stop"),

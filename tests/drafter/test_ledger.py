@@ -10,16 +10,39 @@ import pytest
 from tlt_jax.drafter.ledger import DrafterLedger, run_line, step_line
 
 
-def play(ledger: DrafterLedger, inputs) -> list[tuple[int, int]]:
-  """Runs RL steps: each credits its saving, takes the grant and spends it at its step cost."""
+def play(ledger: DrafterLedger, inputs, rl_step_s: float | None = None) -> list[tuple[int, int]]:
+  """Runs RL steps: each credits its saving, takes the grant and spends it at its step cost
+  (and, with ``rl_step_s``, then tells the ledger the RL step's seconds)."""
   grants = []
   for saved_s, step_s in inputs:
     ledger.credit(saved_s)
     steps, bootstrap = ledger.grant()
     ledger.spend(steps, bootstrap, steps * step_s, other_s=0.001 if steps else 0.0,
                  saved_s=saved_s)
+    if rl_step_s is not None:
+      ledger.allow(rl_step_s)
     grants.append((steps, bootstrap))
   return grants
+
+
+def test_a_bootstrap_in_time_spends_its_share_of_the_steps_and_stops_once_sd_paid():
+  # drafter steps of 10 ms, RL steps of 1 s, a 3 % share: 30 ms a step buys ~3 steps (the
+  # first RL step none: nothing measured the RL step yet; the second one step, which measures)
+  ledger = DrafterLedger(savings_share=0.5, bootstrap_steps=40, max_steps=8, bootstrap_share=0.03)
+  grants = play(ledger, [(None, 0.01)] * 8, rl_step_s=1.0)
+  assert grants[:3] == [(0, 0), (1, 1), (4, 4)] and all(b <= 3 for _, b in grants[3:])
+  spent = ledger.drafter_s  # never more than the share of the RL steps' seconds, over the run
+  assert 0.03 * 6 < spent <= 0.03 * 8
+  assert all(s == b for s, b in grants)  # nothing earned: SD saved nothing
+  # SD pays back what the drafter cost: the bootstrap's balance stops growing
+  ledger.credit(spent + 0.1)
+  balance = ledger.bootstrap_balance_s
+  ledger.allow(1.0)
+  assert ledger.paid() and ledger.bootstrap_balance_s == balance
+  # a share of 0 grants no bootstrap at all; None keeps the up-front grant
+  assert play(DrafterLedger(0.5, 40, 8, bootstrap_share=0.0), [(None, 0.01)] * 3, 1.0) == \
+      [(0, 0)] * 3
+  assert play(DrafterLedger(0.5, 40, 8), [(None, 0.01)] * 2, 1.0) == [(8, 8), (8, 8)]
 
 
 def test_bootstrap_is_granted_up_front_and_bounded():
@@ -86,20 +109,25 @@ def test_a_ledger_stopped_at_a_random_step_and_resumed_reproduces_the_uninterrup
   rng = random.Random(seed)
   inputs = [(rng.choice([None, -0.01, 0.0, 0.02, 0.08]), rng.choice([0.008, 0.01, 0.013]))
             for _ in range(30)]
-  uninterrupted = DrafterLedger(0.5, 24, 8)
-  expected = play(uninterrupted, inputs)
+  share = [None, 0.03][seed % 2]  # the up-front bootstrap and the one in time
+  uninterrupted = DrafterLedger(0.5, 24, 8, share)
+  expected = play(uninterrupted, inputs, rl_step_s=0.5)
   stop = rng.randrange(1, len(inputs))
-  first = DrafterLedger(0.5, 24, 8)
-  before = play(first, inputs[:stop])
-  resumed = DrafterLedger(0.5, 24, 8)
+  first = DrafterLedger(0.5, 24, 8, share)
+  before = play(first, inputs[:stop], rl_step_s=0.5)
+  resumed = DrafterLedger(0.5, 24, 8, share)
   resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
-  assert before + play(resumed, inputs[stop:]) == expected
+  assert before + play(resumed, inputs[stop:], rl_step_s=0.5) == expected
   assert resumed.state_dict() == uninterrupted.state_dict()
 
 
 def test_bad_values_are_refused():
   with pytest.raises(ValueError, match=r"savings_share must be in \[0, 1\]"):
     DrafterLedger(savings_share=1.5)
+  with pytest.raises(ValueError, match=r"bootstrap_share must be in \[0, 1\]"):
+    DrafterLedger(bootstrap_share=-0.1)
+  with pytest.raises(ValueError, match="step_s must be finite"):
+    DrafterLedger(bootstrap_share=0.03).allow(float("inf"))
   with pytest.raises(ValueError, match="bootstrap_steps must be an int >= 0"):
     DrafterLedger(bootstrap_steps=-1)
   with pytest.raises(ValueError, match="saved_s must be finite"):

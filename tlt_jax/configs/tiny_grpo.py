@@ -89,8 +89,9 @@ def get_config() -> ml_collections.ConfigDict:
   # drafter="eagle"; True also trains a drafter loaded from a directory). With several rollout
   # devices it trains on the ones the tail leaves idle (spot; spot_devices: 0 every idle one);
   # with one, drafter steps run between rollout and update: serial_budget "ledger" pays for
-  # them from savings_share of what SD saved, after bootstrap_steps granted up front, at most
-  # serial_steps a step; "fixed" runs serial_steps (and/or serial_seconds) every step.
+  # them from savings_share of what SD saved, after up to bootstrap_steps granted in
+  # bootstrap_share of each step's time until SD has paid, at most serial_steps a step; "fixed"
+  # runs serial_steps (and/or serial_seconds) every step.
   # save_every: RL steps between selective async saves of the drafter alone (0: none; an
   # unchanged drafter is not saved again; the full checkpoint holds it too).
   # learning_rate: 1e-3 suits a drafter from scratch; fine-tuning a trained one wants ~1e-4 (at

@@ -8,8 +8,13 @@ measured step cost times the steps SD avoided, minus what the speculative segmen
 negative where SD cost time, e.g. the tuner's probes) is credited at ``savings_share`` to a
 balance in seconds, and each RL step runs as many drafter steps as the balance buys at the
 measured seconds per drafter step (at most ``max_steps``). A fresh drafter cannot save anything
-before it is good enough to be chosen, so ``bootstrap_steps`` steps are granted up front (at
-most ``max_steps`` of them per RL step); after that a drafter that is never used costs nothing.
+before it is good enough to be chosen, so up to ``bootstrap_steps`` steps are granted before SD
+has saved anything; after that a drafter that is never used costs nothing. How fast they are
+granted: with ``bootstrap_share`` (the job's default, 3 %) each RL step's seconds (``allow``)
+credit that share to the bootstrap's own balance until SD has paid back the drafter's cost, and
+a bootstrap step is granted only where that balance buys it (the first one, which measures the
+cost, once the balance is positive), so the bootstrap never costs more than that share of the
+run's steps; without it (None), ``max_steps`` of them per RL step, up front.
 
 Everything the budget depends on is in ``state_dict`` (JSON), so a resumed run continues from the
 balance it stopped at. What it cannot make deterministic is the input: savings and step costs
@@ -41,16 +46,22 @@ class Entry:
 class DrafterLedger:
   """Credits SD's savings, grants serial drafter steps from them, and keeps the totals."""
 
-  def __init__(self, savings_share: float = 0.5, bootstrap_steps: int = 64, max_steps: int = 8):
-    if isinstance(savings_share, bool) or not isinstance(savings_share, (int, float)) or \
-        not 0.0 <= savings_share <= 1.0:
-      raise ValueError(f"drafter_training.savings_share must be in [0, 1], got {savings_share!r}")
+  def __init__(self, savings_share: float = 0.5, bootstrap_steps: int = 64, max_steps: int = 8,
+               bootstrap_share: float | None = None):
+    for name, value in (("savings_share", savings_share), ("bootstrap_share", bootstrap_share)):
+      if value is None and name == "bootstrap_share":
+        continue
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+          not 0.0 <= value <= 1.0:
+        raise ValueError(f"drafter_training.{name} must be in [0, 1], got {value!r}")
     for name, value in (("bootstrap_steps", bootstrap_steps), ("max_steps", max_steps)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"drafter_training.{name} must be an int >= 0, got {value!r}")
     self.savings_share = float(savings_share)
+    self.bootstrap_share = None if bootstrap_share is None else float(bootstrap_share)
     self.max_steps = max_steps
     self.bootstrap_left = bootstrap_steps
+    self.bootstrap_balance_s = 0.0  # with bootstrap_share: seconds the bootstrap may still spend
     self.balance_s = 0.0  # seconds the savings have credited and the steps not yet spent
     self.step_s: float | None = None  # the latest measured seconds per drafter step
     self.saved_s = 0.0  # totals over the run
@@ -67,10 +78,30 @@ class DrafterLedger:
     self.saved_s += float(saved_s)
     self.balance_s += self.savings_share * float(saved_s)
 
+  def paid(self) -> bool:
+    """Whether SD has saved at least what the drafter cost on the critical path (and something)."""
+    return self.saved_s > 0 and self.saved_s >= self.drafter_s
+
+  def allow(self, step_s: float) -> None:
+    """Tells the ledger an RL step took ``step_s`` seconds: with ``bootstrap_share``, its share
+    goes to the bootstrap's balance while bootstrap steps are left and SD has not paid."""
+    if not math.isfinite(step_s) or step_s < 0:
+      raise ValueError(f"DrafterLedger.allow: step_s must be finite and >= 0, got {step_s!r}")
+    if self.bootstrap_share is not None and self.bootstrap_left > 0 and not self.paid():
+      self.bootstrap_balance_s += self.bootstrap_share * float(step_s)
+
   def grant(self) -> tuple[int, int]:
     """How many drafter steps this RL step may run, and how many of them are bootstrap steps.
-    Before the first step's cost is known the balance buys nothing."""
+    Before the first step's cost is known the balance buys nothing (the bootstrap's balance, if
+    positive, one step)."""
     bootstrap = min(self.bootstrap_left, self.max_steps)
+    if self.bootstrap_share is not None:  # what the bootstrap's own balance buys
+      if self.bootstrap_balance_s <= 0:
+        bootstrap = 0
+      else:
+        affordable = (math.floor(self.bootstrap_balance_s / self.step_s + 1e-9) if self.step_s
+                      else 1)
+        bootstrap = int(min(bootstrap, affordable))
     earned = 0
     if self.step_s and self.balance_s > 0:
       affordable = math.floor(self.balance_s / self.step_s + 1e-9)  # 0.05 / 0.01 is 4.999...
@@ -94,6 +125,8 @@ class DrafterLedger:
     if steps:
       self.step_s = train_s / steps
       self.balance_s -= drafter_s * (steps - bootstrap) / steps  # the earned steps' share
+      if self.bootstrap_share is not None:
+        self.bootstrap_balance_s -= drafter_s * bootstrap / steps  # and the bootstrap's
     else:
       self.balance_s -= other_s
     self.drafter_s += drafter_s
@@ -110,7 +143,7 @@ class DrafterLedger:
   def state_dict(self) -> dict:
     return dict(bootstrap_left=self.bootstrap_left, balance_s=self.balance_s, step_s=self.step_s,
                 saved_s=self.saved_s, drafter_s=self.drafter_s, steps=self.steps,
-                bootstrap_used=self.bootstrap_used)
+                bootstrap_used=self.bootstrap_used, bootstrap_balance_s=self.bootstrap_balance_s)
 
   def load_state_dict(self, state: dict) -> None:
     try:
@@ -119,6 +152,8 @@ class DrafterLedger:
       self.step_s = None if state["step_s"] is None else float(state["step_s"])
       self.saved_s, self.drafter_s = float(state["saved_s"]), float(state["drafter_s"])
       self.steps, self.bootstrap_used = int(state["steps"]), int(state["bootstrap_used"])
+      # (a checkpoint from before the bootstrap's time budget has none: it starts at 0)
+      self.bootstrap_balance_s = float(state.get("bootstrap_balance_s", 0.0))
     except (KeyError, TypeError, ValueError) as e:
       raise ValueError(f"DrafterLedger.load_state_dict: a malformed ledger state ({e!r}); the "
                        "checkpoint's drafter_ledger entry is damaged") from None

@@ -67,6 +67,9 @@ class DrafterTrainingConfig:
   serial_seconds: float = 0.0  # "fixed": and/or a time budget for them (0: none)
   savings_share: float = 0.5  # "ledger": the share of SD's estimated saving spent on the drafter
   bootstrap_steps: int = 64  # "ledger": drafter steps granted before SD has saved anything
+  # "ledger": the bootstrap's time budget, a share of each RL step's seconds until SD has paid
+  # (None: max serial_steps bootstrap steps every RL step, up front)
+  bootstrap_share: float | None = 0.03
   seed: int = 0
 
   def __post_init__(self):
@@ -98,7 +101,8 @@ class DrafterTrainingConfig:
     if self.serial_budget == "ledger" and self.serial_seconds:
       raise ValueError("drafter_training.serial_seconds is a fixed budget: set "
                        "drafter_training.serial_budget='fixed' with it, or leave it 0")
-    DrafterLedger(self.savings_share, self.bootstrap_steps, self.serial_steps)  # checks them
+    DrafterLedger(self.savings_share, self.bootstrap_steps, self.serial_steps,
+                  self.bootstrap_share)  # checks them
 
 
 class OnlineDrafter:
@@ -118,7 +122,8 @@ class OnlineDrafter:
     # at a time, the behaviour before rounds)
     self.spot_devices = config.spot_devices or None
     self._spot_runs: list[dict] = []
-    self.ledger = (DrafterLedger(config.savings_share, config.bootstrap_steps, config.serial_steps)
+    self.ledger = (DrafterLedger(config.savings_share, config.bootstrap_steps, config.serial_steps,
+                                 config.bootstrap_share)
                    if config.serial_budget == "ledger" else None)
     # the engines' drafter weights: scored yet? (an unchanged drafter is not scored again), and
     # whether training changed the weights since the engines got theirs
@@ -211,6 +216,11 @@ class OnlineDrafter:
       return none
     out = self.spot.run(target_params, max_steps=steps, device=device)
     return dict(out, bootstrap=min(bootstrap, out["steps"]))
+
+  def end_step(self, step_s: float) -> None:
+    """Tells the ledger (if any) how long the RL step took: its bootstrap's time budget."""
+    if self.ledger is not None:
+      self.ledger.allow(step_s)
 
   def spot_runs(self) -> list[dict]:
     return list(self._spot_runs)

@@ -252,10 +252,12 @@ def _serial_words(training) -> str:
   if training.serial_budget == "fixed":
     return (f"{training.serial_steps} steps between rollout and update: one rollout device "
             "leaves nothing idle")
+  bootstrap = (f"{training.bootstrap_steps} bootstrap steps" if training.bootstrap_share is None
+               else f"up to {training.bootstrap_steps} bootstrap steps in "
+               f"{training.bootstrap_share:.0%} of each step's time until SD has paid")
   return (f"between rollout and update, paid from what speculative decoding saved (a "
-          f"{training.savings_share:.0%} share, after {training.bootstrap_steps} bootstrap "
-          f"steps; at most {training.serial_steps} a step): one rollout device leaves nothing "
-          "idle")
+          f"{training.savings_share:.0%} share, after {bootstrap}; at most "
+          f"{training.serial_steps} a step): one rollout device leaves nothing idle")
 
 
 def _resume_hint(job: Job) -> str:

@@ -415,6 +415,8 @@ class GRPOTrainer:
       out["epoch"] = self.schedule.epoch(self.step_count - 1)
     if self.history is not None:  # after a good update: a step that raised leaves it as it was
       out.update(self._remember(prompts, result.tokens, earlier))
+    if online is not None:  # the step's seconds: the drafter bootstrap's time budget
+      online.end_step(out["step_s"])
     return out
 
   def _remember(self, prompts, completions, earlier) -> dict[str, float | int]:
