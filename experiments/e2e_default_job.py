@@ -5,7 +5,7 @@
       [--config-override drafter_training.serial_steps=8 ...]
   python experiments/e2e_default_job.py --config configs/tiny_longtail.py --drafter suffix \
       --steps 16 --split-step 4 --verify both     # issue 37: the long-tail job
-  python experiments/e2e_default_job.py --drafter suffix --set trainer.num_prompts=64 \
+  python experiments/e2e_default_job.py --drafter suffix --set task.num_prompts=64 \
       --split-step 2 --steps 12      # issue 22: recurring prompts, drafts from their history
 
 Issue 21's end-to-end test. Both arms are THE default job (``tlt_jax.job.build.DEFAULT_CONFIG``,

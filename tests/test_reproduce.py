@@ -108,6 +108,24 @@ def test_fig11_explains_a_missed_speedup_from_the_measured_breakdown():
   assert "0.000 s a step" in text
 
 
+def test_fig11_on_the_long_tail_job_shows_the_shares_and_the_paired_ratio():
+  def step(step_s, rollout_s, tail_s, last_s, accept=None):
+    m = dict(step_s=step_s, rollout_s=rollout_s, update_s=step_s - rollout_s, tail_s=tail_s,
+             last_s=last_s)
+    return m if accept is None else dict(m, mean_accept_len=accept)
+  none = [step(2.0, 1.0, 0.5, 0.2), step(1.0, 0.6, 0.3, 0.3), step(1.0, 0.6, 0.3, 0.3)]
+  tlt = [step(2.0, 1.0, 0.5, 0.2, 2.0), step(1.25, 0.85, 0.3, 0.3, 2.0),
+         step(1.25, 0.85, 0.3, 0.3, 2.0)]
+  report = dict(arms=["none", "suffix"], steps_metrics=dict(none=none, suffix=tlt),
+                summary=dict(kept_steps=[2, 3], step_ratio=dict(all=dict(median=1.25))))
+  rendered = rp.render_fig11({"e2e_default_job": report}, _ns())
+  text = "\n".join(rendered.lines)
+  assert "| vanilla | 1.000 | 0.600 | 0.400 | 60% | 50% | 50% | 1.00× | – |" in text
+  assert "| TLT | 1.250 | 0.850 | 0.400 | 68% | 35% | 35% | 1.25× | 2.00 |" in text
+  assert "**0.80×**" in text and "**Target missed.**" in text and "long-tail job" in text
+  assert "0.80×" in rendered.verdict
+
+
 def test_table5_shows_what_each_pool_compiles_when_it_misses():
   def pool(total, **kinds):
     return dict(executables=sum(kinds.values()), compile_s=1.0, memory_mb_total=total,

@@ -4,6 +4,8 @@ its tuner told only when the weights change, and the ledger's metrics."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -12,8 +14,9 @@ from tests.rl.test_online_drafter import online_trainer
 from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.utils import compile_count
 
+# the bootstrap granted up front (bootstrap_share=None): the grants do not depend on time
 LEDGER = DrafterTrainingConfig(rows=4, seq_len=32, serial_steps=2, learning_rate=3e-3,
-                               bootstrap_steps=3)
+                               bootstrap_steps=3, bootstrap_share=None)
 
 
 def host(tree):
@@ -98,3 +101,21 @@ def test_an_unchanged_drafter_is_not_saved_again(run, tmp_path):
     assert saves.all_steps() == [5, 7]
   finally:
     saves.close()
+
+
+def test_the_bootstrap_in_time_is_paid_from_the_steps_the_trainer_reports():
+  """The default bootstrap: each RL step's seconds (``online.end_step``) fund the next steps'
+  bootstrap. The first step has nothing yet; the second runs one step (it measures the cost);
+  with a share of 100 % the third can afford the most a step."""
+  trainer = online_trainer(dataclasses.replace(LEDGER, bootstrap_share=1.0))
+  trainer.engine.precompile()
+  trainer.precompile_update()
+  trainer.precompile_drafter()
+  rows = [trainer.step() for _ in range(3)]
+  assert [m["drafter_bootstrap_steps"] for m in rows] == [0, 1, 2]
+  ledger = trainer.online.ledger
+  assert ledger.bootstrap_left == 0 and ledger.bootstrap_share == 1.0
+  # what the three steps credited, less what the bootstrap spent
+  spent = sum(m["drafter_serial_s"] for m in rows)
+  assert ledger.bootstrap_balance_s == pytest.approx(
+      sum(m["step_s"] for m in rows[:2]) - spent, rel=0.05, abs=0.05)
