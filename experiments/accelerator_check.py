@@ -617,7 +617,10 @@ def rl_stage(a, target: Transformer, tokenizer, drafter: Drafter | None, report:
   for name in sd_arms:
     if out_of_time(f"building {name}", needs=1.0):
       return
-    training = (DrafterTrainingConfig(learning_rate=lr, seed=a.seed) if name == "tlt" else None)
+    # a few-step check: the bootstrap granted up front, so the drafter trains in every step
+    # (the job's default spends at most 3 % of each step's time on it until SD has paid)
+    training = (DrafterTrainingConfig(learning_rate=lr, seed=a.seed, bootstrap_share=None)
+                if name == "tlt" else None)
     trainers[name] = make_arm(name, copy_module(initial), training)
   rl["drafter_lr"] = lr if "tlt" in arms else None
 

@@ -151,6 +151,7 @@ def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
           "sft.steps=2", "model.hidden_size=32", "model.intermediate_size=64",
           "model.num_layers=1", "trainer.max_new_tokens=16"]
   args = ["--steps", "3", "--config-override", "drafter_training.serial_steps=2",
+          "--config-override", "drafter_training.bootstrap_share=None",  # granted up front
           "--verify", "both", "--out", str(out)]
   for item in tiny:
     args += ["--set", item]
@@ -166,7 +167,8 @@ def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
                                              rows["eagle_rejection"][i]["step_s"] for i in kept)
   assert set(report["summaries"]) == {"eagle", "eagle_rejection"}
   assert all(r["drafter_serial_steps"] == 2 for r in rows["eagle_rejection"])
-  assert report["eagle_overrides"] == {"drafter_training.serial_steps": 2}
+  assert report["eagle_overrides"] == {"drafter_training.serial_steps": 2,
+                                      "drafter_training.bootstrap_share": None}
   assert report["job"]["drafter_training"]["serial_steps"] == 2
   summary = report["summary"]
   assert summary["steps"] == 3 and 1 not in summary["kept_steps"] and summary["kept_steps"]
