@@ -48,9 +48,10 @@ class DrafterLedger:
 
   def __init__(self, savings_share: float = 0.5, bootstrap_steps: int = 64, max_steps: int = 8,
                bootstrap_share: float | None = None):
-    for name, value in (("savings_share", savings_share), ("bootstrap_share", bootstrap_share)):
-      if value is None and name == "bootstrap_share":
-        continue
+    shares = [("savings_share", savings_share)]
+    if bootstrap_share is not None:  # None: the bootstrap granted up front
+      shares.append(("bootstrap_share", bootstrap_share))
+    for name, value in shares:
       if isinstance(value, bool) or not isinstance(value, (int, float)) or \
           not 0.0 <= value <= 1.0:
         raise ValueError(f"drafter_training.{name} must be in [0, 1], got {value!r}")
