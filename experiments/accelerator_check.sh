@@ -51,7 +51,8 @@ fi
 # (experiments/pass_cost.py). LONGTAIL_TIMEOUT_S (default 420) bounds it; its steps stop
 # at LONGTAIL_BUDGET_S (default 300), and each JSON is rewritten as it goes. --longtail-only runs
 # this stage alone, --no-longtail skips it (as --tiny does); LONGTAIL_OUT names the JSONs'
-# folder, LONGTAIL_ARGS adds arguments to the e2e run (e.g. "--set model.hidden_size=512").
+# folder, LONGTAIL_ARGS adds arguments to the e2e run (e.g. "--set sft.steps=3000"), and
+# LONGTAIL_PASS_COST=0 leaves out the pass costs (~90 s).
 longtail() {
   local out="${LONGTAIL_OUT:-experiments/out}" t="${LONGTAIL_TIMEOUT_S:-420}" status=0
   mkdir -p "$out"
@@ -59,9 +60,11 @@ longtail() {
     --config tlt_jax/configs/tiny_longtail.py --drafter suffix --steps "${LONGTAIL_STEPS:-16}" \
     --split-step 4 --allow-divergence --budget-s "${LONGTAIL_BUDGET_S:-300}" \
     --out "$out/longtail_e2e.json" ${LONGTAIL_ARGS:-} || status=$?
-  timeout --signal=TERM --kill-after=15 90 "$python" "$here/pass_cost.py" \
-    --sizes "${LONGTAIL_SIZES:-128x3,512x6,1024x12}" --batches 1,4,16,64 --tokens 1,9 \
-    --out "$out/pass_cost.json" || echo "pass_cost: exit $?"
+  if [[ "${LONGTAIL_PASS_COST:-1}" != 0 ]]; then
+    timeout --signal=TERM --kill-after=15 90 "$python" "$here/pass_cost.py" \
+      --sizes "${LONGTAIL_SIZES:-128x3,512x6,1024x12}" --batches 1,4,16,64 --tokens 1,9 \
+      --out "$out/pass_cost.json" || echo "pass_cost: exit $?"
+  fi
   return "$status"
 }
 

@@ -47,6 +47,7 @@ Python literals (``8``, ``1e-4``, ``True``, ``"((3, 1, 4),)"``), anything else a
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 import statistics
 import sys
@@ -246,6 +247,7 @@ def main():
   policy_dir = rb.warm_policy_dir(jobs["none"])  # model, sft, task and seed: both arms'
   assert all(rb.warm_policy_dir(jobs[arm]) == policy_dir for arm in ARMS), (
       "the arms' warm starts differ")
+  warm = json.loads((policy_dir / "warm_start.json").read_text())  # its steps, loss, seconds
   t0 = time.perf_counter()
   trainers = {arm: make_trainer(job, policy_dir) for arm, job in jobs.items()}
   build_s = time.perf_counter() - t0
@@ -293,7 +295,8 @@ def main():
               f"{1 - e.get('arm_share/vanilla', 1.0):.2f}" +
               (" (compiled)" if compiled[-1] else ""), flush=True)
         harness.write_json(a.out, dict(command=" ".join(sys.argv), config=str(a.config),
-                                       partial=True, arms=list(ARMS), precompile_s={
+                                       partial=True, arms=list(ARMS), warm_start=warm,
+                                       precompile_s={
                                            arm: t.precompile_s for arm, t in trainers.items()},
                                        calibration=calibration(trainers[sd]),
                                        first_divergent_step=diverged or None,
@@ -320,7 +323,7 @@ def main():
   report = dict(
       command=" ".join(sys.argv), config=str(a.config), seed=a.seed, steps=steps,
       drafter=a.drafter, arms=list(ARMS), both=dict(a.both), eagle_overrides=dict(a.eagle),
-      verify=a.verify,
+      verify=a.verify, warm_start=warm,
       target=TARGET,
       target_met=summary["step_ratio"]["all"]["median"] <= TARGET,
       job=dict(prompts_per_step=eagle_job.trainer.prompts_per_step,

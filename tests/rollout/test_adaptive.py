@@ -286,6 +286,22 @@ def test_a_shared_group_runs_each_member_strategy(engines):
   assert accept["tree d3 k2 v6"][4] == 0, accept
 
 
+def test_critical_tokens_follow_the_longest_row_through_every_segment(engines):
+  """Over a chunk's segments (arms switching, rows finishing and moving buckets), the tokens
+  credited to the critical path add up to the chunk's longest completion, and the speculative
+  arms' share of them is what ``saved_seconds`` prices: a mapping from slots to rows that slips,
+  or a row other than the longest, breaks the sum."""
+  engine = engines("mirror/adaptive")
+  engine.set_tuner(RoundRobin())
+  params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
+  for seed in (3, 5):
+    result = engine.generate(prompts_of([9, 2, 14, 5], seed=seed), params)  # one chunk
+    tallies = [t for per_bucket in result.stats.arms.values() for t in per_bucket.values()]
+    assert sum(t.critical_tokens for t in tallies) == max(len(t) for t in result.tokens)
+    assert len({b for b, *_ in result.stats.segments}) > 1, "rows must move buckets"
+    assert all(t.critical_tokens <= t.tokens for t in tallies)
+
+
 def test_config_errors_say_what_to_do(models):
   target, drafter = models["random"]
   with pytest.raises(ValueError, match="either EngineConfig.spec"):

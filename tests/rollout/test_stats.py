@@ -7,22 +7,31 @@ import pytest
 from tlt_jax.rollout.stats import ArmTally, RolloutStats, rollout_metrics, saved_seconds
 
 
-def tally(seconds, steps, tokens, row_steps) -> ArmTally:
+def tally(seconds, steps, tokens, row_steps, critical=None) -> ArmTally:
   t = ArmTally()
   t.seconds, t.steps, t.tokens, t.row_steps = seconds, steps, tokens, row_steps
+  t.critical_tokens = tokens // max(row_steps // max(steps, 1), 1) if critical is None else critical
   return t
 
 
 def test_saved_seconds_counts_the_vanilla_steps_sd_avoided():
-  # bucket 4: 10 SD steps over 40 live rows emitted 120 tokens (3 a row-step) in 0.05 s; vanilla
-  # needs 30 steps of 2 ms for them: 0.06 s, so SD saved 0.01 s. Bucket 1: 8 steps, 8 tokens
-  # (1 a row-step, a useless drafter) in 0.02 s against 8 vanilla steps of 1 ms: -0.012 s.
-  arms = {"4": {"vanilla": tally(1.0, 500, 2000, 2000), "chain d3": tally(0.05, 10, 120, 40)},
-          "1": {"chain d3": tally(0.02, 8, 8, 8)}, "2": {"vanilla": tally(0.1, 5, 10, 10)}}
+  # bucket 4: 10 SD steps advanced the longest row by 30 tokens in 0.05 s; vanilla needs 30
+  # steps of 2 ms for them: 0.06 s, so SD saved 0.01 s. Bucket 1: 8 steps, 8 tokens (a useless
+  # drafter) in 0.02 s against 8 vanilla steps of 1 ms: -0.012 s.
+  arms = {"4": {"vanilla": tally(1.0, 500, 2000, 2000), "chain d3": tally(0.05, 10, 120, 40, 30)},
+          "1": {"chain d3": tally(0.02, 8, 8, 8, 8)}, "2": {"vanilla": tally(0.1, 5, 10, 10)}}
   costs = {4: 2e-3, 1: 1e-3}
   assert saved_seconds(arms, costs.get) == pytest.approx(0.01 - 0.012)
   assert saved_seconds(arms, lambda b: None) is None  # vanilla's cost unknown: no estimate
   assert saved_seconds({"2": {"vanilla": tally(0.1, 5, 10, 10)}}, costs.get) is None
+
+
+def test_saved_seconds_prices_the_longest_row_not_the_mean_row():
+  # 10 SD steps over 4 rows: the three short rows accepted 5 tokens a step (history drafts of a
+  # repeated trace), the long row 1.5. The mean row (4.1 tokens a step) would claim 0.082 s of
+  # vanilla steps; the rollout's end waits on the long row, 15 vanilla steps: SD lost 0.02 s.
+  arms = {"4": {"suffix d8": tally(0.05, 10, 165, 40, critical=15)}}
+  assert saved_seconds(arms, {4: 2e-3}.get) == pytest.approx(15 * 2e-3 - 0.05)
 
 
 def test_the_saving_is_summed_over_devices_and_reported():

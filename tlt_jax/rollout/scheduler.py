@@ -192,6 +192,8 @@ class Scheduler:
     lagging = False  # the drafter may be more than one step's pairs behind (after vanilla)
     live_len = int(lens[:len(chunk)].max())  # the longest live row's committed length
     previous = None  # the arm of the chunk's last segment
+    emitted = np.zeros(len(chunk), np.int64)  # tokens each row of the chunk has emitted
+    per_segment = []  # (arm tally, tokens each row emitted in the segment), for critical_tokens
     while True:
       strategy, tuned, max_steps = self._choose(batch)
       if previous is not None and strategy.name != previous:
@@ -229,6 +231,11 @@ class Scheduler:
       arm.steps += delta["steps"]
       arm.tokens += delta["tokens"]
       arm.row_steps += delta["row_steps"]
+      now = emitted.copy()
+      placed = rows >= 0
+      now[rows[placed] - row_offset - chunk.start] = n_gen[placed]
+      per_segment.append((arm, now - emitted))
+      emitted = now
       stats.decode_s += seconds
       stats.segments.append((batch, delta["steps"], seconds, strategy.name))
       stats.segment_kv_lens.append(kv_len)
@@ -251,6 +258,9 @@ class Scheduler:
       if progress is not None:  # rows of earlier chunks are all done
         progress(chunk.start + len(chunk) - live.size, len(prompts))
       if live.size == 0:
+        longest = int(np.argmax(emitted))  # the row that sets vanilla's decode time
+        for tally, made in per_segment:
+          tally.critical_tokens += int(made[longest])
         stats.live_row_steps += int(counters["row_steps"])
         if "accept_hist" in counters:
           stats.accept_hist = (0 if stats.accept_hist is None else stats.accept_hist) + \

@@ -28,18 +28,25 @@ DRAFT_SOURCES = ("history", "group", "prompt", "self", "none", "learned", "ngram
 class ArmTally:
   """One arm's running tally in one batch bucket: segments decoded, decode steps, tokens
   emitted, live row-steps and seconds (its segments' and their catch-ups'). ``finish`` adds its
-  mean tokens per live row-step (its mean accepted length; vanilla: 1) and throughput."""
+  mean tokens per live row-step (its mean accepted length; vanilla: 1) and throughput.
+
+  ``critical_tokens``: the tokens that each chunk's longest row emitted in the arm's segments,
+  known once the chunk is done. That row sets how long vanilla decoding takes (one of its tokens
+  a step), so these are the vanilla steps the arm's segments stood in for on the rollout's
+  critical path. The mean over rows (``tokens / row_steps``) overstates them where short rows
+  accept more than the long one, as history drafts do."""
 
   segments: int = 0
   steps: int = 0
   tokens: int = 0
   row_steps: int = 0
   seconds: float = 0.0
+  critical_tokens: int = 0
   mean_accept_len: float | None = None
   tokens_per_s: float | None = None
 
   def add(self, other: ArmTally) -> None:
-    for name in ("segments", "steps", "tokens", "row_steps", "seconds"):
+    for name in ("segments", "steps", "tokens", "row_steps", "seconds", "critical_tokens"):
       setattr(self, name, getattr(self, name) + getattr(other, name))
 
   def finish(self) -> None:
@@ -226,11 +233,11 @@ def mean_accept_len(hist) -> float | None:
 def saved_seconds(arms: dict[str, dict[str, ArmTally]],
                   vanilla_step_s: Callable[[int], float | None]) -> float | None:
   """What speculative decoding saved in a rollout, in seconds, from its per-arm tallies: a
-  speculative arm's segments at bucket ``b`` emitted ``tokens`` in ``steps`` steps over
-  ``row_steps`` live rows, so vanilla would have needed ``tokens / row_steps * steps`` steps of
-  ``vanilla_step_s(b)`` seconds each; the saving is that minus the arm's seconds (catch-ups
-  included), negative where SD was slower. None when no speculative arm ran or vanilla's step
-  cost is unknown at every bucket where one did."""
+  speculative arm's segments at bucket ``b`` advanced each chunk's longest row by
+  ``critical_tokens`` tokens, which vanilla decodes in as many steps of ``vanilla_step_s(b)``
+  seconds; the saving is that minus the arm's seconds (catch-ups included), negative where SD
+  was slower (a probe, or rows decoded on after the longest one finished). None when no
+  speculative arm ran or vanilla's step cost is unknown at every bucket where one did."""
   total, known = 0.0, False
   for bucket, per_bucket in arms.items():
     for name, tally in per_bucket.items():
@@ -239,7 +246,7 @@ def saved_seconds(arms: dict[str, dict[str, ArmTally]],
       step_s = vanilla_step_s(int(bucket))
       if step_s is None:
         continue
-      total += tally.tokens / tally.row_steps * tally.steps * step_s - tally.seconds
+      total += tally.critical_tokens * step_s - tally.seconds
       known = True
   return total if known else None
 
