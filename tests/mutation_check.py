@@ -701,6 +701,17 @@ MUTANTS = [
            "the saving counts the mean row's accepted length, overstating it where short rows "
            "accept more than the long one (on the H200's long-tail job: 29.6 ms a step claimed, "
            "5.0 ms measured)"),
+    Mutant("control_updates_anyway", "tlt_jax/rl/trainer.py",
+           'out = {"control": True} if cfg.control else self.policy_update(batch)',
+           'out = dict(self.policy_update(batch), control=True) if cfg.control else '
+           'self.policy_update(batch)',
+           ("tests/rl/test_trainer.py", "-k", "no_update_control"),
+           "the no-update control still updates the policy (its curve would not be a control)"),
+    Mutant("periodic_eval_after_the_save", "tlt_jax/job/runner.py",
+           "        if _evaluation_due(job.trainer, trainer.step_count):  # before the save",
+           "        if False:  # before the save",
+           ("tests/test_train_job.py", "-k", "periodic or eval_every"),
+           "no periodic held-out evaluation: the curve has its two ends only"),
 ]
 
 

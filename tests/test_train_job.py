@@ -24,7 +24,7 @@ from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.job.typed_config import ConfigError, load_config_file, read_json_config
 from tlt_jax.models.drafter import Drafter, save_drafter
 from tlt_jax.rl.history import HistoryConfig
-from tlt_jax.rl.trainer import metric_kind
+from tlt_jax.rl.trainer import TrainerConfig, metric_kind
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.speculative import SpecConfig
@@ -61,10 +61,24 @@ def metric_steps(logdir):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-  """A tiny run of 2 RL steps, finished (checkpoints at 1 and 2, final model)."""
+  """A tiny run of 2 RL steps, finished (checkpoints at 1 and 2, final model), with a held-out
+  evaluation after every step (``eval_every=1``)."""
   logdir = tmp_path_factory.mktemp("run") / "logdir"
-  summary = train.run(tiny_config(logdir))
+  cfg = tiny_config(logdir)
+  cfg.trainer.eval_every = 1
+  summary = train.run(cfg)
   return logdir, summary
+
+
+def test_held_out_evaluations_are_logged_every_eval_every_steps(finished_run):
+  """The held-out curve: step 0, the periodic evaluation in step 1's row, the final one after
+  step 2 (not twice); each a function of that step's params, so step 0's is the start's."""
+  logdir, summary = finished_run
+  rows = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
+  evals = [(r["step"], "reward" in r) for r in rows if "eval_accuracy" in r]
+  assert evals == [(0, False), (1, True), (2, False)], evals
+  assert rows[0]["eval_accuracy"] == summary["accuracy_start"]
+  assert rows[-1]["eval_sampled_reward"] == summary["sampled_end"]
 
 
 def test_a_run_saves_its_config_metrics_and_a_usable_final_model(finished_run):
@@ -462,7 +476,7 @@ class FakeLog:
 
 def fake_job(tmp_path, steps=4, checkpoint_every=0):
   return types.SimpleNamespace(cfg=tiny_config(tmp_path, checkpoint_every=checkpoint_every),
-                               trainer=types.SimpleNamespace(steps=steps), logdir=tmp_path,
+                               trainer=TrainerConfig(steps=steps), logdir=tmp_path,
                                drafter_save_every=0)
 
 
@@ -508,6 +522,34 @@ def test_a_signal_during_rl_stops_after_the_step_in_flight_and_saves_it(tmp_path
       runner._train(trainer, fake_job(tmp_path), FakeCheckpointer(), FakeLog(), stop=stop)
   assert e.value.exit_code == 128 + sig and trainer.saved == []
   assert signal.getsignal(signal.SIGTERM) is not stop._handle  # handlers restored
+
+
+def test_periodic_evaluations_go_into_their_steps_rows_before_the_save(tmp_path):
+  """eval_every=2: step 2's row carries its held-out figures, steps 1 and 3 none; a signal in
+  step 3 stops after saving it (nothing evaluated twice). A second signal during a periodic
+  evaluation stops at once with that step unsaved, so a resume redoes step and evaluation."""
+  job = fake_job(tmp_path)
+  job.trainer = TrainerConfig(steps=4, eval_every=2)
+  trainer = FakeTrainer(lambda step: os.kill(os.getpid(), signal.SIGTERM) if step == 3 else None)
+  log = FakeLog()
+  with StopSignals() as stop:
+    with pytest.raises(Interrupted, match="stopped by SIGTERM after step 3"):
+      runner._train(trainer, job, FakeCheckpointer(), log, stop=stop)
+  assert [(step, "eval_accuracy" in m) for step, m in log.rows] == [
+      (0, True), (1, False), (2, True), (3, False)]
+  assert trainer.saved == [3]
+
+  trainer = FakeTrainer()
+  def signal_twice(**kwargs):
+    if trainer.step_count == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), signal.SIGTERM)
+    return 0.5
+  trainer.evaluate = signal_twice
+  with StopSignals() as stop:
+    with pytest.raises(Interrupted, match="after step 2, during its held-out evaluation"):
+      runner._train(trainer, job, FakeCheckpointer(), FakeLog(), stop=stop)
+  assert trainer.saved == []
 
 
 def test_a_drafter_saved_for_another_policy_is_named_in_a_warning(tmp_path, monkeypatch, capsys):

@@ -286,6 +286,30 @@ def test_rl_steps_learn_a_dense_reward():
   assert all(np.array_equal(a, b) for a, b in zip(engine, host(trainer.params)))
 
 
+def test_the_no_update_control_leaves_the_params_bit_identical():
+  """``control=True`` runs the job's steps (rollouts, rewards) with every update skipped: params
+  and optimizer state stay bit for bit as they were, so its held-out curve is flat at the
+  start's. (The learning test above shows the same trainer moves them without it.)"""
+  trainer = learning_trainer(eval_problems=8, control=True)
+  start = held_out(trainer)
+  params, opt_state = host(trainer.params), host(trainer.policy.opt_state)
+  history = [trainer.step() for _ in range(3)]
+  assert all(m["control"] and "loss" not in m for m in history)
+  assert trainer.step_count == 3 and all(m["reward"] > 0 for m in history)
+  for a, b in zip(params, host(trainer.params)):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(opt_state, host(trainer.policy.opt_state)):
+    np.testing.assert_array_equal(a, b)
+  assert np.array_equal(held_out(trainer), start)
+
+
+def test_control_and_eval_every_are_checked():
+  with pytest.raises(ValueError, match="TrainerConfig.control must be True or False"):
+    TrainerConfig(control="yes")
+  with pytest.raises(ValueError, match="TrainerConfig.eval_every must be an int >= 0"):
+    TrainerConfig(eval_every=-1)
+
+
 def test_save_and_restore_continue_exactly(tmp_path):
   """A run checkpointed after step 1 and continued by a fresh trainer ends bitwise equal to the
   run that saved it going on uninterrupted: params, optimizer state (Adam moments, count), KL

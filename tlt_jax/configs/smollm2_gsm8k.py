@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.trainer = ml_collections.ConfigDict(dict(
       steps=200, prompts_per_step=16, learning_rate=2e-6, warmup_steps=5, grad_clip=1.0,
       minibatches=4, epochs=1, max_new_tokens=512, temperature=1.0, eval_problems=128,
-      update_tokens=16384, on_nonfinite="stop"))
+      update_tokens=16384, on_nonfinite="stop", control=False, eval_every=0))
   # chat-formatted gsm_symbolic prompts are 60-200 SmolLM2 tokens
   c.rollout = ml_collections.ConfigDict(dict(max_batch=128, max_prompt_len=256))
   # the suffix drafter and the store of earlier completions it drafts from (configs/tiny_grpo.py

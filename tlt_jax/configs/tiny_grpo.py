@@ -57,11 +57,14 @@ def get_config() -> ml_collections.ConfigDict:
   # row padded to the full length); on_nonfinite: a non-finite update "stop"s the run (params
   # as before the step) or is "skip"ped and counted; old_logprobs: the loss's old log-probs from
   # the "policy"'s own forward pass before the step's updates (exact for a seed whatever the
-  # rollout decoded with) or from the "rollout" (no extra pass; their last bits follow the arm)
+  # rollout decoded with) or from the "rollout" (no extra pass; their last bits follow the arm);
+  # control=True: the no-update control (every policy update skipped, the same held-out
+  # evaluations); eval_every: steps between held-out evaluations (0: at the start and end only)
   c.trainer = ml_collections.ConfigDict(dict(
       steps=60, prompts_per_step=32, learning_rate=5e-5, warmup_steps=2, grad_clip=1.0,
       minibatches=2, epochs=1, max_new_tokens=96, temperature=1.0, eval_problems=512,
-      update_tokens=2048, on_nonfinite="stop", old_logprobs="policy"))
+      update_tokens=2048, on_nonfinite="stop", old_logprobs="policy", control=False,
+      eval_every=0))
   # EngineConfig of the rollout engine (batch buckets up to max_batch rows). The adaptive
   # engine (needs a drafter): strategies lists [depth, topk, verify_tokens] triples, e.g.
   #   --config.drafter=ngram --config.rollout.strategies="((4, 1, 5), (8, 1, 9))"

@@ -30,7 +30,7 @@ from tlt_jax.models.drafter import Drafter, drafter_policy_mismatch
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import history as history_lib
 from tlt_jax.rl.sft import warm_start
-from tlt_jax.rl.trainer import GRPOTrainer, check_update_layout
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, check_update_layout
 from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.stats import arm_line, run_sd_summary
@@ -228,6 +228,12 @@ def _evaluate(trainer: GRPOTrainer) -> tuple[float, float]:
   return greedy, sampled
 
 
+def _evaluation_due(config: TrainerConfig, step: int) -> bool:
+  """Whether step ``step`` (just taken) is followed by a periodic held-out evaluation: every
+  ``eval_every`` steps, but not after the last one (the final evaluation covers it)."""
+  return bool(config.eval_every) and step % config.eval_every == 0 and step < config.steps
+
+
 def _drafter_line(m: dict) -> str:
   """The console's speculative-decoding and online-drafter figures of a step (if any)."""
   parts = []
@@ -318,6 +324,9 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
           waited = trainer.online.selective_save(drafter_ckpt, trainer.step_count)
           if waited is not None:  # (an unchanged drafter is not saved again)
             m["drafter_save_ms"] = 1e3 * waited
+        if _evaluation_due(job.trainer, trainer.step_count):  # before the save: a stop in it
+          doing = f"after step {trainer.step_count}, during its held-out evaluation"  # redoes both
+          m["eval_accuracy"], m["eval_sampled_reward"] = _evaluate(trainer)
         if (cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0) or \
             trainer.step_count == job.trainer.steps:
           doing = f"after step {trainer.step_count} was saved"  # (a save is never cut short)
@@ -327,8 +336,9 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
             m["checkpoint_save_ms"] = 1e3 * (time.perf_counter() - t0)
             saved_step = trainer.step_count
         log.write(m["step"], m)
-        _say(f"step {m['step']:4d}/{job.trainer.steps} reward {m['reward']:.3f} loss "
-             f"{m['loss']:+.4f} len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
+        _say(f"step {m['step']:4d}/{job.trainer.steps} reward {m['reward']:.3f} " +
+             ("no update (control)" if m.get("control") else f"loss {m['loss']:+.4f}") +
+             f" len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
              f"{m['len_max']} rollout {m['rollout_s']:.1f}s = "
              f"{100 * m['rollout_s'] / max(m['step_s'], 1e-9):.0f}% (tail {m['tail_s']:.1f}s, "
              f"last rows {m['last_s']:.1f}s) update {m['update_s']:.1f}s" + _drafter_line(m) +
@@ -369,8 +379,10 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
                  rollout_share=rollout / max(total, 1e-9),
                  tail_share=sum(m["tail_s"] for m in history) / max(total, 1e-9),
                  last_share_of_rollout=sum(m["last_s"] for m in history) / max(rollout, 1e-9))
+  control = (" (the no-update control: the params are the warm start's, so the held-out "
+             "figures stay where they started)" if job.trainer.control else "")
   _say(f"held-out sampled reward: {sampled_start:.3f} -> {sampled_end:.3f}; held-out greedy "
-       f"accuracy: {accuracy_start:.3f} -> {accuracy_end:.3f}; train reward "
+       f"accuracy: {accuracy_start:.3f} -> {accuracy_end:.3f}{control}; train reward "
        f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; rollout "
        f"{100 * summary['rollout_share']:.0f}% of step time (tail "
        f"{100 * summary['tail_share']:.0f}%); the last rows (at most an eighth live) took "

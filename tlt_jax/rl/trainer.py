@@ -95,10 +95,25 @@ class TrainerConfig:
   # several tokens rounds otherwise than a one-token decode step, so the tuner's timed choice of
   # arm would change the losses, and the run would not follow its seed alone.
   old_logprobs: str = "policy"
+  # The no-update control: the same job (rollouts, rewards, drafter, held-out evaluations) with
+  # every policy update skipped, so the params stay bit for bit the warm start's. Its held-out
+  # curve is what the RL run's is measured against (held-out evaluation is a function of the
+  # params alone: fixed problems, fixed sampling seed).
+  control: bool = False
+  # Held-out evaluation (greedy accuracy and sampled reward on the eval_problems) every this many
+  # steps, into metrics.jsonl and tensorboard beside the step's metrics; 0: at the start and the
+  # end only. Each costs two generations over eval_problems.
+  eval_every: int = 0
 
   def __post_init__(self):
     require_positive_ints(self, "steps", "prompts_per_step", "minibatches", "epochs",
                           "max_new_tokens", "eval_problems")
+    if not isinstance(self.control, bool):
+      raise ValueError(f"TrainerConfig.control must be True or False, got {self.control!r}")
+    every = self.eval_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+      raise ValueError(f"TrainerConfig.eval_every must be an int >= 0 (steps between held-out "
+                       f"evaluations; 0: at the start and the end only), got {every!r}")
     if not (isinstance(self.learning_rate, (int, float)) and 0 < self.learning_rate < math.inf):
       raise ValueError(f"TrainerConfig.learning_rate must be a finite number > 0, got "
                        f"{self.learning_rate!r}")
@@ -394,7 +409,7 @@ class GRPOTrainer:
                                        self.grpo_config.eps)  # numpy: nothing compiles
     batch = self.make_batch(prompts, result.tokens, result.logprobs, advantages)
     t1 = time.perf_counter()
-    out = self.policy_update(batch)
+    out = {"control": True} if cfg.control else self.policy_update(batch)  # control: params kept
     t_update = time.perf_counter() - t1
     self.step_count += 1
     lengths = self.last_lengths = np.array([len(t) for t in result.tokens])
