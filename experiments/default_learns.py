@@ -4,12 +4,12 @@
       [--control-seeds 0] [--jobs 4] [--no-control] [--out docs/results/default_learns.json]
 
 Each seed runs the default job (configs/tiny_grpo.py through ``tlt_jax.train.run`` on a temp
-logdir) twice: with GRPO updates, and as the control, the same job whose updates run at learning
-rate 0 (a zero schedule patched into the trainer: ``TrainerConfig`` refuses 0, and AdamW at rate
-0 leaves every param bitwise as it was). Both arms share the warm start (same seed) and are
-evaluated on the same fixed held-out problems; the control's end evaluation must equal its
-step-0 one (checked). Writes held-out greedy accuracy and sampled reward, start and end, per
-arm and seed, with their mean and spread, the rollout's tail share and the command.
+logdir) twice: with GRPO updates, and as the control, the same job with every update skipped
+(``--config.trainer.control=True``: the params stay bit for bit the warm start's). Both arms
+share the warm start (same seed) and are evaluated on the same fixed held-out problems; the
+control's end evaluation must equal its step-0 one (checked). Writes held-out greedy accuracy
+and sampled reward, start and end (and the curve, with ``--set trainer.eval_every=N``), per arm
+and seed, with their mean and spread, the rollout's tail share and the command.
 """
 
 from __future__ import annotations
@@ -24,15 +24,12 @@ import pathlib
 import sys
 import tempfile
 import time
-from unittest import mock
 
 import numpy as np
-import optax
 
 import harness
 from harness import write_report
 from rl_bench import config_lib, train
-from tlt_jax.rl import update as update_lib  # its learning-rate schedule is patched
 
 KEYS = ("accuracy_start", "accuracy_end", "sampled_start", "sampled_end")
 
@@ -58,24 +55,29 @@ def _number(text: str):
 
 
 def run_arm(cfg, update: bool) -> dict:
-  """One job run; ``update=False`` applies its policy updates at learning rate 0."""
-  patch = contextlib.nullcontext()
-  if not update:
-    patch = mock.patch.object(update_lib, "learning_rate_schedule",
-                              lambda _config: optax.constant_schedule(0.0))
+  """One job run; ``update=False`` is the no-update control (``trainer.control=True``)."""
+  cfg.trainer.control = not update
   t0 = time.perf_counter()
-  with patch, contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+  with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     summary = train.run(cfg)
   history = summary["history"]
   rollout = sum(m["rollout_s"] for m in history)
+  updates = [m for m in history if "clip_fraction" in m]  # none in the control
   out = {k: summary[k] for k in KEYS}
   out.update(
       wall_s=round(time.perf_counter() - t0, 1),
+      # the held-out curve: (step, greedy accuracy, sampled reward) at the start, every
+      # trainer.eval_every steps and at the end
+      curve=[(0, summary["accuracy_start"], summary["sampled_start"])] +
+            [(m["step"], m["eval_accuracy"], m["eval_sampled_reward"]) for m in history
+             if "eval_accuracy" in m] +
+            [(summary["step"], summary["accuracy_end"], summary["sampled_end"])],
       train_reward_first5=summary["reward_first"], train_reward_last5=summary["reward_last"],
       tail_over_rollout=sum(m["tail_s"] for m in history) / max(rollout, 1e-9),
       rollout_over_step=summary["rollout_share"],
-      clip_fraction_mean=float(np.mean([m["clip_fraction"] for m in history])),
-      approx_kl_max=float(max(m["approx_kl"] for m in history)),
+      clip_fraction_mean=float(np.mean([m["clip_fraction"] for m in updates])) if updates
+      else None,
+      approx_kl_max=float(max(m["approx_kl"] for m in updates)) if updates else None,
       len_p50=float(np.percentile(summary["lengths"], 50)),
       len_p99=float(np.percentile(summary["lengths"], 99)),
       len_max=int(max(summary["lengths"])))
@@ -97,6 +99,34 @@ def spread(values) -> dict:
               min=float(v.min()), max=float(v.max()))
 
 
+def plot_curves(runs: list[dict], path: str, command: str) -> None:
+  """Held-out greedy accuracy and sampled reward against the RL step: each seed's GRPO run
+  (solid) and its no-update control (dashed, flat by construction), one panel per figure."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  seeds = sorted({r["seed"] for r in runs})
+  for r in runs:
+    steps, greedy, sampled = np.array(r["curve"], float).T
+    color = colors[seeds.index(r["seed"]) % len(colors)]
+    style = dict(color=color, marker="o", ms=3) if r["arm"] == "grpo" else \
+        dict(color=color, ls="--", alpha=0.7)
+    label = f"seed {r['seed']}, " + ("GRPO" if r["arm"] == "grpo" else "no-update control")
+    axes[0].plot(steps, greedy, label=label, **style)
+    axes[1].plot(steps, sampled, label=label, **style)
+  axes[0].set(xlabel="RL step", ylabel="held-out greedy accuracy")
+  axes[1].set(xlabel="RL step", ylabel="held-out sampled reward (T=1)")
+  axes[1].legend(fontsize=7)
+  fig.suptitle("the default job (python -m tlt_jax.train) against its no-update control",
+               fontsize=10)
+  fig.text(0.01, 0.01, command, fontsize=6, color="gray")
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  fig.savefig(path, dpi=110)
+  print(f"wrote {path}")
+
+
 def main() -> None:
   parser = harness.parser(__doc__)
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -109,6 +139,9 @@ def main() -> None:
   parser.add_argument("--jobs", type=int, default=1, help="runs at once (processes)")
   parser.add_argument("--out",
                       default=str(harness.ROOT / "docs" / "results" / "default_learns.json"))
+  parser.add_argument("--plot", default=None, metavar="PNG",
+                      help="also draw the held-out curves of every run (GRPO against the "
+                           "control, per seed) into this PNG; with --set trainer.eval_every=N")
   a = parser.parse_args()
   control = a.seeds if a.control_seeds is None else a.control_seeds
   todo = [(seed, True) for seed in a.seeds] + [(seed, False) for seed in control
@@ -133,10 +166,12 @@ def main() -> None:
       date=datetime.date.today().isoformat(),
       command="python " + " ".join([str(pathlib.Path(sys.argv[0]).as_posix())] + sys.argv[1:]),
       config={k: cfg[k].to_dict() for k in ("task", "sft", "grpo", "trainer")},
-      control="the same job, seed and held-out problems, with every policy update at learning "
-              "rate 0 (params unchanged)",
+      control="the same job, seed and held-out problems with every policy update skipped "
+              "(trainer.control=True: params unchanged)",
       arms=arms, runs=runs)
   write_report(a.out, result)
+  if a.plot:
+    plot_curves(runs, a.plot, result["command"])
   for arm, s in arms.items():
     print(f"{arm}: greedy {s['accuracy_start']['mean']:.3f} -> {s['accuracy_end']['mean']:.3f} "
           f"(gain {s['accuracy_gain']['mean']:+.3f} +- {s['accuracy_gain']['std']:.3f}), sampled "
