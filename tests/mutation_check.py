@@ -214,7 +214,7 @@ MUTANTS = [
            "logp = logp + jnp.take_along_axis(noise, draft.depth[:, :, None], axis=1)",
            "logp = logp + jnp.take_along_axis(noise, jnp.minimum(draft.depth + 1, spec.depth)"
            "[:, :, None], axis=1)",
-           ("tests/rollout/test_adaptive.py", "-k", "coupled and chain-plain"),
+           ("tests/rollout/test_adaptive.py", "-k", "coupled and (adaptive-plain or chain-topk)"),
            "coupled verification perturbs a node with the noise of the following position"),
     Mutant("coupled_tree_ranked_by_perturbed_score", "tlt_jax/rollout/speculative.py",
            "    _, index = lax.top_k(shaken, k)\n    return jnp.take_along_axis(lp, index, -1), index",
