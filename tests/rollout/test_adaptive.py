@@ -296,7 +296,8 @@ def test_critical_tokens_follow_the_longest_row_through_every_segment(engines):
   arms' share of them is what ``saved_seconds`` prices: a mapping from slots to rows that slips,
   or a row other than the longest, breaks the sum."""
   engine = engines("mirror/adaptive")
-  engine.set_tuner(RoundRobin())
+  # vanilla while 3-4 rows are live, the chain at 1-2: arms switch as rows finish (few compiles)
+  engine.set_tuner(make_tuner(TunerConfig(kind="fixed", fixed=((2, "chain d4"), (4, "vanilla")))))
   params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
   for seed in (3, 5):
     result = engine.generate(prompts_of([9, 2, 14, 5], seed=seed), params)  # one chunk
@@ -304,6 +305,8 @@ def test_critical_tokens_follow_the_longest_row_through_every_segment(engines):
     assert sum(t.critical_tokens for t in tallies) == max(len(t) for t in result.tokens)
     assert len({b for b, *_ in result.stats.segments}) > 1, "rows must move buckets"
     assert all(t.critical_tokens <= t.tokens for t in tallies)
+    assert {name for per_bucket in result.stats.arms.values() for name in per_bucket} == {
+        "vanilla", "chain d4"}
 
 
 def test_config_errors_say_what_to_do(models):
