@@ -7,10 +7,10 @@ import pytest
 from tlt_jax.rollout.stats import ArmTally, RolloutStats, rollout_metrics, saved_seconds
 
 
-def tally(seconds, steps, tokens, row_steps, critical=None) -> ArmTally:
+def tally(seconds, steps, tokens, row_steps, critical=0) -> ArmTally:
   t = ArmTally()
   t.seconds, t.steps, t.tokens, t.row_steps = seconds, steps, tokens, row_steps
-  t.critical_tokens = tokens // max(row_steps // max(steps, 1), 1) if critical is None else critical
+  t.critical_tokens = critical
   return t
 
 
