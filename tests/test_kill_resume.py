@@ -36,9 +36,10 @@ from tlt_jax.rl.trainer import metric_kind
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 5
-# the main-job tests' tiny sizes as command-line fields, run longer, checkpointed every 2 steps
+# the main-job tests' tiny sizes as command-line fields, run longer, checkpointed every 2 steps,
+# with a held-out evaluation in the rows of steps 2 and 4 (compared like every exact metric)
 TINY = {**tiny_flags(), "trainer.steps": STEPS, "trainer.max_new_tokens": 24,
-        "checkpoint_every": 2}
+        "checkpoint_every": 2, "trainer.eval_every": 2}
 
 
 def fixed_tuner(sd_arm: str) -> dict:
@@ -166,6 +167,7 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_one(references, tmp_path, ca
   reference = references(case)
   want, got = step_rows(reference), step_rows(logdir)
   assert [r["step"] for r in got] == [r["step"] for r in want], why
+  assert [r["step"] for r in got if "eval_accuracy" in r] == [0, 2, 4, STEPS], why
   for a, b in zip(want, got):
     assert a == b, (why, {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
                           if a.get(k) != b.get(k)})
