@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from tlt_jax.models.tokenizer import CharTokenizer
-from tlt_jax.rl.tasks import ArithmeticTask, Problem, Task, extract_answer, parse_steps
+from tlt_jax.rl.tasks import ArithmeticTask, Problem, Task, extract_answer, \
+    operand_digits, parse_steps
 
 TASKS = [ArithmeticTask(), ArithmeticTask(subtraction=True)]
 
@@ -93,6 +94,20 @@ def test_invalid_settings_are_rejected():
     ArithmeticTask(digit_exponent=0.0)
   with pytest.raises(ValueError, match="op"):
     ArithmeticTask().make_problem(1, 2, "*")
+
+
+def test_operand_digits_is_the_larger_operands_size():
+  """The size a problem is drawn by: over many draws, each size's share follows digit_probs
+  (a parse that took the first operand, or the result, would not)."""
+  task = ArithmeticTask(max_digits=4, subtraction=True)
+  assert operand_digits(task.make_problem(812, 5).prompt) == 3
+  assert operand_digits(task.make_problem(5, 812, "-").prompt) == 3  # larger first: 812-5=?
+  assert operand_digits("7+12345=?") == 5
+  sizes = [operand_digits(p.prompt) for p in task.sample(np.random.default_rng(0), 4000)]
+  shares = np.bincount(sizes, minlength=5)[1:] / len(sizes)
+  np.testing.assert_allclose(shares, task.digit_probs(), atol=0.03)
+  with pytest.raises(ValueError, match="not an arithmetic prompt"):
+    operand_digits("What is 2+2?")
 
 
 def test_operands_past_int64_are_drawn_and_traced_exactly():

@@ -176,6 +176,15 @@ class ArithmeticTask:
     return float(int(found) == int(problem.answer))
 
 
+def operand_digits(prompt: str) -> int:
+  """Digits of the larger operand of an ``ArithmeticTask`` prompt (``"812+5=?"`` -> 3): the size
+  its problems are drawn by (``digit_probs``), for breaking results down by it."""
+  match = re.fullmatch(r"(\d+)[+-](\d+)=\?", prompt)
+  if match is None:
+    raise ValueError(f"not an arithmetic prompt (a+b=? or a-b=?): {prompt!r}")
+  return max(len(match.group(1)), len(match.group(2)))
+
+
 def _random_number(rng: np.random.Generator, digits: int) -> int:
   """A uniform number with exactly ``digits`` digits (0..9 for one digit)."""
   if digits > 18:  # past int64: a leading digit and the rest (numbers of 18 digits and fewer
