@@ -8,9 +8,10 @@ Builds the default job (configs/tiny_grpo.py with ``--set`` overrides), takes ei
 start (the same seed gives the same warm start as the job's) or a saved policy (``--model``, an
 HF-format directory such as a run's ``final_model``), and evaluates the job's own held-out
 problems (``trainer.eval_problems``' fixed set, the fixed sampling seed) greedily and at the
-trainer's temperature, as the job's held-out evaluation does. Prints and writes the mean reward
-per size of the larger operand (digits) and each size's share, and the first ``--failures``
-wrong completions of each temperature, so a reader can see what kind of error a policy makes.
+trainer's temperature through ``GRPOTrainer.held_out``, what the job's evaluation averages. Prints
+and writes the mean reward per size of the larger operand (digits) and each size's share, and the
+first ``--failures`` wrong completions of each temperature, so a reader can see what kind of error
+a policy makes.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from tlt_jax.job.runner import initial_model, make_trainer
 from tlt_jax.models import from_pretrained
 from tlt_jax.rl.sft import warm_start
 from tlt_jax.rl.tasks import operand_digits
-from tlt_jax.rl.trainer import EVAL_SEED, eval_problems
-from tlt_jax.rollout.interface import SamplingParams
 
 
 def by_digits(problems, rewards) -> dict[int, dict[str, float]]:
@@ -64,16 +63,11 @@ def main() -> None:
                           cfg.seed)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
   trainer = make_trainer(job, model, mesh)
-  problems = eval_problems(job.task, a.problems or job.trainer.eval_problems, EVAL_SEED)
-  prompts = [trainer.encode_prompt(p) for p in problems]
   result = dict(date=datetime.date.today().isoformat(),
                 command="python " + " ".join(["experiments/held_out_by_digits.py"] + sys.argv[1:]),
                 model=a.model or f"the warm start ({job.sft.steps} SFT steps, seed {cfg.seed})")
   for name, temperature in (("greedy", 0.0), ("sampled", job.trainer.temperature)):
-    out = trainer.engine.generate(prompts, SamplingParams(
-        max_new_tokens=job.trainer.max_new_tokens, temperature=temperature, seed=EVAL_SEED))
-    texts = [job.tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
-    rewards = [job.task.reward(p, t) for p, t in zip(problems, texts)]
+    problems, texts, rewards = trainer.held_out(a.problems, temperature=temperature)
     sizes = by_digits(problems, rewards)
     wrong = [dict(prompt=p.prompt, expected=p.solution, wrote=t)
              for p, t, r in zip(problems, texts, rewards) if r == 0][:a.failures]

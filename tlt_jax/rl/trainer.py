@@ -524,10 +524,16 @@ class GRPOTrainer:
     """Mean reward on held-out problems (a fixed set, independent of training data): greedy
     accuracy at temperature 0, or the expected reward of the sampling policy otherwise.
     ``progress(rows_done, rows_total)`` is passed to the engine's ``generate``."""
+    return float(np.mean(self.held_out(n, seed, temperature, progress)[2]))
+
+  def held_out(self, n: int | None = None, seed: int = EVAL_SEED, temperature: float = 0.0,
+               progress=None) -> tuple[list[Problem], list[str], list[float]]:
+    """What ``evaluate`` averages, problem by problem: the held-out problems, the policy's
+    completions (decoded) and their rewards."""
     problems = eval_problems(self.task, n or self.config.eval_problems, seed)
     self._sync_engine()
     result = self.engine.generate([self.encode_prompt(p) for p in problems], SamplingParams(
         max_new_tokens=self.config.max_new_tokens, temperature=temperature, seed=seed),
         progress=progress)
     texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
-    return float(np.mean([self.task.reward(p, t) for p, t in zip(problems, texts)]))
+    return problems, texts, [self.task.reward(p, t) for p, t in zip(problems, texts)]
