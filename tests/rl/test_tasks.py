@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from tlt_jax.models.tokenizer import CharTokenizer
-from tlt_jax.rl.tasks import ArithmeticTask, Problem, Task, extract_answer, \
-    operand_digits, parse_steps
+from tlt_jax.rl.tasks import ANSWER_MARK, ArithmeticTask, Problem, Task, extract_answer, \
+    operand_digits
+
+_STEP = re.compile(r"^(\d{1,2})([+-])(\d)[+-](\d)=(\d{1,2})$")
+
+
+def parse_steps(solution: str) -> list[tuple[int, str, int, int, int]]:
+  """The ``(x, op, y, carry_in, result)`` steps of a trace (everything before the answer mark)."""
+  steps = []
+  for chunk in solution.split(ANSWER_MARK)[0].split():
+    match = _STEP.match(chunk)
+    assert match is not None, f"not a trace step: {chunk!r}"
+    x, op, y, c, r = match.groups()
+    steps.append((int(x), op, int(y), int(c), int(r)))
+  return steps
+
 
 TASKS = [ArithmeticTask(), ArithmeticTask(subtraction=True)]
 

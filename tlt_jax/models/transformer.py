@@ -51,11 +51,6 @@ class KVCache:
     """The same buffers with other committed lengths."""
     return KVCache(self.k, self.v, lengths)
 
-  def take_rows(self, index: jax.Array) -> "KVCache":
-    """Gathers rows ``index`` (used to compact live rows into a smaller bucket)."""
-    take = lambda x: jnp.take(x, index, axis=0)
-    return KVCache(tuple(map(take, self.k)), tuple(map(take, self.v)), take(self.lengths))
-
 
 class ModelOutput(NamedTuple):
   logits: jax.Array  # [B, T, V] float32

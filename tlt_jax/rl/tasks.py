@@ -82,22 +82,6 @@ def truncated_zipf_probs(max_value: int, exponent: float) -> np.ndarray:
   return weights / weights.sum()
 
 
-_STEP = re.compile(r"^(\d{1,2})([+-])(\d)[+-](\d)=(\d{1,2})$")
-
-
-def parse_steps(solution: str) -> list[tuple[int, str, int, int, int]]:
-  """The ``(x, op, y, carry_in, result)`` steps of a trace (everything before the answer mark)."""
-  body = solution.split(ANSWER_MARK)[0]
-  steps = []
-  for chunk in body.split():
-    match = _STEP.match(chunk)
-    if match is None:
-      raise ValueError(f"not a trace step: {chunk!r}")
-    x, op, y, c, r = match.groups()
-    steps.append((int(x), op, int(y), int(c), int(r)))
-  return steps
-
-
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTask:
   """Multi-digit addition (and optionally subtraction) with a written digit-by-digit trace.

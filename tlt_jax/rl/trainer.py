@@ -467,7 +467,7 @@ class GRPOTrainer:
     the metadata holds what the adaptive engine's tuner learned (``"tuner"``), if it has one,
     and the history store (``"history"``), if one is kept; the online drafter's data buffer is a
     file beside the step's arrays."""
-    metadata = {"format": 1, "trainer": dataclasses.asdict(self.config), **(metadata or {})}
+    metadata = {"trainer": dataclasses.asdict(self.config), **(metadata or {})}
     if (tuner := self.engine.tuner_state()) is not None:
       metadata[TUNER_KEY] = tuner
     if self.history is not None:

@@ -147,7 +147,11 @@ def _jit_logprobs(graphdef: nnx.GraphDef, layout: UpdateLayout, temperature: flo
 
 def _jit_padded_update(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                        config: grpo.GRPOConfig, layout: UpdateLayout, temperature: float):
-  """The jitted full-length ``update(params, opt_state, batch, ref_params)`` (make_update_fn)."""
+  """The jitted full-length ``update(params, opt_state, batch, ref_params)`` over ``layout``: one
+  pass over a padded batch (``packing.padded_batch``). Log-probs are of the sampling distribution,
+  ``softmax(logits / temperature)``, as the rollout's old log-probs are: the first update of a
+  step then has ratio 1 whatever the temperature. ``metrics["finite"]`` says whether the update
+  was applied (``_guarded_step``)."""
   loss_fn = _make_loss_fn(graphdef, config, temperature, layout.gather)
 
   def update(params, opt_state, batch, ref_params):
@@ -160,23 +164,6 @@ def _jit_padded_update(graphdef: nnx.GraphDef, optimizer: optax.GradientTransfor
                  donate_argnums=(0, 1))
 
 
-def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                   config: grpo.GRPOConfig, mesh: Mesh, temperature: float = 1.0,
-                   layout: UpdateLayout | None = None):
-  """A jitted ``update(params, opt_state, batch) -> (params, opt_state, metrics)`` over ``mesh``:
-  one full-length pass over a padded batch (``packing.padded_batch``). ``layout``: where params
-  and optimizer state live (default: replicated, rows sharded over every mesh axis).
-
-  Log-probs are of the sampling distribution, ``softmax(logits / temperature)``, as the rollout's
-  old log-probs are: the first update of a step then has ratio 1 whatever the temperature.
-
-  ``metrics["finite"]`` says whether the update was applied: when the loss, the gradient norm or
-  any new param is not finite, the old params and optimizer state come back unchanged.
-  """
-  layout = layout or UpdateLayout(mesh)
-  return _ref_optional(_jit_padded_update(graphdef, optimizer, config, layout, temperature))
-
-
 def _ref_optional(update):
   """``update(params, opt_state, batch, ref_params)`` callable with ``ref_params`` left out (no
   KL term)."""
@@ -187,7 +174,7 @@ def _ref_optional(update):
 def make_packed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                            config: grpo.GRPOConfig, mesh: Mesh, temperature: float = 1.0,
                            layout: UpdateLayout | None = None) -> dict[str, Any]:
-  """Jitted pieces of a gradient-accumulated update over ``mesh``, equal to ``make_update_fn``'s
+  """Jitted pieces of a gradient-accumulated update over ``mesh``, equal to the full-length update's
   (``layout``: where params and optimizer state live, default replicated; the accumulated
   gradient lives as the params do):
 

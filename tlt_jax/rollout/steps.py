@@ -479,9 +479,3 @@ class StepFunctions:
     if state.feats is not None:
       total += state.feats.size * state.feats.dtype.itemsize
     return total
-
-
-def describe(groups: dict[str, StrategyGroup]) -> dict[str, Any]:
-  """Group name -> member strategy names (for stats and the pool ablation)."""
-  return {name: [strategy_name(s, g.kind) for s in g.members] or ["vanilla"]
-          for name, g in groups.items()}
