@@ -63,3 +63,24 @@ def test_the_long_tail_job_is_one_batch_of_heavy_tailed_rows_over_epochs():
       job.task, np.random.default_rng([cfg.seed, tasks.PROMPT_SET_STREAM]), job.trainer.num_prompts)
   lengths = np.array([len(p.solution) for p in prompt_set])
   assert lengths.max() >= 10 * np.median(lengths)
+
+
+@pytest.mark.parametrize("name", ["tiny_grpo", "tiny_longtail", "smollm2_gsm8k",
+                                  "smollm2_reasoning_gym"])
+def test_every_shipped_config_reaches_every_field(name):
+  """Each default lives in its dataclass and a config states only what it changes
+  (``dataclass_section``): a shipped config's sft / grpo / trainer sections hold every field, so
+  ``--config.<section>.<field>`` reaches it (the job fills seed and num_prompts itself)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import importlib  # pylint: disable=import-outside-toplevel
+  from tlt_jax.job.typed_config import dataclass_section  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl.grpo import GRPOConfig  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl.sft import SFTConfig  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl.trainer import TrainerConfig  # pylint: disable=import-outside-toplevel
+  cfg = importlib.import_module(f"tlt_jax.configs.{name}").get_config()
+  for section, cls, filled in [("sft", SFTConfig, ()), ("grpo", GRPOConfig, ()),
+                               ("trainer", TrainerConfig, ("seed", "num_prompts"))]:
+    fields = {f.name for f in dataclasses.fields(cls)} - set(filled)
+    assert set(cfg[section].keys()) == fields, (name, section)
+  with pytest.raises(TypeError, match=r"give values for the fields \['group_size'\]"):
+    dataclass_section(GRPOConfig, clip_eps_high=0.3)

@@ -15,7 +15,10 @@ import ml_collections
 
 from tlt_jax.job.rollout_config import suffix_section
 from tlt_jax.job.typed_config import dataclass_section
+from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rl.history import HistoryConfig
+from tlt_jax.rl.sft import SFTConfig
+from tlt_jax.rl.trainer import TrainerConfig
 
 
 def smollm2_default_path() -> str:
@@ -51,14 +54,12 @@ def get_config() -> ml_collections.ConfigDict:
   # a pretrained policy: an HF directory or a .gguf file, in float32 (AdamW on bf16 params
   # loses small updates)
   c.model = ml_collections.ConfigDict(dict(path=smollm2_default_path(), dtype="float32"))
-  c.sft = ml_collections.ConfigDict(dict(steps=0))
-  c.grpo = ml_collections.ConfigDict(dict(
-      group_size=8, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, loss_agg="token-mean",
-      normalize_std=True))
-  c.trainer = ml_collections.ConfigDict(dict(
-      steps=200, prompts_per_step=16, learning_rate=2e-6, warmup_steps=5, grad_clip=1.0,
-      minibatches=4, epochs=1, max_new_tokens=512, temperature=1.0, eval_problems=128,
-      update_tokens=16384, on_nonfinite="stop", control=False, eval_every=0))
+  c.sft = dataclass_section(SFTConfig, steps=0)
+  c.grpo = dataclass_section(GRPOConfig, group_size=8, clip_eps_high=0.28)
+  c.trainer = dataclass_section(TrainerConfig, omit=("seed", "num_prompts"), steps=200,
+                                prompts_per_step=16, learning_rate=2e-6, warmup_steps=5,
+                                minibatches=4, max_new_tokens=512, eval_problems=128,
+                                update_tokens=16384)
   # chat-formatted gsm_symbolic prompts are 60-200 SmolLM2 tokens
   c.rollout = ml_collections.ConfigDict(dict(max_batch=128, max_prompt_len=256))
   # the suffix drafter and the store of earlier completions it drafts from (configs/tiny_grpo.py

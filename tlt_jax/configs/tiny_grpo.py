@@ -8,8 +8,10 @@ from ml_collections import config_dict
 
 from tlt_jax.job.rollout_config import drafter_training_section, suffix_section
 from tlt_jax.job.typed_config import dataclass_section
+from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
+from tlt_jax.rl.trainer import TrainerConfig
 from tlt_jax.rollout.tuner import TunerConfig
 
 
@@ -49,9 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
   # supervised warm start on correct traces (steps=0: none)
   c.sft = dataclass_section(SFTConfig)  # every field at SFTConfig's default
   # GRPOConfig: samples per prompt, PPO clip range (DAPO clip-higher), KL to the warm start
-  c.grpo = ml_collections.ConfigDict(dict(
-      group_size=8, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, loss_agg="token-mean",
-      normalize_std=True))
+  c.grpo = dataclass_section(GRPOConfig, group_size=8, clip_eps_high=0.28)
   # TrainerConfig: RL steps, prompts per step, AdamW, updates per step, rollout length, tokens
   # per update micro-batch (sequences are packed into rows of about their live length; 0: every
   # row padded to the full length); on_nonfinite: a non-finite update "stop"s the run (params
@@ -60,11 +60,12 @@ def get_config() -> ml_collections.ConfigDict:
   # rollout decoded with) or from the "rollout" (no extra pass; their last bits follow the arm);
   # control=True: the no-update control (every policy update skipped, the same held-out
   # evaluations); eval_every: steps between held-out evaluations (0: at the start and end only)
-  c.trainer = ml_collections.ConfigDict(dict(
-      steps=60, prompts_per_step=32, learning_rate=5e-5, warmup_steps=2, grad_clip=1.0,
-      minibatches=2, epochs=1, max_new_tokens=96, temperature=1.0, eval_problems=512,
-      update_tokens=2048, on_nonfinite="stop", old_logprobs="policy", control=False,
-      eval_every=20))  # 3 s an evaluation of 512 problems on a 2-core CPU, ~2 % of the job
+  # (every other field at TrainerConfig's default; seed and num_prompts come from config.seed
+  # and config.task.num_prompts). eval_every=20: 3 s an evaluation of 512 problems on a 2-core
+  # CPU, ~2 % of the job
+  c.trainer = dataclass_section(TrainerConfig, omit=("seed", "num_prompts"), steps=60,
+                                prompts_per_step=32, learning_rate=5e-5, minibatches=2,
+                                eval_problems=512, eval_every=20)
   # EngineConfig of the rollout engine (batch buckets up to max_batch rows). The adaptive
   # engine (needs a drafter): strategies lists [depth, topk, verify_tokens] triples, e.g.
   #   --config.drafter=ngram --config.rollout.strategies="((4, 1, 5), (8, 1, 9))"

@@ -60,22 +60,27 @@ def to_dataclass(cls: type[T], section_: ml_collections.ConfigDict, where: str,
     raise ConfigError(f"config.{where}: {e}") from None
 
 
-def dataclass_section(cls: type, **values) -> ml_collections.ConfigDict:
-  """A config section of every field of the dataclass ``cls``, at its default unless given in
-  ``values`` (which may add fields of the job's own), so a default lives in the dataclass alone
-  and ``--help`` and ``--config.<section>.<field>`` still reach every field.
+def dataclass_section(cls: type, omit: Iterable[str] = (), **values) -> ml_collections.ConfigDict:
+  """A config section of every field of the dataclass ``cls`` but those in ``omit`` (fields the
+  job fills from elsewhere, e.g. the trainer's seed from ``config.seed``), at its default unless
+  given in ``values`` (which may add fields of the job's own). So a default lives in the
+  dataclass alone, a config states only what it changes, and ``--help`` and
+  ``--config.<section>.<field>`` still reach every field.
 
   A field without a default must be given; one whose default is ``None`` too (a ConfigDict field
   of value None takes no command-line override, so the config file picks a typed value).
   """
-  fields = {}
+  omit, fields = set(omit), {}
   for field in dataclasses.fields(cls):
+    if field.name in omit:
+      continue
     if field.default is not dataclasses.MISSING:
       fields[field.name] = field.default
     elif field.default_factory is not dataclasses.MISSING:
       fields[field.name] = field.default_factory()
   fields.update(values)
-  unset = sorted(f.name for f in dataclasses.fields(cls) if fields.get(f.name) is None)
+  unset = sorted(f.name for f in dataclasses.fields(cls)
+                 if f.name not in omit and fields.get(f.name) is None)
   if unset:
     raise TypeError(f"dataclass_section({cls.__name__}): give values for the fields {unset} "
                     "(no default, or a default of None)")
