@@ -238,8 +238,9 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
                                    r"prompts: a .*problem.* has \d+ tokens .*at least \d+")),
     ("trainer.learning_rate", float("inf"), r"learning_rate must be a finite number > 0"),
     # epoch mode, the history store and the suffix drafter
-    ("task.num_prompts", -1, r"config.task.num_prompts must be an int >= 0 \(0: fresh problems"),
-    ("task.num_prompts", 2, (r"config.task.num_prompts=2 is fewer than config.trainer."
+    ("task.num_prompts", -1, (r"config.task.num_prompts: TrainerConfig.num_prompts must be an "
+                              r"int >= 0 \(0: fresh problems")),
+    ("task.num_prompts", 2, (r"config.task.num_prompts: TrainerConfig.num_prompts=2 is fewer than "
                              r"prompts_per_step=4: every step would repeat a prompt")),
     ("history.max_bytes", 0, r"config.history.max_bytes must be a positive int, got 0"),
     ("history.per_prompt", 2.5, r"config.history.per_prompt must be a positive int, got 2.5"),
@@ -674,8 +675,8 @@ def test_help_lists_the_config_fields():
     (["--config.rollout.suffix_strategies=((2, 1, 3),)", "--config.history.per_prompt=4",
       "--config.suffix.depth=4"], "config.rollout.suffix_strategies needs the suffix drafter"),
     (["--config.task.num_prompts=2", "--config.trainer.prompts_per_step=3",
-      "--config.drafter=suffix"], "config.task.num_prompts=2 is fewer than config.trainer."
-                                  "prompts_per_step=3"),
+      "--config.drafter=suffix"], "config.task.num_prompts: TrainerConfig.num_prompts=2 is "
+                                  "fewer than prompts_per_step=3"),
 ])
 def test_mistakes_are_one_line_errors_without_traceback(tmp_path, args, message):
   done = cli(f"--config.logdir={tmp_path / 'run'}", *args)

@@ -124,16 +124,7 @@ def task_num_prompts(cfg: ml_collections.ConfigDict) -> int:
   """``config.task.num_prompts`` (0 when absent): 0 draws fresh problems every step; N > 0 a
   fixed set of N problems, visited once per epoch in a shuffled order, at least
   ``config.trainer.prompts_per_step`` of them (fewer would repeat prompts within every step)."""
-  n = section(cfg, "task").get("num_prompts", 0)
-  if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-    raise ConfigError(f"config.task.num_prompts must be an int >= 0 (0: fresh problems every "
-                      f"step; N: epoch mode over a fixed set of N problems), got {n!r}")
-  per_step = section(cfg, "trainer").get("prompts_per_step", TrainerConfig.prompts_per_step)
-  if n and isinstance(per_step, int) and n < per_step:
-    raise ConfigError(f"config.task.num_prompts={n} is fewer than config.trainer."
-                      f"prompts_per_step={per_step}: every step would repeat a prompt; use at "
-                      f"least {per_step} (or 0: fresh problems every step)")
-  return n
+  return section(cfg, "task").get("num_prompts", 0)  # checked by TrainerConfig, its field
 
 
 def build_history(cfg: ml_collections.ConfigDict) -> HistoryConfig:
@@ -214,7 +205,8 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
                       "solution, without the chat template (and this tokenizer may have no BOS)")
   grpo_config = to_dataclass(grpo.GRPOConfig, section(cfg, "grpo"), "grpo")
   trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=cfg.seed,
-                                num_prompts=task_num_prompts(cfg))
+                                num_prompts=task_num_prompts(cfg),
+                                sources={"num_prompts": "task.num_prompts"})
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
   drafter = build_drafter(cfg.drafter, model_config, seed=cfg.seed)
   suffix = build_suffix(cfg)
@@ -228,10 +220,6 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
                                       max_new_tokens=trainer_config.max_new_tokens,
                                       pad_token_id=pad)
   check_prompt_lengths(task, tokenizer, chat, trainer_config, engine_config.max_prompt_len)
-  try:
-    check_rollout_devices(cfg.get("rollout_devices", 0), name="config.rollout_devices")
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
   return Job(cfg=cfg, logdir=pathlib.Path(cfg.logdir), task=task, tokenizer=tokenizer,
              model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
              engine=engine_config, drafter=drafter, model_path=model_path, chat_template=chat,

@@ -44,9 +44,13 @@ def section(cfg: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigD
 
 
 def to_dataclass(cls: type[T], section_: ml_collections.ConfigDict, where: str,
-                 ignore: Iterable[str] = (), **extra) -> T:
+                 ignore: Iterable[str] = (), sources: dict[str, str] | None = None,
+                 **extra) -> T:
   """Builds ``cls`` from ``section_``; unknown keys (except ``ignore``) and bad values raise
-  :class:`ConfigError` naming the field as ``config.<where>.<key>``."""
+  :class:`ConfigError` naming the field as ``config.<where>``: the one place where the job's
+  path goes in front of the dataclass's own message (which names ``Cls.field``). ``extra``
+  fields come from elsewhere in the config: ``sources`` names where (``{"num_prompts":
+  "task.num_prompts"}``), so an error about one of them points there instead."""
   fields = {f.name for f in dataclasses.fields(cls)}
   check_keys(section_, (fields - set(extra)) | set(ignore), where)
   values = {k: v for k, v in section_.items() if k in fields}
@@ -57,6 +61,9 @@ def to_dataclass(cls: type[T], section_: ml_collections.ConfigDict, where: str,
   try:
     return cls(**values)
   except (TypeError, ValueError) as e:
+    for field, path in (sources or {}).items():
+      if f"{cls.__name__}.{field}" in str(e):
+        where = path
     raise ConfigError(f"config.{where}: {e}") from None
 
 
