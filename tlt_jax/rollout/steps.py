@@ -28,11 +28,12 @@ from jax import lax
 
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.rollout import speculative as sd
-from tlt_jax.rollout import suffix as sfx
-from tlt_jax.rollout.ngram import NgramConfig, contexts, ngram_propose
+from tlt_jax.rollout.kinds import KINDS, DrafterKind, kind_of
+from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplerArgs, filtered_logprobs, row_keys, sample_tokens
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.stats import DRAFT_SOURCES
+from tlt_jax.rollout.suffix import SuffixConfig
 
 
 @jax.tree_util.register_dataclass
@@ -66,7 +67,10 @@ class StrategyGroup:
 
   name: str
   members: tuple[SpecConfig, ...] = ()  # () for vanilla
-  kind: str = "learned"  # who drafts: "learned" (EAGLE), "ngram" or "suffix"
+  kind: DrafterKind = DrafterKind.LEARNED  # who drafts (``kinds.py``)
+
+  def __post_init__(self):
+    object.__setattr__(self, "kind", kind_of(self.kind).kind)  # a name becomes its kind
 
   @property
   def is_vanilla(self) -> bool:
@@ -80,33 +84,24 @@ class StrategyGroup:
                       verify_tokens=m[0].verify_tokens)
 
 
-def strategy_name(spec: SpecConfig | None, kind: str = "learned") -> str:
-  """``"vanilla"``, ``"chain d4"``, ``"tree d4 k4 v16"``; ``"ngram d8"`` for n-gram chains (``kind``
-  "ngram"), ``"suffix d8"`` / ``"suffix d8 k3 v11"`` for the suffix drafter's."""
-  if spec is None:
-    return "vanilla"
-  if kind == "suffix":
-    return f"suffix d{spec.depth}" + ("" if spec.is_chain else
-                                      f" k{spec.topk} v{spec.verify_tokens}")
-  if spec.is_chain:
-    return f"{'ngram' if kind == 'ngram' else 'chain'} d{spec.depth}"
-  return f"tree d{spec.depth} k{spec.topk} v{spec.verify_tokens}"
+def strategy_name(spec: SpecConfig | None, kind: str = DrafterKind.LEARNED) -> str:
+  """``"vanilla"``, or the arm name of ``spec`` drafted by ``kind`` (``kinds.Kind``):
+  ``"chain d4"``, ``"tree d4 k4 v16"``, ``"ngram d8"``, ``"suffix d8"``, ``"suffix d8 k3 v11"``."""
+  return "vanilla" if spec is None else kind_of(kind).strategy_name(spec)
 
 
-def group_name(spec: SpecConfig | None, kind: str = "learned") -> str:
+def group_name(spec: SpecConfig | None, kind: str = DrafterKind.LEARNED) -> str:
   """The name of the executable group a strategy belongs to (the learned drafter's trees of one
   verify width share one; every other strategy has its own)."""
-  if spec is None or spec.is_chain or kind != "learned":
-    return strategy_name(spec, kind)
-  return f"tree v{spec.verify_tokens}"
+  return "vanilla" if spec is None else kind_of(kind).group_name(spec)
 
 
-def make_groups(specs: Sequence[SpecConfig], kind: str = "learned",
+def make_groups(specs: Sequence[SpecConfig], kind: str = DrafterKind.LEARNED,
                 suffix_specs: Sequence[SpecConfig] = ()) -> dict[str, StrategyGroup]:
   """Vanilla plus ``specs`` (drafted by ``kind``) and ``suffix_specs`` grouped by ``group_name``
   (members in the order given)."""
   members: dict[tuple[str, str], list[SpecConfig]] = {}
-  for k, group_specs in ((kind, specs), ("suffix", suffix_specs)):
+  for k, group_specs in ((DrafterKind(kind), specs), (DrafterKind.SUFFIX, suffix_specs)):
     for spec in group_specs:
       members.setdefault((group_name(spec, k), k), []).append(spec)
   groups = {"vanilla": StrategyGroup("vanilla")}
@@ -134,7 +129,7 @@ class StepFunctions:
 
   def __init__(self, model_config, config, graphdef, drafter_graphdef,
                ngram: NgramConfig | None, groups: dict[str, StrategyGroup],
-               suffix: sfx.SuffixConfig | None = None):
+               suffix: SuffixConfig | None = None):
     self.model_config = model_config
     self.config = config
     self.graphdef = graphdef
@@ -269,7 +264,7 @@ class StepFunctions:
       jax.debug.callback(lambda p, _: self.phase_marks.append((int(p), time.perf_counter())),
                          phase, after, ordered=True)
 
-  def _pending_window(self, state: DecodeState, width: int):
+  def pending_window(self, state: DecodeState, width: int):
     """The ``width`` oldest pending (token, feature) pairs of each row and the pending count."""
     pend = state.cache.lengths - state.dcache.lengths
     index = (state.num_generated - pend)[:, None] + jnp.arange(width)[None, :]
@@ -277,69 +272,13 @@ class StepFunctions:
 
   def spec_step(self, target, drafter, state: DecodeState, args: SamplerArgs,
                 group: StrategyGroup, choice: jax.Array) -> DecodeState:
-    """Catch the drafter up on the pending pairs, draft with member ``choice`` of ``group``,
+    """Draft with member ``choice`` of ``group`` (as its drafter kind drafts: ``kinds.py``),
     verify in one target pass, accept."""
-    live = ~state.done
-    rows, gen_pos = state.row_id, state.num_generated
     self.mark_phase(0, state.last_token)
-    if group.kind == "ngram":
-      spec = group.members[0]  # n-gram groups are single chains
-      proposal, proposal_len = ngram_propose(
-          state.prompt_tokens, state.prompt_lens, state.tokens, state.num_generated,
-          state.group_id, max_ngram=self.ngram.max_ngram, min_ngram=self.ngram.min_ngram,
-          depth=spec.depth)
-      # point-mass drafts: verified by the sequential point-mass rule (draft_probs=None)
-      draft = sd.chain_tree(proposal, state.last_token, None, proposal_len)
-      self.mark_phase(1, draft.tokens)
-      source = jnp.full(live.shape, DRAFT_SOURCES.index("ngram"), jnp.int32)
-      return self._verify_and_emit(target, state, draft, None, args, group, source=source)
-    if group.kind == "suffix":
-      spec = group.members[0]  # every suffix strategy is a group of its own
-      ctx, ctx_len = contexts(state.prompt_tokens, state.prompt_lens, state.tokens,
-                              state.num_generated)
-      drafted = sfx.suffix_draft(ctx, ctx_len, state.prompt_lens, state.group_id, state.history,
-                                 args.max_new_tokens - state.num_generated, state.last_token,
-                                 self.suffix, spec)
-      draft = drafted.draft
-      mask = None if spec.is_chain else sd.tree_attention(draft, spec.depth)
-      self.mark_phase(1, draft.tokens)
-      return self._verify_and_emit(target, state, draft, mask, args, group,
-                                   source=drafted.node_source)
-    win_tokens, win_feats, pend = self._pending_window(state, self.config.pending_width)
-    dout = drafter.forward(target, win_tokens, win_feats, cache=state.dcache)
-    dcache = dout.cache.advance(jnp.where(live, pend, 0))
-    feature = sd.pick_positions(dout.hidden, pend - 1)
-    logits = sd.pick_positions(dout.logits, pend - 1)
-    if group.members[0].is_chain:
-      spec = group.members[0]
-      draft = sd.draft_chain(target, drafter, dcache, feature, logits, state.last_token, args,
-                             rows, gen_pos, spec.depth, coupled=self.coupled)
-    else:
-      walk = group.walk_spec
-
-      def tree(spec):
-        def noisy():
-          noise = sd.coupled_noise(args, rows, gen_pos, spec.depth, self.model_config.vocab_size)
-          return sd.draft_tree(target, drafter, dcache, feature, logits, state.last_token, spec,
-                               sd.perturb_draft(noise, drafter.vocab_ids))
-
-        def plain():
-          return sd.draft_tree(target, drafter, dcache, feature, logits, state.last_token, spec)
-
-        def draft():
-          d = lax.cond(args.temperature <= 0, plain, noisy) if self.coupled else plain()
-          pad = walk.topk - d.children.shape[2]  # one children table for every member
-          children = jnp.pad(d.children, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
-          return d._replace(children=children)
-        return draft
-
-      branches = [tree(spec) for spec in group.members]
-      draft = branches[0]() if len(branches) == 1 else lax.switch(choice, branches)
-    mask = None if group.members[0].is_chain else sd.tree_attention(draft, group.walk_spec.depth)
-    self.mark_phase(1, draft.tokens)
-    source = jnp.full(live.shape, DRAFT_SOURCES.index("learned"), jnp.int32)
-    return self._verify_and_emit(target, state, draft, mask, args, group, dcache=dcache,
-                                 source=source)
+    drafted = KINDS[group.kind].draft(self, target, drafter, state, args, group, choice)
+    self.mark_phase(1, drafted.draft.tokens)
+    return self._verify_and_emit(target, state, drafted.draft, drafted.mask, args, group,
+                                 dcache=drafted.dcache, source=drafted.source)
 
   def _verify_and_emit(self, target, state, draft, mask, args, group: StrategyGroup,
                        dcache=None, source=None):
@@ -433,7 +372,7 @@ class StepFunctions:
       return jnp.any(~s.done & (s.cache.lengths - s.dcache.lengths > limit))
 
     def consume(s):
-      toks, feats, pend = self._pending_window(s, width)
+      toks, feats, pend = self.pending_window(s, width)
       out = drafter.forward(target, toks, feats, cache=s.dcache)
       take = jnp.where(~s.done & (pend > limit), jnp.minimum(pend - 1, width), 0)
       return dataclasses.replace(s, dcache=out.cache.advance(take))
