@@ -73,7 +73,6 @@ The JSON (``--out``) holds, at the top level:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import datetime
 import math
@@ -84,6 +83,9 @@ import sys
 from typing import Sequence
 
 import numpy as np
+
+from tlt_jax.rollout.buckets import bucket_for
+from tlt_jax.rollout.parallel import shard_ranges
 
 DEVICES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 POLICIES = ("vanilla", "tlt", "sd")
@@ -163,19 +165,9 @@ class Costs:
     return self.sd_step_s[i] / self.accept_len[i] < self.decode_s[i]  # "tlt": the cheaper
 
 
-def bucket_for(n: int, buckets: Sequence[int]) -> int:
-  """The smallest bucket holding ``n`` rows (the engine rounds the running batch up to it)."""
-  i = bisect.bisect_left(buckets, n)
-  if i == len(buckets):
-    raise ValueError(f"{n} rows do not fit the largest bucket {buckets[-1]}")
-  return buckets[i]
-
-
 def shard_sizes(rows: int, devices: int) -> list[int]:
-  """Rows per device: ``rows`` cut into ``devices`` contiguous shards, sizes within one, the
-  first ones bigger (``rollout/parallel.py``'s ``shard_ranges``)."""
-  base, extra = divmod(rows, devices)
-  return [base + (k < extra) for k in range(devices)]
+  """Rows per device, as ``DataParallelRollout`` shards them (``shard_ranges``)."""
+  return [len(r) for r in shard_ranges(rows, devices)]
 
 
 def chunk_time(lengths: Sequence[int], costs: Costs, policy: str = "vanilla") -> dict:
@@ -229,10 +221,8 @@ def rollout_time(lengths: Sequence[int], costs: Costs, devices: int = 1,
   """The rollout's seconds (its slowest device's), each device's, and the idle device-seconds
   that devices done early leave in the tail."""
   lengths = list(lengths)
-  per_device, start = [], 0
-  for size in shard_sizes(len(lengths), devices):
-    per_device.append(device_time(lengths[start:start + size], costs, policy))
-    start += size
+  per_device = [device_time(lengths[r.start:r.stop], costs, policy)
+                for r in shard_ranges(len(lengths), devices)]
   slowest = max(per_device)
   return {"seconds": slowest, "device_s": per_device,
           "idle_device_s": sum(slowest - s for s in per_device)}
