@@ -29,29 +29,9 @@ import numpy as np
 
 import harness
 from harness import write_report
-from rl_bench import config_lib, train
+from rl_bench import job_config, train
 
 KEYS = ("accuracy_start", "accuracy_end", "sampled_start", "sampled_end")
-
-
-def job_config(seed: int, overrides: list[str], logdir: str):
-  """The default config with ``seed``, ``logdir`` and ``name=value`` overrides applied."""
-  cfg = config_lib.load_config_file(harness.TINY_GRPO)
-  cfg.seed, cfg.logdir = seed, logdir
-  for item in overrides:
-    name, value = item.split("=", 1)
-    config_lib.set_dotted(cfg, name, json.loads(value) if value[:1] in "[{\"" else _number(value))
-  return cfg
-
-
-def _number(text: str):
-  """``text`` as an int, a float, a bool, or itself."""
-  for kind in (int, float):
-    try:
-      return kind(text)
-    except ValueError:
-      pass
-  return {"True": True, "False": False}.get(text, text)
 
 
 def run_arm(cfg, update: bool) -> dict:
@@ -130,8 +110,7 @@ def plot_curves(runs: list[dict], path: str, command: str) -> None:
 def main() -> None:
   parser = harness.parser(__doc__)
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-  parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                      help="config overrides, e.g. trainer.learning_rate=1e-4")
+  harness.add_set_flag(parser)
   parser.add_argument("--no-control", action="store_true",
                       help="skip the no-update runs (the step-0 evaluation stands in for them)")
   parser.add_argument("--control-seeds", type=int, nargs="*", default=None,

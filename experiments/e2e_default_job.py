@@ -46,7 +46,6 @@ Python literals (``8``, ``1e-4``, ``True``, ``"((3, 1, 4),)"``), anything else a
 
 from __future__ import annotations
 
-import ast
 import json
 import pathlib
 import statistics
@@ -69,21 +68,6 @@ ARMS = ("none", "eagle")  # the second is --drafter's (main sets it)
 TARGET = 1.05  # issue 21's: the SD arm's median step time at most 1.05x vanilla's
 
 
-def literal(text: str):
-  """A ``--set`` value: a Python literal, else the text itself."""
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text
-
-
-def assignment(text: str) -> tuple[str, object]:
-  if "=" not in text:
-    raise SystemExit(f"{text!r} is not KEY=VALUE (e.g. drafter_training.serial_steps=8)")
-  key, value = text.split("=", 1)
-  return key.strip(), literal(value)
-
-
 def job_config(seed: int, drafter: str, overrides: list[tuple[str, object]],
                verify: str = "coupled", path=DEFAULT_CONFIG):
   """The job ``path`` configures (the default job unless told) with ``seed``, ``drafter``,
@@ -91,12 +75,7 @@ def job_config(seed: int, drafter: str, overrides: list[tuple[str, object]],
   cfg = config_lib.load_config_file(path)
   cfg.seed, cfg.drafter = seed, drafter
   cfg.rollout.verify = verify
-  for key, value in overrides:
-    try:
-      config_lib.set_dotted(cfg, key, value)
-    except (KeyError, AttributeError) as e:
-      raise SystemExit(f"no config field {key!r} ({e}); see {path}") from None
-  return cfg
+  return harness.apply_overrides(cfg, overrides, path)
 
 
 def make_trainer(job, policy_dir: pathlib.Path) -> harness.GRPOTrainer:
@@ -210,12 +189,9 @@ def main():
   parser.add_argument("--steps", type=int, default=None, help="RL steps per arm (default: the "
                       "job's trainer.steps)")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--set", dest="both", type=assignment, action="append", default=[],
-                      metavar="KEY=VALUE", help="a config field of both arms (repeatable)")
-  parser.add_argument("--config-override", dest="eagle", type=assignment, action="append",
-                      default=[], metavar="KEY=VALUE",
-                      help="a config field of the eagle arm only (repeatable), e.g. "
-                      "drafter_training.serial_steps=8")
+  harness.add_set_flag(parser, dest="both", help="config fields of both arms (repeatable)")
+  harness.add_set_flag(parser, "--config-override", dest="eagle", help="config fields of the "
+                       "eagle arm only (repeatable), e.g. drafter_training.serial_steps=8")
   parser.add_argument("--skip", type=int, default=1, help="first steps left out of the medians")
   parser.add_argument("--drafter", default="eagle", help="config.drafter of the SD arm, e.g. "
                       "suffix or eagle+suffix")

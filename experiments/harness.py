@@ -12,7 +12,9 @@ The ``tlt_jax`` names the scripts share are imported here, once, and the scripts
 this module: when a name moves in the package, this is the one place to change. What the module
 holds, from the bottom up:
 
-* arguments: comma lists (``ints``, ``floats``) and the parser every script starts from;
+* arguments: comma lists (``ints``, ``floats``), the parser every script starts from and the
+  one ``--set KEY=VALUE`` of config overrides (``assignment``, ``add_set_flag``,
+  ``apply_overrides``);
 * models and prompts: the random Qwen2-style model of the synthetic benchmarks, the trained bench
   target with its drafter, its long addition prompts and the long-tail sweep of 1 to 12 digits,
   SmolLM2's chat prompts;
@@ -34,6 +36,7 @@ import time): accelerator_check.py, which runs on a bare accelerator image, uses
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import pathlib
 import statistics
@@ -99,6 +102,49 @@ def spec_list(text: str) -> tuple[SpecConfig, ...]:
     except ValueError as e:
       raise argparse.ArgumentTypeError(f"strategy {entry!r}: {e}") from None
   return tuple(out)
+
+
+def config_value(text: str) -> Any:
+  """The value of a ``--set KEY=VALUE``: a Python literal (``1e-4``, ``None``, ``[2, 4]``,
+  ``"text"``), else a JSON one (``true``, ``null``), else the text itself."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    pass
+  try:
+    return json.loads(text)
+  except ValueError:
+    return text
+
+
+def assignment(text: str) -> tuple[str, Any]:
+  """``--set KEY=VALUE`` (an argparse ``type``): the dotted config key and its ``config_value``;
+  text without ``=`` is an argparse error."""
+  key, sep, value = text.partition("=")
+  if not sep or not key.strip():
+    raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. "
+                                     "drafter_training.serial_steps=8)")
+  return key.strip(), config_value(value)
+
+
+def add_set_flag(parser_: argparse.ArgumentParser, flag: str = "--set", **kwargs) -> None:
+  """A repeatable ``flag KEY=VALUE`` of config overrides (``assignment``), each occurrence taking
+  one or more; ``kwargs`` (``dest``, ``help``) go to ``add_argument``."""
+  kwargs.setdefault("help", "config overrides, e.g. trainer.learning_rate=1e-4")
+  parser_.add_argument(flag, type=assignment, nargs="+", action="extend", default=[],
+                       metavar="KEY=VALUE", **kwargs)
+
+
+def apply_overrides(cfg, overrides, source: Any = "the config"):
+  """``cfg`` (an ml_collections config) with each ``(key, value)`` of ``overrides`` set at its
+  dotted key (``typed_config.set_dotted``); an unknown key exits naming it and ``source``."""
+  from tlt_jax.job.typed_config import set_dotted  # pylint: disable=import-outside-toplevel
+  for key, value in overrides:
+    try:
+      set_dotted(cfg, key, value)
+    except (KeyError, AttributeError) as e:
+      raise SystemExit(f"no config field {key!r} ({e}); see {source}") from None
+  return cfg
 
 
 def parser(doc: str, **kwargs) -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ import numpy as np
 
 import harness
 from harness import write_report
-from default_learns import job_config
+from rl_bench import job_config
 from tlt_jax.job.build import build_job
 from tlt_jax.job.runner import initial_model, make_trainer
 from tlt_jax.models import from_pretrained
@@ -44,8 +44,7 @@ def by_digits(problems, rewards) -> dict[int, dict[str, float]]:
 
 def main() -> None:
   parser = harness.parser(__doc__)
-  parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                      help="config overrides of the default job, e.g. sft.steps=600")
+  harness.add_set_flag(parser, help="config overrides of the default job, e.g. sft.steps=600")
   parser.add_argument("--model", default=None,
                       help="an HF-format policy directory (default: the job's warm start)")
   parser.add_argument("--problems", type=int, default=None,

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+import harness
 # pylint: disable=unused-import  # train: for default_learns.py and rollout_share.py
 from harness import (Drafter, DrafterTrainingConfig, EngineConfig, GRPOTrainer, RolloutEngine,
                      SpecConfig, hf, load_drafter, own_sequences, save_drafter, warm_start,
@@ -136,9 +137,15 @@ def job_for(prompts_per_step: int, group_size: int, max_new_tokens: int, learnin
   cfg.grpo.group_size = group_size
   cfg.rollout.max_batch = prompts_per_step * group_size
   cfg.rollout.verify = "coupled"
-  for name, value in extra.items():
-    config_lib.set_dotted(cfg, name, value)
-  return build_job(cfg)
+  return build_job(harness.apply_overrides(cfg, extra.items()))
+
+
+def job_config(seed: int, overrides, logdir: str):
+  """The default main job's config (configs/tiny_grpo.py) with ``seed``, ``logdir`` and the
+  ``(key, value)`` overrides of ``--set`` (``harness.add_set_flag``) applied."""
+  cfg = config_lib.load_config_file(harness.TINY_GRPO)
+  cfg.seed, cfg.logdir = seed, logdir
+  return harness.apply_overrides(cfg, overrides, harness.TINY_GRPO)
 
 
 def _key(*parts: Any) -> str:
