@@ -475,16 +475,14 @@ def warm_drafter(target: Transformer, engine, prompts: list[list[int]], max_new:
                  steps: int, seed: int) -> tuple[Drafter, dict]:
   """A fresh EAGLE drafter trained offline for ``steps`` steps on the target's own completions of
   ``prompts`` (temperature 1, by ``engine``), as the TLT paper's initial drafter; its log."""
-  t0 = time.perf_counter()
-  sequences, prompt_lens = harness.own_sequences(engine, prompts, max_new_tokens=max_new,
-                                                 temperature=1.0, seed=seed + 7)
-  drafter, report = harness.warm_up_drafter(
-      target, sequences, prompt_lens, steps=steps, row_len=128, batch_rows=8,
-      learning_rate=2e-3, seed=seed, drafter=Drafter.create(target.config, seed=seed + 1),
+  drafter, report = harness.warm_up_on_rollouts(
+      target, engine, prompts, max_new_tokens=max_new, temperature=1.0, sample_seed=seed + 7,
+      steps=steps, row_len=128, batch_rows=8, learning_rate=2e-3, seed=seed,
+      drafter=Drafter.create(target.config, seed=seed + 1),
       evaluate=False)  # the stage's budget is for the RL steps
   log = dict(steps=steps, prompts=len(prompts), rows=report["rows"],
              trained_positions=report["trained_positions"], last=report["last"],
-             seconds=time.perf_counter() - t0)
+             seconds=report["seconds"])
   return drafter, log
 
 

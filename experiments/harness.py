@@ -25,8 +25,8 @@ holds, from the bottom up:
   how every speedup here is reported);
 * the speculative-decoding tables of bench_sd.py and bench_sd_smollm2.py (``measure``,
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
-* offline drafter training: ``train_steps`` (``tlt_jax.drafter.warmup``'s loop, printing its
-  log lines) and ``evaluate`` (that module's ``evaluate_drafter``);
+* offline drafter training: ``step_printer`` (the log lines of
+  ``tlt_jax.drafter.warmup.train_drafter_on_batch``);
 * reports: ``write_json`` (indented JSON, its folder made) and the package's ``write_report``.
 
 Imports stay within the package's runtime dependencies (no ``ml_collections``, torch or gguf at
@@ -48,8 +48,7 @@ import numpy as np
 # pylint: disable=unused-import  # names re-used by the scripts (see the module docstring)
 from tlt_jax.drafter.objective import (DrafterBatch, make_batch_from_sequences, make_eval_step,
                                        make_optimizer, make_train_step, split_drafter)
-from tlt_jax.drafter.warmup import (evaluate_drafter as evaluate, own_sequences,
-                                    train_drafter_steps, warm_up_drafter)
+from tlt_jax.drafter.warmup import train_drafter_on_batch, warm_up_on_rollouts
 from tlt_jax.models import from_pretrained, hf, load_tokenizer
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import (Drafter, load_drafter, most_frequent_ids, save_drafter,
@@ -481,20 +480,13 @@ def heatmap(path, rows, cols, values, title, xlabel, ylabel):
 # ------------------------------------------------------------------- offline drafter training
 
 
-def train_steps(step, params, opt_state, target_params, train: DrafterBatch, a,
-                label: str = "") -> tuple:
-  """``a.steps`` jitted steps on random ``a.batch_rows``-row batches of ``train`` (seeded by
-  ``a.seed``), printing every ``a.log_every`` (``train_drafter_steps``); returns (params,
-  opt_state, log, seconds)."""
+def step_printer(label: str = "") -> Callable[[dict], None]:
+  """The ``on_log`` of the drafter's training (``train_drafter_on_batch``): one line a log
+  entry, starting with ``label``."""
   def say(m: dict) -> None:
     print(f"  {label}step {m['step']:4d}  loss {m['loss']:.4f}  feat {m['feature_loss']:.4f}  "
           f"ce {m['ce_loss']:.4f}  top1 {m['top1']:.3f}  {m['elapsed_s']:.0f}s", flush=True)
-
-  t0 = time.perf_counter()
-  params, opt_state, log, _ = train_drafter_steps(
-      step, params, opt_state, target_params, train, steps=a.steps, batch_rows=a.batch_rows,
-      seed=a.seed, log_every=a.log_every, on_log=say)
-  return params, opt_state, log, time.perf_counter() - t0
+  return say
 
 
 # ----------------------------------------------------------------------------------- reports

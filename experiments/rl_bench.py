@@ -33,8 +33,8 @@ from jax.sharding import Mesh
 import harness
 # pylint: disable=unused-import  # train: for default_learns.py and rollout_share.py
 from harness import (Drafter, DrafterTrainingConfig, EngineConfig, GRPOTrainer, RolloutEngine,
-                     SpecConfig, hf, load_drafter, own_sequences, save_drafter, warm_start,
-                     warm_up_drafter, write_report)
+                     SpecConfig, hf, load_drafter, save_drafter, warm_start,
+                     warm_up_on_rollouts, write_report)
 from tlt_jax import train
 from tlt_jax.configs.tiny_grpo import get_config
 from tlt_jax.rl.tasks import ArithmeticTask, Problem, extract_answer
@@ -203,20 +203,17 @@ def initial_drafter_dir(job: Job, policy_dir: pathlib.Path, steps: int = 300,
   engine = RolloutEngine(policy, config=EngineConfig(
       max_batch=64, max_prompt_len=job.engine.max_prompt_len,
       max_new_tokens=job.trainer.max_new_tokens, pad_token_id=job.engine.pad_token_id))
-  sequences, prompt_lens = own_sequences(engine, ids, max_new_tokens=job.trainer.max_new_tokens,
-                                         temperature=temperature, seed=seed + 1)
-  generate_s = time.perf_counter() - t0
-  drafter, log = warm_up_drafter(policy, sequences, prompt_lens, steps=steps, row_len=row_len,
-                                 batch_rows=batch_rows, learning_rate=learning_rate, seed=seed)
+  drafter, log = warm_up_on_rollouts(
+      policy, engine, ids, max_new_tokens=job.trainer.max_new_tokens, temperature=temperature,
+      sample_seed=seed + 1, steps=steps, row_len=row_len, batch_rows=batch_rows,
+      learning_rate=learning_rate, seed=seed)
   save_drafter(drafter, path)
   report = dict(steps=steps, prompts=prompts, rows=log["rows"], row_len=row_len,
                 batch_rows=batch_rows, learning_rate=learning_rate, temperature=temperature,
                 trained_positions=log["trained_positions"],
-                generate_s=round(generate_s + log["features_s"], 1),  # with the features
+                generate_s=round(log["generate_s"] + log["features_s"], 1),  # with features
                 total_s=round(time.perf_counter() - t0, 1), train_top1=log["train_top1"],
-                mean_completion=float(np.mean([len(s) - n for s, n in zip(sequences,
-                                                                           prompt_lens)])),
-                log=log["log"])
+                mean_completion=log["mean_completion"], log=log["log"])
   (path / "train_log.json").write_text(json.dumps(report, indent=2))
   say(f"initial drafter: {steps} offline steps on {prompts} own rollouts, top-1 "
       f"{report['train_top1']:.3f}, {report['total_s']:.0f}s -> {path}")

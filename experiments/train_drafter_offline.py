@@ -21,13 +21,11 @@ import pathlib
 import time
 
 import numpy as np
-from flax import nnx
 
 import harness
 from harness import (ArithmeticTask, CharTokenizer, Drafter, DrafterBatch, EngineConfig,
-                     RolloutEngine, SamplingParams, evaluate, hf, make_batch_from_sequences,
-                     make_eval_step, make_optimizer, make_train_step, save_drafter, split_drafter,
-                     train_steps)
+                     RolloutEngine, SamplingParams, hf, make_batch_from_sequences, save_drafter,
+                     train_drafter_on_batch)
 
 INIT_LAYERS = {"first": 0, "last": -1}
 
@@ -62,22 +60,17 @@ def train_one(init: str, target, train: DrafterBatch, held_out: DrafterBatch, a)
     drafter = Drafter.create(target.config, seed=a.seed)
   else:
     drafter = Drafter.from_target_layer(target, layer=INIT_LAYERS[init], seed=a.seed)
-  graphdef, params = split_drafter(drafter)
-  target_params = nnx.state(target)
-  optimizer = make_optimizer(a.lr, weight_decay=0.0, clip_norm=1.0)
-  opt_state = optimizer.init(params)
-  step = make_train_step(graphdef, target, optimizer)
-  eval_step = make_eval_step(graphdef, target)
-  start_metrics = evaluate(eval_step, params, target_params, held_out, a.batch_rows)
-  params, opt_state, log, train_s = train_steps(step, params, opt_state, target_params, train,
-                                                a, label=f"[{init}] ")
-  report = dict(init=init, train_s=round(train_s, 1), log=log,
-                held_out_at_init=start_metrics,
-                train=evaluate(eval_step, params, target_params, train, a.batch_rows),
-                held_out=evaluate(eval_step, params, target_params, held_out, a.batch_rows))
+  drafter, report = train_drafter_on_batch(
+      target, drafter, train, steps=a.steps, batch_rows=a.batch_rows, learning_rate=a.lr,
+      seed=a.seed, log_every=a.log_every, on_log=harness.step_printer(f"[{init}] "),
+      held_out=held_out)
+  train_s, start_metrics = report["train_s"], report["held_out_at_init"]
+  report = dict(init=init, train_s=round(train_s, 1), log=report["log"],
+                held_out_at_init=start_metrics, train=report["train"],
+                held_out=report["held_out"])
   print(f"  [{init}] top-1 train {report['train']['top1']:.3f}  held-out "
         f"{report['held_out']['top1']:.3f} (at init {start_metrics['top1']:.3f}); {train_s:.0f}s")
-  return nnx.merge(graphdef, params), report
+  return drafter, report
 
 
 def main():

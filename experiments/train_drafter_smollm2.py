@@ -29,13 +29,11 @@ import time
 
 import numpy as np
 import optax
-from flax import nnx
 
 import harness
-from harness import (Drafter, EngineConfig, RolloutEngine, SamplingParams, chat_prompts, evaluate,
-                     make_batch_from_sequences, make_eval_step, make_optimizer, make_train_step,
-                     most_frequent_ids, save_drafter, split_drafter, task_questions,
-                     token_frequencies, train_steps)
+from harness import (Drafter, EngineConfig, RolloutEngine, SamplingParams, chat_prompts,
+                     make_batch_from_sequences, most_frequent_ids, save_drafter, task_questions,
+                     token_frequencies, train_drafter_on_batch)
 
 
 def generate(engine: RolloutEngine, prompts, max_new: int, temperatures, seed: int, stop_ids):
@@ -143,22 +141,19 @@ def main():
   drafter = Drafter.create(config, seed=a.seed)
   if vocab_ids is not None:
     drafter.set_draft_vocab(target, vocab_ids)
-  graphdef, params = split_drafter(drafter)
-  target_params = nnx.state(target)
   schedule = optax.warmup_cosine_decay_schedule(0.0, a.lr, min(100, a.steps // 10 + 1), a.steps,
                                                 end_value=a.lr / 20)
-  optimizer = make_optimizer(schedule, weight_decay=0.0, clip_norm=1.0)
-  opt_state = optimizer.init(params)
-  step = make_train_step(graphdef, target, optimizer)
-  eval_step = make_eval_step(graphdef, target)
-  at_init = evaluate(eval_step, params, target_params, held_out, a.batch_rows)
-  params, opt_state, log, train_s = train_steps(step, params, opt_state, target_params, train, a)
-  final = evaluate(eval_step, params, target_params, held_out, a.batch_rows)
+  drafter, report = train_drafter_on_batch(
+      target, drafter, train, steps=a.steps, batch_rows=a.batch_rows, learning_rate=schedule,
+      seed=a.seed, log_every=a.log_every, on_log=harness.step_printer(), evaluate=False,
+      held_out=held_out)
+  at_init, final, log, train_s = (report["held_out_at_init"], report["held_out"], report["log"],
+                                  report["train_s"])
   print(f"held-out top-1 {final['top1']:.3f} (at init {at_init['top1']:.3f}); "
         f"train {train_s:.0f}s", flush=True)
 
   out = pathlib.Path(a.out)
-  save_drafter(nnx.merge(graphdef, params), out)
+  save_drafter(drafter, out)
   summary = dict(args=vars(a), model=str(model_path), generate_s=round(generate_s, 1),
                  features_s=round(features_s, 1), train_s=round(train_s, 1),
                  generation=gen_stats, held_out_generation=eval_stats,
