@@ -1,12 +1,12 @@
 """The pieces the benchmark scripts in experiments/ share. Not a script.
 
-Convention: every script runs from the repository root as ``python experiments/NAME.py [flags]``
-with ``tlt_jax`` importable (``pip install -e .``, or ``PYTHONPATH=.``). Python puts the script's
-own folder, experiments/, first on ``sys.path``, so a script imports this module as
-``import harness`` (and the RL experiments their job and arms as ``import rl_bench``); no script
-edits ``sys.path`` or imports another script. Every script parses its flags in ``main()``, called
-under ``if __name__ == "__main__"``, so ``--help`` runs nothing (tests/test_experiments.py
-checks that for each one).
+Convention: the scripts live in topic folders (``sd/``, ``rollout/``, ``rl/``, ``drafter/``,
+``system/``) and run from the repository root as modules, ``python -m experiments.TOPIC.NAME
+[flags]`` (or ``python experiments/TOPIC/NAME.py`` with the root on ``PYTHONPATH``). They import
+this module as ``from experiments import harness`` (the RL experiments their job and arms as
+``from experiments.rl import rl_bench``); no script edits ``sys.path`` or imports another script.
+Every script parses its flags in ``main()``, called under ``if __name__ == "__main__"``, so
+``--help`` runs nothing (tests/test_experiments.py checks that for each one).
 
 The ``tlt_jax`` names the scripts share are imported here, once, and the scripts take them from
 this module: when a name moves in the package, this is the one place to change. What the module
@@ -30,7 +30,8 @@ holds, from the bottom up:
 * reports: ``write_json`` (indented JSON, its folder made) and the package's ``write_report``.
 
 Imports stay within the package's runtime dependencies (no ``ml_collections``, torch or gguf at
-import time): accelerator_check.py, which runs on a bare accelerator image, uses this module too.
+import time): system/accelerator_check.py, which runs on a bare accelerator image, uses this
+module too.
 """
 
 from __future__ import annotations
@@ -149,10 +150,11 @@ def apply_overrides(cfg, overrides, source: Any = "the config"):
 def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
   """The argument parser of a script whose docstring is ``doc`` (its first line the
   description). Started from inside experiments/, a script would write its default outputs
-  (``experiments/out/...``, relative paths) to experiments/experiments/out: it stops first."""
-  if pathlib.Path.cwd().resolve() == pathlib.Path(__file__).resolve().parent:
-    raise SystemExit("error: run the experiments from the repository root (cd ..; python "
-                     "experiments/NAME.py): their default paths (experiments/out/...) are "
+  (``experiments/out/...``, relative paths) under experiments/ again: it stops first."""
+  here, cwd = pathlib.Path(__file__).resolve().parent, pathlib.Path.cwd().resolve()
+  if cwd == here or here in cwd.parents:
+    raise SystemExit("error: run the experiments from the repository root (python -m "
+                     "experiments.TOPIC.NAME): their default paths (experiments/out/...) are "
                      "relative to it")
   return argparse.ArgumentParser(description=doc.splitlines()[0], **kwargs)
 
@@ -174,8 +176,8 @@ def load_bench(target_dir: str, drafter_dir: str):
   the training scripts have not been run)."""
   for path in (target_dir, drafter_dir):
     if not pathlib.Path(path).is_dir():
-      raise SystemExit(f"{path} not found: run experiments/train_bench_target.py and "
-                       "experiments/train_drafter_offline.py first")
+      raise SystemExit(f"{path} not found: run experiments/drafter/train_bench_target.py and "
+                       "experiments/drafter/train_drafter_offline.py first")
   target, config = hf.from_pretrained(target_dir)
   drafter = load_drafter(drafter_dir, config)
   tok = json.loads((pathlib.Path(target_dir) / "char_tokenizer.json").read_text())
