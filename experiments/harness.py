@@ -1,18 +1,20 @@
 """The pieces the benchmark scripts in experiments/ share. Not a script.
 
-Convention: every script runs from the repository root as ``python experiments/NAME.py [flags]``
-with ``tlt_jax`` importable (``pip install -e .``, or ``PYTHONPATH=.``). Python puts the script's
-own folder, experiments/, first on ``sys.path``, so a script imports this module as
-``import harness`` (and the RL experiments their job and arms as ``import rl_bench``); no script
-edits ``sys.path`` or imports another script. Every script parses its flags in ``main()``, called
-under ``if __name__ == "__main__"``, so ``--help`` runs nothing (tests/test_experiments.py
-checks that for each one).
+Convention: the scripts live in topic folders (``sd/``, ``rollout/``, ``rl/``, ``drafter/``,
+``system/``) and run from the repository root as modules, ``python -m experiments.TOPIC.NAME
+[flags]`` (or ``python experiments/TOPIC/NAME.py`` with the root on ``PYTHONPATH``). They import
+this module as ``from experiments import harness`` (the RL experiments their job and arms as
+``from experiments.rl import rl_bench``); no script edits ``sys.path`` or imports another script.
+Every script parses its flags in ``main()``, called under ``if __name__ == "__main__"``, so
+``--help`` runs nothing (tests/test_experiments.py checks that for each one).
 
 The ``tlt_jax`` names the scripts share are imported here, once, and the scripts take them from
 this module: when a name moves in the package, this is the one place to change. What the module
 holds, from the bottom up:
 
-* arguments: comma lists (``ints``, ``floats``) and the parser every script starts from;
+* arguments: comma lists (``ints``, ``floats``), the parser every script starts from and the
+  one ``--set KEY=VALUE`` of config overrides (``assignment``, ``add_set_flag``,
+  ``apply_overrides``);
 * models and prompts: the random Qwen2-style model of the synthetic benchmarks, the trained bench
   target with its drafter, its long addition prompts and the long-tail sweep of 1 to 12 digits,
   SmolLM2's chat prompts;
@@ -23,17 +25,19 @@ holds, from the bottom up:
   how every speedup here is reported);
 * the speculative-decoding tables of bench_sd.py and bench_sd_smollm2.py (``measure``,
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
-* offline drafter training: ``train_steps`` (``tlt_jax.drafter.warmup``'s loop, printing its
-  log lines) and ``evaluate`` (that module's ``evaluate_drafter``);
+* offline drafter training: ``step_printer`` (the log lines of
+  ``tlt_jax.drafter.warmup.train_drafter_on_batch``);
 * reports: ``write_json`` (indented JSON, its folder made) and the package's ``write_report``.
 
 Imports stay within the package's runtime dependencies (no ``ml_collections``, torch or gguf at
-import time): accelerator_check.py, which runs on a bare accelerator image, uses this module too.
+import time): system/accelerator_check.py, which runs on a bare accelerator image, uses this
+module too.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import pathlib
 import statistics
@@ -45,8 +49,7 @@ import numpy as np
 # pylint: disable=unused-import  # names re-used by the scripts (see the module docstring)
 from tlt_jax.drafter.objective import (DrafterBatch, make_batch_from_sequences, make_eval_step,
                                        make_optimizer, make_train_step, split_drafter)
-from tlt_jax.drafter.warmup import (evaluate_drafter as evaluate, own_sequences,
-                                    train_drafter_steps, warm_up_drafter)
+from tlt_jax.drafter.warmup import train_drafter_on_batch, warm_up_on_rollouts
 from tlt_jax.models import from_pretrained, hf, load_tokenizer
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import (Drafter, load_drafter, most_frequent_ids, save_drafter,
@@ -101,13 +104,57 @@ def spec_list(text: str) -> tuple[SpecConfig, ...]:
   return tuple(out)
 
 
+def config_value(text: str) -> Any:
+  """The value of a ``--set KEY=VALUE``: a Python literal (``1e-4``, ``None``, ``[2, 4]``,
+  ``"text"``), else a JSON one (``true``, ``null``), else the text itself."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    pass
+  try:
+    return json.loads(text)
+  except ValueError:
+    return text
+
+
+def assignment(text: str) -> tuple[str, Any]:
+  """``--set KEY=VALUE`` (an argparse ``type``): the dotted config key and its ``config_value``;
+  text without ``=`` is an argparse error."""
+  key, sep, value = text.partition("=")
+  if not sep or not key.strip():
+    raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. "
+                                     "drafter_training.serial_steps=8)")
+  return key.strip(), config_value(value)
+
+
+def add_set_flag(parser_: argparse.ArgumentParser, flag: str = "--set", **kwargs) -> None:
+  """A repeatable ``flag KEY=VALUE`` of config overrides (``assignment``), each occurrence taking
+  one or more; ``kwargs`` (``dest``, ``help``) go to ``add_argument``."""
+  kwargs.setdefault("help", "config overrides, e.g. trainer.learning_rate=1e-4")
+  parser_.add_argument(flag, type=assignment, nargs="+", action="extend", default=[],
+                       metavar="KEY=VALUE", **kwargs)
+
+
+def apply_overrides(cfg, overrides, source: Any = "the config"):
+  """``cfg`` (an ml_collections config) with each ``(key, value)`` of ``overrides`` set at its
+  dotted key (``typed_config.set_dotted``); an unknown key exits naming it and ``source``."""
+  from tlt_jax.job.typed_config import set_dotted  # pylint: disable=import-outside-toplevel
+  for key, value in overrides:
+    try:
+      set_dotted(cfg, key, value)
+    except (KeyError, AttributeError) as e:
+      raise SystemExit(f"no config field {key!r} ({e}); see {source}") from None
+  return cfg
+
+
 def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
   """The argument parser of a script whose docstring is ``doc`` (its first line the
   description). Started from inside experiments/, a script would write its default outputs
-  (``experiments/out/...``, relative paths) to experiments/experiments/out: it stops first."""
-  if pathlib.Path.cwd().resolve() == pathlib.Path(__file__).resolve().parent:
-    raise SystemExit("error: run the experiments from the repository root (cd ..; python "
-                     "experiments/NAME.py): their default paths (experiments/out/...) are "
+  (``experiments/out/...``, relative paths) under experiments/ again: it stops first."""
+  here, cwd = pathlib.Path(__file__).resolve().parent, pathlib.Path.cwd().resolve()
+  if cwd == here or here in cwd.parents:
+    raise SystemExit("error: run the experiments from the repository root (python -m "
+                     "experiments.TOPIC.NAME): their default paths (experiments/out/...) are "
                      "relative to it")
   return argparse.ArgumentParser(description=doc.splitlines()[0], **kwargs)
 
@@ -129,8 +176,8 @@ def load_bench(target_dir: str, drafter_dir: str):
   the training scripts have not been run)."""
   for path in (target_dir, drafter_dir):
     if not pathlib.Path(path).is_dir():
-      raise SystemExit(f"{path} not found: run experiments/train_bench_target.py and "
-                       "experiments/train_drafter_offline.py first")
+      raise SystemExit(f"{path} not found: run experiments/drafter/train_bench_target.py and "
+                       "experiments/drafter/train_drafter_offline.py first")
   target, config = hf.from_pretrained(target_dir)
   drafter = load_drafter(drafter_dir, config)
   tok = json.loads((pathlib.Path(target_dir) / "char_tokenizer.json").read_text())
@@ -435,20 +482,13 @@ def heatmap(path, rows, cols, values, title, xlabel, ylabel):
 # ------------------------------------------------------------------- offline drafter training
 
 
-def train_steps(step, params, opt_state, target_params, train: DrafterBatch, a,
-                label: str = "") -> tuple:
-  """``a.steps`` jitted steps on random ``a.batch_rows``-row batches of ``train`` (seeded by
-  ``a.seed``), printing every ``a.log_every`` (``train_drafter_steps``); returns (params,
-  opt_state, log, seconds)."""
+def step_printer(label: str = "") -> Callable[[dict], None]:
+  """The ``on_log`` of the drafter's training (``train_drafter_on_batch``): one line a log
+  entry, starting with ``label``."""
   def say(m: dict) -> None:
     print(f"  {label}step {m['step']:4d}  loss {m['loss']:.4f}  feat {m['feature_loss']:.4f}  "
           f"ce {m['ce_loss']:.4f}  top1 {m['top1']:.3f}  {m['elapsed_s']:.0f}s", flush=True)
-
-  t0 = time.perf_counter()
-  params, opt_state, log, _ = train_drafter_steps(
-      step, params, opt_state, target_params, train, steps=a.steps, batch_rows=a.batch_rows,
-      seed=a.seed, log_every=a.log_every, on_log=say)
-  return params, opt_state, log, time.perf_counter() - t0
+  return say
 
 
 # ----------------------------------------------------------------------------------- reports

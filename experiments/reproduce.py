@@ -134,24 +134,24 @@ def sd_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
   """Table 4 and Fig. 13 share one benchmark run (and its target and drafter)."""
   if a.size == "real":
     drafter = work / "smollm2_drafter"
-    return [Run(script("train_drafter_smollm2", "--out", drafter, *model_args(a)),
+    return [Run(script("drafter/train_drafter_smollm2", "--out", drafter, *model_args(a)),
                 drafter / "train_log.json"),
-            Run(script("bench_sd_smollm2", "--drafter", drafter, "--batches", "1,4,8,16,32",
+            Run(script("sd/bench_sd_smollm2", "--drafter", drafter, "--batches", "1,4,8,16,32",
                        "--verify", "4,8,16,32", "--out-dir", work, *model_args(a)),
                 work / "bench_sd_smollm2.json")]
   target, drafter = work / "bench_target", work / "bench_drafter"
-  return [Run(script("train_bench_target", "--steps", 200, "--out", target),
+  return [Run(script("drafter/train_bench_target", "--steps", 200, "--out", target),
               target / "train_log.json"),
-          Run(script("train_drafter_offline", "--target", target, "--out", drafter,
+          Run(script("drafter/train_drafter_offline", "--target", target, "--out", drafter,
                      "--steps", 300, "--prompts", 256, "--eval-prompts", 48),
               drafter / "train_log.json"),
           # 3 batches x 3 widths, 2 more depths at batch 1 (depth 7 there is the batch-1 row)
-          Run(script("bench_sd", "--target", target, "--drafter", drafter, "--batches",
+          Run(script("sd/bench_sd", "--target", target, "--drafter", drafter, "--batches",
                      "1,4,32", "--verify", "4,8,16", "--fig13-depths", "3,5,7",
                      "--max-new", 96, "--repeats", 2, "--out-dir", work),
               work / "bench_sd.json"),
           # where an SD step's time goes (draft vs verify), and a T-token pass vs a 1-token one
-          Run(script("bench_sd", "--target", target, "--drafter", drafter, "--phase-split",
+          Run(script("sd/bench_sd", "--target", target, "--drafter", drafter, "--phase-split",
                      "--max-new", 96, "--out-dir", work), work / "bench_sd_phases.json")]
 
 
@@ -252,7 +252,7 @@ def pool_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
     if not a.model or not pathlib.Path(a.model).is_dir():
       raise ReproduceError("table5 --size real compiles the pool for an HF checkpoint directory: "
                            "give it with --model /path/to/hf_dir")
-    return [Run(script("ablate_pool", "--target", a.model, "--max-batch", 32, "--max-new", 256,
+    return [Run(script("sd/ablate_pool", "--target", a.model, "--max-batch", 32, "--max-new", 256,
                        "--out", work / "ablate_pool.json"), work / "ablate_pool.json")]
   # the memory of an executable does not depend on the weights: a random 2-layer model of the
   # bench target's width; the five strategies at buckets 1, 2, 4; SD up to batch 2 and batch x
@@ -260,7 +260,7 @@ def pool_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
   # one took 215 of 543 s compiling). ~110 executables, most of the time compiling them. With
   # three strategies the shared pool's own executables outnumber what sharing saves (45 naive
   # vs 45 shared, 1.08x)
-  return [Run(script("ablate_pool", "--target", "random", "--layers", 2, "--max-batch", 4,
+  return [Run(script("sd/ablate_pool", "--target", "random", "--layers", 2, "--max-batch", 4,
                      "--max-new", 64, "--sd-max-batch", 2, "--verify-budget", 32,
                      "--skip-unthresholded", "--out", work / "ablate_pool.json"),
               work / "ablate_pool.json")]
@@ -317,7 +317,7 @@ def drift_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
   need_real("table6", a, "the drift workload is built on the tiny arithmetic task (a reward for "
                          "an answer format its warm start does not write)")
   out = work / "drafter_drift.json"
-  return [Run(script("drafter_drift", *DRIFT_ARGS, "--out", out), out)]
+  return [Run(script("drafter/drafter_drift", *DRIFT_ARGS, "--out", out), out)]
 
 
 def render_table6(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
@@ -381,11 +381,12 @@ def render_table6(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
 def e2e_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
   if a.size == "real":
     out = work / "accelerator_check.json"
-    return [Run(("experiments/accelerator_check.sh", "--out", str(out), *model_args(a)), out)]
+    return [Run(("experiments/system/accelerator_check.sh", "--out", str(out), *model_args(a)),
+                out)]
   # the long-tail job (issue 37): the paper's regime at CPU scale, a rollout whose few long rows
   # decode alone at the end, over epochs of one prompt set; TLT drafts from history there
   out = work / "e2e_default_job.json"
-  return [Run(script("e2e_default_job", "--config", "tlt_jax/configs/tiny_longtail.py",
+  return [Run(script("rl/e2e_default_job", "--config", "tlt_jax/configs/tiny_longtail.py",
                      "--drafter", "suffix", "--steps", 12, "--split-step", 4, "--out", out), out)]
 
 
@@ -530,7 +531,7 @@ def render_fig11(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
 
 def save_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
   out = work / "drafter_save_latency.json"
-  return [Run(script("drafter_save_latency", "--repeats", 3 if a.size == "tiny" else 5,
+  return [Run(script("drafter/drafter_save_latency", "--repeats", 3 if a.size == "tiny" else 5,
                      "--out", out), out)]
 
 
@@ -576,7 +577,7 @@ def render_fig17(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
 def scale_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
   out = work / "scale_model.json"
   quick = ("--quick",) if a.size == "tiny" else ()
-  return [Run(script("scale_model", *quick, "--out", out), out)]
+  return [Run(script("system/scale_model", *quick, "--out", out), out)]
 
 
 def render_table3(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
@@ -586,7 +587,8 @@ def render_table3(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
            fmt(x["paper_speedup"], ".2f", "×") if x["paper_speedup"] else "not given"]
           for x in paper["table3"]]
   lines = ["TLT's speedup over vanilla vs the number of devices, from the step-time model "
-           "(`experiments/scale_model.py`). The paper-setting costs are **assumptions derived from "
+           "(`experiments/system/scale_model.py`). The paper-setting costs are **assumptions "
+           "derived from "
            "the paper's own figures** (Table 4's SD speedups, accept length 6.53, rollout ~85% of "
            "a step), not measurements; they are listed in the JSON (`predictions_paper."
            "assumptions`).", ""]
@@ -695,7 +697,9 @@ def execute(run: Run, work: pathlib.Path, fresh: bool, say=print) -> dict:
   t0 = time.perf_counter()
   with open(log, "w") as sink:
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                                PYTHONPATH=os.pathsep.join(filter(None, (
+                                                    str(REPO), os.environ.get("PYTHONPATH"))))))
     for line in proc.stdout:
       sink.write(line)
       say("    " + line.rstrip(), flush=True)

@@ -638,7 +638,7 @@ MUTANTS = [
            "if strategy.name != previous:",
            ("tests/rl/test_adaptive_trainer.py", "-k", "reports_switches"),
            "sd_switches counts a chunk's first segment as a change of arm"),
-    Mutant("bench_update_speedup_inverted", "experiments/bench_update.py",
+    Mutant("bench_update_speedup_inverted", "experiments/rl/bench_update.py",
            'out["speedup"] = out["padded"]["update_s"] / out["packed"]["update_s"]',
            'out["speedup"] = out["packed"]["update_s"] / out["padded"]["update_s"]',
            ("tests/test_experiments.py", "-k", "cheapest_benchmarks"),

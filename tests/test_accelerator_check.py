@@ -1,8 +1,9 @@
-"""The prepared accelerator check (``experiments/accelerator_check.sh``) runs on a CPU with --tiny
-and writes the JSON it promises, so the script cannot rot between the runs on a GPU."""
+"""The prepared accelerator check (``experiments/system/accelerator_check.sh``) runs on a CPU with
+--tiny and writes the JSON it promises, so the script cannot rot between the runs on a GPU."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import math
@@ -15,19 +16,13 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "experiments" / "accelerator_check.sh"
+SCRIPT = ROOT / "experiments" / "system" / "accelerator_check.sh"
 
 
 def load_driver():
-  """``experiments/accelerator_check.py`` as a module (it is a script, not part of the package;
-  it imports ``harness`` from its own folder, as running it as a script does)."""
-  if str(ROOT / "experiments") not in sys.path:
-    sys.path.insert(0, str(ROOT / "experiments"))
-  spec = importlib.util.spec_from_file_location("accelerator_check",
-                                                ROOT / "experiments" / "accelerator_check.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  """``experiments/system/accelerator_check.py`` as a module (a script, importable as
+  ``experiments.system.accelerator_check``)."""
+  return importlib.import_module("experiments.system.accelerator_check")
 
 
 def finite_positive(x) -> bool:
@@ -167,8 +162,7 @@ def test_driver_needs_no_torch_transformers_gguf_or_ml_collections():
           "for name in ('torch', 'transformers', 'gguf', 'ml_collections', 'tensorboardX', "
           "'reasoning_gym', 'math_verify'):\n"
           "  sys.modules[name] = None  # importing it raises ImportError\n"
-          "sys.path.insert(0, 'experiments')\n"
-          "import accelerator_check as ac\n"
+          "from experiments.system import accelerator_check as ac\n"
           "a = ac.parse_args(['--tiny'])\n"
           "assert a.batches == [2] and a.dtype == 'bfloat16'\n"
           "print(ac.hf_reference_parity(None, None))\n")

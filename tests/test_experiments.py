@@ -3,7 +3,7 @@ parsed in ``main``, so importing it runs nothing), and the cheapest ones run end
 sizes and write the JSON keys that docs/benchmarks.md reads its figures from.
 
 Each test is one subprocess that runs the scripts in turn with ``runpy`` (as
-``python experiments/NAME.py`` would: experiments/ first on ``sys.path``), so JAX is imported
+``python experiments/TOPIC/NAME.py`` would, the repository on ``PYTHONPATH``), so JAX is imported
 once rather than once a script."""
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
-LIBRARIES = {"harness.py", "rl_bench.py", "device_flags.py"}  # shared modules, not scripts
+LIBRARIES = {"__init__.py", "harness.py", "rl_bench.py", "device_flags.py"}  # not scripts
 
 RUNNER = """\
 import contextlib, io, json, runpy, sys
-sys.path.insert(0, {experiments!r})
-codes = {{}}
+codes = {}
 for script, args in json.loads(sys.argv[1]):
   sys.argv = [script, *args]
   out = io.StringIO()
@@ -44,15 +43,14 @@ def run_scripts(runs: list[tuple[str, list[str]]], cwd, timeout: int) -> dict:
   """Runs each ``(script, args)`` in one subprocess; what each ended with (the SystemExit code,
   or "returned")."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  proc = subprocess.run([sys.executable, "-c", RUNNER.format(experiments=str(EXPERIMENTS)),
-                         json.dumps(runs)], cwd=cwd, env=env, capture_output=True, text=True,
-                        timeout=timeout)
+  proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(runs)], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def scripts() -> list[pathlib.Path]:
-  return sorted(p for p in EXPERIMENTS.glob("*.py") if p.name not in LIBRARIES)
+  return sorted(p for p in EXPERIMENTS.rglob("*.py") if p.name not in LIBRARIES)
 
 
 def test_every_script_answers_help():
@@ -64,8 +62,9 @@ def test_every_script_answers_help():
 
 
 def test_no_script_edits_sys_path():
-  """Scripts import ``harness`` from their own folder, never a path they put on sys.path."""
-  for path in EXPERIMENTS.glob("*.py"):
+  """Scripts import ``harness`` as ``experiments.harness``, never from a path they put on
+  sys.path."""
+  for path in EXPERIMENTS.rglob("*.py"):
     text = path.read_text()
     assert "sys.path.insert" not in text and "sys.path.append" not in text, path.name
 
@@ -75,13 +74,14 @@ def test_cheapest_benchmarks_run_at_tiny_sizes(tmp_path):
   out = {name: tmp_path / f"{name}.json" for name in ("rollout", "capacity", "update")}
   tiny_model = ["--hidden", "32", "--layers", "1"]
   runs = [
-      (str(EXPERIMENTS / "bench_rollout.py"),
+      (str(EXPERIMENTS / "rollout" / "bench_rollout.py"),
        ["--repeats", "2", "--batch", "2", "--max-new-tokens", "16", *tiny_model,
         "--out", str(out["rollout"])]),
-      (str(EXPERIMENTS / "bench_capacity.py"),  # one capacity: a capacity cuts answers short
+      # one capacity: a capacity cuts answers short
+      (str(EXPERIMENTS / "rollout" / "bench_capacity.py"),
        ["--repeats", "1", "--capacities", "48", "--old-layout", "48", "--batch", "2",
         "--out", str(out["capacity"])]),
-      (str(EXPERIMENTS / "bench_update.py"),
+      (str(EXPERIMENTS / "rl" / "bench_update.py"),
        ["--repeats", "1", "--max-new-tokens", "32", "--offline-max-new-tokens", "32",
         "--offline-budgets", "256", "--update-tokens", "256", "--prompts", "2", "--group", "2",
         "--prompt-len", "8", "--mean-length", "6", "--tail-rows", "0", "--vocab", "64",
@@ -155,7 +155,8 @@ def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
           "--verify", "both", "--out", str(out)]
   for item in tiny:
     args += ["--set", item]
-  codes = run_scripts([(str(EXPERIMENTS / "e2e_default_job.py"), args)], tmp_path, timeout=300)
+  codes = run_scripts([(str(EXPERIMENTS / "rl" / "e2e_default_job.py"), args)], tmp_path,
+                      timeout=300)
   assert set(codes.values()) == {"returned"}, codes
   report = json.loads(out.read_text())
   assert report["identical_tokens_and_rewards"] and report["verify"] == "both"
@@ -184,17 +185,17 @@ def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
                                            ("vanilla,tlt_fast", "unknown arm(s) tlt_fast")])
 def test_e2e_speedup_checks_its_arms_before_any_work(tmp_path, arms, message):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  proc = subprocess.run([sys.executable, str(EXPERIMENTS / "e2e_speedup.py"), "--arms", arms],
+  proc = subprocess.run([sys.executable, str(EXPERIMENTS / "rl" / "e2e_speedup.py"), "--arms",
+                         arms],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
   assert not (tmp_path / "experiments").exists()  # nothing warm-started or cached
 
 
-def test_e2e_speedup_summarizes_a_subset_of_arms(monkeypatch):
+def test_e2e_speedup_summarizes_a_subset_of_arms():
   """``--arms vanilla,sd_frozen`` (Fig. 11 without TLT's drafter training): the summary covers the
   arms that ran, each paired with vanilla's step."""
-  monkeypatch.syspath_prepend(str(EXPERIMENTS))
-  import e2e_speedup  # pylint: disable=import-outside-toplevel
+  from experiments.rl import e2e_speedup  # pylint: disable=import-outside-toplevel
 
   def row(step_s, accept=None):
     r = dict(step_s=step_s, rollout_s=step_s / 2, update_s=step_s / 4, tail_s=0.0, compiles=0,
@@ -217,7 +218,7 @@ def test_e2e_speedup_summarizes_a_subset_of_arms(monkeypatch):
     (["--target", "no_such_dir"], "or say --target random")])
 def test_ablate_pool_says_what_is_wrong_with_its_arguments(tmp_path, args, message):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  proc = subprocess.run([sys.executable, str(EXPERIMENTS / "ablate_pool.py"), *args],
+  proc = subprocess.run([sys.executable, str(EXPERIMENTS / "sd" / "ablate_pool.py"), *args],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
 
@@ -226,7 +227,9 @@ def test_a_script_started_inside_experiments_stops_before_writing_there():
   """Its relative default outputs would land in experiments/experiments/out (a cached policy
   was once committed from there)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  proc = subprocess.run([sys.executable, "drafter_save_latency.py", "--repeats", "1"],
-                        cwd=EXPERIMENTS, env=env, capture_output=True, text=True, timeout=120)
+  topic = EXPERIMENTS / "drafter"
+  proc = subprocess.run([sys.executable, "drafter_save_latency.py", "--repeats", "1"], cwd=topic,
+                        env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 1 and "from the repository root" in proc.stderr, proc.stderr[-2000:]
-  assert not (EXPERIMENTS / "experiments").exists() and not (EXPERIMENTS / "docs").exists()
+  for folder in (EXPERIMENTS, topic):
+    assert not (folder / "experiments").exists() and not (folder / "docs").exists()

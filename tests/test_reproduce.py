@@ -27,7 +27,8 @@ def test_every_entry_is_listed_with_its_scripts():
   assert out.returncode == 0, out.stderr
   for name in ("table4", "fig13", "table5", "table6", "fig11", "fig17", "table3"):
     assert name in out.stdout
-  assert "experiments/bench_sd.py" in out.stdout and "experiments/drafter_drift.py" in out.stdout
+  assert "experiments/sd/bench_sd.py" in out.stdout
+  assert "experiments/drafter/drafter_drift.py" in out.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -65,7 +66,8 @@ def test_fig17_tiny_writes_its_table_png_and_the_index(tmp_path):
   index = (tmp_path / "RESULTS.md").read_text()
   assert "Fig. 17" in index and "results/fig17_tiny.png" in index
   again = run_cli(*args)  # the same command again: the script's JSON is reused, not remade
-  assert again.returncode == 0 and "cached: experiments/drafter_save_latency.py" in again.stdout
+  assert again.returncode == 0
+  assert "cached: experiments/drafter/drafter_save_latency.py" in again.stdout
 
 
 def _ns(**kw):
@@ -141,7 +143,8 @@ def test_table5_shows_what_each_pool_compiles_when_it_misses():
 
 
 DRIFT_CHECK = """
-import json, re, numpy as np, rl_bench as rb
+import json, re, numpy as np
+from experiments.rl import rl_bench as rb
 from tlt_jax.rl.tasks import ArithmeticTask
 task = rb.FormatShiftTask(ArithmeticTask(max_digits=6), new_style_share=0.3, old_style_reward=0.25)
 problems = task.sample(np.random.default_rng(0), 400)
@@ -160,8 +163,7 @@ print(json.dumps(dict(share=len(new) / len(problems), steps_ok=steps_ok,
 
 
 def test_the_drift_workload_rewards_the_style_its_warm_start_rarely_writes():
-  env = dict(__import__("os").environ, PYTHONPATH=f"{REPO / 'experiments'}:{REPO}",
-             JAX_PLATFORMS="cpu")
+  env = dict(__import__("os").environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", DRIFT_CHECK], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]

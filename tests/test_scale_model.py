@@ -1,9 +1,9 @@
-"""The step-time model of experiments/scale_model.py: closed forms, bucket rounding, sharding and
-the growth of TLT's speedup with the devices. Pure numpy: nothing here imports JAX."""
+"""The step-time model of experiments/system/scale_model.py: closed forms, bucket rounding,
+sharding and the growth of TLT's speedup with the devices. Numpy maths: nothing here runs JAX
+(the model takes its bucket rounding and sharding from tlt_jax.rollout, whose import loads it)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -13,12 +13,9 @@ import sys
 import numpy as np
 import pytest
 
+from experiments.system import scale_model as sm
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("scale_model",
-                                               ROOT / "experiments" / "scale_model.py")
-sm = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("scale_model", sm)  # dataclasses look their module up there
-_spec.loader.exec_module(sm)
 
 
 def costs(**fields) -> "sm.Costs":
@@ -113,8 +110,8 @@ def test_paper_costs_follow_table4():
 
 def test_the_cli_writes_the_paper_predictions_without_jax(tmp_path):
   out = tmp_path / "scale.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "scale_model.py"),
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "system" / "scale_model.py"),
                          "--paper-only", "--out", str(out)], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr[-2000:]

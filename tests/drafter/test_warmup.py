@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from tlt_jax.drafter import (evaluate_drafter, make_batch_from_sequences, make_eval_step,
-                             own_sequences, split_drafter, warm_up_drafter)
+                             own_sequences, split_drafter, train_drafter_on_batch,
+                             warm_up_drafter, warm_up_on_rollouts)
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils import compile_count
@@ -117,6 +118,55 @@ def test_own_sequences_are_prompt_then_completion():
   assert seen["params"] == SamplingParams(max_new_tokens=12, temperature=0.5, seed=3)
   with pytest.raises(ValueError, match="^prompts must not be empty"):
     own_sequences(rollout, [], max_new_tokens=12)
+
+
+def test_training_on_a_batch_reports_held_out_before_and_after(policy, sequences):
+  """``train_drafter_on_batch`` (what ``warm_up_drafter`` trains with, given ready batches):
+  the caller's drafter is left as it was, and the held-out evaluations are of the drafter
+  before and after training."""
+  prompt_lens = [PROMPT_LEN] * 12
+  train, held_out = (make_batch_from_sequences(policy, part, ROW_LEN, prompt_lens=prompt_lens,
+                                               pack=True)
+                     for part in (sequences[:12], sequences[12:]))
+  fresh = Drafter.create(CONFIG, seed=0)
+  before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(fresh))]
+  drafter, report = train_drafter_on_batch(policy, fresh, train, steps=40, batch_rows=4,
+                                           learning_rate=1e-2, log_every=20, evaluate=False,
+                                           held_out=held_out)
+  for a, b in zip(before, jax.tree.leaves(nnx.state(fresh))):
+    np.testing.assert_array_equal(a, b)
+  assert report["train"] is None and report["train_top1"] is None
+  assert [e["step"] for e in report["log"]] == [20, 40]
+  assert report["held_out"]["top1"] > report["held_out_at_init"]["top1"]
+  graphdef, params = split_drafter(drafter)
+  after = evaluate_drafter(make_eval_step(graphdef, policy), params, nnx.state(policy), held_out,
+                           4)
+  np.testing.assert_allclose(report["held_out"]["top1"], after["top1"], rtol=1e-6)
+
+
+def test_warm_up_on_rollouts_trains_on_what_the_rollout_sampled(policy, sequences):
+  """The rollout's completions, prompt first, are what the drafter trains on: the same drafter,
+  bit for bit, as ``warm_up_drafter`` on those sequences, and a report that says so."""
+  prompts = [s[:PROMPT_LEN] for s in sequences]
+  seen = {}
+
+  def generate(prompts_, params):
+    seen["params"] = params
+    return types.SimpleNamespace(tokens=[s[PROMPT_LEN:] for s in sequences])
+
+  rollout = types.SimpleNamespace(generate=generate)
+  kwargs = dict(steps=4, row_len=ROW_LEN, batch_rows=4, seed=3, evaluate=False)
+  drafter, report = warm_up_on_rollouts(policy, rollout, prompts, max_new_tokens=36,
+                                        temperature=0.7, sample_seed=9, **kwargs)
+  assert seen["params"] == SamplingParams(max_new_tokens=36, temperature=0.7, seed=9)
+  reference, expected = warm_up_drafter(policy, sequences, [PROMPT_LEN] * len(sequences),
+                                        **kwargs)
+  for a, b in zip(jax.tree.leaves(nnx.state(drafter)), jax.tree.leaves(nnx.state(reference))):
+    np.testing.assert_array_equal(a, b)
+  assert report["last"] == expected["last"] and report["rows"] == expected["rows"]
+  assert (report["prompts"], report["temperature"], report["sample_seed"]) == (24, 0.7, 9)
+  assert report["mean_completion"] == np.mean([len(s) - PROMPT_LEN for s in sequences])
+  assert report["seconds"] >= report["generate_s"] >= 0
 
 
 @pytest.mark.parametrize("change, name", [

@@ -86,7 +86,7 @@ def test_greedy_speculative_equals_vanilla_in_bf16(engines, vanilla_greedy, stra
   verify pass (T tokens) rounds each row's logits as the one-token decode does. That holds on the
   CPU here, exact bf16 ties included (they break to the lowest id alike). On a GPU, matmuls of
   other shapes may accumulate in another order, and a near-tie can then flip:
-  experiments/accelerator_check.py records where and by how much."""
+  experiments/system/accelerator_check.py records where and by how much."""
   result = engines[strategy].generate(prompts(), GREEDY)
   assert result.tokens == vanilla_greedy.tokens
   assert result.stats.mean_accept_len >= 1.0

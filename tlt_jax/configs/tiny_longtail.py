@@ -15,7 +15,7 @@ rows``: at most an eighth of them live); docs/benchmarks.md, "The long-tail job"
 measurements.
 
 The model is the tiny default's (3 layers, hidden 128), chosen by measuring what a 9-token pass
-costs against a 1-token one (``experiments/pass_cost.py``): on a 2-core CPU 2-2.8x at batch 1
+costs against a 1-token one (``experiments/sd/pass_cost.py``): on a 2-core CPU 2-2.8x at batch 1
 for every size from 0.5M to 50M parameters, so a larger model would not make SD cheaper there,
 only the job slower; on an H200 0.7-0.9x at batch 1 for every size up to 145M (launch-bound).
 """

@@ -9,10 +9,11 @@ from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.drafter.objective import (DrafterBatch, drafter_loss, eagle_loss,
                                    make_batch_from_sequences, make_eval_step, make_optimizer,
                                    make_train_step, split_drafter)
-from tlt_jax.drafter.warmup import (evaluate_drafter, own_sequences, train_drafter_steps,
-                                    warm_up_drafter)
+from tlt_jax.drafter.warmup import (evaluate_drafter, own_sequences, train_drafter_on_batch,
+                                    train_drafter_steps, warm_up_drafter, warm_up_on_rollouts)
 
 __all__ = ["DataBuffer", "DrafterBatch", "EmptyBufferError", "SpotTrainer", "drafter_loss",
            "eagle_loss", "evaluate_drafter", "make_batch_from_sequences", "make_eval_step",
            "make_optimizer", "make_train_step", "own_sequences", "split_drafter",
-           "train_drafter_steps", "warm_up_drafter"]
+           "train_drafter_on_batch", "train_drafter_steps", "warm_up_drafter",
+           "warm_up_on_rollouts"]

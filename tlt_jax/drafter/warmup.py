@@ -7,9 +7,12 @@ a drafter (a fresh one unless given) takes ``steps`` jitted optax steps on rando
 rows of them, and its top-1 agreement with the policy is measured over every row.
 
 Every step and every evaluation call sees the same batch shape, so after the first step nothing
-compiles again. ``own_sequences`` makes the completions with any rollout (``RolloutEngine``).
-The pieces are public for callers with a drafter or optimizer of their own:
-``train_drafter_steps`` (the loop) and ``evaluate_drafter`` (the token-weighted evaluation).
+compiles again. ``own_sequences`` makes the completions with any rollout (``RolloutEngine``);
+``warm_up_on_rollouts`` is the two together, the TLT paper's initial drafter in one call.
+The pieces are public for callers with batches, a drafter or an optimizer of their own:
+``train_drafter_on_batch`` (a drafter trained on a ready batch, evaluated on it and on held-out
+rows), ``train_drafter_steps`` (the loop) and ``evaluate_drafter`` (the token-weighted
+evaluation).
 """
 
 from __future__ import annotations
@@ -153,26 +156,77 @@ def warm_up_drafter(policy: Transformer, sequences: Sequence[Sequence[int]],
   features_s = time.perf_counter() - t0
   if drafter is None:
     drafter = Drafter.create(policy.config, seed=seed)
-    graphdef, params = split_drafter(drafter)
-  else:  # the step donates its params: train a copy
-    graphdef, params = split_drafter(drafter)
-    params = jax.tree.map(jnp.array, params)
+  drafter, report = train_drafter_on_batch(
+      policy, drafter, batch, steps=steps, batch_rows=batch_rows, learning_rate=learning_rate,
+      seed=seed, log_every=log_every, on_log=on_log, evaluate=evaluate)
+  report = dict(steps=steps, batch_rows=batch_rows, row_len=row_len,
+                learning_rate=learning_rate, seed=seed, sequences=len(sequences),
+                rows=int(batch.num_rows), trained_positions=int(batch.mask.sum()),
+                log=report["log"], last=report["last"], train=report["train"],
+                train_top1=report["train_top1"], features_s=features_s,
+                train_s=report["train_s"], seconds=time.perf_counter() - t0)
+  return drafter, report
+
+
+def train_drafter_on_batch(policy: Transformer, drafter: Drafter, batch: DrafterBatch, *,
+                           steps: int, batch_rows: int = 8, learning_rate=2e-3, seed: int = 0,
+                           log_every: int = 50, on_log: Callable[[dict], Any] | None = None,
+                           evaluate: bool = True, held_out: DrafterBatch | None = None
+                           ) -> tuple[Drafter, dict]:
+  """A copy of ``drafter`` trained for ``steps`` steps on rows of ``batch`` (features of the
+  frozen ``policy``; ``make_batch_from_sequences``), as ``warm_up_drafter`` trains: the optimizer
+  is ``make_optimizer(learning_rate)`` (a float or an optax schedule; AdamW, no weight decay,
+  gradients clipped to norm 1), the rows are drawn by ``seed``, and ``log_every`` and ``on_log``
+  are ``train_drafter_steps``'s.
+
+  Returns ``(drafter, report)``: the report holds ``log``, ``last`` (the final step's metrics),
+  ``train_s``, ``train`` and ``train_top1`` (the evaluation over every row of ``batch``, ``None``
+  unless ``evaluate``), and with ``held_out``, ``held_out_at_init`` and ``held_out`` (its
+  evaluation before and after training).
+  """
+  graphdef, params = split_drafter(drafter)
+  params = jax.tree.map(jnp.array, params)  # the step donates its params: train a copy
   optimizer = make_optimizer(learning_rate, weight_decay=0.0, clip_norm=1.0)
   opt_state = optimizer.init(params)
   step = make_train_step(graphdef, policy, optimizer)
   target_params = nnx.state(policy)
-  t_train = time.perf_counter()
+  eval_step = make_eval_step(graphdef, policy) if evaluate or held_out is not None else None
+  report: dict[str, Any] = {}
+  if held_out is not None:
+    report["held_out_at_init"] = evaluate_drafter(eval_step, params, target_params, held_out,
+                                                  batch_rows)
+  t0 = time.perf_counter()
   params, opt_state, log, last = train_drafter_steps(
       step, params, opt_state, target_params, batch, steps=steps, batch_rows=batch_rows,
       seed=seed, log_every=log_every, on_log=on_log)
-  train_s = time.perf_counter() - t_train
-  train = None
+  report.update(log=log, last=last, train_s=time.perf_counter() - t0, train=None)
   if evaluate:
-    train = evaluate_drafter(make_eval_step(graphdef, policy), params, target_params, batch,
-                             batch_rows)
-  report = dict(steps=steps, batch_rows=batch_rows, row_len=row_len,
-                learning_rate=learning_rate, seed=seed, sequences=len(sequences),
-                rows=int(batch.num_rows), trained_positions=int(batch.mask.sum()), log=log,
-                last=last, train=train, train_top1=None if train is None else train["top1"],
-                features_s=features_s, train_s=train_s, seconds=time.perf_counter() - t0)
+    report["train"] = evaluate_drafter(eval_step, params, target_params, batch, batch_rows)
+  report["train_top1"] = None if report["train"] is None else report["train"]["top1"]
+  if held_out is not None:
+    report["held_out"] = evaluate_drafter(eval_step, params, target_params, held_out, batch_rows)
   return nnx.merge(graphdef, params), report
+
+
+def warm_up_on_rollouts(policy: Transformer, rollout, prompts: Sequence[Sequence[int]], *,
+                        max_new_tokens: int, temperature: float = 1.0, sample_seed: int = 0,
+                        **warm_up: Any) -> tuple[Drafter, dict]:
+  """A drafter warmed up on ``policy``'s own completions of ``prompts``: ``own_sequences`` by
+  ``rollout`` (which decodes ``policy``) at ``temperature`` with ``sample_seed``, then
+  ``warm_up_drafter`` on them with the keyword arguments ``warm_up`` (``steps`` and ``row_len``
+  at least).
+
+  Returns ``(drafter, report)``: ``warm_up_drafter``'s report plus ``prompts``,
+  ``temperature``, ``sample_seed``, ``mean_completion`` (tokens), ``generate_s`` (the
+  rollout's seconds) and ``seconds`` (the whole call, rollout included).
+  """
+  t0 = time.perf_counter()
+  sequences, prompt_lens = own_sequences(rollout, prompts, max_new_tokens=max_new_tokens,
+                                         temperature=temperature, seed=sample_seed)
+  generate_s = time.perf_counter() - t0
+  drafter, report = warm_up_drafter(policy, sequences, prompt_lens, **warm_up)
+  report.update(prompts=len(prompts), temperature=temperature, sample_seed=sample_seed,
+                mean_completion=float(np.mean([len(s) - n for s, n in zip(sequences,
+                                                                           prompt_lens)])),
+                generate_s=generate_s, seconds=time.perf_counter() - t0)
+  return drafter, report

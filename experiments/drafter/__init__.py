@@ -1,0 +1,1 @@
+"""The drafter: the bench target and its offline drafters, drift, spot training, saves."""

@@ -1,0 +1,163 @@
+"""Does the default main job learn? GRPO against a no-update control, over several seeds.
+
+  python -m experiments.rl.default_learns [--seeds 0 1 2] [--set trainer.learning_rate=1e-4 ...]
+      [--control-seeds 0] [--jobs 4] [--no-control] [--out docs/results/default_learns.json]
+
+Each seed runs the default job (configs/tiny_grpo.py through ``tlt_jax.train.run`` on a temp
+logdir) twice: with GRPO updates, and as the control, the same job with every update skipped
+(``--config.trainer.control=True``: the params stay bit for bit the warm start's). Both arms
+share the warm start (same seed) and are evaluated on the same fixed held-out problems; the
+control's end evaluation must equal its step-0 one (checked). Writes held-out greedy accuracy
+and sampled reward, start and end (and the curve, with ``--set trainer.eval_every=N``), per arm
+and seed, with their mean and spread, the rollout's tail share and the command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent import futures
+import datetime
+import io
+import json
+import multiprocessing
+import pathlib
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from experiments import harness
+from experiments.harness import write_report
+from experiments.rl.rl_bench import job_config, train
+
+KEYS = ("accuracy_start", "accuracy_end", "sampled_start", "sampled_end")
+
+
+def run_arm(cfg, update: bool) -> dict:
+  """One job run; ``update=False`` is the no-update control (``trainer.control=True``)."""
+  cfg.trainer.control = not update
+  t0 = time.perf_counter()
+  with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    summary = train.run(cfg)
+  history = summary["history"]
+  rollout = sum(m["rollout_s"] for m in history)
+  updates = [m for m in history if "clip_fraction" in m]  # none in the control
+  out = {k: summary[k] for k in KEYS}
+  out.update(
+      wall_s=round(time.perf_counter() - t0, 1),
+      # the held-out curve: (step, greedy accuracy, sampled reward) at the start, every
+      # trainer.eval_every steps and at the end
+      curve=[(0, summary["accuracy_start"], summary["sampled_start"])] +
+            [(m["step"], m["eval_accuracy"], m["eval_sampled_reward"]) for m in history
+             if "eval_accuracy" in m] +
+            [(summary["step"], summary["accuracy_end"], summary["sampled_end"])],
+      train_reward_first5=summary["reward_first"], train_reward_last5=summary["reward_last"],
+      tail_over_rollout=sum(m["tail_s"] for m in history) / max(rollout, 1e-9),
+      rollout_over_step=summary["rollout_share"],
+      clip_fraction_mean=float(np.mean([m["clip_fraction"] for m in updates])) if updates
+      else None,
+      approx_kl_max=float(max(m["approx_kl"] for m in updates)) if updates else None,
+      len_p50=float(np.percentile(summary["lengths"], 50)),
+      len_p99=float(np.percentile(summary["lengths"], 99)),
+      len_max=int(max(summary["lengths"])))
+  return out
+
+
+def one_run(job: tuple) -> dict:
+  """``run_arm`` of ``(seed, update, overrides)`` on a temp logdir (a worker process's task)."""
+  seed, update, overrides = job
+  with tempfile.TemporaryDirectory() as logdir:
+    r = run_arm(job_config(seed, overrides, logdir), update)
+  return dict(r, seed=seed, arm="grpo" if update else "control")
+
+
+def spread(values) -> dict:
+  """Mean, sample std and range of ``values``."""
+  v = np.asarray(values, float)
+  return dict(mean=float(v.mean()), std=float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+              min=float(v.min()), max=float(v.max()))
+
+
+def plot_curves(runs: list[dict], path: str, command: str) -> None:
+  """Held-out greedy accuracy and sampled reward against the RL step: each seed's GRPO run
+  (solid) and its no-update control (dashed, flat by construction), one panel per figure."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  seeds = sorted({r["seed"] for r in runs})
+  for r in runs:
+    steps, greedy, sampled = np.array(r["curve"], float).T
+    color = colors[seeds.index(r["seed"]) % len(colors)]
+    style = dict(color=color, marker="o", ms=3) if r["arm"] == "grpo" else \
+        dict(color=color, ls="--", alpha=0.7)
+    label = f"seed {r['seed']}, " + ("GRPO" if r["arm"] == "grpo" else "no-update control")
+    axes[0].plot(steps, greedy, label=label, **style)
+    axes[1].plot(steps, sampled, label=label, **style)
+  axes[0].set(xlabel="RL step", ylabel="held-out greedy accuracy")
+  axes[1].set(xlabel="RL step", ylabel="held-out sampled reward (T=1)")
+  axes[1].legend(fontsize=7)
+  fig.suptitle("the default job (python -m tlt_jax.train) against its no-update control",
+               fontsize=10)
+  fig.text(0.01, 0.01, command, fontsize=6, color="gray")
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  fig.savefig(path, dpi=110)
+  print(f"wrote {path}")
+
+
+def main() -> None:
+  parser = harness.parser(__doc__)
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  harness.add_set_flag(parser)
+  parser.add_argument("--no-control", action="store_true",
+                      help="skip the no-update runs (the step-0 evaluation stands in for them)")
+  parser.add_argument("--control-seeds", type=int, nargs="*", default=None,
+                      help="seeds that also run the no-update control (default: every seed)")
+  parser.add_argument("--jobs", type=int, default=1, help="runs at once (processes)")
+  parser.add_argument("--out",
+                      default=str(harness.ROOT / "docs" / "results" / "default_learns.json"))
+  parser.add_argument("--plot", default=None, metavar="PNG",
+                      help="also draw the held-out curves of every run (GRPO against the "
+                           "control, per seed) into this PNG; with --set trainer.eval_every=N")
+  a = parser.parse_args()
+  control = a.seeds if a.control_seeds is None else a.control_seeds
+  todo = [(seed, True) for seed in a.seeds] + [(seed, False) for seed in control
+                                               if not a.no_control]
+  runs = []
+  with futures.ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+    for r in ex.map(one_run, [(seed, update, a.set) for seed, update in todo]):
+      runs.append(r)
+      print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}),
+            flush=True)
+      if r["arm"] == "control":  # no update: the same params, the same fixed held-out problems
+        assert (r["accuracy_end"], r["sampled_end"]) == (r["accuracy_start"], r["sampled_start"]), r
+  arms = {}
+  for arm in ("grpo", "control"):
+    rows = [r for r in runs if r["arm"] == arm]
+    if rows:
+      arms[arm] = {k: spread([r[k] for r in rows]) for k in KEYS + ("tail_over_rollout",)}
+      arms[arm]["accuracy_gain"] = spread([r["accuracy_end"] - r["accuracy_start"] for r in rows])
+      arms[arm]["sampled_gain"] = spread([r["sampled_end"] - r["sampled_start"] for r in rows])
+  cfg = job_config(a.seeds[0], a.set, "")
+  result = dict(
+      date=datetime.date.today().isoformat(),
+      command="python " + " ".join([str(pathlib.Path(sys.argv[0]).as_posix())] + sys.argv[1:]),
+      config={k: cfg[k].to_dict() for k in ("task", "sft", "grpo", "trainer")},
+      control="the same job, seed and held-out problems with every policy update skipped "
+              "(trainer.control=True: params unchanged)",
+      arms=arms, runs=runs)
+  write_report(a.out, result)
+  if a.plot:
+    plot_curves(runs, a.plot, result["command"])
+  for arm, s in arms.items():
+    print(f"{arm}: greedy {s['accuracy_start']['mean']:.3f} -> {s['accuracy_end']['mean']:.3f} "
+          f"(gain {s['accuracy_gain']['mean']:+.3f} +- {s['accuracy_gain']['std']:.3f}), sampled "
+          f"{s['sampled_start']['mean']:.3f} -> {s['sampled_end']['mean']:.3f} (gain "
+          f"{s['sampled_gain']['mean']:+.3f} +- {s['sampled_gain']['std']:.3f}), tail/rollout "
+          f"{s['tail_over_rollout']['mean']:.2f}")
+
+
+if __name__ == "__main__":
+  main()

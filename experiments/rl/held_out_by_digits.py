@@ -1,0 +1,82 @@
+"""Where a policy fails: the default job's held-out accuracy by operand size, greedy and sampled.
+
+  python -m experiments.rl.held_out_by_digits [--set sft.steps=600 ...]       # the job's warm start
+  python -m experiments.rl.held_out_by_digits --model RUN_DIR/final_model  # a run's final policy
+      [--problems 512] [--failures 8] [--out docs/results/held_out_by_digits.json]
+
+Builds the default job (configs/tiny_grpo.py with ``--set`` overrides), takes either its warm
+start (the same seed gives the same warm start as the job's) or a saved policy (``--model``, an
+HF-format directory such as a run's ``final_model``), and evaluates the job's own held-out
+problems (``trainer.eval_problems``' fixed set, the fixed sampling seed) greedily and at the
+trainer's temperature through ``GRPOTrainer.held_out``, what the job's evaluation averages. Prints
+and writes the mean reward per size of the larger operand (digits) and each size's share, and the
+first ``--failures`` wrong completions of each temperature, so a reader can see what kind of error
+a policy makes.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import sys
+
+import jax
+import numpy as np
+
+from experiments import harness
+from experiments.harness import write_report
+from experiments.rl.rl_bench import job_config
+from tlt_jax.job.build import build_job
+from tlt_jax.job.runner import initial_model, make_trainer
+from tlt_jax.models import from_pretrained
+from tlt_jax.rl.sft import warm_start
+from tlt_jax.rl.tasks import operand_digits
+
+
+def by_digits(problems, rewards) -> dict[int, dict[str, float]]:
+  """``{digits: {"reward": mean reward, "share": share of the problems}}``, sizes ascending."""
+  groups = collections.defaultdict(list)
+  for problem, reward in zip(problems, rewards):
+    groups[operand_digits(problem.prompt)].append(reward)
+  return {d: dict(reward=float(np.mean(r)), share=len(r) / len(problems))
+          for d, r in sorted(groups.items())}
+
+
+def main() -> None:
+  parser = harness.parser(__doc__)
+  harness.add_set_flag(parser, help="config overrides of the default job, e.g. sft.steps=600")
+  parser.add_argument("--model", default=None,
+                      help="an HF-format policy directory (default: the job's warm start)")
+  parser.add_argument("--problems", type=int, default=None,
+                      help="held-out problems (default: the job's trainer.eval_problems)")
+  parser.add_argument("--failures", type=int, default=8,
+                      help="wrong completions to show per temperature")
+  parser.add_argument("--out", default="experiments/out/held_out_by_digits.json")
+  a = parser.parse_args()
+  cfg = job_config(0, a.set, "")
+  job = build_job(cfg)
+  if a.model:
+    model, _ = from_pretrained(a.model)
+  else:
+    model, _ = warm_start(initial_model(job, cfg.seed), job.tokenizer, job.task, job.sft,
+                          cfg.seed)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  trainer = make_trainer(job, model, mesh)
+  result = dict(date=datetime.date.today().isoformat(),
+                command=" ".join(["python -m experiments.rl.held_out_by_digits"] + sys.argv[1:]),
+                model=a.model or f"the warm start ({job.sft.steps} SFT steps, seed {cfg.seed})")
+  for name, temperature in (("greedy", 0.0), ("sampled", job.trainer.temperature)):
+    problems, texts, rewards = trainer.held_out(a.problems, temperature=temperature)
+    sizes = by_digits(problems, rewards)
+    wrong = [dict(prompt=p.prompt, expected=p.solution, wrote=t)
+             for p, t, r in zip(problems, texts, rewards) if r == 0][:a.failures]
+    result[name] = dict(mean=float(np.mean(rewards)), by_digits=sizes, failures=wrong)
+    print(f"{name}: {np.mean(rewards):.3f}; by digits " +
+          " ".join(f"{d}: {s['reward']:.2f} ({s['share']:.0%})" for d, s in sizes.items()))
+    for w in wrong:
+      print(f"  {w['prompt']:>18} wrote{w['wrote']!r}, not{w['expected']!r}")
+  write_report(a.out, result)
+
+
+if __name__ == "__main__":
+  main()

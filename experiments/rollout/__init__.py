@@ -1,0 +1,1 @@
+"""The rollout engine without SD: bucketing, capacity, a decode step, against tunix."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: SD vs vanilla, its verification, the tuner and the pass costs."""

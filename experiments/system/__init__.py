@@ -1,0 +1,1 @@
+"""The system: accelerator check, loader parity, start times, processes, FSDP, scaling model."""
