@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any
 
 import jax
 import ml_collections
@@ -19,6 +18,8 @@ import numpy as np
 from tlt_jax.job.rollout_config import EAGLE_STRATEGIES, build_drafter, build_drafter_training, \
     build_engine_config, build_suffix, check_drafter, split_drafter
 from tlt_jax.job.typed_config import ConfigError, check_keys, flatten, section, to_dataclass
+from tlt_jax.drafter.online import DrafterTrainingConfig
+from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.load import load_tokenizer, pretrained_config
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer
@@ -30,6 +31,7 @@ from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Task, chat_prompt
 from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prompt, eval_problems, \
     step_problems
 from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.suffix import SuffixConfig
 from tlt_jax.utils import FieldError
 
@@ -55,8 +57,8 @@ class Job:
   grpo: grpo.GRPOConfig
   trainer: TrainerConfig
   engine: EngineConfig
-  drafter: Any
-  drafter_training: Any = None  # DrafterTrainingConfig: the drafter trains online
+  drafter: Drafter | NgramConfig | None  # the learned or n-gram drafter (build_drafter)
+  drafter_training: DrafterTrainingConfig | None = None  # the drafter trains online
   drafter_save_every: int = 0  # RL steps between selective async drafter saves (0: never)
   model_path: pathlib.Path | None = None  # a pretrained policy (HF directory or .gguf file)
   chat_template: bool = False  # prompts in the tokenizer's chat template
