@@ -684,8 +684,8 @@ MUTANTS = [
            "the decode segments are lowered from the weight arrays, whose type names the mesh a "
            "replicated array came from: a resumed run (restored arrays) misses 4 of 45", "full"),
     Mutant("locked_tuner_reads_unlocked", "tlt_jax/rollout/parallel.py",
-           "    if not callable(value):\n      return value",
-           "    if not callable(value) or name == 'summary':\n      return value",
+           '  summary = _locked("summary")\n',
+           "  summary = lambda self, *args: self.tuner.summary(*args)\n",
            ("tests/rollout/test_parallel.py", "-k", "lock"),
            "the shared tuner's summary reads beside another thread's plan (CI met a half-built "
            "prediction: KeyError 'chain d3')"),
