@@ -113,7 +113,7 @@ MUTANTS = [
            ("tests/test_train_job.py", "-k", "logdir_with_checkpoints_is_refused"),
            "a new run in a logdir that holds checkpoints starts over on top of them"),
     Mutant("default_verify_rejection", "tlt_jax/configs/tiny_grpo.py",
-           'verify="coupled", suffix_strategies', 'verify="rejection", suffix_strategies',
+           'max_prompt_len=32, verify="coupled")', 'max_prompt_len=32, verify="rejection")',
            ("tests/test_same_seed.py", "-k", "choice_of_arm"),
            "the default job verifies by rejection sampling: the tuner's timed choice of arm "
            "changes the tokens"),
@@ -341,7 +341,7 @@ MUTANTS = [
            "  if lengths[worst] > max_prompt_len:", "  if False:",
            ("tests/test_train_job.py", "-k", "bad_values_are_rejected and max_prompt_len"),
            "a too short rollout.max_prompt_len fails only after the warm start and compile"),
-    Mutant("fixed_tuner_unchecked", "tlt_jax/rollout/engine.py",
+    Mutant("fixed_tuner_unchecked", "tlt_jax/rollout/engine_config.py",
            "        fixed_arm(self.tuner.fixed, b, names)", "        pass",
            ("tests/test_train_job.py", "-k", "fixed_tuner_naming"),
            "a fixed tuner naming an arm that is not offered fails only mid-rollout"),

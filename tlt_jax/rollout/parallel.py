@@ -33,6 +33,7 @@ from flax import nnx
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
+from tlt_jax.rollout.engine_config import resolve_engine_config
 from tlt_jax.rollout.interface import Rollout
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.suffix import SuffixConfig
@@ -117,8 +118,9 @@ class DataParallelRollout(Rollout):
       raise ValueError("DataParallelRollout needs at least one device")
     if len(set(self.devices)) != len(self.devices):
       raise ValueError(f"DataParallelRollout: devices repeat in {self.devices}")
+    config = resolve_engine_config(config, drafter, suffix)  # once for every engine
     shared = None
-    if config.strategies or config.suffix_strategies or suffix is not None:
+    if config.adaptive:
       shared = LockedTuner(tuner if tuner is not None else make_tuner(config.tuner))
     # each engine places the weights it is given on its own device
     self.engines = [RolloutEngine(model, drafter=drafter, config=config, tuner=shared,
