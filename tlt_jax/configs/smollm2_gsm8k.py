@@ -13,7 +13,7 @@ already instruction-tuned. Sized for one accelerator (a step is minutes on a CPU
 
 import ml_collections
 
-from tlt_jax.job.rollout_config import suffix_section
+from tlt_jax.job.rollout_config import rollout_section, suffix_section
 from tlt_jax.job.typed_config import dataclass_section
 from tlt_jax.rl.history import HistoryConfig
 
@@ -60,7 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
       minibatches=4, epochs=1, max_new_tokens=512, temperature=1.0, eval_problems=128,
       update_tokens=16384, on_nonfinite="stop", control=False, eval_every=0))
   # chat-formatted gsm_symbolic prompts are 60-200 SmolLM2 tokens
-  c.rollout = ml_collections.ConfigDict(dict(max_batch=128, max_prompt_len=256))
+  c.rollout = rollout_section(max_batch=128, max_prompt_len=256)
   # the suffix drafter and the store of earlier completions it drafts from (configs/tiny_grpo.py
   # says what the fields do)
   c.suffix = suffix_section()
