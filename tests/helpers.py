@@ -92,6 +92,11 @@ def _read(path) -> bytes:
     return f.read()
 
 
+def choose(tuner, bucket, arms) -> str:
+  """The arm ``tuner.plan`` picks for the next segment of ``bucket`` (without how long it runs)."""
+  return tuner.plan(bucket, arms).arm
+
+
 class RoundRobin:
   """A scripted tuner: every bucket cycles through its arms, one segment each."""
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from tests.helpers import choose
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
@@ -169,7 +170,7 @@ def test_the_tuner_state_goes_through_a_checkpoint(stepped, tmp_path):
   def choices(tuner):
     out = []
     for i in range(40):
-      out.append(tuner.choose(8, arms))
+      out.append(choose(tuner, 8, arms))
       tuner.update(8, out[-1], tokens=100 + i % 7, seconds=1.0)
     return out
 

@@ -21,7 +21,7 @@ def default_config():
     ("trainer.temperature", 0.0, r"config.trainer: TrainerConfig.temperature"),
     ("model.num_kv_heads", 3, r"config.model: ModelConfig.num_heads"),
     ("task.max_digits", 0, r"config.task: ArithmeticTask.max_digits"),
-    ("rollout.max_batch", -2, r"config.rollout: EngineConfig.max_batch"),
+    ("rollout.max_batch", -2, r"config.rollout.max_batch must be a positive int, got -2"),
     ("checkpoint_every", -1, r"config.checkpoint_every must be an int >= 0"),
 ])
 def test_bad_values_are_rejected_naming_the_field(tmp_path, field, value, match):

@@ -69,3 +69,31 @@ def test_the_shared_tuner_reads_under_its_lock_too():
       assert not done.wait(0.2), "a call went past the lock"
     assert done.wait(10)
     worker.join()
+
+
+def test_every_forwarded_tuner_call_holds_the_lock():
+  """LockedTuner forwards every public method of every tuner kind, and each forward calls the
+  tuner with the lock held (a forward that skipped it, or a method that reached the tuner some
+  other way, fails here)."""
+  from tlt_jax.rollout.parallel import LockedTuner  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.tuner import (  # pylint: disable=import-outside-toplevel
+      BegMab, CostModel, FixedMapping, Ucb1)
+  public = {name for cls in (CostModel, BegMab, Ucb1, FixedMapping) for name in dir(cls)
+            if not name.startswith("_") and callable(getattr(cls, name))}
+  forwarded = {name for name in vars(LockedTuner)
+               if not name.startswith("_") and callable(vars(LockedTuner)[name])}
+  assert public == forwarded
+
+  held = {}
+
+  class Spy:  # records, per call, whether the caller held the lock
+    config = "the config"
+
+    def __getattr__(self, name):
+      return lambda *args, **kwargs: held.setdefault(name, shared._lock._is_owned())
+
+  shared = LockedTuner(Spy())
+  for name in sorted(forwarded):
+    getattr(shared, name)(1, "arm", key="value")
+  assert held == {name: True for name in forwarded}
+  assert shared.config == "the config"

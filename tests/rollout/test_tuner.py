@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 
+from tests.helpers import choose
 from tlt_jax.rollout.tuner import (Arm, BegMab, CostModel, FixedMapping, TunerConfig, Ucb1,
                                     LONG_SEGMENT, acceptance_from_length, accepted_length,
                                     make_tuner)
@@ -24,7 +25,7 @@ def run_bandit(tuner, means, steps, env_seed=123, bucket=4, noise=0.15):
   env = np.random.default_rng(env_seed)
   chosen = []
   for _ in range(steps):
-    name = tuner.choose(bucket, ARMS)
+    name = choose(tuner, bucket, ARMS)
     k = NAMES.index(name)
     chosen.append(k)
     reward = max(0.0, env.normal(means[k], noise * means[k]))
@@ -77,7 +78,7 @@ def explore_counts(tuner, steps, bucket=4):
   """Makes ``steps`` choices without rewards (so the greedy arm stays put); counts per arm."""
   counts = np.zeros(len(ARMS), int)
   for _ in range(steps):
-    counts[NAMES.index(tuner.choose(bucket, ARMS))] += 1
+    counts[NAMES.index(choose(tuner, bucket, ARMS))] += 1
   return counts
 
 
@@ -90,7 +91,7 @@ def test_beg_mab_exploration_rate_follows_the_formula(cfg):
   decay = cfg.decay
   tuner = make_tuner(cfg)
   for k in range(len(ARMS)):
-    name = tuner.choose(4, ARMS)
+    name = choose(tuner, 4, ARMS)
     feed(tuner, 4, name, [100.0 if k == 0 else 10.0])  # vanilla is the greedy arm
   n_arms = len(ARMS)
   decided = n_arms
@@ -111,12 +112,12 @@ def test_beg_mab_exploration_rate_follows_the_formula(cfg):
 def test_median_not_mean_decides():
   tuner = make_tuner(TunerConfig(kind="beg_mab", epsilon=0.0, epsilon_min=0.0))
   arms = [Arm("vanilla", 1), Arm("chain d4", 5)]
-  assert tuner.choose(1, arms) == "vanilla"
+  assert choose(tuner, 1, arms) == "vanilla"
   feed(tuner, 1, "vanilla", [100.0, 101.0, 99.0])
-  assert tuner.choose(1, arms) == "chain d4"
+  assert choose(tuner, 1, arms) == "chain d4"
   feed(tuner, 1, "chain d4", [50.0, 1e6, 51.0])  # one segment timed wrong: a huge outlier
   for _ in range(5):
-    choice = tuner.choose(1, arms)
+    choice = choose(tuner, 1, arms)
     assert choice == "vanilla"
     feed(tuner, 1, choice, [100.0])
   assert tuner.summary()["1"]["chain d4"]["median_reward"] == pytest.approx(51.0)
@@ -127,10 +128,10 @@ def test_ties_go_to_the_arm_offered_first(kind):
   tuner = make_tuner(TunerConfig(kind=kind, epsilon=0.0, epsilon_min=0.0))
   arms = [Arm("chain d4", 5), Arm("vanilla", 1), Arm("tree d4 k4 v16", 16)]
   for _ in arms:
-    name = tuner.choose(2, arms)
+    name = choose(tuner, 2, arms)
     feed(tuner, 2, name, [10.0 if name == "chain d4" else 80.0])
-  assert tuner.choose(2, arms) == "vanilla"
-  assert tuner.choose(2, arms[::-1]) == "tree d4 k4 v16"
+  assert choose(tuner, 2, arms) == "vanilla"
+  assert choose(tuner, 2, arms[::-1]) == "tree d4 k4 v16"
 
 
 def test_sliding_window_follows_a_change():
@@ -139,14 +140,14 @@ def test_sliding_window_follows_a_change():
   arms = [Arm("a", 1), Arm("b", 4), Arm("c", 8)]
   means = {"a": 300.0, "b": 200.0, "c": 100.0}
   for _ in range(100):
-    name = tuner.choose(2, arms)
+    name = choose(tuner, 2, arms)
     feed(tuner, 2, name, [means[name]])
-  assert tuner.choose(2, arms) == "a"
+  assert choose(tuner, 2, arms) == "a"
   means["a"] = 50.0  # the best arm becomes the worst
   feed(tuner, 2, "a", [means["a"]])
   after = []
   for _ in range(50):
-    name = tuner.choose(2, arms)
+    name = choose(tuner, 2, arms)
     after.append(name)
     feed(tuner, 2, name, [means[name]])
   switch = after.index("b")
@@ -161,31 +162,31 @@ def test_every_arm_is_tried_first_in_the_given_order():
   arms = ARMS + [Arm("ngram d8", 9)]
   first = []
   for _ in arms:
-    name = tuner.choose(16, arms)
+    name = choose(tuner, 16, arms)
     first.append(name)
     feed(tuner, 16, name, [1000.0 if name == "vanilla" else 1.0])  # vanilla looks unbeatable
   assert first == [a.name for a in arms]
   assert rng_state(tuner) == state  # the initial pulls draw nothing
   # a newly offered arm is pulled before anything else is exploited or explored
   arms.append(Arm("late", 2))
-  assert tuner.choose(16, arms) == "late"
+  assert choose(tuner, 16, arms) == "late"
 
 
 def test_buckets_are_independent():
   tuner = make_tuner(TunerConfig(kind="beg_mab", epsilon=0.0, epsilon_min=0.0))
   for _ in range(len(ARMS)):
-    name = tuner.choose(1, ARMS)
+    name = choose(tuner, 1, ARMS)
     feed(tuner, 1, name, [500.0 if name == "tree d6 k8 v64" else 10.0])
-  assert tuner.choose(1, ARMS) == "tree d6 k8 v64"
+  assert choose(tuner, 1, ARMS) == "tree d6 k8 v64"
   # bucket 8 starts from scratch: all arms in order, then its own best
   first = []
   for _ in range(len(ARMS)):
-    name = tuner.choose(8, ARMS)
+    name = choose(tuner, 8, ARMS)
     first.append(name)
     feed(tuner, 8, name, [500.0 if name == "vanilla" else 10.0])
   assert first == NAMES
-  assert tuner.choose(8, ARMS) == "vanilla"
-  assert tuner.choose(1, ARMS) == "tree d6 k8 v64"
+  assert choose(tuner, 8, ARMS) == "vanilla"
+  assert choose(tuner, 1, ARMS) == "tree d6 k8 v64"
   summary = tuner.summary()
   assert summary["1"]["best"] == "tree d6 k8 v64" and summary["8"]["best"] == "vanilla"
   assert summary["8"]["tree d6 k8 v64"] == {"pulls": 1, "median_reward": 10.0}
@@ -196,7 +197,7 @@ def test_single_arm_is_returned_without_randomness(kind):
   tuner = make_tuner(TunerConfig(kind=kind, epsilon=1.0, fixed=((8, "chain d4"),)))
   state = rng_state(tuner)
   for _ in range(5):
-    assert tuner.choose(64, [Arm("vanilla", 1)]) == "vanilla"
+    assert choose(tuner, 64, [Arm("vanilla", 1)]) == "vanilla"
     feed(tuner, 64, "vanilla", [10.0])
   assert rng_state(tuner) == state
   assert tuner.summary()["64"] == {"vanilla": {"pulls": 5, "median_reward": 10.0},
@@ -242,7 +243,7 @@ def test_ucb1_matches_a_reference():
   env = np.random.default_rng(5)
   chosen = []
   for _ in range(400):
-    name = tuner.choose(4, ARMS)
+    name = choose(tuner, 4, ARMS)
     chosen.append(name)
     k = NAMES.index(name)
     feed(tuner, 4, name, [max(0.0, float(env.normal(SD_PAYS[k], 0.3 * SD_PAYS[k])))])
@@ -256,7 +257,7 @@ def test_ucb1_is_scale_free():
     env = np.random.default_rng(7)
     out = []
     for _ in range(300):
-      name = tuner.choose(4, ARMS)
+      name = choose(tuner, 4, ARMS)
       out.append(name)
       k = NAMES.index(name)
       feed(tuner, 4, name, [scale * max(0.0, env.normal(SD_PAYS[k], 0.15 * SD_PAYS[k]))])
@@ -271,7 +272,7 @@ def test_ucb1_pulls_each_arm_once_first():
   tuner = make_tuner(TunerConfig(kind="ucb1"))
   first = []
   for _ in ARMS:
-    name = tuner.choose(2, ARMS)
+    name = choose(tuner, 2, ARMS)
     first.append(name)
     feed(tuner, 2, name, [5.0])
   assert first == NAMES
@@ -284,23 +285,23 @@ def test_fixed_mapping():
   cfg = TunerConfig(kind="fixed", fixed=[[32, "chain d4"], [4, "tree d6 k8 v64"], [256, "vanilla"]])
   assert cfg.fixed == ((4, "tree d6 k8 v64"), (32, "chain d4"), (256, "vanilla"))
   tuner = make_tuner(cfg)
-  assert tuner.choose(1, ARMS) == "tree d6 k8 v64"
-  assert tuner.choose(4, ARMS) == "tree d6 k8 v64"
-  assert tuner.choose(5, ARMS) == "chain d4"
-  assert tuner.choose(32, ARMS) == "chain d4"
-  assert tuner.choose(33, ARMS) == "vanilla"
+  assert choose(tuner, 1, ARMS) == "tree d6 k8 v64"
+  assert choose(tuner, 4, ARMS) == "tree d6 k8 v64"
+  assert choose(tuner, 5, ARMS) == "chain d4"
+  assert choose(tuner, 32, ARMS) == "chain d4"
+  assert choose(tuner, 33, ARMS) == "vanilla"
   for _ in range(3):  # rewards are recorded but change nothing
     feed(tuner, 5, "vanilla", [1e6])
-    assert tuner.choose(5, ARMS) == "chain d4"
+    assert choose(tuner, 5, ARMS) == "chain d4"
   summary = tuner.summary()
   assert summary["5"]["vanilla"] == {"pulls": 3, "median_reward": 1e6}
   assert summary["5"]["best"] == "vanilla"
   json.dumps(summary)
   with pytest.raises(ValueError, match=r"bucket 512.*max_bucket >= 512"):
-    tuner.choose(512, ARMS)
+    choose(tuner, 512, ARMS)
   offered = r"'chain d4'.*offered arms: \['vanilla', 'tree d4 k4 v16'\]"
   with pytest.raises(ValueError, match=offered):
-    tuner.choose(8, [Arm("vanilla", 1), Arm("tree d4 k4 v16", 16)])
+    choose(tuner, 8, [Arm("vanilla", 1), Arm("tree d4 k4 v16", 16)])
 
 
 def test_fixed_mapping_must_not_be_empty():
@@ -325,7 +326,7 @@ def test_state_dict_round_trip_continues_identically(cfg):
     out = []
     for step in range(start, start + steps):
       bucket = (1, 4, 16)[step % 3]
-      name = tuner.choose(bucket, ARMS if bucket < 16 else ARMS[:2])
+      name = choose(tuner, bucket, ARMS if bucket < 16 else ARMS[:2])
       out.append((bucket, name))
       tuner.update(bucket, name, tokens=int(reward(name, step) * 10), seconds=10.0)
     return out
@@ -353,14 +354,14 @@ def test_load_state_dict_rejects_another_kind():
 def test_choose_and_update_errors():
   tuner = make_tuner(TunerConfig())
   with pytest.raises(ValueError, match="no arms"):
-    tuner.choose(4, [])
+    choose(tuner, 4, [])
   with pytest.raises(ValueError, match="repeated arm names"):
-    tuner.choose(4, [Arm("vanilla", 1), Arm("vanilla", 1)])
+    choose(tuner, 4, [Arm("vanilla", 1), Arm("vanilla", 1)])
   with pytest.raises(ValueError, match="bucket must be a positive int"):
-    tuner.choose(0, ARMS)
+    choose(tuner, 0, ARMS)
   with pytest.raises(ValueError, match=r"'tree' was never offered in bucket 8"):
     tuner.update(8, "tree", tokens=10, seconds=1.0)
-  tuner.choose(4, ARMS)
+  choose(tuner, 4, ARMS)
   with pytest.raises(ValueError, match=r"'tree' was never offered in bucket 4.*'vanilla'"):
     tuner.update(4, "tree", tokens=10, seconds=1.0)
   for seconds in (0.0, -1.0, float("nan")):
@@ -717,7 +718,7 @@ def plans(tuner, bucket, n=4):
                          ids=["beg_mab", "ucb1", "fixed"])
 def test_every_kind_takes_a_drafter_source(cfg):
   tuner = make_tuner(cfg)
-  tuner.choose(4, SOURCE_ARMS)
+  choose(tuner, 4, SOURCE_ARMS)
   before = tuner.state_dict()
   tuner.observe_drafter(0.5, source="suffix")
   tuner.observe_drafter(source="learned")
@@ -760,8 +761,8 @@ def test_cost_model_state_round_trips_per_drafter_source():
   assert before + play_sources(restored) == expected
 
 
-# a state saved before arms had a source (one global drafter version): make_tuner(TunerConfig(
-# window=4)), old_format_play(...), state_dict()
+# a state saved before arms had a source (layout version 2, one global drafter version), as an
+# older tlt_jax wrote it: make_tuner(TunerConfig(window=4)), two drafter versions, state_dict()
 OLD_STATE = json.loads(
     '{"kind": "cost", "rng": {"bit_generator": "PCG64", "state": {"state": 3539956294836046305889'
     '0781895381311971, "inc": 87136372517582989555478159403783844777}, "has_uint32": 0, "uinteger'
@@ -781,27 +782,35 @@ OLD_STATE = json.loads(
     '], "chain d3": [[0.8105357137660576, 2], [0.8105357137660576, 2]]}}}')
 
 
-def old_format_play(tuner):
-  """What made OLD_STATE: two drafter versions, measurements of both."""
-  play_cost(tuner, 0.6, 1, buckets=(2,), arms=COST_ARMS[:3])
-  tuner.observe_drafter(0.4)
-  tuner.observe_drafter(0.7)
-  play_cost(tuner, 0.8, 1, buckets=(1,), arms=COST_ARMS[:3])
+def test_a_state_of_an_older_layout_is_refused_naming_both_versions():
+  restored = make_tuner(TunerConfig(window=4))
+  before = restored.state_dict()
+  with pytest.raises(ValueError, match=r"layout version 2 \(its arms carry no drafter source.*\), "
+                                       r"but this tlt_jax reads version 3 only; resume with the "
+                                       r"tlt_jax that saved it, or leave the saved state out"):
+    restored.load_state_dict(json.loads(json.dumps(OLD_STATE)))
+  assert restored.state_dict() == before  # nothing half loaded
+  older = json.loads(json.dumps(OLD_STATE))  # and before the step costs: version 1
+  for bucket in older["buckets"].values():
+    bucket["arms"] = [arm[:3] for arm in bucket["arms"]]
+  with pytest.raises(ValueError, match=r"layout version 1 \(its arms carry no step costs"):
+    restored.load_state_dict(older)
+  bandit = make_tuner(TunerConfig(kind="beg_mab")).state_dict()
+  bandit["meta"] = [["vanilla", 1, 0, 1]]
+  with pytest.raises(ValueError, match=r"layout version 2"):
+    make_tuner(TunerConfig(kind="beg_mab")).load_state_dict(bandit)
 
 
-def test_a_state_saved_before_drafter_sources_loads_as_the_learned_drafter():
-  restored, replayed = make_tuner(TunerConfig(window=4)), make_tuner(TunerConfig(window=4))
-  restored.load_state_dict(json.loads(json.dumps(OLD_STATE)))
-  old_format_play(replayed)
-  assert restored.state_dict() == replayed.state_dict()  # as if it had been played here
-  drafters = restored.state_dict()["cost_model"]["drafters"]
-  assert list(drafters) == ["learned"] and drafters["learned"]["version"] == 2
-  assert [m[-1] for m in restored.state_dict()["meta"]] == ["learned"] * 3
-  assert restored.alpha("chain d7") is not None
-  restored.observe_drafter(source="suffix")  # a new drafter leaves the learned one's as it was
-  assert restored.state_dict()["cost_model"]["drafters"]["learned"] == drafters["learned"]
-  assert play_cost(restored, 0.8, 1, buckets=(4, 1), arms=COST_ARMS[:3]) == \
-      play_cost(replayed, 0.8, 1, buckets=(4, 1), arms=COST_ARMS[:3])
+def test_only_the_bandits_keep_an_rng():
+  tuner = make_tuner(TunerConfig())
+  play_sources(tuner)
+  state = json.loads(json.dumps(tuner.state_dict()))
+  assert "rng" not in state and not hasattr(tuner, "_rng")
+  for kind in ("beg_mab", "ucb1", "fixed"):
+    assert "rng" in make_tuner(TunerConfig(kind=kind, fixed=((8, "vanilla"),))).state_dict()
+  restored = make_tuner(TunerConfig())  # a cost state saved with an RNG (as before) loads as is
+  restored.load_state_dict(dict(state, rng={"bit_generator": "PCG64"}))
+  assert restored.state_dict() == state
 
 
 def test_a_rollout_passes_the_drafter_source_to_its_tuner():

@@ -13,7 +13,7 @@ already instruction-tuned. Sized for one accelerator (a step is minutes on a CPU
 
 import ml_collections
 
-from tlt_jax.job.rollout_config import suffix_section
+from tlt_jax.job.rollout_config import rollout_section, suffix_section
 from tlt_jax.job.typed_config import dataclass_section
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rl.history import HistoryConfig
@@ -61,7 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
                                 minibatches=4, max_new_tokens=512, eval_problems=128,
                                 update_tokens=16384)
   # chat-formatted gsm_symbolic prompts are 60-200 SmolLM2 tokens
-  c.rollout = ml_collections.ConfigDict(dict(max_batch=128, max_prompt_len=256))
+  c.rollout = rollout_section(max_batch=128, max_prompt_len=256)
   # the suffix drafter and the store of earlier completions it drafts from (configs/tiny_grpo.py
   # says what the fields do)
   c.suffix = suffix_section()

@@ -4,15 +4,14 @@
 """
 
 import ml_collections
-from ml_collections import config_dict
 
-from tlt_jax.job.rollout_config import drafter_training_section, suffix_section
+from tlt_jax.job.rollout_config import drafter_training_section, rollout_section, \
+    suffix_section
 from tlt_jax.job.typed_config import dataclass_section
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
 from tlt_jax.rl.trainer import TrainerConfig
-from tlt_jax.rollout.tuner import TunerConfig
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -80,15 +79,15 @@ def get_config() -> ml_collections.ConfigDict:
   # () = vanilla decoding (with a drafter: one fixed speculative strategy for every segment).
   # suffix_strategies: the suffix drafter's [depth, topk, verify_tokens] triples (with
   # drafter="suffix" or "...+suffix"; () = one chain of suffix.depth)
-  c.rollout = ml_collections.ConfigDict(dict(
-      max_batch=64, max_prompt_len=32, strategies=(), sd_max_batch=8, verify_budget=0,
-      segment_steps=config_dict.placeholder(int), verify="coupled", suffix_strategies=()))
+  # (the other fields at EngineConfig's defaults: strategies=(), sd_max_batch=8,
+  # verify_budget=0, segment_steps=None, suffix_strategies=())
+  c.rollout = rollout_section(max_batch=64, max_prompt_len=32, verify="coupled")
   # TunerConfig of the adaptive engine: kind "cost" (the default: calibrated step costs against
   # counted accepted lengths, one short probe of probe_steps per strategy and drafter version),
   # "beg_mab" (epsilon-greedy on windowed medians of tokens/s), "ucb1" or "fixed"
   # (fixed=((max_bucket, arm_name), ...), e.g. ((8, "chain d4"), (64, "vanilla"))); what it
   # learned is saved in every checkpoint and restored on resume
-  c.rollout.tuner = dataclass_section(TunerConfig)  # every field at TunerConfig's default
+  # (c.rollout.tuner: every field at TunerConfig's default)
   # The drafter trained online from the rollouts' hidden states (online="auto": when
   # drafter="eagle"; True also trains a drafter loaded from a directory). With several rollout
   # devices it trains on the ones the tail leaves idle (spot; spot_devices: 0 every idle one);

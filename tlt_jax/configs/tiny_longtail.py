@@ -36,5 +36,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.trainer.update(steps=16, prompts_per_step=16, max_new_tokens=352, eval_problems=64,
                    minibatches=1, update_tokens=1024)
   c.grpo.update(group_size=4)
-  c.rollout.update(max_batch=64, max_prompt_len=80)
+  c.rollout.max_prompt_len = 80
   return c

@@ -8,14 +8,14 @@ import dataclasses
 import pathlib
 
 import ml_collections
+from ml_collections import config_dict
 
 from tlt_jax.job.typed_config import ConfigError, check_keys, dataclass_section, section
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter, load_drafter
 from tlt_jax.drafter.online import DrafterTrainingConfig
-from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.engine_config import EngineConfig, resolve_engine_config
 from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.suffix import SuffixConfig
 from tlt_jax.rollout.tuner import TunerConfig
 from tlt_jax.utils import FieldError
@@ -80,103 +80,70 @@ def build_drafter(value, model_config: ModelConfig, seed: int = 0
                       f"(config.drafter takes {_DRAFTER_CHOICES})") from None
 
 
-_ENGINE_SCALARS = ("verify", "sd_max_batch", "verify_budget", "segment_steps")
-_STRATEGY_HINT = "a list of [depth, topk, verify_tokens] triples, e.g. ((4, 1, 5), (4, 2, 8))"
-
-
-def _strategies(value, field: str = "strategies") -> tuple[SpecConfig, ...]:
-  """``config.rollout.<field>`` (``strategies`` or ``suffix_strategies``) as SpecConfigs; errors
-  name the entry."""
-  name = f"config.rollout.{field}"
-  if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-    raise ConfigError(f"{name} must be {_STRATEGY_HINT}, got {value!r}")
-  if value and all(isinstance(v, int) for v in value):
-    raise ConfigError(f"{name} must be {_STRATEGY_HINT}, got the flat "
-                      f"{tuple(value)!r}; one strategy is written ({tuple(value)!r},)")
-  specs = []
-  for i, entry in enumerate(value):
-    where = f"{name}[{i}]"
-    if isinstance(entry, SpecConfig):
-      specs.append(entry)
-      continue
-    if isinstance(entry, (dict, ml_collections.ConfigDict)):
-      args, kwargs = (), dict(entry)
-    elif isinstance(entry, (list, tuple)) and len(entry) == 3:
-      args, kwargs = tuple(entry), {}
-    else:
-      raise ConfigError(f"{where} must be a [depth, topk, verify_tokens] triple, got {entry!r}")
-    try:
-      spec = SpecConfig(*args, **kwargs)
-    except (TypeError, ValueError) as e:
-      raise ConfigError(f"{where} = {entry!r}: {e}") from None
-    specs.append(spec)
-  if len(set(specs)) != len(specs):
-    raise ConfigError(f"{name} lists a strategy twice: {value!r}")
-  return tuple(specs)
-
-
-def _tuner(value) -> TunerConfig:
-  """``config.rollout.tuner`` (a section of TunerConfig fields) as a TunerConfig."""
-  if isinstance(value, TunerConfig):
-    return value
-  if not isinstance(value, (dict, ml_collections.ConfigDict)):
-    raise ConfigError(f"config.rollout.tuner must be a section of TunerConfig fields (kind, "
-                      f"epsilon, window, ...), got {value!r}")
-  fields = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else dict(value)
-  check_keys(fields, {f.name for f in dataclasses.fields(TunerConfig)}, "rollout.tuner")
-  try:
-    return TunerConfig(**fields)
-  except (TypeError, ValueError) as e:
-    raise _named(e, "rollout.tuner") from None
+# the config sections of the rollout's dataclasses: an error naming ``<Class>.<field>`` names
+# ``config.<section>.<field>`` in the job
+_SECTIONS = {"EngineConfig": "rollout", "TunerConfig": "rollout.tuner"}
 
 
 def _named(error: Exception, where: str) -> ConfigError:
   """``error`` of a dataclass built from ``config.<where>`` as a ``ConfigError``: a
-  ``FieldError`` names the field as ``config.<where>.<field>``; any other error is prefixed with
-  ``config.<where>``."""
+  ``FieldError`` names the field as ``config.<section>.<field>`` (its owner's section, else
+  ``where``'s), as does every ``EngineConfig.<field>`` or ``TunerConfig.<field>`` its message
+  mentions; any other error is prefixed with ``config.<where>``."""
   if isinstance(error, FieldError):
-    return ConfigError(f"config.{where}.{error.field} {error.problem}")
-  return ConfigError(f"config.{where}: {error}")
+    text = f"config.{_SECTIONS.get(error.owner, where)}.{error.field} {error.problem}"
+  else:
+    text = f"config.{where}: {error}"
+  for owner, section_ in _SECTIONS.items():
+    text = text.replace(f"{owner}.", f"config.{section_}.")
+  return ConfigError(text)
 
 
 def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
                         suffix: SuffixConfig | None = None, **extra) -> EngineConfig:
-  """``config.rollout`` as an ``EngineConfig`` (``extra``: fields set by the job); a bad value of
-  the adaptive engine's fields names ``config.rollout.<field>``. ``suffix``: the suffix drafter
-  drafts too (``config.rollout.suffix_strategies`` are its strategies and need it)."""
-  fields = dict(rollout.items())
-  if "strategies" in fields:
-    fields["strategies"] = _strategies(fields["strategies"])
-  suffix_strategies = _strategies(fields.pop("suffix_strategies", ()), "suffix_strategies")
-  if suffix_strategies and suffix is None:
-    raise ConfigError("config.rollout.suffix_strategies needs the suffix drafter: set "
-                      f"config.drafter to {_SUFFIX_CHOICES}, or leave suffix_strategies empty")
-  if suffix_strategies:  # (empty: one chain of config.suffix.depth, EngineConfig's default)
-    fields["suffix_strategies"] = suffix_strategies
-  if fields.get("tuner") is not None:
-    fields["tuner"] = _tuner(fields["tuner"])
-  engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-  check_keys(fields, engine_fields - set(extra), "rollout")
+  """``config.rollout`` as the resolved ``EngineConfig`` of the job's drafters
+  (``resolve_engine_config``; ``extra``: fields set by the job). The rules are the dataclasses'
+  (``EngineConfig``, ``TunerConfig``, the resolver's); here the section becomes their fields and
+  their errors name ``config.rollout.<field>``. ``suffix``: the suffix drafter drafts too."""
+  fields = rollout.to_dict() if isinstance(rollout, ml_collections.ConfigDict) else dict(rollout)
+  check_keys(fields, {f.name for f in dataclasses.fields(EngineConfig)} - set(extra), "rollout")
+  if isinstance(fields.get("tuner"), dict):
+    check_keys(fields["tuner"], {f.name for f in dataclasses.fields(TunerConfig)}, "rollout.tuner")
   values = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
-  try:  # built once; the engine's own checks of its fields, named as config fields
+  try:
     engine = EngineConfig(**values, **extra)
   except (TypeError, ValueError) as e:
-    if isinstance(e, FieldError) and e.field in _ENGINE_SCALARS:  # config.rollout.<field>
-      raise _named(e, "rollout") from None
-    raise ConfigError(f"config.rollout: {e}") from None
+    raise _named(e, "rollout") from None
   try:
-    engine.check_fixed_tuner(ngram=isinstance(drafter, NgramConfig))
-  except ValueError as e:
-    raise _named(e, "rollout.tuner") from None
-  if engine.strategies and drafter is None:
-    raise ConfigError("config.rollout.strategies needs a drafter: set config.drafter to 'ngram' "
-                      "or a saved drafter's directory, or leave strategies empty (vanilla)" +
-                      ("; the suffix drafter's strategies are config.rollout.suffix_strategies"
-                       if suffix is not None else ""))
-  if isinstance(drafter, NgramConfig) and any(not s.is_chain for s in engine.strategies):
-    raise ConfigError(f"config.rollout.strategies {engine.strategies} has tree strategies "
-                      "(topk > 1) but the n-gram drafter drafts chains: use topk=1 entries")
-  return engine
+    return resolve_engine_config(engine, drafter, suffix)
+  except ValueError as e:  # the strategies against the drafters config.drafter chose
+    hint = (f"; config.drafter picks the drafters: {_DRAFTER_CHOICES}, or {_SUFFIX_CHOICES}"
+            if isinstance(e, FieldError) and e.owner == "EngineConfig" else "")
+    raise ConfigError(str(_named(e, "rollout")) + hint) from None
+
+
+# the config.rollout fields of the job, in the order config files list them (the other
+# EngineConfig fields are the job's to set, or kept at their defaults)
+ROLLOUT_FIELDS = ("max_batch", "max_prompt_len", "strategies", "sd_max_batch", "verify_budget",
+                  "segment_steps", "verify", "suffix_strategies")
+
+
+def rollout_section(**values) -> ml_collections.ConfigDict:
+  """``config.rollout`` for config files: the job's ``EngineConfig`` fields at the dataclass's
+  defaults unless given in ``values``, and ``tuner`` with every ``TunerConfig`` field, so a
+  config file states only what it changes. ``segment_steps`` (default None: the engine decides)
+  is an int placeholder, which a command line can still set."""
+  unknown = sorted(set(values) - set(ROLLOUT_FIELDS) - {"tuner"})
+  if unknown:
+    raise TypeError(f"rollout_section: {unknown} are not config.rollout fields "
+                    f"({', '.join(ROLLOUT_FIELDS)}, tuner)")
+  defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+  fields = {name: values.get(name, defaults[name]) for name in ROLLOUT_FIELDS}
+  if fields["segment_steps"] is None:
+    fields["segment_steps"] = config_dict.placeholder(int)
+  section_ = ml_collections.ConfigDict(fields)
+  section_.tuner = values.get("tuner", dataclass_section(TunerConfig))
+  return section_
 
 
 def build_suffix(cfg: ml_collections.ConfigDict) -> SuffixConfig | None:

@@ -11,13 +11,15 @@ chooses the strategy of the next segment, and continues.
 
 Strategies: without a drafter every segment is vanilla. With a drafter and one ``spec`` every
 segment is speculative with that strategy. With ``strategies`` the engine is *adaptive*: vanilla
-plus those strategies are the arms of a tuner (``tuner.py``, BEG-MAB by default) per batch
-bucket, SD only where ``batch <= sd_max_batch``, and rows switch between vanilla and SD at
-segment boundaries.
+plus those strategies are the arms of a tuner (``tuner/``: the cost tuner unless
+``EngineConfig.tuner`` names another kind) per batch bucket, SD only where ``batch <=
+sd_max_batch``, and rows switch between vanilla and SD at segment boundaries.
 
-The engine is three rooms: ``steps.py`` (the pure jitted step functions), ``pool.py`` (the
-compiled executables, keyed by kind, buckets and strategy group) and ``scheduler.py`` (the host
-loop). This module holds the configuration, input checks and the public API.
+The engine is four rooms: ``engine_config.py`` (``EngineConfig``, its checks, and
+``resolve_engine_config``, which fills in what the drafters imply before the engine is built),
+``steps.py`` (the pure jitted step functions), ``pool.py`` (the compiled executables, keyed by
+kind, buckets and strategy group) and ``scheduler.py`` (the host loop). This module holds the
+input checks and the public API; it reads its resolved config and never rewrites it.
 """
 
 from __future__ import annotations
@@ -32,222 +34,21 @@ from flax import nnx
 
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
-from tlt_jax.rollout import buckets as bk
+from tlt_jax.rollout.engine_config import EngineConfig, resolve_engine_config
 from tlt_jax.rollout.interface import Rollout, check_prompts, collect_mask, is_integer, on_device
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
 from tlt_jax.rollout.scheduler import (ChunkResult, Request, Scheduler, Strategy,
                                       segment_lengths)
-from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.stats import (RolloutStats, last_seconds, mean_accept_len, saved_seconds,
                                   tail_seconds)
 from tlt_jax.rollout.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
-from tlt_jax.rollout.suffix import SuffixConfig, check_suffix_spec
-from tlt_jax.rollout.tuner import Tuner, TunerConfig, fixed_arm, make_tuner
-from tlt_jax.utils import FieldError, compile_count, require_positive_ints
+from tlt_jax.rollout.suffix import SuffixConfig
+from tlt_jax.rollout.tuner import Tuner, make_tuner
+from tlt_jax.utils import compile_count
 
 __all__ = ["DecodeState", "EngineConfig", "RolloutEngine", "RolloutResult"]
-
-VERIFY_MODES = ("rejection", "coupled")
-
-
-def _as_spec(value, where: str) -> SpecConfig:
-  """A ``SpecConfig`` from itself, a dict of its fields, or a (depth, topk, verify_tokens) triple."""
-  if isinstance(value, SpecConfig):
-    return value
-  if isinstance(value, dict) or hasattr(value, "to_dict"):
-    return SpecConfig(**dict(value))
-  if isinstance(value, (tuple, list)) and len(value) == 3:
-    return SpecConfig(*value)
-  raise ValueError(f"{where} must be a SpecConfig, a dict of its fields or a (depth, topk, "
-                   f"verify_tokens) triple, got {value!r}")
-
-
-def _spec_tuple(value, field: str) -> tuple[SpecConfig, ...]:
-  """``EngineConfig.<field>`` as a tuple of distinct ``SpecConfig`` (``FieldError`` otherwise)."""
-  if isinstance(value, (SpecConfig, str)) or not isinstance(value, (tuple, list)):
-    raise FieldError("EngineConfig", field, f"must be a tuple of SpecConfig, got {value!r}")
-  specs = tuple(_as_spec(s, f"EngineConfig.{field}[{i}]") for i, s in enumerate(value))
-  if len(set(specs)) != len(specs):
-    raise FieldError("EngineConfig", field, f"has duplicates: {specs}")
-  return specs
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """Static shapes and strategies of the rollout engine. Buckets default to powers of two up to
-  the maxima."""
-
-  max_batch: int = 8
-  max_prompt_len: int = 128
-  max_new_tokens: int = 256
-  batch_buckets: tuple[int, ...] | None = None
-  prefill_buckets: tuple[int, ...] | None = None
-  compaction: bool = True
-  max_stop_ids: int = 8
-  pad_token_id: int = 0
-  spec: SpecConfig | None = None  # one speculative strategy for every segment (needs a drafter)
-  # The adaptive engine: vanilla plus these strategies, chosen per segment by the tuner.
-  strategies: tuple[SpecConfig, ...] = ()
-  # The suffix drafter's strategies (``RolloutEngine(suffix=...)``), arms beside ``strategies``:
-  # chains, or trees of topk branches under the root sharing verify_tokens - 1 draft slots
-  # (``suffix.check_suffix_spec``). Empty with a suffix drafter: one chain of its depth.
-  suffix_strategies: tuple[SpecConfig, ...] = ()
-  # Buckets above this always decode vanilla. The paper uses 32 (GPUs); 8 is from measurement on
-  # CPU, where SD never beat vanilla above batch 8 (docs/benchmarks.md) and every SD arm offered
-  # at a big bucket costs exploration there.
-  sd_max_batch: int = 8
-  verify_budget: int = 0  # > 0: a strategy serves bucket b only if b * verify_tokens <= this
-  segment_steps: int | None = None  # most steps per segment (0: unbounded; None: 32 if adaptive)
-  tuner: TunerConfig | None = None  # None: TunerConfig() (BEG-MAB) when adaptive
-  # "rejection": lossless rejection sampling; "coupled": drafter-invariant Gumbel-max sampling
-  # (SD emits exactly vanilla sampling's tokens for a seed, at a slightly lower acceptance)
-  verify: str = "rejection"
-  # KV-cache length buckets below the capacity ``cache_len`` (which is always the last bucket):
-  # None = 128, 256, 512, ... (a power of two within 25% of the capacity is left out); () = a
-  # single cache of the full capacity (decode steps then pay for the capacity, not the lengths).
-  kv_buckets: tuple[int, ...] | None = None
-  # Speculative steps report draft vs verify time, read by host callbacks at the phase
-  # boundaries (one host round trip per phase: leave off when measuring throughput).
-  time_phases: bool = False
-
-  def __post_init__(self):
-    if self.spec is not None and not isinstance(self.spec, SpecConfig):
-      object.__setattr__(self, "spec", _as_spec(self.spec, "EngineConfig.spec"))
-    strategies = _spec_tuple(self.strategies, "strategies")
-    object.__setattr__(self, "strategies", strategies)
-    suffix = _spec_tuple(self.suffix_strategies, "suffix_strategies")
-    for i, spec in enumerate(suffix):
-      check_suffix_spec(spec, f"EngineConfig.suffix_strategies[{i}]")
-    object.__setattr__(self, "suffix_strategies", suffix)
-    if (strategies or suffix) and self.spec is not None:
-      raise ValueError("set either EngineConfig.spec (one fixed strategy) or "
-                       "EngineConfig.strategies / suffix_strategies (the adaptive engine), not both")
-    if self.verify not in VERIFY_MODES:
-      raise FieldError("EngineConfig", "verify",
-                       f"must be one of {VERIFY_MODES}, got {self.verify!r}")
-    tuner = TunerConfig() if self.tuner is None else self.tuner
-    if not isinstance(tuner, TunerConfig):
-      try:
-        tuner = TunerConfig(**dict(tuner))
-      except (TypeError, ValueError) as e:
-        raise FieldError("EngineConfig", "tuner", f"must be a TunerConfig or a dict of its fields: "
-                         f"{e}") from None
-    object.__setattr__(self, "tuner", tuner)
-    if self.segment_steps is None:
-      object.__setattr__(self, "segment_steps", 32 if strategies or suffix else 0)
-    for name in ("segment_steps", "verify_budget"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise FieldError("EngineConfig", name, f"must be an int >= 0 (0: no limit), got {value!r}")
-    require_positive_ints(self, "max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids",
-                          "sd_max_batch")
-    defaults = (("batch_buckets", self.max_batch, bk.powers_of_two_up_to(self.max_batch)),
-                ("prefill_buckets", self.max_prompt_len,
-                 bk.powers_of_two_up_to(self.max_prompt_len, start=min(16, self.max_prompt_len))))
-    for name, limit, default in defaults:
-      value = getattr(self, name)
-      value = default if value is None else tuple(int(v) for v in value)
-      if not value or list(value) != sorted(set(value)) or value[0] <= 0 or value[-1] != limit:
-        raise ValueError(
-            f"EngineConfig.{name} must be strictly increasing positive sizes ending at {limit}, "
-            f"got {value!r}")
-      object.__setattr__(self, name, value)
-    if self.kv_buckets is not None:
-      value = tuple(self.kv_buckets)
-      if (any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0 for v in value)
-          or list(value) != sorted(set(value))):
-        raise FieldError("EngineConfig", "kv_buckets", f"must be strictly increasing positive ints "
-                         f"(or None for the default ladder), got {self.kv_buckets!r}")
-      object.__setattr__(self, "kv_buckets", tuple(int(v) for v in value))
-
-  @property
-  def adaptive(self) -> bool:
-    """Whether strategies are chosen per segment (vanilla is then always one of them)."""
-    return bool(self.strategies or self.suffix_strategies)
-
-  @property
-  def draft_specs(self) -> tuple[SpecConfig, ...]:
-    """The strategies the learned (or n-gram) drafter drafts."""
-    return self.strategies or ((self.spec,) if self.spec is not None else ())
-
-  @property
-  def specs(self) -> tuple[SpecConfig, ...]:
-    """Every speculative strategy this engine may run (the suffix drafter's last)."""
-    return self.draft_specs + self.suffix_strategies
-
-  def options(self, batch: int, kind: str = "learned") -> list[tuple[str, SpecConfig | None]]:
-    """``(drafter kind, spec)`` of what may decode a ``batch`` bucket: vanilla (``("vanilla",
-    None)``) first, then the drafter's strategies (drafted by ``kind``), then the suffix
-    drafter's; the adaptive engine offers a strategy only where it ``serves`` the bucket."""
-    if not self.adaptive:
-      return [("vanilla", None)] if self.spec is None else [(kind, self.spec)]
-    return [("vanilla", None)] + [(k, s) for k, group in ((kind, self.strategies),
-                                                          ("suffix", self.suffix_strategies))
-                                  for s in group if self.serves(s, batch)]
-
-  def serves(self, spec: SpecConfig, batch: int) -> bool:
-    """Whether the adaptive engine may decode a ``batch`` bucket with ``spec``."""
-    return batch <= self.sd_max_batch and (
-        not self.verify_budget or batch * spec.verify_tokens <= self.verify_budget)
-
-  def check_fixed_tuner(self, ngram: bool = False) -> None:
-    """Raises ``ValueError`` when a ``kind="fixed"`` tuner leaves a bucket with a choice unmapped
-    or maps it to an arm not offered there (so the mistake shows before anything compiles)."""
-    if not self.adaptive or self.tuner.kind != "fixed":
-      return
-    for b in self.batch_buckets:
-      names = [strategy_name(s, k) for k, s in self.options(b, "ngram" if ngram else "learned")]
-      if len(names) > 1:
-        fixed_arm(self.tuner.fixed, b, names)
-
-  @property
-  def slack(self) -> int:
-    """Extra slots past the longest sequence that a speculative step may write into."""
-    return max((s.verify_tokens + s.depth * (s.topk + 1) + 2 for s in self.specs), default=0)
-
-  @property
-  def pending_width(self) -> int:
-    """Most tokens one step of any strategy can emit (the drafter's pending window)."""
-    return max((s.max_emit for s in self.specs), default=1)
-
-  @property
-  def cache_len(self) -> int:
-    """KV-cache slots per row: the longest prompt plus the longest completion (plus slack)."""
-    return self.max_prompt_len + self.max_new_tokens + self.slack
-
-  @property
-  def step_slots(self) -> int:
-    """Cache slots past a live row's committed length that one decode step may write."""
-    return self.slack if self.specs else 1
-
-  @property
-  def kv_lengths(self) -> tuple[int, ...]:
-    """The KV-cache length buckets, ending at the capacity ``cache_len``. The adaptive engine's
-    default ladder also holds vanilla's capacity (the longest prompt plus the longest completion,
-    without the speculative slack), so rows that vanilla decodes to the end never attend over
-    the slack."""
-    cap = self.cache_len
-    if self.kv_buckets is None:
-      below = bk.powers_of_two_up_to(cap, start=min(128, cap))[:-1]
-      if below and cap < 1.25 * below[-1]:  # e.g. 4096 next to a capacity of 4128: one is enough
-        below = below[:-1]
-      plain = self.max_prompt_len + self.max_new_tokens
-      if self.adaptive and plain < cap and plain not in below:
-        below = tuple(sorted(below + (plain,)))
-    else:
-      below = tuple(v for v in self.kv_buckets if v < cap)
-    return below + (cap,)
-
-  def prefill_kv_len(self, prompt_bucket: int) -> int:
-    """The cache length a chunk prefilled at ``prompt_bucket`` starts with."""
-    return bk.bucket_for(prompt_bucket + self.step_slots, self.kv_lengths)
-
-  def tokens_len(self, kv_len: int) -> int:
-    """Width of the generated-token buffers that go with a cache of ``kv_len`` slots (a row never
-    has more generated tokens than cache slots)."""
-    return min(kv_len, self.max_new_tokens + (self.pending_width if self.specs else 0))
 
 
 @dataclasses.dataclass
@@ -270,6 +71,8 @@ class RolloutEngine(Rollout):
   lossless speculative step: draft, verify in one target pass, accept per row. With
   ``config.strategies`` the strategy (vanilla included) is chosen per segment by ``tuner``
   (default: ``make_tuner(config.tuner)``; pass one to share or restore what it learned).
+  ``config`` is read as ``resolve_engine_config(config, drafter, suffix)`` makes it (itself when
+  it is resolved already); ``self.config`` is that.
 
   ``device``: where it decodes; the weights it is given (the model's included) are placed there
   (zero-copy where they already have a full copy there, e.g. a replicated array's shard). None:
@@ -281,43 +84,14 @@ class RolloutEngine(Rollout):
                device: jax.Device | None = None, suffix: SuffixConfig | None = None):
     if suffix is not None and not isinstance(suffix, SuffixConfig):
       raise TypeError(f"RolloutEngine(suffix=...) takes a SuffixConfig, got {suffix!r}")
-    if suffix is None and config.suffix_strategies:
-      raise FieldError("EngineConfig", "suffix_strategies", "is set but no suffix drafter was "
-                       "given; pass suffix=SuffixConfig(...) or leave it empty")
-    if suffix is not None and not config.suffix_strategies:
-      if config.spec is not None:
-        raise FieldError("EngineConfig", "spec", "is one fixed strategy, and a suffix drafter makes "
-                         "the engine adaptive; set EngineConfig.strategies instead")
-      config = dataclasses.replace(config, suffix_strategies=(suffix.chain(),))
+    config = resolve_engine_config(config, drafter, suffix)  # itself when already resolved
     self.suffix = suffix
     self.ngram = drafter if isinstance(drafter, NgramConfig) else None
-    if self.ngram is not None:
-      # model-free drafting: chains of tokens copied from the row's group
-      chain = SpecConfig(depth=self.ngram.depth, topk=1, verify_tokens=self.ngram.depth + 1)
-      if config.spec is not None and config.spec != chain:
-        raise FieldError("EngineConfig", "spec", f"{config.spec} does not fit the n-gram drafter; "
-                         f"leave it None (it becomes {chain})")
-      if any(not s.is_chain for s in config.strategies):
-        raise ValueError("the n-gram drafter drafts chains: every EngineConfig.strategies entry "
-                         "needs topk=1")
-      if not config.adaptive:
-        config = dataclasses.replace(config, spec=chain)
-      elif not config.strategies:  # the suffix drafter's strategies alone: add the n-gram chain
-        config = dataclasses.replace(config, strategies=(chain,))
+    if self.ngram is not None:  # model-free drafting: no drafter model
       drafter = None
-    elif drafter is not None and not config.draft_specs:
-      if config.adaptive:  # beside the suffix drafter's strategies
-        config = dataclasses.replace(config, strategies=(SpecConfig(),))
-      else:
-        config = dataclasses.replace(config, spec=SpecConfig())
-    if config.draft_specs and drafter is None and self.ngram is None:
-      field = "strategies" if config.adaptive else "spec"
-      raise FieldError("EngineConfig", field, "is set but no drafter was given; pass drafter=... "
-                       "or leave it unset for vanilla decoding")
     if drafter is not None and drafter.config.hidden_size != model.config.hidden_size:
       raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} does not match the "
                        f"target's {model.config.hidden_size}")
-    config.check_fixed_tuner(self.ngram is not None)
     self.config = config
     self.spec = config.spec
     self.model_config = model.config

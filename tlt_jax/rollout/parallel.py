@@ -23,7 +23,6 @@ engine's behaviour.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -34,12 +33,13 @@ from flax import nnx
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
+from tlt_jax.rollout.engine_config import resolve_engine_config
 from tlt_jax.rollout.interface import Rollout
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.suffix import SuffixConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.stats import DeviceStats, RolloutStats
-from tlt_jax.rollout.tuner import Tuner, make_tuner
+from tlt_jax.rollout.tuner import Tuner, TunerConfig, make_tuner
 from tlt_jax.utils import compile_count
 
 __all__ = ["DataParallelRollout", "LockedTuner", "shard_ranges"]
@@ -50,26 +50,44 @@ class RolloutCancelled(Exception):
 
 
 class LockedTuner:
-  """A tuner shared by the engines of several threads: every method runs under one lock.
+  """A tuner shared by the engines of several threads: every call runs under one lock.
 
+  Each method of the tuner that the engines, the rollout and the trainer call is forwarded here by
+  name, and each forward takes the lock; a method not listed is not reachable through it (add it
+  with ``_locked`` rather than reach past the lock). Reads take the lock as writes do:
   ``summary`` and ``speeds`` read what ``plan``/``update`` write (the cost tuner caches its
-  predictions per bucket), so reads take the lock too; a read beside another thread's write
-  once found a bucket's predictions half built."""
+  predictions per bucket), and a read beside another thread's write once found a bucket's
+  predictions half built. ``tuner`` may be replaced (``DataParallelRollout.set_tuner``)."""
 
   def __init__(self, tuner: Tuner):
     self.tuner = tuner
     self._lock = threading.RLock()
 
-  def __getattr__(self, name):  # choose, plan, update, summary, state_dict, ...; config as is
-    value = getattr(self.tuner, name)
-    if not callable(value):
-      return value
+  @property
+  def config(self) -> TunerConfig:
+    return self.tuner.config
 
-    @functools.wraps(value)
-    def locked(*args, **kwargs):
+  def _locked(name: str):  # pylint: disable=no-self-argument  # a class-body helper
+    """The method ``name`` of the wrapped tuner, called under the lock."""
+    def forward(self, *args, **kwargs):
       with self._lock:
-        return value(*args, **kwargs)
-    return locked
+        return getattr(self.tuner, name)(*args, **kwargs)
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"``Tuner.{name}`` under the lock."
+    return forward
+
+  plan = _locked("plan")
+  update = _locked("update")
+  set_costs = _locked("set_costs")
+  observe_drafter = _locked("observe_drafter")
+  step_cost = _locked("step_cost")
+  relative_cost = _locked("relative_cost")
+  summary = _locked("summary")
+  state_dict = _locked("state_dict")
+  load_state_dict = _locked("load_state_dict")
+  speeds = _locked("speeds")  # the cost tuner's
+  alpha = _locked("alpha")  # the cost tuner's
+  del _locked
 
 
 def shard_ranges(n: int, shards: int) -> list[range]:
@@ -100,8 +118,9 @@ class DataParallelRollout(Rollout):
       raise ValueError("DataParallelRollout needs at least one device")
     if len(set(self.devices)) != len(self.devices):
       raise ValueError(f"DataParallelRollout: devices repeat in {self.devices}")
+    config = resolve_engine_config(config, drafter, suffix)  # once for every engine
     shared = None
-    if config.strategies or config.suffix_strategies or suffix is not None:
+    if config.adaptive:
       shared = LockedTuner(tuner if tuner is not None else make_tuner(config.tuner))
     # each engine places the weights it is given on its own device
     self.engines = [RolloutEngine(model, drafter=drafter, config=config, tuner=shared,

@@ -93,15 +93,16 @@ class SuffixConfig:
     return SpecConfig(depth=self.depth, topk=1, verify_tokens=self.depth + 1)
 
 
-def check_suffix_spec(spec: SpecConfig, where: str) -> None:
+def check_suffix_spec(spec: SpecConfig) -> None:
   """A suffix strategy is a chain, or a tree of ``topk`` branches under the root whose longest
   branch has ``depth`` levels; its ``verify_tokens - 1`` draft slots are shared by the branches,
-  so ``depth <= verify_tokens - 1 <= topk * depth``."""
+  so ``depth <= verify_tokens - 1 <= topk * depth`` (a ``ValueError`` says so otherwise; the
+  caller names the field)."""
   if spec.is_chain:
     return
   if not spec.depth <= spec.verify_tokens - 1 <= spec.topk * spec.depth:
     raise ValueError(
-        f"{where} {spec}: a suffix tree has topk={spec.topk} branches of at most depth="
+        f"a suffix tree has topk={spec.topk} branches of at most depth="
         f"{spec.depth} levels sharing verify_tokens - 1 = {spec.verify_tokens - 1} draft slots; "
         f"it needs depth <= verify_tokens - 1 <= topk * depth, e.g. "
         f"({spec.depth}, {spec.topk}, {spec.depth + spec.topk})")
