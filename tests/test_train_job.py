@@ -209,7 +209,7 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
 @pytest.mark.parametrize("field, value, match", [
     ("sft.steps", -5, r"config.sft: SFTConfig.steps must be an int >= 0"),
     ("sft.learning_rate", -1.0, r"config.sft: SFTConfig.learning_rate must be > 0"),
-    ("sft.rows", 0, r"config.sft: SFTConfig.rows"),
+    ("sft.rows", 0, r"config.sft.rows must be a positive int, got 0"),
     ("mesh_devices", -1, r"config.mesh_devices must be an int >= 0"),
     ("drafter", "eagle3", (r"config.drafter must be 'none', 'ngram', 'eagle' .* or the directory"
                            r" of a drafter saved by .*save_drafter; 'eagle3' is not an existing "
@@ -217,6 +217,12 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
     ("rollout_devices", -1, r"config.rollout_devices must be an int >= 0"),
     ("drafter_training.rows", 0, r"config.drafter_training.rows must be a positive int"),
     ("drafter_training.online", "yes", r"config.drafter_training.online must be 'auto', True"),
+    ("drafter_training.savings_share", 1.5,
+     r"config.drafter_training.savings_share must be in \[0, 1\], got 1.5"),
+    ("drafter_training.serial_steps", -1,
+     r"config.drafter_training.serial_steps must be an int >= 0, got -1"),
+    ("drafter_training.serial_seconds", 2.0,
+     r"config.drafter_training.serial_seconds is a fixed budget: set serial_budget='fixed'"),
     ("drafter_training.online", True, r"drafter_training.online=True needs a learned drafter"),
     ("rollout.strategies", ((2, 1, 3),), r"config.rollout.strategies needs a drafter"),
     ("rollout.strategies", (2, 1, 3), (r"config.rollout.strategies must be a list of \[depth, "
@@ -238,10 +244,9 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
                                    r"prompts: a .*problem.* has \d+ tokens .*at least \d+")),
     ("trainer.learning_rate", float("inf"), r"learning_rate must be a finite number > 0"),
     # epoch mode, the history store and the suffix drafter
-    ("task.num_prompts", -1, (r"config.task.num_prompts: TrainerConfig.num_prompts must be an "
-                              r"int >= 0 \(0: fresh problems")),
-    ("task.num_prompts", 2, (r"config.task.num_prompts: TrainerConfig.num_prompts=2 is fewer than "
-                             r"prompts_per_step=4: every step would repeat a prompt")),
+    ("task.num_prompts", -1, r"config.task.num_prompts must be an int >= 0 \(0: fresh problems"),
+    ("task.num_prompts", 2, (r"config.task.num_prompts \(2\) is fewer than prompts_per_step "
+                             r"\(4\): every step would repeat a prompt")),
     ("history.max_bytes", 0, r"config.history.max_bytes must be a positive int, got 0"),
     ("history.per_prompt", 2.5, r"config.history.per_prompt must be a positive int, got 2.5"),
     ("suffix.depth", 0, r"config.suffix.depth must be a positive int, got 0"),
@@ -676,8 +681,8 @@ def test_help_lists_the_config_fields():
     (["--config.rollout.suffix_strategies=((2, 1, 3),)", "--config.history.per_prompt=4",
       "--config.suffix.depth=4"], "config.rollout.suffix_strategies needs the suffix drafter"),
     (["--config.task.num_prompts=2", "--config.trainer.prompts_per_step=3",
-      "--config.drafter=suffix"], "config.task.num_prompts: TrainerConfig.num_prompts=2 is "
-                                  "fewer than prompts_per_step=3"),
+      "--config.drafter=suffix"], "config.task.num_prompts (2) is fewer than "
+                                  "prompts_per_step (3)"),
 ])
 def test_mistakes_are_one_line_errors_without_traceback(tmp_path, args, message):
   done = cli(f"--config.logdir={tmp_path / 'run'}", *args)

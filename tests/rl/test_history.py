@@ -314,8 +314,8 @@ def test_epoch_mode_refuses_too_few_prompts():
     EpochSchedule(ArithmeticTask(), 0, 3, 4)
   with pytest.raises(ValueError, match=r"EpochSchedule.num_prompts must be a positive int"):
     EpochSchedule(ArithmeticTask(), 0, 0, 4)
-  with pytest.raises(ValueError, match=r"TrainerConfig.num_prompts=3 is fewer than "
-                                       r"prompts_per_step=4"):
+  with pytest.raises(ValueError, match=r"TrainerConfig.num_prompts \(3\) is fewer than "
+                                       r"prompts_per_step \(4\)"):
     TrainerConfig(num_prompts=3, prompts_per_step=4)
   with pytest.raises(ValueError, match=r"TrainerConfig.num_prompts must be an int >= 0"):
     TrainerConfig(num_prompts=-1)

@@ -122,10 +122,15 @@ def test_the_buffer_file_is_replaced_atomically(stepped, tmp_path, monkeypatch):
 
 
 def test_drafter_training_config_errors():
-  with pytest.raises(ValueError, match="drafter_training.rows"):
+  with pytest.raises(ValueError, match="DrafterTrainingConfig.rows"):
     DrafterTrainingConfig(rows=0)
-  with pytest.raises(ValueError, match=r"drafter_training.collect must be in \(0, 1\]"):
+  with pytest.raises(ValueError, match=r"DrafterTrainingConfig.collect must be in \(0, 1\]"):
     DrafterTrainingConfig(collect=0.0)
+  # the ledger's rules, named as this config's fields
+  with pytest.raises(ValueError, match=r"DrafterTrainingConfig.savings_share must be in \[0, 1\]"):
+    DrafterTrainingConfig(savings_share=1.5)
+  with pytest.raises(ValueError, match=r"DrafterTrainingConfig.serial_steps must be an int >= 0"):
+    DrafterTrainingConfig(serial_steps=-1)
   with pytest.raises(ValueError, match="learning_rate"):
     DrafterTrainingConfig(learning_rate=float("nan"))
 

@@ -17,8 +17,8 @@ def default_config():
 @pytest.mark.parametrize("field, value, match", [
     ("grpo.clip_eps_low", 2.0, r"config.grpo: GRPOConfig.clip_eps_low"),
     ("grpo.loss_agg", "mean", r"config.grpo: GRPOConfig.loss_agg"),
-    ("trainer.steps", 0, r"config.trainer: TrainerConfig.steps"),
-    ("trainer.temperature", 0.0, r"config.trainer: TrainerConfig.temperature"),
+    ("trainer.steps", 0, r"config.trainer.steps must be a positive int, got 0"),
+    ("trainer.temperature", 0.0, r"config.trainer.temperature must be > 0 for RL sampling"),
     ("model.num_kv_heads", 3, r"config.model: ModelConfig.num_heads"),
     ("task.max_digits", 0, r"config.task: ArithmeticTask.max_digits"),
     ("rollout.max_batch", -2, r"config.rollout.max_batch must be a positive int, got -2"),

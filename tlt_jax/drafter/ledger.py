@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tlt_jax.utils import FieldError
+
 
 @dataclasses.dataclass
 class Entry:
@@ -54,10 +56,10 @@ class DrafterLedger:
     for name, value in shares:
       if isinstance(value, bool) or not isinstance(value, (int, float)) or \
           not 0.0 <= value <= 1.0:
-        raise ValueError(f"drafter_training.{name} must be in [0, 1], got {value!r}")
+        raise FieldError("DrafterLedger", name, f"must be in [0, 1], got {value!r}")
     for name, value in (("bootstrap_steps", bootstrap_steps), ("max_steps", max_steps)):
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"drafter_training.{name} must be an int >= 0, got {value!r}")
+        raise FieldError("DrafterLedger", name, f"must be an int >= 0, got {value!r}")
     self.savings_share = float(savings_share)
     self.bootstrap_share = None if bootstrap_share is None else float(bootstrap_share)
     self.max_steps = max_steps

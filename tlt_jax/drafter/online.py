@@ -40,11 +40,15 @@ from tlt_jax.drafter.ledger import DrafterLedger
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.models.drafter import Drafter, save_drafter
 from tlt_jax.rollout.stats import RolloutStats
+from tlt_jax.utils import FieldError
 
 SERIAL_BUDGETS = ("ledger", "fixed")
 BUFFER_FILE = "drafter_buffer.npz"
 BUFFER_KEY = "drafter_buffer_sha256"  # checkpoint metadata: the buffer file's checksum
 STATE_KEY = "drafter_host_state"  # checkpoint metadata: the ledger and the evaluation flags
+
+
+_OWNER = "DrafterTrainingConfig"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,34 +79,36 @@ class DrafterTrainingConfig:
   def __post_init__(self):
     if isinstance(self.spot_devices, bool) or not isinstance(self.spot_devices, int) or \
         self.spot_devices < 0:
-      raise ValueError(f"drafter_training.spot_devices must be an int >= 0 (0: every idle "
-                       f"device), got {self.spot_devices!r}")
+      raise FieldError(_OWNER, "spot_devices", f"must be an int >= 0 (0: every idle device), got "
+                       f"{self.spot_devices!r}")
     for name in ("rows", "seq_len", "keep_steps"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"drafter_training.{name} must be a positive int, got {value!r}")
+        raise FieldError(_OWNER, name, f"must be a positive int, got {value!r}")
     if isinstance(self.serial_steps, bool) or not isinstance(self.serial_steps, int) or \
         self.serial_steps < 0:
-      raise ValueError(f"drafter_training.serial_steps must be an int >= 0, got "
-                       f"{self.serial_steps!r}")
+      raise FieldError(_OWNER, "serial_steps", f"must be an int >= 0, got {self.serial_steps!r}")
     for name, low in (("learning_rate", 0.0), ("buffer_mb", 0.0)):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
           value) or value <= low:
-        raise ValueError(f"drafter_training.{name} must be a positive number, got {value!r}")
+        raise FieldError(_OWNER, name, f"must be a positive number, got {value!r}")
     if not isinstance(self.collect, (int, float)) or not 0.0 < self.collect <= 1.0:
-      raise ValueError(f"drafter_training.collect must be in (0, 1], got {self.collect!r}")
+      raise FieldError(_OWNER, "collect", f"must be in (0, 1], got {self.collect!r}")
     if not isinstance(self.serial_seconds, (int, float)) or self.serial_seconds < 0:
-      raise ValueError(f"drafter_training.serial_seconds must be >= 0, got "
-                       f"{self.serial_seconds!r}")
+      raise FieldError(_OWNER, "serial_seconds", f"must be >= 0, got {self.serial_seconds!r}")
     if self.serial_budget not in SERIAL_BUDGETS:
-      raise ValueError(f"drafter_training.serial_budget must be one of {SERIAL_BUDGETS}, got "
+      raise FieldError(_OWNER, "serial_budget", f"must be one of {SERIAL_BUDGETS}, got "
                        f"{self.serial_budget!r}")
     if self.serial_budget == "ledger" and self.serial_seconds:
-      raise ValueError("drafter_training.serial_seconds is a fixed budget: set "
-                       "drafter_training.serial_budget='fixed' with it, or leave it 0")
-    DrafterLedger(self.savings_share, self.bootstrap_steps, self.serial_steps,
-                  self.bootstrap_share)  # checks them
+      raise FieldError(_OWNER, "serial_seconds", "is a fixed budget: set serial_budget='fixed' "
+                       "with it, or leave it 0")
+    try:
+      DrafterLedger(self.savings_share, self.bootstrap_steps, self.serial_steps,
+                    self.bootstrap_share)  # its rules: the ledger's, named as these fields
+    except FieldError as e:
+      raise FieldError(_OWNER, {"max_steps": "serial_steps"}.get(e.field, e.field),
+                       e.problem) from None
 
 
 class OnlineDrafter:

@@ -17,7 +17,8 @@ import numpy as np
 
 from tlt_jax.job.rollout_config import EAGLE_STRATEGIES, build_drafter, build_drafter_training, \
     build_engine_config, build_suffix, check_drafter, split_drafter
-from tlt_jax.job.typed_config import ConfigError, check_keys, flatten, section, to_dataclass
+from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, flatten, section, \
+    to_dataclass
 from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.load import load_tokenizer, pretrained_config
@@ -33,7 +34,6 @@ from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prom
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.suffix import SuffixConfig
-from tlt_jax.utils import FieldError
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.py"
 TOP_LEVEL = {"seed", "logdir", "distributed", "distributed_timeout_s", "fsdp", "resume", "checkpoint_every", "drafter",
@@ -136,10 +136,8 @@ def build_history(cfg: ml_collections.ConfigDict) -> HistoryConfig:
   check_keys(fields, {f.name for f in dataclasses.fields(HistoryConfig)}, "history")
   try:
     return HistoryConfig(**fields)
-  except FieldError as e:
-    raise ConfigError(f"config.history.{e.field} {e.problem}") from None
   except (TypeError, ValueError) as e:
-    raise ConfigError(f"config.history: {e}") from None
+    raise config_error(e, "history") from None
 
 
 def _pretrained_parts(model_cfg: ml_collections.ConfigDict) -> tuple[pathlib.Path, ModelConfig,

@@ -10,7 +10,8 @@ import pathlib
 import ml_collections
 from ml_collections import config_dict
 
-from tlt_jax.job.typed_config import ConfigError, check_keys, dataclass_section, section
+from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, dataclass_section, \
+    section
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter, load_drafter
 from tlt_jax.drafter.online import DrafterTrainingConfig
@@ -86,17 +87,9 @@ _SECTIONS = {"EngineConfig": "rollout", "TunerConfig": "rollout.tuner"}
 
 
 def _named(error: Exception, where: str) -> ConfigError:
-  """``error`` of a dataclass built from ``config.<where>`` as a ``ConfigError``: a
-  ``FieldError`` names the field as ``config.<section>.<field>`` (its owner's section, else
-  ``where``'s), as does every ``EngineConfig.<field>`` or ``TunerConfig.<field>`` its message
-  mentions; any other error is prefixed with ``config.<where>``."""
-  if isinstance(error, FieldError):
-    text = f"config.{_SECTIONS.get(error.owner, where)}.{error.field} {error.problem}"
-  else:
-    text = f"config.{where}: {error}"
-  for owner, section_ in _SECTIONS.items():
-    text = text.replace(f"{owner}.", f"config.{section_}.")
-  return ConfigError(text)
+  """``error`` of a dataclass built from ``config.<where>`` (``config_error``, with the engine's
+  and the tuner's sections)."""
+  return config_error(error, where, _SECTIONS)
 
 
 def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
@@ -198,10 +191,8 @@ def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
                       f"{save_every!r}")
   try:  # checked even when unused, so a mistake shows before it matters
     training = DrafterTrainingConfig(**fields)
-  except TypeError as e:
-    raise ConfigError(f"config.drafter_training: {e}") from None
-  except ValueError as e:
-    raise ConfigError(f"config.{e}") from None
+  except (TypeError, ValueError) as e:
+    raise config_error(e, "drafter_training") from None
   online = split_drafter(cfg.drafter)[0] == "eagle" if online == "auto" else online
   if not online:
     return None, 0

@@ -15,7 +15,7 @@ from typing import Any, Iterable, TypeVar
 
 import ml_collections
 
-from tlt_jax.utils import read_json_object
+from tlt_jax.utils import FieldError, read_json_object
 
 T = TypeVar("T")
 
@@ -43,14 +43,34 @@ def section(cfg: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigD
   return value
 
 
+def config_error(error: Exception, where: str, sections: dict[str, str] | None = None,
+                 sources: dict[str, str] | None = None) -> ConfigError:
+  """The one place where the job's config path goes in front of a library error: ``error``,
+  raised while building a dataclass from ``config.<where>``, as a :class:`ConfigError`.
+
+  A :class:`FieldError` (``Owner.field problem``) becomes ``config.<section>.<field> problem``,
+  where the section is ``sections[Owner]`` (a nested dataclass's own section, e.g.
+  ``{"TunerConfig": "rollout.tuner"}``) or ``where``; a field the job fills from elsewhere
+  in the config is named by its ``sources`` path instead (``{"num_prompts":
+  "task.num_prompts"}``). Any other error reads ``config.<where>: <message>``. Either way each
+  ``Owner.`` of ``sections`` the message mentions is spelled as its section."""
+  sections, sources = sections or {}, sources or {}
+  if isinstance(error, FieldError):
+    path = sources.get(error.field) or f"{sections.get(error.owner, where)}.{error.field}"
+    text = f"config.{path} {error.problem}"
+  else:
+    text = f"config.{where}: {error}"
+  for owner, section_ in sections.items():
+    text = text.replace(f"{owner}.", f"config.{section_}.")
+  return ConfigError(text)
+
+
 def to_dataclass(cls: type[T], section_: ml_collections.ConfigDict, where: str,
                  ignore: Iterable[str] = (), sources: dict[str, str] | None = None,
                  **extra) -> T:
   """Builds ``cls`` from ``section_``; unknown keys (except ``ignore``) and bad values raise
-  :class:`ConfigError` naming the field as ``config.<where>``: the one place where the job's
-  path goes in front of the dataclass's own message (which names ``Cls.field``). ``extra``
-  fields come from elsewhere in the config: ``sources`` names where (``{"num_prompts":
-  "task.num_prompts"}``), so an error about one of them points there instead."""
+  :class:`ConfigError` naming the field (``config_error``; ``sources``: where the ``extra``
+  fields, filled by the job, come from in the config)."""
   fields = {f.name for f in dataclasses.fields(cls)}
   check_keys(section_, (fields - set(extra)) | set(ignore), where)
   values = {k: v for k, v in section_.items() if k in fields}
@@ -61,10 +81,7 @@ def to_dataclass(cls: type[T], section_: ml_collections.ConfigDict, where: str,
   try:
     return cls(**values)
   except (TypeError, ValueError) as e:
-    for field, path in (sources or {}).items():
-      if f"{cls.__name__}.{field}" in str(e):
-        where = path
-    raise ConfigError(f"config.{where}: {e}") from None
+    raise config_error(e, where, sources=sources) from None
 
 
 def dataclass_section(cls: type, omit: Iterable[str] = (), **values) -> ml_collections.ConfigDict:

@@ -44,7 +44,7 @@ from tlt_jax.rollout.processes import ProcessShardedRollout
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.stats import rollout_metrics
 from tlt_jax.rollout.suffix import SuffixConfig
-from tlt_jax.utils import require_positive_ints
+from tlt_jax.utils import FieldError, require_positive_ints
 
 TUNER_KEY = "tuner"  # checkpoint metadata: the adaptive rollout tuner's state_dict()
 HISTORY_KEY = "history"  # checkpoint metadata: the HistoryStore's state_dict()
@@ -108,41 +108,35 @@ class TrainerConfig:
   def __post_init__(self):
     require_positive_ints(self, "steps", "prompts_per_step", "minibatches", "epochs",
                           "max_new_tokens", "eval_problems")
+    bad = lambda field, problem: FieldError("TrainerConfig", field, problem)
     if not isinstance(self.control, bool):
-      raise ValueError(f"TrainerConfig.control must be True or False, got {self.control!r}")
+      raise bad("control", f"must be True or False, got {self.control!r}")
     every = self.eval_every
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-      raise ValueError(f"TrainerConfig.eval_every must be an int >= 0 (steps between held-out "
-                       f"evaluations; 0: at the start and the end only), got {every!r}")
+      raise bad("eval_every", f"must be an int >= 0 (steps between held-out evaluations; 0: at "
+                f"the start and the end only), got {every!r}")
     if not (isinstance(self.learning_rate, (int, float)) and 0 < self.learning_rate < math.inf):
-      raise ValueError(f"TrainerConfig.learning_rate must be a finite number > 0, got "
-                       f"{self.learning_rate!r}")
+      raise bad("learning_rate", f"must be a finite number > 0, got {self.learning_rate!r}")
     if not self.temperature > 0:
-      raise ValueError(f"TrainerConfig.temperature must be > 0 for RL sampling, got "
-                       f"{self.temperature!r}")
+      raise bad("temperature", f"must be > 0 for RL sampling, got {self.temperature!r}")
     if self.warmup_steps < 0:
-      raise ValueError(f"TrainerConfig.warmup_steps must be >= 0, got {self.warmup_steps!r}")
+      raise bad("warmup_steps", f"must be >= 0, got {self.warmup_steps!r}")
     n = self.num_prompts
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-      raise ValueError(f"TrainerConfig.num_prompts must be an int >= 0 (0: fresh problems every "
-                       f"step), got {n!r}")
+      raise bad("num_prompts", f"must be an int >= 0 (0: fresh problems every step), got {n!r}")
     if 0 < n < self.prompts_per_step:
-      raise ValueError(f"TrainerConfig.num_prompts={n} is fewer than prompts_per_step="
-                       f"{self.prompts_per_step}: every step would repeat a prompt; use at "
-                       f"least {self.prompts_per_step} (or 0: fresh problems every step)")
+      raise bad("num_prompts", f"({n}) is fewer than prompts_per_step ({self.prompts_per_step}): "
+                f"every step would repeat a prompt; use at least {self.prompts_per_step} (or 0: "
+                "fresh problems every step)")
     if self.old_logprobs not in ("policy", "rollout"):
-      raise ValueError(f"TrainerConfig.old_logprobs must be 'policy' or 'rollout', got "
-                       f"{self.old_logprobs!r}")
+      raise bad("old_logprobs", f"must be 'policy' or 'rollout', got {self.old_logprobs!r}")
     if self.on_nonfinite not in ("stop", "skip"):
-      raise ValueError(f"TrainerConfig.on_nonfinite must be 'stop' or 'skip', got "
-                       f"{self.on_nonfinite!r}")
+      raise bad("on_nonfinite", f"must be 'stop' or 'skip', got {self.on_nonfinite!r}")
     budget = self.update_tokens
     if (not isinstance(budget, int) or isinstance(budget, bool)
         or not (budget == 0 or budget >= UPDATE_BUCKET_MIN)):
-      raise ValueError(f"TrainerConfig.update_tokens must be an int >= {UPDATE_BUCKET_MIN} "
-                       f"(tokens per update micro-batch) or 0 (full-length updates), got "
-                       f"{budget!r}")
-
+      raise bad("update_tokens", f"must be an int >= {UPDATE_BUCKET_MIN} (tokens per update "
+                f"micro-batch) or 0 (full-length updates), got {budget!r}")
 
 def check_update_layout(config: TrainerConfig, grpo_config: grpo.GRPOConfig, devices: int) -> None:
   """Raises ``ValueError`` unless a step's rows split into equal minibatches over ``devices``."""
