@@ -16,6 +16,7 @@ from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter, load_drafter
 from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.rollout.engine_config import EngineConfig, resolve_engine_config
+from tlt_jax.rollout.kinds import DrafterKind
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.suffix import SuffixConfig
 from tlt_jax.rollout.tuner import TunerConfig
@@ -24,7 +25,7 @@ from tlt_jax.utils import FieldError
 
 _DRAFTER_CHOICES = ("'none', 'ngram', 'eagle' (a drafter trained online from scratch) or the "
                    "directory of a drafter saved by tlt_jax.models.drafter.save_drafter")
-SUFFIX = "suffix"  # config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
+SUFFIX = DrafterKind.SUFFIX  # config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
 _SUFFIX_CHOICES = ("'suffix' (the suffix drafter, which drafts from the rollout's own history, "
                    "alone) or '<eagle or a drafter directory>+suffix' (both in one engine)")
 
@@ -45,14 +46,14 @@ def check_drafter(value) -> None:
   if value == SUFFIX:
     return
   base, suffix = split_drafter(value)
-  if suffix and base in ("none", "ngram", ""):
+  if suffix and base in ("none", DrafterKind.NGRAM, ""):
     why = {"none": "the suffix drafter alone is 'suffix'",
            "ngram": "the suffix drafter already drafts from the group's sibling responses, as the "
                     "n-gram drafter does: use 'suffix'",
            "": "a learned drafter goes before '+suffix'"}[base]
     raise ConfigError(f"config.drafter={value!r}: {why} (config.drafter takes {_DRAFTER_CHOICES}; "
                       f"or {_SUFFIX_CHOICES})")
-  if base in ("none", "ngram", "eagle"):
+  if base in ("none", DrafterKind.NGRAM, "eagle"):
     return
   if not isinstance(base, str) or not base:
     raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}, or {_SUFFIX_CHOICES}; got "
@@ -70,7 +71,7 @@ def build_drafter(value, model_config: ModelConfig, seed: int = 0
   value = split_drafter(value)[0]
   if value == "none":
     return None
-  if value == "ngram":
+  if value == DrafterKind.NGRAM:
     return NgramConfig()
   if value == "eagle":
     return Drafter.create(model_config, seed=seed)

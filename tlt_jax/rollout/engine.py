@@ -35,6 +35,7 @@ from flax import nnx
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.engine_config import EngineConfig, resolve_engine_config
+from tlt_jax.rollout.kinds import DrafterKind
 from tlt_jax.rollout.interface import Rollout, check_prompts, collect_mask, is_integer, on_device
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.pool import ExecutablePool
@@ -98,7 +99,7 @@ class RolloutEngine(Rollout):
     self.graphdef, self.params = nnx.split(model)
     self.drafter_graphdef, self.drafter_params = (nnx.split(drafter) if drafter is not None
                                                   else (None, None))
-    kind = "ngram" if self.ngram is not None else "learned"
+    kind = DrafterKind.NGRAM if self.ngram is not None else DrafterKind.LEARNED
     self.groups = make_groups(config.draft_specs, kind, config.suffix_strategies)
     self._strategies: dict[int, list[Strategy]] = {}
     for b in config.batch_buckets:
@@ -297,7 +298,7 @@ class RolloutEngine(Rollout):
     forgets it and probes the suffix arms again."""
     share = sum(1 for h in history if h) / max(len(history), 1)
     if self.tuner is not None and abs(share - self._history_share) > 0.25:
-      self.tuner.observe_drafter(source="suffix", forget=True)
+      self.tuner.observe_drafter(source=DrafterKind.SUFFIX, forget=True)
     self._history_share = share
 
   def collect_mask(self, collect_hidden, n: int, seed: int) -> np.ndarray | None:

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from tlt_jax.rollout import buckets as bk
+from tlt_jax.rollout.kinds import DrafterKind
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.steps import strategy_name
@@ -178,14 +179,16 @@ class EngineConfig:
     """Every speculative strategy this engine may run (the suffix drafter's last)."""
     return self.draft_specs + self.suffix_strategies
 
-  def options(self, batch: int, kind: str = "learned") -> list[tuple[str, SpecConfig | None]]:
+  def options(self, batch: int, kind: DrafterKind = DrafterKind.LEARNED
+              ) -> list[tuple[str, SpecConfig | None]]:
     """``(drafter kind, spec)`` of what may decode a ``batch`` bucket: vanilla (``("vanilla",
     None)``) first, then the drafter's strategies (drafted by ``kind``), then the suffix
     drafter's; the adaptive engine offers a strategy only where it ``serves`` the bucket."""
     if not self.adaptive:
       return [("vanilla", None)] if self.spec is None else [(kind, self.spec)]
     return [("vanilla", None)] + [(k, s) for k, group in ((kind, self.strategies),
-                                                          ("suffix", self.suffix_strategies))
+                                                          (DrafterKind.SUFFIX,
+                                                           self.suffix_strategies))
                                   for s in group if self.serves(s, batch)]
 
   def serves(self, spec: SpecConfig, batch: int) -> bool:
@@ -199,7 +202,8 @@ class EngineConfig:
     if not self.adaptive or self.tuner.kind != "fixed":
       return
     for b in self.batch_buckets:
-      names = [strategy_name(s, k) for k, s in self.options(b, "ngram" if ngram else "learned")]
+      kind = DrafterKind.NGRAM if ngram else DrafterKind.LEARNED
+      names = [strategy_name(s, k) for k, s in self.options(b, kind)]
       if len(names) > 1:
         fixed_arm(self.tuner.fixed, b, names)
 

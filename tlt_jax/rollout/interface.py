@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tlt_jax.rollout.kinds import DrafterKind
 from tlt_jax.rollout.sampling import SamplingParams
 
 
@@ -84,10 +85,12 @@ class Rollout(abc.ABC):
   def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
     """Compiles every executable now; returns how many were compiled."""
 
-  def observe_drafter(self, quality: float | None = None, source: str = "learned") -> None:
-    """The drafter of ``source`` changed ("learned": its weights; "suffix": the history it drafts
-    from); ``quality``: the held-out top-1 of what drafted until now (None: unknown). The tuner
-    re-judges the speculative arms of that drafter alone (``Tuner.observe_drafter``)."""
+  def observe_drafter(self, quality: float | None = None,
+                      source: str = DrafterKind.LEARNED) -> None:
+    """The drafter of ``source`` (a ``DrafterKind``) changed (``LEARNED``: its weights;
+    ``SUFFIX``: the history it drafts from); ``quality``: the held-out top-1 of what drafted
+    until now (None: unknown). The tuner re-judges the speculative arms of that drafter alone
+    (``Tuner.observe_drafter``)."""
     if self.tuner is not None:
       self.tuner.observe_drafter(quality, source=source)
 
