@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tlt_jax.rollout.tuner.base import Tuner, _BucketStats
+from tlt_jax.rollout.tuner.base import Decision, Tuner, _BucketStats
 from tlt_jax.rollout.tuner.config import TunerConfig, fixed_arm
 
 
@@ -49,10 +49,10 @@ class Bandit(Tuner):
     super().__init__(config)
     self._rng = np.random.default_rng(config.seed)
 
-  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> str:
+  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> Decision:
     """Chooses among ``names`` (>= 2 arms): unpulled arms first, in order, then ``_pick``."""
     unpulled = [n for n in names if stats.arms[n].pulls == 0]
-    return unpulled[0] if unpulled else self._pick(stats, names)
+    return Decision(unpulled[0] if unpulled else self._pick(stats, names))
 
   def _pick(self, stats: _BucketStats, names: list[str]) -> str:
     """Chooses among ``names`` (>= 2 arms, every one pulled at least once)."""
@@ -120,7 +120,7 @@ class Ucb1(Bandit):
 class FixedMapping(Bandit):
   """A fixed bucket -> arm mapping from ``TunerConfig.fixed``; rewards are only recorded."""
 
-  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> str:
+  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> Decision:
     """The arm mapped to ``bucket``; raises if the bucket is unmapped or that arm not offered."""
-    return fixed_arm(self.config.fixed, bucket, names)
+    return Decision(fixed_arm(self.config.fixed, bucket, names))
 

@@ -137,20 +137,18 @@ class Tuner:
     self.config = config
     self._buckets: dict[int, _BucketStats] = {}
     self._meta: dict[str, Arm] = {}  # every arm offered so far, by name
-    self._segment: tuple[int | None, bool] = (None, False)
     self._costs: dict[tuple[int, str], float] = {}  # calibrated seconds per step
     self._overhead = 0.0  # calibrated seconds of one segment boundary
 
   def plan(self, bucket: int, arms: Sequence[Arm]) -> Decision:
     """The arm (one of ``arms``) that should decode the next segment, and how long it may run."""
     bucket, names, stats = self._register(bucket, arms)
-    self._segment = (None, False)  # (max_steps, probe): what a kind's _decide may set
     if len(names) == 1:  # nothing to choose or to learn: run to the bucket's boundary
-      choice, self._segment = names[0], (0, False)
+      decision = Decision(names[0], max_steps=0)
     else:
-      choice = self._decide(bucket, stats, names)
+      decision = self._decide(bucket, stats, names)
     stats.decisions += 1
-    return Decision(choice, *self._segment)
+    return decision
 
   def set_costs(self, step_seconds: dict, overhead_s: float = 0.0) -> None:
     """Measured seconds per decode step of each ``(bucket, arm name)`` and of one segment
@@ -229,8 +227,8 @@ class Tuner:
       self._meta[arm.name] = arm
     return bucket, names, stats
 
-  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> str:
-    """Chooses among ``names`` (>= 2 arms offered at ``bucket``); may set ``self._segment``."""
+  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> Decision:
+    """Chooses among ``names`` (>= 2 arms offered at ``bucket``), and how long its segment runs."""
     raise NotImplementedError
 
   def update(self, bucket: int, arm: str, tokens: int, seconds: float, *,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import statistics
 
-from tlt_jax.rollout.tuner.base import LONG_SEGMENT, Tuner, _BucketStats, _check_bucket, \
+from tlt_jax.rollout.tuner.base import LONG_SEGMENT, Decision, Tuner, _BucketStats, _check_bucket, \
     _check_drafter
 from tlt_jax.rollout.tuner.config import TunerConfig
 
@@ -211,19 +211,19 @@ class CostModel(Tuner):
     return out
 
   # ---- the choice ----------------------------------------------------------------------------
-  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> str:
+  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> Decision:
     speeds = {n: v for n, v in self.speeds(bucket).items() if n in names}
     known = [n for n in names if speeds[n]["speed"] is not None]
     if not known:  # no vanilla offered: its first arm, until the others compare to it
-      return names[0]
+      return Decision(names[0])
     greedy = max(known, key=lambda n: speeds[n]["speed"])  # ties: the arm offered first
     best = speeds[greedy]["speed"]
     probes = [n for n in names if n != greedy and self._meta[n].speculative
               and not self._fresh(n) and speeds[n]["optimistic"] is not None
               and speeds[n]["optimistic"] > best]
     if probes:
-      self._segment = (self.config.probe_steps, True)
-      return max(probes, key=lambda n: speeds[n]["optimistic"])
+      return Decision(max(probes, key=lambda n: speeds[n]["optimistic"]),
+                      self.config.probe_steps, probe=True)
     # an arm predicted within reach whose cost here only the calibration knows: one segment long
     # enough to measure it (the calibration times dummy rows at the shortest cache length)
     judged = {n: v["speed"] if v["speed"] is not None else v["optimistic"]
@@ -233,11 +233,10 @@ class CostModel(Tuner):
                   and stats.arms[n].step_cost(True) is None]
     if unmeasured:  # (its acceptance first, in a short probe, if the drafter is new to it)
       choice = max(unmeasured, key=lambda n: judged[n])
-      self._segment = (LONG_SEGMENT if self._fresh(choice) else self.config.probe_steps, True)
-      return choice
+      return Decision(choice, LONG_SEGMENT if self._fresh(choice) else self.config.probe_steps,
+                      probe=True)
     settled = not self._meta[greedy].speculative and not close
-    self._segment = (0 if settled else None, False)
-    return greedy
+    return Decision(greedy, 0 if settled else None)  # settled: to the bucket's boundary
 
   def _summary_best(self, bucket: int, stats: _BucketStats) -> str | None:
     speeds = self.speeds(bucket)
