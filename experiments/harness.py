@@ -12,7 +12,7 @@ The ``tlt_jax`` names the scripts share are imported here, once, and the scripts
 this module: when a name moves in the package, this is the one place to change. What the module
 holds, from the bottom up:
 
-* arguments: comma lists (``ints``, ``floats``), the parser every script starts from and the
+* arguments: comma lists (``ints``, ``floats``, ``positive_ints``), the parser every script starts from and the
   one ``--set KEY=VALUE`` of config overrides (``assignment``, ``add_set_flag``,
   ``apply_overrides``);
 * models and prompts: the random Qwen2-style model of the synthetic benchmarks, the trained bench
@@ -27,7 +27,8 @@ holds, from the bottom up:
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
 * offline drafter training: ``step_printer`` (the log lines of
   ``tlt_jax.drafter.warmup.train_drafter_on_batch``);
-* reports: ``write_json`` (indented JSON, its folder made) and the package's ``write_report``.
+* reports: ``package_version``, ``write_json`` (indented JSON, its folder made) and the
+  package's ``write_report``.
 
 Imports stay within the package's runtime dependencies (no ``ml_collections``, torch or gguf at
 import time): system/accelerator_check.py, which runs on a bare accelerator image, uses this
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.metadata
 import json
 import pathlib
 import statistics
@@ -85,6 +87,14 @@ def ints(text: str) -> list[int]:
 
 def floats(text: str) -> list[float]:
   return [float(x) for x in text.split(",") if x]
+
+
+def positive_ints(text: str) -> list[int]:
+  """A comma list of ints >= 1 (an argparse ``type``: anything else is an argparse error)."""
+  values = [int(x) for x in text.split(",") if x.strip()]
+  if not values or any(v < 1 for v in values):
+    raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+  return values
 
 
 def spec_list(text: str) -> tuple[SpecConfig, ...]:
@@ -492,6 +502,14 @@ def step_printer(label: str = "") -> Callable[[dict], None]:
 
 
 # ----------------------------------------------------------------------------------- reports
+
+
+def package_version(name: str) -> str | None:
+  """The installed version of the distribution ``name``, None where it is not installed."""
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return None
 
 
 def write_json(path, report: Any) -> pathlib.Path:
