@@ -23,7 +23,7 @@ holds, from the bottom up:
   ``interleaved`` (repeats of several contenders in turn, so that load from other processes
   falls on all of them), ``ratios`` / ``median_ratio`` (per-repeat ratios, then their median:
   how every speedup here is reported);
-* the speculative-decoding tables of bench_sd.py and bench_sd_smollm2.py (``measure``,
+* the speculative-decoding tables of sd/bench_sd.py and its --smollm2 mode (``measure``,
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
 * offline drafter training: ``step_printer`` (the log lines of
   ``tlt_jax.drafter.warmup.train_drafter_on_batch``);
