@@ -14,7 +14,7 @@ holds, from the bottom up:
 
 * arguments: comma lists (``ints``, ``floats``, ``positive_ints``), the parser every script starts from and the
   one ``--set KEY=VALUE`` of config overrides (``assignment``, ``add_set_flag``,
-  ``apply_overrides``);
+  ``apply_overrides``), the defaults of a script's two modes (``mode_defaults``);
 * models and prompts: the random Qwen2-style model of the synthetic benchmarks, the trained bench
   target with its drafter, its long addition prompts and the long-tail sweep of 1 to 12 digits,
   SmolLM2's chat prompts;
@@ -155,6 +155,16 @@ def apply_overrides(cfg, overrides, source: Any = "the config"):
     except (KeyError, AttributeError) as e:
       raise SystemExit(f"no config field {key!r} ({e}); see {source}") from None
   return cfg
+
+
+def mode_defaults(args: argparse.Namespace, defaults: dict, a_mode: str) -> argparse.Namespace:
+  """``args`` with each flag of ``defaults`` left unset (None) set to its default for the mode:
+  ``defaults[name]`` is a pair (without, with the boolean flag ``a_mode``), e.g. the bench
+  target's and SmolLM2's (``--smollm2``)."""
+  for name, pair in defaults.items():
+    if getattr(args, name) is None:
+      setattr(args, name, pair[bool(getattr(args, a_mode))])
+  return args
 
 
 def parser(doc: str, **kwargs) -> argparse.ArgumentParser:

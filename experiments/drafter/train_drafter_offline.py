@@ -160,11 +160,7 @@ def parse_args():
   parser.add_argument("--log-every", type=int, default=None,
                       help=f"default {DEFAULTS['log_every']}")
   parser.add_argument("--seed", type=int, default=0)
-  a = parser.parse_args()
-  for name, defaults in DEFAULTS.items():
-    if getattr(a, name) is None:
-      setattr(a, name, defaults[a.smollm2])
-  return a
+  return harness.mode_defaults(parser.parse_args(), DEFAULTS, a_mode="smollm2")
 
 
 def bench_target(a):
@@ -304,10 +300,7 @@ def smollm2(a):
 
 def main():
   a = parse_args()
-  if a.smollm2:
-    smollm2(a)
-  else:
-    bench_target(a)
+  (smollm2 if a.smollm2 else bench_target)(a)
 
 
 if __name__ == "__main__":

@@ -119,11 +119,7 @@ def parse_args():
   parser.add_argument("--out-dir", default="experiments/out")
   parser.add_argument("--phase-split", action="store_true",
                       help="only measure the draft/verify time split at batch 1 (bench target)")
-  a = parser.parse_args()
-  for name, defaults in DEFAULTS.items():
-    if getattr(a, name) is None:
-      setattr(a, name, defaults[a.smollm2])
-  return a
+  return harness.mode_defaults(parser.parse_args(), DEFAULTS, a_mode="smollm2")
 
 
 def bench_target(a) -> None:
@@ -250,10 +246,7 @@ def smollm2(a) -> None:
 
 def main():
   a = parse_args()
-  if a.smollm2:
-    smollm2(a)
-  else:
-    bench_target(a)
+  (smollm2 if a.smollm2 else bench_target)(a)
 
 
 if __name__ == "__main__":
