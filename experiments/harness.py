@@ -65,12 +65,13 @@ from tlt_jax.rl.tasks import ArithmeticTask, Problem, chat_prompt
 from tlt_jax.rl.packing import bucket_rows, plan_packs, update_buckets
 from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.engine_config import parse_specs
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.steps import strategy_name
 from tlt_jax.rollout.tuner import TunerConfig
-from tlt_jax.utils import compile_count, write_report
+from tlt_jax.utils import FieldError, compile_count, write_report
 # pylint: enable=unused-import
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -98,20 +99,18 @@ def positive_ints(text: str) -> list[int]:
 
 
 def spec_list(text: str) -> tuple[SpecConfig, ...]:
-  """``--strategies "3,1,4;7,4,16"``: a (depth, topk, verify_tokens) triple per ``;`` entry;
-  a malformed or invalid entry is an argparse error naming it."""
-  out = []
-  for entry in (e for e in text.split(";") if e.strip()):
-    try:
-      depth, topk, verify = (int(x) for x in entry.split(","))
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"strategy {entry!r}: write depth,topk,verify_tokens, "
-                                       "e.g. 5,4,16 (entries separated by ;)") from None
-    try:
-      out.append(SpecConfig(depth, topk, verify))
-    except ValueError as e:
-      raise argparse.ArgumentTypeError(f"strategy {entry!r}: {e}") from None
-  return tuple(out)
+  """``--strategies "3,1,4;7,4,16"``: a (depth, topk, verify_tokens) triple per ``;`` entry,
+  read by the engine's own parser (``engine_config.parse_specs``); a malformed or invalid entry
+  is an argparse error naming it."""
+  try:
+    entries = [tuple(int(x) for x in e.split(",")) for e in text.split(";") if e.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"strategies {text!r}: write depth,topk,verify_tokens, "
+                                     "e.g. 5,4,16 (entries separated by ;)") from None
+  try:
+    return parse_specs(entries, "harness", "strategies")
+  except FieldError as e:
+    raise argparse.ArgumentTypeError(f"--{e.field} {e.problem}") from None
 
 
 def config_value(text: str) -> Any:
