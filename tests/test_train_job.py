@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -557,6 +558,71 @@ def test_periodic_evaluations_go_into_their_steps_rows_before_the_save(tmp_path)
     with pytest.raises(Interrupted, match="after step 2, during its held-out evaluation"):
       runner._train(trainer, job, FakeCheckpointer(), FakeLog(), stop=stop)
   assert trainer.saved == []
+
+
+def test_a_checkpoint_is_due_every_checkpoint_every_steps_and_after_the_last(tmp_path):
+  job = fake_job(tmp_path, steps=5, checkpoint_every=2)
+  assert [step for step in range(1, 6) if runner._checkpoint_due(job, step)] == [2, 4, 5]
+  job = fake_job(tmp_path, steps=5)  # checkpoint_every=0: the last step only
+  assert [step for step in range(1, 6) if runner._checkpoint_due(job, step)] == [5]
+
+
+class KeptRows:
+  """A resumed run's metrics log: the rows of the earlier run, nothing written."""
+
+  def __init__(self, rows):
+    self.kept = rows
+
+  def rows(self):
+    return list(self.kept)
+
+  def write(self, step, metrics):
+    raise AssertionError(f"wrote step {step}'s row")
+
+
+def test_a_resumed_run_reads_its_start_figures_from_step_0_s_row(tmp_path):
+  """Not evaluated again: step 0's row with held-out figures gives them (NaN without one)."""
+  trainer = FakeTrainer()
+  trainer.step_count = 3
+  trainer.evaluate = lambda **kwargs: pytest.fail("the start was evaluated again")
+  rows = [dict(step=0, note="a row without figures"),
+          dict(step=0, eval_accuracy=0.25, eval_sampled_reward=0.5),
+          dict(step=2, eval_accuracy=0.75, eval_sampled_reward=0.875)]
+  steps = runner._Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), KeptRows(rows), None,
+                        StopSignals())
+  assert steps.evaluate_at_start() == (0.25, 0.5)
+  steps.log = KeptRows(rows[:1] + rows[2:])
+  assert np.isnan(steps.evaluate_at_start()).all()
+
+
+def test_precompile_compiles_rollout_update_and_drafter_and_says_how_long():
+  order = []
+
+  class Engine:
+    def executable_keys(self):
+      return ["prefill", "segment"]
+
+    def precompile(self, progress=None):
+      order.append("rollout")
+      if progress is not None:
+        progress(1, 2)
+        progress(2, 2)
+      return 2
+
+  def trainer(drafter_devices):
+    return types.SimpleNamespace(
+        engine=Engine(), precompile_update=lambda: order.append("update") or 3,
+        precompile_drafter=lambda: order.append("drafter") or drafter_devices)
+
+  done = runner.precompile(trainer(0))
+  assert order == ["rollout", "update", "drafter"]
+  assert (done.rollout, done.update, done.drafter_devices) == (2, 3, 0)
+  assert min(done.rollout_s, done.update_s, done.drafter_s) >= 0
+  assert re.fullmatch(r"compiled 2 rollout executables in \d+s, 3 policy-update executables in "
+                      r"\d+s", done.line()), done.line()
+  done = runner.precompile(trainer(2), progress=True)  # with its bar on stderr
+  assert re.fullmatch(r"compiled 2 .* in \d+s, the drafter's steps for 2 device\(s\) in \d+s",
+                      done.line()), done.line()
 
 
 def test_a_drafter_saved_for_another_policy_is_named_in_a_warning(tmp_path, monkeypatch, capsys):

@@ -7,5 +7,6 @@
 - ``rollout_config``: the drafter, the rollout engine's config and the drafter's online training.
 - ``run_dir``: the logdir: the saved config and resume, the metrics log, the final exports.
 - ``signals``: a clean stop on SIGINT/SIGTERM.
-- ``runner``: running it: warm start, GRPO steps, checkpoints, evaluation, console lines.
+- ``runner``: running it: warm start, the compile before the first step (``precompile``), GRPO
+  steps, checkpoints, evaluation, console lines.
 """

@@ -8,6 +8,8 @@ The config has been turned into a ``Job`` (``build.py``) and the run directory o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import pathlib
 import signal
 import time
 from typing import Iterable
@@ -46,6 +48,34 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
   SIGINT/SIGTERM during the RL steps stop the run after the step in flight, saved (see
   ``StopSignals``).
   """
+  cfg, job, logdir, latest, devices = _open_job(cfg, overrides)
+  if cfg.resume and latest >= job.trainer.steps and (logdir / FINAL_MODEL).is_dir():
+    return _nothing_to_do(job, logdir, latest)
+  if not cfg.resume and hosts.is_primary():
+    if (aside := set_aside_leftovers(logdir)) is not None:  # never two runs' files in one logdir
+      _say(f"{logdir} held files of an earlier attempt but no checkpoint: moved them to {aside}")
+    save_run_config(cfg, logdir)
+  mesh = _update_mesh(cfg, devices)
+  with StopSignals() as stop:
+    t_start = time.perf_counter()
+    trainer = _set_up_trainer(job, latest, mesh)
+    _describe_rl(trainer, job)
+    summary, log, checkpointer = _restore_and_train(trainer, job, logdir, latest, stop)
+    summary["wall_s"] = time.perf_counter() - t_start
+    final, extra = _export(trainer, job, logdir)
+    hosts.barrier("exported")  # no process ends before the run's files are complete
+  _say(f"results: metrics {log.path}, tensorboard --logdir {logdir}, checkpoints "
+       f"{checkpointer.directory}, final model {final}{extra}")
+  hosts.shutdown()
+  return summary
+
+
+def _open_job(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None
+              ) -> tuple[ml_collections.ConfigDict, Job, pathlib.Path, int | None, list]:
+  """The run's config (a copy of ``cfg``; on resume the saved one with ``overrides``), its
+  ``Job``, logdir, latest checkpoint step and devices, every check that needs no model done,
+  and the config printed. A multi-process run joins the others here, before any other JAX
+  call."""
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # never mutate the caller's config
   check_top_level(cfg)
   logdir = choose_logdir(cfg)
@@ -58,15 +88,21 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
   devices = job_devices(cfg)
   check_update_layout(job.trainer, job.grpo, len(devices))
   _say(f"config:\n{describe(cfg)}")
-  if cfg.resume and latest >= job.trainer.steps and (logdir / FINAL_MODEL).is_dir():
-    _say(f"nothing to do: {logdir} finished at step {latest} (trainer.steps="
-         f"{job.trainer.steps}); raise --config.trainer.steps to train further. Results: "
-         f"{logdir / 'metrics.jsonl'}, {logdir / FINAL_MODEL}")
-    return dict(history=[], lengths=[], finished=True, step=latest)
-  if not cfg.resume and hosts.is_primary():
-    if (aside := set_aside_leftovers(logdir)) is not None:  # never two runs' files in one logdir
-      _say(f"{logdir} held files of an earlier attempt but no checkpoint: moved them to {aside}")
-    save_run_config(cfg, logdir)
+  return cfg, job, logdir, latest, devices
+
+
+def _nothing_to_do(job: Job, logdir: pathlib.Path, latest: int) -> dict:
+  """A resume of a run that has finished its steps and exported its model: says so and where
+  its results are, and returns the summary of a run that did nothing."""
+  _say(f"nothing to do: {logdir} finished at step {latest} (trainer.steps="
+       f"{job.trainer.steps}); raise --config.trainer.steps to train further. Results: "
+       f"{logdir / 'metrics.jsonl'}, {logdir / FINAL_MODEL}")
+  return dict(history=[], lengths=[], finished=True, step=latest)
+
+
+def _update_mesh(cfg: ml_collections.ConfigDict, devices: list) -> jax.sharding.Mesh:
+  """The policy update's mesh over ``devices`` (FSDP where ``cfg.fsdp`` > 1), and the console's
+  line about the devices."""
   fsdp = cfg.get("fsdp", 1)
   # without FSDP the plain 1-D mesh: the update compiles (and rounds) exactly as it always did
   mesh = make_mesh(devices, fsdp) if fsdp > 1 else jax.sharding.Mesh(np.array(devices), ("data",))
@@ -75,74 +111,100 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
         f"and optimizer state sharded" if fsdp > 1 else "data-parallel policy updates") + ")" +
        (f", {hosts.process_count()} processes with {len(jax.local_devices())} each"
         if hosts.process_count() > 1 else ""))
-  with StopSignals() as stop:
-    t_start = time.perf_counter()
-    with _outside_the_steps(job, latest, "while loading the policy"):
-      model = initial_model(job, cfg.seed)
-    if not cfg.resume:
-      with _outside_the_steps(job, latest, "during the warm start"):
-        model = _warm_start(model, job)
-    learned = split_drafter(cfg.drafter)[0]
-    if isinstance(job.drafter, Drafter) and learned != "eagle":
-      warning = drafter_policy_mismatch(learned, model)  # the policy RL starts from
-      if warning:
-        _say(f"warning: {warning}")
-    with _outside_the_steps(job, latest, "while building the trainer"):
-      trainer = make_trainer(job, model, mesh)
-    if len(trainer.rollout_devices) > 1:
-      _say(f"rollout: data-parallel over {len(trainer.rollout_devices)} devices (an engine "
-           "each)")
-    if trainer.history is not None:
-      _say(f"drafter: the suffix drafter drafts from every prompt's earlier completions too (the "
-           f"newest {job.history.per_prompt} per prompt, {job.history.max_bytes / 2**20:.1f} MiB "
-           "at most, saved with every checkpoint)")
-    if job.trainer.num_prompts:
-      _say(f"data: epoch mode, {job.trainer.num_prompts} fixed problems visited once per epoch, "
-           f"{job.trainer.prompts_per_step} per step")
-    if trainer.history is not None and (note := _history_room(job)):
-      _say(note)
-    if trainer.online is not None:
-      _say("drafter: trained online from the rollouts' hidden states ("
-           + ("on the devices the tail leaves idle" if len(trainer.rollout_devices) > 1 and
-              job.drafter_training.spot else
-              _serial_words(job.drafter_training)) + ")")
-    drafter_ckpt = None
-    if trainer.online is not None and job.drafter_save_every:
-      drafter_ckpt = Checkpointer(logdir / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
-    with Checkpointer(logdir / CHECKPOINTS, keep=2) as checkpointer:
-      with _outside_the_steps(job, latest, "while restoring and compiling"):
-        if cfg.resume:  # the checkpoint holds the warm-started (and RL-trained) params
-          trainer.restore(checkpointer)
-          _say(f"resumed from {checkpointer.step_dir(trainer.step_count)}")
-          if hosts.is_primary():  # only now: a refused resume leaves the run as it was
-            save_run_config(cfg, logdir)
-          if drafter_ckpt is not None:  # selective saves of the steps this run does again
-            dropped = drafter_ckpt.delete_after(trainer.step_count)
-            if dropped:
-              _say(f"dropped the drafter's selective saves of steps {dropped} (newer than the "
-                   "checkpoint; they are written again as those steps are re-done)")
-        _precompile(trainer)
-      log = MetricsLog(logdir, resume_step=trainer.step_count if cfg.resume else None,
-                       write=hosts.is_primary())
-      try:
-        summary = _train(trainer, job, checkpointer, log, drafter_ckpt, stop)
-      finally:
-        log.close()
-        if drafter_ckpt is not None:
-          drafter_ckpt.close()
-    summary["wall_s"] = time.perf_counter() - t_start
-    final, extra = logdir / FINAL_MODEL, ""
-    with _outside_the_steps(job, trainer.step_count, "while exporting the final model"):
-      if hosts.is_primary():  # the params are replicated: process 0 holds them all
-        final = export_final_model(trainer, job)
-        if trainer.online is not None:
-          extra = f", final drafter {export_final_drafter(trainer, job)}"
-    hosts.barrier("exported")  # no process ends before the run's files are complete
-  _say(f"results: metrics {log.path}, tensorboard --logdir {logdir}, checkpoints "
-       f"{checkpointer.directory}, final model {final}{extra}")
-  hosts.shutdown()
-  return summary
+  return mesh
 
+
+def _set_up_trainer(job: Job, latest: int | None, mesh: jax.sharding.Mesh) -> GRPOTrainer:
+  """The policy (loaded, then warm-started unless the run resumes: its checkpoint holds the
+  params) and its trainer on ``mesh``; in between, a warning where the job's saved drafter was
+  made for another policy than the one RL starts from."""
+  with _outside_the_steps(job, latest, "while loading the policy"):
+    model = initial_model(job, job.cfg.seed)
+  if not job.cfg.resume:
+    with _outside_the_steps(job, latest, "during the warm start"):
+      model = _warm_start(model, job)
+  learned = split_drafter(job.cfg.drafter)[0]
+  if isinstance(job.drafter, Drafter) and learned != "eagle":
+    warning = drafter_policy_mismatch(learned, model)  # the policy RL starts from
+    if warning:
+      _say(f"warning: {warning}")
+  with _outside_the_steps(job, latest, "while building the trainer"):
+    return make_trainer(job, model, mesh)
+
+
+def _describe_rl(trainer: GRPOTrainer, job: Job) -> None:
+  """The console's lines about how the RL steps will run: the rollout's devices, the suffix
+  drafter's history store, epoch mode, and how the drafter trains online."""
+  if len(trainer.rollout_devices) > 1:
+    _say(f"rollout: data-parallel over {len(trainer.rollout_devices)} devices (an engine "
+         "each)")
+  if trainer.history is not None:
+    _say(f"drafter: the suffix drafter drafts from every prompt's earlier completions too (the "
+         f"newest {job.history.per_prompt} per prompt, {job.history.max_bytes / 2**20:.1f} MiB "
+         "at most, saved with every checkpoint)")
+  if job.trainer.num_prompts:
+    _say(f"data: epoch mode, {job.trainer.num_prompts} fixed problems visited once per epoch, "
+         f"{job.trainer.prompts_per_step} per step")
+  if trainer.history is not None and (note := _history_room(job)):
+    _say(note)
+  if trainer.online is not None:
+    _say("drafter: trained online from the rollouts' hidden states ("
+         + ("on the devices the tail leaves idle" if len(trainer.rollout_devices) > 1 and
+            job.drafter_training.spot else
+            _serial_words(job.drafter_training)) + ")")
+
+
+def _restore_and_train(trainer: GRPOTrainer, job: Job, logdir: pathlib.Path, latest: int | None,
+                       stop: StopSignals) -> tuple[dict, MetricsLog, Checkpointer]:
+  """The run's checkpoints, restored on a resume; the compile; then the RL steps (``_train``)
+  with the metrics log. Returns the steps' summary, the (closed) metrics log and the
+  checkpointer."""
+  drafter_ckpt = None
+  if trainer.online is not None and job.drafter_save_every:
+    drafter_ckpt = Checkpointer(logdir / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
+  with Checkpointer(logdir / CHECKPOINTS, keep=2) as checkpointer:
+    with _outside_the_steps(job, latest, "while restoring and compiling"):
+      if job.cfg.resume:  # the checkpoint holds the warm-started (and RL-trained) params
+        _resume(trainer, checkpointer, drafter_ckpt, job.cfg, logdir)
+      _say(precompile(trainer, progress=True).line())
+    log = MetricsLog(logdir, resume_step=trainer.step_count if job.cfg.resume else None,
+                     write=hosts.is_primary())
+    try:
+      summary = _train(trainer, job, checkpointer, log, drafter_ckpt, stop)
+    finally:
+      log.close()
+      if drafter_ckpt is not None:
+        drafter_ckpt.close()
+  return summary, log, checkpointer
+
+
+def _resume(trainer: GRPOTrainer, checkpointer: Checkpointer, drafter_ckpt: Checkpointer | None,
+            cfg: ml_collections.ConfigDict, logdir: pathlib.Path) -> None:
+  """Restores the run's latest good checkpoint; only then writes the run's config (a refused
+  resume leaves the run as it was) and drops the drafter's selective saves of the steps this
+  run does again."""
+  trainer.restore(checkpointer)
+  _say(f"resumed from {checkpointer.step_dir(trainer.step_count)}")
+  if hosts.is_primary():  # only now: a refused resume leaves the run as it was
+    save_run_config(cfg, logdir)
+  if drafter_ckpt is not None:  # selective saves of the steps this run does again
+    dropped = drafter_ckpt.delete_after(trainer.step_count)
+    if dropped:
+      _say(f"dropped the drafter's selective saves of steps {dropped} (newer than the "
+           "checkpoint; they are written again as those steps are re-done)")
+
+
+def _export(trainer: GRPOTrainer, job: Job, logdir: pathlib.Path) -> tuple[pathlib.Path, str]:
+  """Writes the final model (and the online drafter), from process 0 alone: the params are
+  replicated, so it holds them all. Returns the model's directory and the words naming the
+  drafter's ("" without one)."""
+  final, extra = logdir / FINAL_MODEL, ""
+  with _outside_the_steps(job, trainer.step_count, "while exporting the final model"):
+    if hosts.is_primary():  # the params are replicated: process 0 holds them all
+      final = export_final_model(trainer, job)
+      if trainer.online is not None:
+        extra = f", final drafter {export_final_drafter(trainer, job)}"
+  return final, extra
 
 
 def initial_model(job: Job, seed: int) -> Transformer:
@@ -196,23 +258,55 @@ def _history_room(job: Job) -> str | None:
           f"history evicted by its next visit; raise --config.history.max_bytes to keep it")
 
 
-def _precompile(trainer: GRPOTrainer) -> None:
+@dataclasses.dataclass(frozen=True)
+class Precompiled:
+  """What ``precompile`` compiled and how long each part took: the rollout's executables, the
+  policy update's, and the drafter's steps for ``drafter_devices`` devices (0: none)."""
+
+  rollout: int
+  update: int
+  drafter_devices: int
+  rollout_s: float
+  update_s: float
+  drafter_s: float
+
+  def line(self) -> str:
+    """The console's line about it."""
+    return (f"compiled {self.rollout} rollout executables in {self.rollout_s:.0f}s, "
+            f"{self.update} policy-update executables in {self.update_s:.0f}s" +
+            (f", the drafter's steps for {self.drafter_devices} device(s) in "
+             f"{self.drafter_s:.0f}s" if self.drafter_devices else ""))
+
+
+def precompile(trainer: GRPOTrainer, progress: bool = False) -> Precompiled:
+  """Compiles what the RL steps run, before the first of them: the rollout's executables (and a
+  cost tuner's calibration), the policy update's, and the online drafter's steps, so that the
+  steps compile nothing and their timings are the steps' own. ``progress``: a bar on stderr
+  while the rollout's executables compile (they are most of the time). Returns the counts and
+  seconds of each part (the job prints ``line()``)."""
   t0 = time.perf_counter()
-  with progress_bar(len(trainer.engine.executable_keys()), "compiling rollout executables",
-                    "exe") as bar:
+  bar = (_compile_bar(len(trainer.engine.executable_keys())) if progress
+         else contextlib.nullcontext())
+  with bar as advance:
+    rollout = trainer.engine.precompile(progress=advance)
+  t1 = time.perf_counter()
+  update = trainer.precompile_update()
+  t2 = time.perf_counter()
+  devices = trainer.precompile_drafter()
+  return Precompiled(rollout, update, devices, t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+
+@contextlib.contextmanager
+def _compile_bar(total: int):
+  """A progress bar of the rollout's ``total`` executables as they compile (cleared at the end);
+  yields the ``progress(done, total)`` that moves it."""
+  with progress_bar(total, "compiling rollout executables", "exe") as bar:
 
     def progress(done, total):
       bar.total = total
       bar.update(done - bar.n)
 
-    n = trainer.engine.precompile(progress=progress)
-  t1 = time.perf_counter()
-  m = trainer.precompile_update()
-  t2 = time.perf_counter()
-  d = trainer.precompile_drafter()
-  _say(f"compiled {n} rollout executables in {t1 - t0:.0f}s, {m} policy-update executables in "
-       f"{t2 - t1:.0f}s" + (f", the drafter's steps for {d} device(s) in "
-                            f"{time.perf_counter() - t2:.0f}s" if d else ""))
+    yield progress
 
 
 def _evaluate(trainer: GRPOTrainer) -> tuple[float, float]:
@@ -232,6 +326,24 @@ def _evaluation_due(config: TrainerConfig, step: int) -> bool:
   """Whether step ``step`` (just taken) is followed by a periodic held-out evaluation: every
   ``eval_every`` steps, but not after the last one (the final evaluation covers it)."""
   return bool(config.eval_every) and step % config.eval_every == 0 and step < config.steps
+
+
+def _checkpoint_due(job: Job, step: int) -> bool:
+  """Whether step ``step`` (just taken) is checkpointed: every ``checkpoint_every`` steps (0:
+  never in between), and always the last one."""
+  every = job.cfg.checkpoint_every
+  return bool(every and step % every == 0) or step == job.trainer.steps
+
+
+def _step_line(m: dict, steps: int) -> str:
+  """The console's line of a step's metrics ``m`` (of ``steps`` in the run)."""
+  return (f"step {m['step']:4d}/{steps} reward {m['reward']:.3f} " +
+          ("no update (control)" if m.get("control") else f"loss {m['loss']:+.4f}") +
+          f" len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
+          f"{m['len_max']} rollout {m['rollout_s']:.1f}s = "
+          f"{100 * m['rollout_s'] / max(m['step_s'], 1e-9):.0f}% (tail {m['tail_s']:.1f}s, "
+          f"last rows {m['last_s']:.1f}s) update {m['update_s']:.1f}s" + _drafter_line(m) +
+          (f" | {arms}" if (arms := arm_line(m)) else ""))
 
 
 def _drafter_line(m: dict) -> str:
@@ -296,80 +408,134 @@ def _outside_the_steps(job: Job, latest: int | None, where: str):
     raise Interrupted(e.exit_code - 128, f"{e} {where}: {kept}; {_resume_hint(job)}") from None
 
 
+def _nonfinite_advice(e: NonFiniteUpdateError, checkpointer: Checkpointer,
+                      job: Job) -> NonFiniteUpdateError:
+  """A non-finite update, with what to do about it: the command that resumes from the last
+  checkpoint (or runs again, before the first) with a setting that avoids it."""
+  latest = checkpointer.latest_step()
+  then = (f"resume from step {latest}: {_resume_hint(job)}" if latest is not None else
+          "run the job again (no checkpoint was written yet, so it starts over)")
+  return NonFiniteUpdateError(
+      f"{e}; nothing non-finite was saved. To go on, {then} and add "
+      "--config.trainer.on_nonfinite=skip (drops such updates) or a lower "
+      "--config.trainer.learning_rate")
+
+
 def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: MetricsLog,
            drafter_ckpt: Checkpointer | None = None, stop: StopSignals | None = None) -> dict:
-  cfg = job.cfg
-  stop = stop or StopSignals()
-  start_step = trainer.step_count
-  history, lengths = [], []
-  saved_step = None
-  doing = "during the held-out evaluation at the start"  # what a second signal interrupts
+  """The RL phase: the held-out evaluation at the start, the steps (``_Steps.step``) until
+  ``trainer.steps`` or a stop signal, then the final evaluation; returns the run's summary.
+
+  A first signal stops after the step in flight, which is saved (``Interrupted``, with the
+  command that resumes); a second one stops at once, as does a non-finite update, each saying
+  what is saved and how to go on."""
+  steps = _Steps(trainer, job, checkpointer, log, drafter_ckpt, stop or StopSignals())
   try:
-    if start_step == 0:
-      accuracy_start, sampled_start = _evaluate(trainer)
-      log.write(0, {"eval_accuracy": accuracy_start, "eval_sampled_reward": sampled_start})
-    else:
-      earlier = [r for r in log.rows() if r.get("step") == 0 and "eval_accuracy" in r]
-      accuracy_start = earlier[0]["eval_accuracy"] if earlier else float("nan")
-      sampled_start = earlier[0]["eval_sampled_reward"] if earlier else float("nan")
-    with stop.graceful():
-      while trainer.step_count < job.trainer.steps and stop.signum is None:
-        doing = f"during step {trainer.step_count + 1}"
-        m = trainer.step()
-        doing = f"after step {trainer.step_count}, before it was logged"
-        history.append(m)
-        lengths.extend(trainer.last_lengths.tolist())
-        if drafter_ckpt is not None and trainer.step_count % job.drafter_save_every == 0:
-          # selective async save: the drafter alone, written while training goes on
-          waited = trainer.online.selective_save(drafter_ckpt, trainer.step_count)
-          if waited is not None:  # (an unchanged drafter is not saved again)
-            m["drafter_save_ms"] = 1e3 * waited
-        if _evaluation_due(job.trainer, trainer.step_count):  # before the save: a stop in it
-          doing = f"after step {trainer.step_count}, during its held-out evaluation"  # redoes both
-          m["eval_accuracy"], m["eval_sampled_reward"] = _evaluate(trainer)
-        if (cfg.checkpoint_every and trainer.step_count % cfg.checkpoint_every == 0) or \
-            trainer.step_count == job.trainer.steps:
-          doing = f"after step {trainer.step_count} was saved"  # (a save is never cut short)
-          t0 = time.perf_counter()
-          with stop.deferred():
-            trainer.save(checkpointer, {"config": cfg.to_dict()})  # everything, blocking
-            m["checkpoint_save_ms"] = 1e3 * (time.perf_counter() - t0)
-            saved_step = trainer.step_count
-        log.write(m["step"], m)
-        _say(f"step {m['step']:4d}/{job.trainer.steps} reward {m['reward']:.3f} " +
-             ("no update (control)" if m.get("control") else f"loss {m['loss']:+.4f}") +
-             f" len p50/p90/max {m['len_p50']:.0f}/{m['len_p90']:.0f}/"
-             f"{m['len_max']} rollout {m['rollout_s']:.1f}s = "
-             f"{100 * m['rollout_s'] / max(m['step_s'], 1e-9):.0f}% (tail {m['tail_s']:.1f}s, "
-             f"last rows {m['last_s']:.1f}s) update {m['update_s']:.1f}s" + _drafter_line(m) +
-             (f" | {arms}" if (arms := arm_line(m)) else ""))
-    stopped = stop.signum is not None and trainer.step_count < job.trainer.steps
-    if stopped and saved_step != trainer.step_count:  # the step in flight when the signal came
-      doing = f"after step {trainer.step_count} was saved"
-      with stop.deferred():
-        trainer.save(checkpointer, {"config": cfg.to_dict()})
+    start = steps.evaluate_at_start()
+    with steps.stop.graceful():
+      while trainer.step_count < job.trainer.steps and steps.stop.signum is None:
+        steps.step()
+    stopped = steps.stop.signum is not None and trainer.step_count < job.trainer.steps
+    if stopped and steps.saved_step != trainer.step_count:  # the step in flight at the signal
+      steps.save()
     if not stopped:
-      doing = f"after step {trainer.step_count}, during the final held-out evaluation"
-      accuracy_end, sampled_end = _evaluate(trainer)
-      log.write(trainer.step_count, {"eval_accuracy": accuracy_end,
-                                     "eval_sampled_reward": sampled_end})
+      steps.doing = f"after step {trainer.step_count}, during the final held-out evaluation"
+      end = steps.evaluate()
   except NonFiniteUpdateError as e:
-    latest = checkpointer.latest_step()
-    then = (f"resume from step {latest}: {_resume_hint(job)}" if latest is not None else
-            "run the job again (no checkpoint was written yet, so it starts over)")
-    raise NonFiniteUpdateError(
-        f"{e}; nothing non-finite was saved. To go on, {then} and add "
-        "--config.trainer.on_nonfinite=skip (drops such updates) or a lower "
-        "--config.trainer.learning_rate") from None
+    raise _nonfinite_advice(e, checkpointer, job) from None
   except KeyboardInterrupt as e:  # a second signal: at once
-    raise _interrupted(e, doing, checkpointer, job) from None
+    raise _interrupted(e, steps.doing, checkpointer, job) from None
   if stopped:
-    raise Interrupted(stop.signum, f"stopped by {signal.Signals(stop.signum).name} after step "
-                      f"{trainer.step_count}, saved as "
+    raise Interrupted(steps.stop.signum, f"stopped by {signal.Signals(steps.stop.signum).name} "
+                      f"after step {trainer.step_count}, saved as "
                       f"{checkpointer.step_dir(trainer.step_count)}; {_resume_hint(job)}")
-  summary = dict(accuracy_start=accuracy_start, accuracy_end=accuracy_end,
-                 sampled_start=sampled_start, sampled_end=sampled_end, history=history,
-                 lengths=lengths, step=trainer.step_count, finished=True)
+  return _summary(steps, start, end)
+
+
+@dataclasses.dataclass
+class _Steps:
+  """The RL steps of a run and where their results go: the metrics ``log``, the checkpoints and
+  the drafter's selective saves (``drafter_ckpt``, None: none). ``doing`` says what a second
+  signal would interrupt (for its message); ``saved_step`` is the step last checkpointed;
+  ``history`` and ``lengths`` collect each step's metrics and its rollout's lengths."""
+
+  trainer: GRPOTrainer
+  job: Job
+  checkpointer: Checkpointer
+  log: MetricsLog
+  drafter_ckpt: Checkpointer | None
+  stop: StopSignals
+  doing: str = "during the held-out evaluation at the start"
+  saved_step: int | None = None
+  history: list[dict] = dataclasses.field(default_factory=list)
+  lengths: list[int] = dataclasses.field(default_factory=list)
+
+  def evaluate_at_start(self) -> tuple[float, float]:
+    """The held-out figures before the first RL step: evaluated now on a new run; on a resume,
+    read back from step 0's row of the log (NaN where it has none)."""
+    if self.trainer.step_count > 0:  # a resume: an earlier run evaluated the start
+      earlier = [r for r in self.log.rows() if r.get("step") == 0 and "eval_accuracy" in r]
+      return ((earlier[0]["eval_accuracy"], earlier[0]["eval_sampled_reward"]) if earlier
+              else (float("nan"), float("nan")))
+    return self.evaluate()
+
+  def evaluate(self) -> tuple[float, float]:
+    """The held-out greedy accuracy and sampled reward at the trainer's step, written to that
+    step's row of the log."""
+    greedy, sampled = _evaluate(self.trainer)
+    self.log.write(self.trainer.step_count,
+                   {"eval_accuracy": greedy, "eval_sampled_reward": sampled})
+    return greedy, sampled
+
+  def step(self) -> None:
+    """One RL step, then in this order: the drafter's selective save, a periodic evaluation,
+    the checkpoint, the metrics row and the console line."""
+    trainer = self.trainer
+    self.doing = f"during step {trainer.step_count + 1}"
+    m = trainer.step()
+    self.doing = f"after step {trainer.step_count}, before it was logged"
+    self.history.append(m)
+    self.lengths.extend(trainer.last_lengths.tolist())
+    self.save_drafter(m)
+    if _evaluation_due(self.job.trainer, trainer.step_count):  # before the save, so that a stop
+      self.doing = f"after step {trainer.step_count}, during its held-out evaluation"  # in it
+      m["eval_accuracy"], m["eval_sampled_reward"] = _evaluate(trainer)  # redoes both
+    if _checkpoint_due(self.job, trainer.step_count):
+      self.save(m)
+    self.log.write(m["step"], m)
+    _say(_step_line(m, self.job.trainer.steps))
+
+  def save_drafter(self, m: dict) -> None:
+    """Every ``drafter_save_every`` steps, the drafter alone, written while training goes on (an
+    unchanged drafter is not saved again); ``m`` gets the milliseconds the step waited."""
+    step = self.trainer.step_count
+    if self.drafter_ckpt is None or step % self.job.drafter_save_every != 0:
+      return
+    waited = self.trainer.online.selective_save(self.drafter_ckpt, step)
+    if waited is not None:
+      m["drafter_save_ms"] = 1e3 * waited
+
+  def save(self, m: dict | None = None) -> None:
+    """Checkpoints everything at the trainer's step, blocking; a signal meanwhile waits for the
+    save to end (a save is never cut short). ``m``, if given, gets the save's milliseconds."""
+    self.doing = f"after step {self.trainer.step_count} was saved"
+    t0 = time.perf_counter()
+    with self.stop.deferred():
+      self.trainer.save(self.checkpointer, {"config": self.job.cfg.to_dict()})
+      if m is not None:
+        m["checkpoint_save_ms"] = 1e3 * (time.perf_counter() - t0)
+      self.saved_step = self.trainer.step_count
+
+
+def _summary(steps: _Steps, start: tuple[float, float], end: tuple[float, float]) -> dict:
+  """The finished run's summary and its closing lines: the held-out figures at the ``start``
+  and the ``end`` (greedy accuracy, sampled reward), the train reward of the first and last
+  five steps, where the step time went, and the whole run's SD and ledger lines (the steps
+  before a resume too)."""
+  history = steps.history
+  summary = dict(accuracy_start=start[0], accuracy_end=end[0], sampled_start=start[1],
+                 sampled_end=end[1], history=history, lengths=steps.lengths,
+                 step=steps.trainer.step_count, finished=True)
   if not history:
     return summary
   rollout = sum(m["rollout_s"] for m in history)
@@ -380,20 +546,19 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
                  tail_share=sum(m["tail_s"] for m in history) / max(total, 1e-9),
                  last_share_of_rollout=sum(m["last_s"] for m in history) / max(rollout, 1e-9))
   control = (" (the no-update control: the params are the warm start's, so the held-out "
-             "figures stay where they started)" if job.trainer.control else "")
-  _say(f"held-out sampled reward: {sampled_start:.3f} -> {sampled_end:.3f}; held-out greedy "
-       f"accuracy: {accuracy_start:.3f} -> {accuracy_end:.3f}{control}; train reward "
+             "figures stay where they started)" if steps.job.trainer.control else "")
+  _say(f"held-out sampled reward: {start[1]:.3f} -> {end[1]:.3f}; held-out greedy "
+       f"accuracy: {start[0]:.3f} -> {end[0]:.3f}{control}; train reward "
        f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; rollout "
        f"{100 * summary['rollout_share']:.0f}% of step time (tail "
        f"{100 * summary['tail_share']:.0f}%); the last rows (at most an eighth live) took "
        f"{100 * summary['last_share_of_rollout']:.0f}% of the rollout")
-  sd = run_sd_summary(log.rows())  # the whole run's steps, those before a resume too
+  sd = run_sd_summary(steps.log.rows())  # the whole run's steps, those before a resume too
   if sd:
     _say(sd)
-  if ledger := ledger_lines.run_line(log.rows()):
+  if ledger := ledger_lines.run_line(steps.log.rows()):
     _say(ledger)
   return summary
-
 
 
 def _say(text: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -107,6 +107,107 @@ class ChunkResult:
     return cls([[] for _ in range(n)], [np.zeros(0, np.float32) for _ in range(n)],
                ["length"] * n, [None] * n)
 
+  def finish_row(self, j: int, tokens: np.ndarray, logprobs: np.ndarray,
+                 stop_ids: set[int]) -> None:
+    """Row ``j`` is done with ``tokens`` and their ``logprobs``: it stopped if its last token is
+    a stop id, else it ran out of length (an empty row too). Its ``hidden`` entry is the
+    caller's."""
+    self.tokens[j] = tokens.tolist()
+    self.logprobs[j] = logprobs
+    self.reasons[j] = "stop" if self.tokens[j] and self.tokens[j][-1] in stop_ids else "length"
+
+
+def prefill_inputs(request: Request, chunk: range, batch: int, plen: int, pad_id: int,
+                   history: np.ndarray) -> tuple[np.ndarray, ...]:
+  """The prefill's inputs for the prompts ``request.prompts[chunk]`` in a batch bucket of
+  ``batch`` rows and a prompt bucket of ``plen``: the padded ``ids``, the prompts' lengths
+  ``lens`` (1 in the empty slots), each slot's ``row_id`` (its row in the whole request, the
+  key of its sampling stream; -1: empty), its ``group_id`` (slots with the same prompt share
+  one, counted from 0 in the chunk; -1: empty) and ``history`` (``[batch, width]``, all -1),
+  filled in place with each prompt's earlier completions where the request has some and the
+  width is not 0."""
+  prompts = request.prompts
+  ids = np.full((batch, plen), pad_id, np.int32)
+  lens = np.ones((batch,), np.int32)
+  row_id = np.full((batch,), -1, np.int32)
+  group_id = np.full((batch,), -1, np.int32)
+  groups: dict[tuple, int] = {}
+  for slot, i in enumerate(chunk):
+    ids[slot, :len(prompts[i])] = prompts[i]
+    lens[slot], row_id[slot] = len(prompts[i]), i + request.row_offset
+    group_id[slot] = groups.setdefault(tuple(prompts[i]), len(groups))  # same prompt, same group
+    if history.shape[1] and request.history is not None and request.history[i]:
+      history[slot] = pack_history(request.history[i], history.shape[1])
+  return ids, lens, row_id, group_id, history
+
+
+@dataclasses.dataclass
+class ChunkRun:
+  """One chunk's decode as the host follows it from segment to segment.
+
+  The device ``state`` sits in the batch bucket ``batch`` and the length bucket ``kv_len``;
+  ``live_len`` is the longest live row's committed length. ``lagging``: the learned drafter may
+  be more than one step's pairs behind (after segments it did not draft). ``previous``: the
+  strategy of the chunk's last segment. ``counted``: the device's cumulative counters as last
+  read. ``emitted``: the tokens each row of the chunk has emitted; ``per_segment``: each
+  segment's arm tally with the tokens each row emitted in it (for ``critical_tokens``).
+  ``prompt_feats``: by row id, the prompt's hidden states of each row that collects them and
+  has not finished. ``out``: the rows finished so far."""
+
+  state: Any
+  batch: int
+  kv_len: int
+  live_len: int
+  first_row: int  # the row id of the chunk's first row (its index in the whole request)
+  out: ChunkResult
+  prompt_feats: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+  lagging: bool = False
+  previous: str | None = None
+  counted: dict[str, int] = dataclasses.field(
+      default_factory=lambda: dict(steps=0, tokens=0, row_steps=0))
+  emitted: np.ndarray | None = None  # (made from out when not given)
+  per_segment: list[tuple[Any, np.ndarray]] = dataclasses.field(default_factory=list)
+
+  def __post_init__(self):
+    if self.emitted is None:
+      self.emitted = np.zeros(len(self.out.tokens), np.int64)
+
+  def advance(self, counters: dict) -> dict[str, int]:
+    """What the device's cumulative ``counters`` (steps, tokens, row_steps) grew by since they
+    were last read."""
+    delta = {k: int(counters[k]) - self.counted[k] for k in self.counted}
+    self.counted = {k: int(counters[k]) for k in self.counted}
+    return delta
+
+  def record_emitted(self, tally: Any, rows: np.ndarray, n_gen: np.ndarray) -> None:
+    """After a segment of arm ``tally``: each slot's row id ``rows`` (-1: empty) has emitted
+    ``n_gen`` tokens in all. A row compacted away earlier keeps its count."""
+    now = self.emitted.copy()
+    placed = rows >= 0
+    now[rows[placed] - self.first_row] = n_gen[placed]
+    self.per_segment.append((tally, now - self.emitted))
+    self.emitted = now
+
+  def credit_critical_tokens(self) -> None:
+    """Once every row is done: each segment's arm is credited the tokens that the chunk's
+    longest row emitted in that segment."""
+    longest = int(np.argmax(self.emitted))  # the row that sets vanilla's decode time
+    for tally, made in self.per_segment:
+      tally.critical_tokens += int(made[longest])
+
+
+class SegmentEnd(NamedTuple):
+  """What the host reads at a segment's end: per slot ``done``, the tokens generated
+  ``n_gen``, the row id ``rows`` (-1: empty) and the committed cache length ``cache_lens``; the
+  device's cumulative ``counters``; and the segment's ``seconds`` (run and read)."""
+
+  done: np.ndarray
+  n_gen: np.ndarray
+  rows: np.ndarray
+  counters: dict
+  cache_lens: np.ndarray
+  seconds: float
+
 
 class Scheduler:
   """Drives the pool's executables for one request, one chunk at a time."""
@@ -157,121 +258,152 @@ class Scheduler:
     ``[L - 1, H]`` of the row's sequence (prompt + completion, ``L`` tokens) at positions
     ``0 .. L - 2``: the prompt's from the prefill, the completion's from the decode state's
     feature history, so no second forward pass."""
+    run = self._prefill(request, chunk, stats)
+    stop_ids = set(request.stop_ids)
+    while True:  # one segment a turn, with what happens at its boundaries
+      strategy, tuned, max_steps = self._choose(run.batch)
+      self._count_switch(run, strategy, stats)
+      self._make_room(run, strategy, stats)
+      switch_s = self._catch_up(run, strategy, stats)
+      end = self._decode_segment(run, strategy, max_steps, request.args)
+      self._account(run, strategy, tuned, end, switch_s, stats)
+      self._collect_finished(run, end, stop_ids)
+      live = np.flatnonzero(~end.done)
+      if request.progress is not None:  # rows of earlier chunks are all done
+        request.progress(chunk.start + len(chunk) - live.size, len(request.prompts))
+      if live.size == 0:
+        self._finish_chunk(run, end.counters, stats)
+        return run.out
+      self._compact(run, live, end.cache_lens, stats)
+
+  def _prefill(self, request: Request, chunk: range, stats: RolloutStats) -> ChunkRun:
+    """Prefills the chunk in the smallest buckets that hold it; keeps the prompts' hidden states
+    of the rows that collect them (until they finish)."""
     cfg = self.config
-    prompts, args, row_offset = request.prompts, request.args, request.row_offset
-    collect, progress = request.collect, request.progress
-    out = ChunkResult.empty(len(chunk))
     batch = bk.bucket_for(len(chunk), cfg.batch_buckets)
-    plen = bk.bucket_for(max(len(prompts[i]) for i in chunk), cfg.prefill_buckets)
-    ids = np.full((batch, plen), cfg.pad_token_id, np.int32)
-    lens = np.ones((batch,), np.int32)
-    row_id = np.full((batch,), -1, np.int32)
-    group_id = np.full((batch,), -1, np.int32)
-    history = self.pool.no_history(batch)
-    groups: dict[tuple, int] = {}
-    for slot, i in enumerate(chunk):
-      ids[slot, :len(prompts[i])] = prompts[i]
-      lens[slot], row_id[slot] = len(prompts[i]), i + row_offset
-      group_id[slot] = groups.setdefault(tuple(prompts[i]), len(groups))  # same prompt, same group
-      if history.shape[1] and request.history is not None and request.history[i]:
-        history[slot] = pack_history(request.history[i], history.shape[1])
-    kv_len = cfg.prefill_kv_len(plen)
+    plen = bk.bucket_for(max(len(request.prompts[i]) for i in chunk), cfg.prefill_buckets)
+    ids, lens, row_id, group_id, history = prefill_inputs(
+        request, chunk, batch, plen, cfg.pad_token_id, self.pool.no_history(batch))
     (state, prompt_hidden), _ = self._run_timed(stats, "prefill_s", ("prefill", batch, plen),
                                                 self.weights(), ids, lens, row_id, group_id,
-                                                history, args)
+                                                history, request.args)
+    run = ChunkRun(state, batch, cfg.prefill_kv_len(plen), int(lens[:len(chunk)].max()),
+                   chunk.start + request.row_offset, ChunkResult.empty(len(chunk)))
+    collect = request.collect
     wanted = [] if collect is None else [slot for slot, i in enumerate(chunk) if collect[i]]
-    prompt_feats = {}
     if wanted:
       ph = np.asarray(jax.device_get(prompt_hidden))[np.asarray(wanted)]  # host-side indexing:
       # an eager gather on the device would compile for every new (shape, count) pair
       for k, slot in enumerate(wanted):
-        prompt_feats[chunk[slot] + row_offset] = ph[k, :lens[slot] - 1]
-    del prompt_hidden
-    stop_set = set(request.stop_ids)
-    before = dict(steps=0, tokens=0, row_steps=0)
-    lagging = False  # the drafter may be more than one step's pairs behind (after vanilla)
-    live_len = int(lens[:len(chunk)].max())  # the longest live row's committed length
-    previous = None  # the arm of the chunk's last segment
-    emitted = np.zeros(len(chunk), np.int64)  # tokens each row of the chunk has emitted
-    per_segment = []  # (arm tally, tokens each row emitted in the segment), for critical_tokens
-    while True:
-      strategy, tuned, max_steps = self._choose(batch)
-      if previous is not None and strategy.name != previous:
-        stats.switches += 1
-      previous = strategy.name
-      need = 1 if strategy.spec is None else cfg.step_slots
-      while live_len + need > kv_len:  # a live row needs more room for this strategy's steps
-        bigger = cfg.kv_lengths[cfg.kv_lengths.index(kv_len) + 1]
-        state, _ = self._run_timed(stats, "grow_s", ("grow", batch, kv_len, bigger), state)
-        stats.grows += 1
-        kv_len = bigger
-      switch_s = 0.0
-      if strategy.learned and lagging:
-        state, switch_s = self._run_timed(stats, "switch_s", ("catchup", batch, kv_len),
-                                          self.weights(), state)
-        stats.catchups += 1
-        lagging = False
-      segment = self.pool.get(("segment", batch, kv_len, self.pool.stop_at(batch),
-                               strategy.group))
-      t0 = time.perf_counter()
-      state = segment(self.weights(), state, args, np.int32(strategy.choice), np.int32(max_steps))
-      done, n_gen, rows, counters, cache_lens = jax.device_get(
-          (state.done, state.num_generated, state.row_id, state.counters, state.cache.lengths))
-      seconds = time.perf_counter() - t0
-      # only the learned drafter's steps consume the feature pairs; the others leave them pending
-      lagging |= not strategy.learned and self.learned
-      delta = {k: int(counters[k]) - before[k] for k in before}
-      before = {k: int(counters[k]) for k in before}
-      if tuned and delta["steps"] > 0:
-        self.tuner.update(batch, strategy.name, delta["tokens"], seconds + switch_s,
-                          steps=delta["steps"], row_steps=delta["row_steps"], switch_s=switch_s)
-      arm = stats.arm(batch, strategy.name)
-      arm.segments += 1
-      arm.seconds += seconds + switch_s
-      arm.steps += delta["steps"]
-      arm.tokens += delta["tokens"]
-      arm.row_steps += delta["row_steps"]
-      now = emitted.copy()
-      placed = rows >= 0
-      now[rows[placed] - row_offset - chunk.start] = n_gen[placed]
-      per_segment.append((arm, now - emitted))
-      emitted = now
-      stats.decode_s += seconds
-      stats.segments.append((batch, delta["steps"], seconds, strategy.name))
-      stats.segment_kv_lens.append(kv_len)
-      stats.cache_bytes_peak = max(stats.cache_bytes_peak, self.pool.steps.cache_bytes(state))
-      stats.decode_steps += delta["steps"]
-      stats.row_steps += delta["steps"] * batch
-      finished = [s for s in range(batch) if done[s] and rows[s] >= 0]
-      if finished:
-        toks, lps = jax.device_get((state.tokens, state.logprobs))
-        keep = [s for s in finished if rows[s] in prompt_feats]
-        feats = np.asarray(jax.device_get(state.feats))[np.asarray(keep)] if keep else None
-        for s in finished:
-          n, j = int(n_gen[s]), rows[s] - row_offset - chunk.start  # j: the row in the chunk
-          out.tokens[j] = toks[s, :n].tolist()
-          out.logprobs[j] = lps[s, :n]
-          out.reasons[j] = "stop" if n and out.tokens[j][-1] in stop_set else "length"
-          if rows[s] in prompt_feats:
-            out.hidden[j] = np.concatenate([prompt_feats.pop(rows[s]), feats[keep.index(s), :n]])
-      live = np.flatnonzero(~done)
-      if progress is not None:  # rows of earlier chunks are all done
-        progress(chunk.start + len(chunk) - live.size, len(prompts))
-      if live.size == 0:
-        longest = int(np.argmax(emitted))  # the row that sets vanilla's decode time
-        for tally, made in per_segment:
-          tally.critical_tokens += int(made[longest])
-        stats.live_row_steps += int(counters["row_steps"])
-        if "accept_hist" in counters:
-          stats.accept_hist = (0 if stats.accept_hist is None else stats.accept_hist) + \
-              counters["accept_hist"]
-          stats.add_sources(counters["source_steps"], counters["source_tokens"])
-        return out
-      smaller = bk.bucket_for(live.size, cfg.batch_buckets)
-      if cfg.compaction and smaller < batch:
-        index = np.full((smaller,), -1, np.int32)
-        index[:live.size] = live
-        state, _ = self._run_timed(stats, "compact_s", ("compact", batch, smaller, kv_len), state,
-                                   index)
-        batch = smaller
-      live_len = int(cache_lens[live].max())
+        run.prompt_feats[chunk[slot] + request.row_offset] = ph[k, :lens[slot] - 1]
+    return run
+
+  def _count_switch(self, run: ChunkRun, strategy: Strategy, stats: RolloutStats) -> None:
+    """A segment whose strategy is not the chunk's last segment's is a switch."""
+    if run.previous is not None and strategy.name != run.previous:
+      stats.switches += 1
+    run.previous = strategy.name
+
+  def _make_room(self, run: ChunkRun, strategy: Strategy, stats: RolloutStats) -> None:
+    """Grows the chunk's caches into the next length bucket, as often as it takes for the
+    longest live row to have room for a step of ``strategy`` (vanilla: one slot; speculative:
+    the widest strategy's slack)."""
+    cfg = self.config
+    need = 1 if strategy.spec is None else cfg.step_slots
+    while run.live_len + need > run.kv_len:
+      bigger = cfg.kv_lengths[cfg.kv_lengths.index(run.kv_len) + 1]
+      run.state, _ = self._run_timed(stats, "grow_s", ("grow", run.batch, run.kv_len, bigger),
+                                     run.state)
+      stats.grows += 1
+      run.kv_len = bigger
+
+  def _catch_up(self, run: ChunkRun, strategy: Strategy, stats: RolloutStats) -> float:
+    """Before a learned-drafter segment that follows segments the drafter did not draft, its
+    catch-up over the pending feature pairs; returns its seconds (0.0 when none runs)."""
+    if not (strategy.learned and run.lagging):
+      return 0.0
+    run.state, switch_s = self._run_timed(stats, "switch_s", ("catchup", run.batch, run.kv_len),
+                                          self.weights(), run.state)
+    stats.catchups += 1
+    run.lagging = False
+    return switch_s
+
+  def _decode_segment(self, run: ChunkRun, strategy: Strategy, max_steps: int,
+                      args: Any) -> SegmentEnd:
+    """Runs one segment of ``strategy`` (at most ``max_steps`` steps; 0: no limit) and reads
+    what the host needs at its end, timing both."""
+    segment = self.pool.get(("segment", run.batch, run.kv_len, self.pool.stop_at(run.batch),
+                             strategy.group))
+    t0 = time.perf_counter()
+    run.state = state = segment(self.weights(), run.state, args, np.int32(strategy.choice),
+                                np.int32(max_steps))
+    read = jax.device_get(
+        (state.done, state.num_generated, state.row_id, state.counters, state.cache.lengths))
+    seconds = time.perf_counter() - t0
+    # only the learned drafter's steps consume the feature pairs; the others leave them pending
+    run.lagging |= not strategy.learned and self.learned
+    return SegmentEnd(*read, seconds)
+
+  def _account(self, run: ChunkRun, strategy: Strategy, tuned: bool, end: SegmentEnd,
+               switch_s: float, stats: RolloutStats) -> None:
+    """Adds a segment to the tallies: the tuner's reward where it chose the strategy (its tokens
+    over the segment's seconds, the catch-up before it included), the arm's tally, the tokens
+    each row emitted, and the rollout's counters."""
+    delta = run.advance(end.counters)
+    if tuned and delta["steps"] > 0:
+      self.tuner.update(run.batch, strategy.name, delta["tokens"], end.seconds + switch_s,
+                        steps=delta["steps"], row_steps=delta["row_steps"], switch_s=switch_s)
+    arm = stats.arm(run.batch, strategy.name)
+    arm.segments += 1
+    arm.seconds += end.seconds + switch_s
+    arm.steps += delta["steps"]
+    arm.tokens += delta["tokens"]
+    arm.row_steps += delta["row_steps"]
+    run.record_emitted(arm, end.rows, end.n_gen)
+    stats.decode_s += end.seconds
+    stats.segments.append((run.batch, delta["steps"], end.seconds, strategy.name))
+    stats.segment_kv_lens.append(run.kv_len)
+    stats.cache_bytes_peak = max(stats.cache_bytes_peak, self.pool.steps.cache_bytes(run.state))
+    stats.decode_steps += delta["steps"]
+    stats.row_steps += delta["steps"] * run.batch
+
+  def _collect_finished(self, run: ChunkRun, end: SegmentEnd, stop_ids: set[int]) -> None:
+    """Copies the finished rows out of the device state into ``run.out``, each with its hidden
+    states where it collects them (the prompt's, then the completion's feature history)."""
+    rows, n_gen = end.rows, end.n_gen
+    finished = [s for s in range(run.batch) if end.done[s] and rows[s] >= 0]
+    if not finished:
+      return
+    toks, lps = jax.device_get((run.state.tokens, run.state.logprobs))
+    keep = [s for s in finished if rows[s] in run.prompt_feats]
+    feats = np.asarray(jax.device_get(run.state.feats))[np.asarray(keep)] if keep else None
+    for s in finished:
+      n, j = int(n_gen[s]), rows[s] - run.first_row  # j: the row in the chunk
+      run.out.finish_row(j, toks[s, :n], lps[s, :n], stop_ids)
+      if rows[s] in run.prompt_feats:
+        run.out.hidden[j] = np.concatenate([run.prompt_feats.pop(rows[s]),
+                                            feats[keep.index(s), :n]])
+
+  def _finish_chunk(self, run: ChunkRun, counters: dict, stats: RolloutStats) -> None:
+    """The chunk's last tallies, once every row is done: the arms' critical tokens, the live
+    rows' steps and, with SD, the accepted lengths and the drafts' sources."""
+    run.credit_critical_tokens()
+    stats.live_row_steps += int(counters["row_steps"])
+    if "accept_hist" in counters:
+      stats.accept_hist = (0 if stats.accept_hist is None else stats.accept_hist) + \
+          counters["accept_hist"]
+      stats.add_sources(counters["source_steps"], counters["source_tokens"])
+
+  def _compact(self, run: ChunkRun, live: np.ndarray, cache_lens: np.ndarray,
+               stats: RolloutStats) -> None:
+    """Gathers the ``live`` slots into the smallest batch bucket that holds them (with
+    compaction on and where that bucket is smaller), and notes their longest committed
+    length."""
+    smaller = bk.bucket_for(live.size, self.config.batch_buckets)
+    if self.config.compaction and smaller < run.batch:
+      index = np.full((smaller,), -1, np.int32)
+      index[:live.size] = live
+      run.state, _ = self._run_timed(stats, "compact_s",
+                                     ("compact", run.batch, smaller, run.kv_len), run.state, index)
+      run.batch = smaller
+    run.live_len = int(cache_lens[live].max())
