@@ -58,10 +58,10 @@ def test_the_shared_tuner_reads_under_its_lock_too():
   from tlt_jax.rollout.tuner import (  # pylint: disable=import-outside-toplevel
       Arm, TunerConfig, make_tuner)
   shared = LockedTuner(make_tuner(TunerConfig()))
-  shared.plan(2, [Arm("vanilla", 1), Arm("chain d3", 4)])
+  shared.plan(2, [Arm("vanilla"), Arm("chain d3", 3)])
   assert shared.config.kind == "cost"  # plain attributes as they are
   for call in (shared.summary, lambda: shared.speeds(2), shared.state_dict,
-               lambda: shared.plan(2, [Arm("vanilla", 1)])):
+               lambda: shared.plan(2, [Arm("vanilla")])):
     done = threading.Event()
     with shared._lock:  # another thread inside the tuner
       worker = threading.Thread(target=lambda c=call: (c(), done.set()))

@@ -14,7 +14,7 @@ from tlt_jax.rollout.tuner import (Arm, BegMab, CostModel, FixedMapping, TunerCo
                                     LONG_SEGMENT, acceptance_from_length, accepted_length,
                                     make_tuner)
 
-ARMS = [Arm("vanilla", 1), Arm("chain d4", 5), Arm("tree d4 k4 v16", 16), Arm("tree d6 k8 v64", 64)]
+ARMS = [Arm("vanilla"), Arm("chain d4"), Arm("tree d4 k4 v16"), Arm("tree d6 k8 v64")]
 NAMES = [a.name for a in ARMS]
 SD_PAYS = (100.0, 160.0, 250.0, 60.0)  # tokens/s per arm: the v16 tree is best
 SD_DOES_NOT_PAY = (250.0, 160.0, 100.0, 60.0)  # vanilla is best
@@ -111,7 +111,7 @@ def test_beg_mab_exploration_rate_follows_the_formula(cfg):
 
 def test_median_not_mean_decides():
   tuner = make_tuner(TunerConfig(kind="beg_mab", epsilon=0.0, epsilon_min=0.0))
-  arms = [Arm("vanilla", 1), Arm("chain d4", 5)]
+  arms = [Arm("vanilla"), Arm("chain d4")]
   assert choose(tuner, 1, arms) == "vanilla"
   feed(tuner, 1, "vanilla", [100.0, 101.0, 99.0])
   assert choose(tuner, 1, arms) == "chain d4"
@@ -126,7 +126,7 @@ def test_median_not_mean_decides():
 @pytest.mark.parametrize("kind", ["beg_mab", "ucb1"])
 def test_ties_go_to_the_arm_offered_first(kind):
   tuner = make_tuner(TunerConfig(kind=kind, epsilon=0.0, epsilon_min=0.0))
-  arms = [Arm("chain d4", 5), Arm("vanilla", 1), Arm("tree d4 k4 v16", 16)]
+  arms = [Arm("chain d4"), Arm("vanilla"), Arm("tree d4 k4 v16")]
   for _ in arms:
     name = choose(tuner, 2, arms)
     feed(tuner, 2, name, [10.0 if name == "chain d4" else 80.0])
@@ -137,7 +137,7 @@ def test_ties_go_to_the_arm_offered_first(kind):
 def test_sliding_window_follows_a_change():
   cfg = TunerConfig(kind="beg_mab", epsilon=0.0, epsilon_min=0.0, window=16)
   tuner = make_tuner(cfg)
-  arms = [Arm("a", 1), Arm("b", 4), Arm("c", 8)]
+  arms = [Arm("a"), Arm("b"), Arm("c")]
   means = {"a": 300.0, "b": 200.0, "c": 100.0}
   for _ in range(100):
     name = choose(tuner, 2, arms)
@@ -159,7 +159,7 @@ def test_sliding_window_follows_a_change():
 def test_every_arm_is_tried_first_in_the_given_order():
   tuner = make_tuner(TunerConfig(kind="beg_mab", epsilon=1.0, epsilon_min=1.0, seed=3))
   state = rng_state(tuner)
-  arms = ARMS + [Arm("ngram d8", 9)]
+  arms = ARMS + [Arm("ngram d8")]
   first = []
   for _ in arms:
     name = choose(tuner, 16, arms)
@@ -168,7 +168,7 @@ def test_every_arm_is_tried_first_in_the_given_order():
   assert first == [a.name for a in arms]
   assert rng_state(tuner) == state  # the initial pulls draw nothing
   # a newly offered arm is pulled before anything else is exploited or explored
-  arms.append(Arm("late", 2))
+  arms.append(Arm("late"))
   assert choose(tuner, 16, arms) == "late"
 
 
@@ -197,7 +197,7 @@ def test_single_arm_is_returned_without_randomness(kind):
   tuner = make_tuner(TunerConfig(kind=kind, epsilon=1.0, fixed=((8, "chain d4"),)))
   state = rng_state(tuner)
   for _ in range(5):
-    assert choose(tuner, 64, [Arm("vanilla", 1)]) == "vanilla"
+    assert choose(tuner, 64, [Arm("vanilla")]) == "vanilla"
     feed(tuner, 64, "vanilla", [10.0])
   assert rng_state(tuner) == state
   assert tuner.summary()["64"] == {"vanilla": {"pulls": 5, "median_reward": 10.0},
@@ -301,7 +301,7 @@ def test_fixed_mapping():
     choose(tuner, 512, ARMS)
   offered = r"'chain d4'.*offered arms: \['vanilla', 'tree d4 k4 v16'\]"
   with pytest.raises(ValueError, match=offered):
-    choose(tuner, 8, [Arm("vanilla", 1), Arm("tree d4 k4 v16", 16)])
+    choose(tuner, 8, [Arm("vanilla"), Arm("tree d4 k4 v16")])
 
 
 def test_fixed_mapping_must_not_be_empty():
@@ -356,7 +356,7 @@ def test_choose_and_update_errors():
   with pytest.raises(ValueError, match="no arms"):
     choose(tuner, 4, [])
   with pytest.raises(ValueError, match="repeated arm names"):
-    choose(tuner, 4, [Arm("vanilla", 1), Arm("vanilla", 1)])
+    choose(tuner, 4, [Arm("vanilla"), Arm("vanilla")])
   with pytest.raises(ValueError, match="bucket must be a positive int"):
     choose(tuner, 0, ARMS)
   with pytest.raises(ValueError, match=r"'tree' was never offered in bucket 8"):
@@ -374,16 +374,16 @@ def test_choose_and_update_errors():
 
 
 def test_arm_validation():
-  with pytest.raises(ValueError, match=r"Arm\.verify_width"):
-    Arm("chain d4", 0)
+  with pytest.raises(ValueError, match=r"Arm\.topk must be a positive int"):
+    Arm("chain d4", 4, 0)
   with pytest.raises(ValueError, match=r"Arm\.name"):
-    Arm("", 1)
+    Arm("")
   with pytest.raises(ValueError, match="reserved"):
-    Arm("best", 1)
-  assert Arm("chain d4", 5, 4).source == "learned"
+    Arm("best")
+  assert Arm("chain d4", 4).source == "learned"
   for source in ("", None, 3):
     with pytest.raises(ValueError, match=r"Arm\.source must be a non-empty str"):
-      Arm("suffix d4", 5, 4, 1, source=source)
+      Arm("suffix d4", 4, 1, source=source)
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
@@ -413,8 +413,8 @@ def test_config_validation(kwargs, pattern):
 
 # ---------------------------------------------------------------- the cost model (kind="cost")
 
-COST_ARMS = [Arm("vanilla", 1), Arm("chain d3", 4, 3, 1), Arm("chain d7", 8, 7, 1),
-             Arm("tree d5 k4 v16", 16, 5, 4)]
+COST_ARMS = [Arm("vanilla"), Arm("chain d3", 3, 1), Arm("chain d7", 7, 1),
+             Arm("tree d5 k4 v16", 5, 4)]
 # seconds per step: a speculative step costs 2.5-8x a vanilla one, more at bigger buckets
 COSTS = {(b, a.name): (1.0 if a.depth == 0 else r * (1 + b / 8)) * 1e-3
          for b in (1, 2, 4, 8) for a, r in zip(COST_ARMS, (1, 2.5, 4.0, 6.0))}
@@ -562,7 +562,7 @@ def test_a_close_call_the_calibration_judged_is_measured_once_with_a_long_segmen
   """Calibrated, chain d3 costs 4 vanilla steps: at acceptance 0.9 (3.44 tokens) it would lose
   by 14%; its real segments cost 2.5 (1.4x faster). One segment of LONG_SEGMENT steps measures
   it, and it is used from then on; a hopeless arm is never measured this way."""
-  arms = COST_ARMS[:2] + [Arm("tree d5 k4 v16", 16, 5, 4)]
+  arms = COST_ARMS[:2] + [Arm("tree d5 k4 v16", 5, 4)]
   tuner = make_tuner(TunerConfig())
   tuner.set_costs({(1, "vanilla"): 1e-3, (1, "chain d3"): 4e-3, (1, "tree d5 k4 v16"): 20e-3})
   real = {"vanilla": 1e-3, "chain d3": 2.5e-3, "tree d5 k4 v16": 20e-3}
@@ -583,8 +583,8 @@ def test_a_close_call_the_calibration_judged_is_measured_once_with_a_long_segmen
 # ---------------------------------------------------------------- drafters of several sources
 
 # the learned arms of COST_ARMS beside a suffix drafter's (model-free: cheaper steps)
-SOURCE_ARMS = COST_ARMS[:3] + [Arm("suffix d3", 4, 3, 1, source="suffix"),
-                               Arm("suffix d7", 8, 7, 1, source="suffix")]
+SOURCE_ARMS = COST_ARMS[:3] + [Arm("suffix d3", 3, 1, source="suffix"),
+                               Arm("suffix d7", 7, 1, source="suffix")]
 SOURCE_COSTS = {**COSTS, **{(b, name): r * (1 + b / 8) * 1e-3 for b in (1, 2, 4, 8)
                             for name, r in (("suffix d3", 1.5), ("suffix d7", 2.5))}}
 
@@ -613,7 +613,7 @@ def test_an_arm_never_run_borrows_acceptance_only_from_its_own_drafter():
   assert tuner.speeds(1)["suffix d7"]["accepted"] == pytest.approx(accepted_length(0.9, 7), abs=0.1)
   # an arm offered again as another drafter's is predicted by that one's (the cache follows)
   assert tuner.speeds(1)["chain d3"]["accepted"] == pytest.approx(accepted_length(0.05, 3), abs=0.1)
-  tuner.plan(1, COST_ARMS[:1] + [Arm("chain d3", 4, 3, 1, source="suffix")])
+  tuner.plan(1, COST_ARMS[:1] + [Arm("chain d3", 3, 1, source="suffix")])
   assert tuner.speeds(1)["chain d3"]["accepted"] == pytest.approx(accepted_length(0.9, 3), abs=0.1)
 
 
@@ -723,7 +723,7 @@ def test_every_kind_takes_a_drafter_source(cfg):
   tuner.observe_drafter(0.5, source="suffix")
   tuner.observe_drafter(source="learned")
   assert tuner.state_dict() == before
-  assert before["meta"][-1] == ["suffix d7", 8, 7, 1, "suffix"]
+  assert before["meta"][-1] == ["suffix d7", 7, 1, "suffix"]
   restored = make_tuner(cfg)
   restored.load_state_dict(json.loads(json.dumps(before)))
   assert restored.state_dict() == before
@@ -786,7 +786,7 @@ def test_a_state_of_an_older_layout_is_refused_naming_both_versions():
   restored = make_tuner(TunerConfig(window=4))
   before = restored.state_dict()
   with pytest.raises(ValueError, match=r"layout version 2 \(its arms carry no drafter source.*\), "
-                                       r"but this tlt_jax reads version 3 only; resume with the "
+                                       r"but this tlt_jax reads version 4 only; resume with the "
                                        r"tlt_jax that saved it, or leave the saved state out"):
     restored.load_state_dict(json.loads(json.dumps(OLD_STATE)))
   assert restored.state_dict() == before  # nothing half loaded
@@ -796,9 +796,22 @@ def test_a_state_of_an_older_layout_is_refused_naming_both_versions():
   with pytest.raises(ValueError, match=r"layout version 1 \(its arms carry no step costs"):
     restored.load_state_dict(older)
   bandit = make_tuner(TunerConfig(kind="beg_mab")).state_dict()
+  del bandit["version"]  # before version 4 a state did not say its version
   bandit["meta"] = [["vanilla", 1, 0, 1]]
   with pytest.raises(ValueError, match=r"layout version 2"):
     make_tuner(TunerConfig(kind="beg_mab")).load_state_dict(bandit)
+  # version 3: every arm with the tokens a target pass verifies, no version key
+  play_sources(restored)
+  three = json.loads(json.dumps(restored.state_dict()))
+  del three["version"]
+  three["meta"] = [[name, 1, depth, topk, source] for name, depth, topk, source in three["meta"]]
+  with pytest.raises(ValueError, match=r"layout version 3 \(its arms carry the tokens a target "
+                                       r"pass verifies.*\), but this tlt_jax reads version 4"):
+    make_tuner(TunerConfig()).load_state_dict(three)
+  future = dict(restored.state_dict(), version=5)
+  with pytest.raises(ValueError, match=r"layout version 5 \(a layout this tlt_jax does not know"):
+    make_tuner(TunerConfig()).load_state_dict(future)
+  assert make_tuner(TunerConfig()).load_state_dict(restored.state_dict()) is None
 
 
 def test_only_the_bandits_keep_an_rng():

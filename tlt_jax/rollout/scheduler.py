@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from tlt_jax.rollout import buckets as bk
+from tlt_jax.rollout.kinds import DrafterKind
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.stats import RolloutStats
@@ -62,18 +63,18 @@ class Strategy:
   group: str
   choice: int
   spec: SpecConfig | None
-  kind: str = "learned"  # who drafts (``StrategyGroup.kind``); vanilla: irrelevant
+  kind: DrafterKind = DrafterKind.LEARNED  # who drafts (``StrategyGroup.kind``); vanilla: any
 
   @property
   def arm(self) -> Arm:
     if self.spec is None:
-      return Arm(self.name, 1)
-    return Arm(self.name, self.spec.verify_tokens, self.spec.depth, self.spec.topk, self.kind)
+      return Arm(self.name)
+    return Arm(self.name, self.spec.depth, self.spec.topk, self.kind)
 
   @property
   def learned(self) -> bool:
     """Whether the learned drafter drafts this strategy (it must be caught up first)."""
-    return self.spec is not None and self.kind == "learned"
+    return self.spec is not None and self.kind == DrafterKind.LEARNED
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,21 +36,22 @@ from tlt_jax.utils import require_positive_ints
 _SUMMARY_BEST = "best"  # the summary's per-bucket key for the best arm; no arm may use this name
 
 # The layout of a saved tuner state that load_state_dict reads, and what the older ones lacked.
-STATE_VERSION = 3
+# From version 4 on the state says its version (``"version"``); older ones are told by shape.
+STATE_VERSION = 4
 _OLD_LAYOUTS = {
     1: "its arms carry no step costs (saved before the cost tuner)",
     2: "its arms carry no drafter source (saved before drafters had sources)",
+    3: "its arms carry the tokens a target pass verifies, which nothing read",
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-  """A decoding strategy the engine can run: its name, the tokens one target pass verifies and
-  which drafter drafts for it (``source``: arms of one source share what is learned of its
-  acceptance; drafters of different sources are judged apart)."""
+  """A decoding strategy the engine can run: its name, its draft shape and which drafter drafts
+  for it (``source``: arms of one source share what is learned of its acceptance; drafters of
+  different sources are judged apart)."""
 
   name: str
-  verify_width: int  # tokens per target pass (vanilla: 1)
   depth: int = 0  # draft levels (vanilla: 0); the cost model's acceptance prediction uses it
   topk: int = 1  # children per draft node (chains: 1)
   source: str = "learned"  # the drafter: "learned" (EAGLE), "ngram", "suffix", ... (vanilla: any)
@@ -61,7 +62,7 @@ class Arm:
     if self.name == _SUMMARY_BEST:
       raise ValueError(f"Arm.name {self.name!r} is reserved (Tuner.summary uses it as a key); "
                        "rename the strategy")
-    require_positive_ints(self, "verify_width", "topk")
+    require_positive_ints(self, "topk")
     if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 0:
       raise ValueError(f"Arm.depth must be an int >= 0, got {self.depth!r}")
     if not isinstance(self.source, str) or not self.source:
@@ -283,8 +284,8 @@ class Tuner:
           "arms": [[name, rec.pulls, list(rec.rewards), [list(x) for x in rec.step_s]]
                    for name, rec in stats.arms.items()],
       }
-    return {"kind": self.config.kind, "buckets": buckets,
-            "meta": [[a.name, a.verify_width, a.depth, a.topk, a.source]
+    return {"version": STATE_VERSION, "kind": self.config.kind, "buckets": buckets,
+            "meta": [[a.name, a.depth, a.topk, a.source]
                      for a in self._meta.values()],
             "costs": [[b, a, c] for (b, a), c in self._costs.items()], "overhead": self._overhead}
 
@@ -304,8 +305,8 @@ class Tuner:
       for name, pulls, rewards, step_s in saved["arms"]:
         stats.arms[name] = _ArmStats(self.config.window, int(pulls), rewards, step_s)
       buckets[_check_bucket(int(key))] = stats
-    meta = {name: Arm(name, int(width), int(depth), int(topk), source)
-            for name, width, depth, topk, source in state["meta"]}
+    meta = {name: Arm(name, int(depth), int(topk), source)
+            for name, depth, topk, source in state["meta"]}
     self._buckets, self._meta = buckets, meta
     self._costs = {(int(b), str(a)): float(c) for b, a, c in state["costs"]}
     self._overhead = float(state["overhead"])
@@ -340,15 +341,17 @@ def _check_drafter(owner: str, quality, source) -> None:
 
 
 def state_version(state: dict) -> int:
-  """The layout version of a saved tuner state, read from its shape: 1 without step costs, 2
-  without drafter sources, ``STATE_VERSION`` for the layout ``state_dict`` writes."""
+  """The layout version of a saved tuner state: its ``"version"`` (4 on), else read from its
+  shape: 1 without step costs, 2 without drafter sources, 3 otherwise."""
+  if "version" in state:
+    return state["version"]
   arms = [arm for saved in state.get("buckets", {}).values() for arm in saved.get("arms", [])]
   if "costs" not in state or any(len(arm) < 4 for arm in arms):
     return 1
   cost_model = state.get("cost_model", {"drafters": {}})
   if "meta" not in state or any(len(m) < 5 for m in state["meta"]) or "drafters" not in cost_model:
     return 2
-  return STATE_VERSION
+  return 3
 
 
 def check_state_version(state: dict) -> None:
@@ -356,7 +359,8 @@ def check_state_version(state: dict) -> None:
   layout of ``STATE_VERSION``."""
   found = state_version(state)
   if found != STATE_VERSION:
-    raise ValueError(f"Tuner.load_state_dict: the saved tuner state has layout version {found} "
-                     f"({_OLD_LAYOUTS[found]}), but this tlt_jax reads version {STATE_VERSION} "
+    what = _OLD_LAYOUTS.get(found, "a layout this tlt_jax does not know")
+    raise ValueError(f"Tuner.load_state_dict: the saved tuner state has layout version {found!r} "
+                     f"({what}), but this tlt_jax reads version {STATE_VERSION} "
                      "only; resume with the tlt_jax that saved it, or leave the saved state out "
                      "so that the tuner starts afresh")
