@@ -239,6 +239,9 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
     ("rollout.segment_steps", -1, r"config.rollout.segment_steps must be an int >= 0"),
     ("rollout.sd_max_batch", 0, r"config.rollout.sd_max_batch must be a positive int"),
     # checks that need the devices or the task's prompts, still before the warm start
+    ("trainer.minibatches", 3, (r"config.trainer.prompts_per_step x config.grpo.group_size = \d+ "
+                                r"rows must split into config.trainer.minibatches=3 minibatches "
+                                r".*\(config.mesh_devices sets how many\)")),
     ("rollout_devices", 99, r"config.rollout_devices=99 but the mesh has \d+ devices"),
     ("mesh_devices", 99, r"config.mesh_devices=99 but only \d+ devices are visible"),
     ("rollout.max_prompt_len", 6, (r"config.rollout.max_prompt_len=6 is shorter than the task's "

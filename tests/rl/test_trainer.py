@@ -537,3 +537,12 @@ def test_the_suffix_drafter_drafts_from_the_store():
   assert all(1.0 <= m["mean_accept_len"] <= 4.0 for m in (first, second))
   # the second epoch drafts from the first one's completions
   assert "accept_len/history" not in first and second["accept_len/history"] >= 1.0
+
+
+def test_the_update_layout_rule_names_the_fields():
+  from tlt_jax.rl.trainer import check_update_layout  # pylint: disable=import-outside-toplevel
+  config = TrainerConfig(prompts_per_step=4, minibatches=3)
+  with pytest.raises(ValueError, match=r"TrainerConfig.prompts_per_step x GRPOConfig.group_size = "
+                                       r"8 rows must split into TrainerConfig.minibatches=3 "):
+    check_update_layout(config, grpo.GRPOConfig(group_size=2), 1)
+  check_update_layout(TrainerConfig(prompts_per_step=4, minibatches=2), grpo.GRPOConfig(2), 2)

@@ -27,6 +27,7 @@ from tlt_jax.job.run_dir import CHECKPOINTS, DRAFTER_CHECKPOINTS, FINAL_MODEL, M
     choose_logdir, export_final_drafter, export_final_model, open_run, save_run_config, \
     set_aside_leftovers
 from tlt_jax.job.signals import Interrupted, StopSignals
+from tlt_jax.job.typed_config import ConfigError, config_error
 from tlt_jax.models.load import from_pretrained
 from tlt_jax.models.drafter import Drafter, drafter_policy_mismatch
 from tlt_jax.models.transformer import Transformer, init_model
@@ -86,7 +87,11 @@ def _open_job(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None
     _say(note)
   job = build_job(cfg)
   devices = job_devices(cfg)
-  check_update_layout(job.trainer, job.grpo, len(devices))
+  try:
+    check_update_layout(job.trainer, job.grpo, len(devices))
+  except ValueError as e:
+    layout = config_error(e, None, {"TrainerConfig": "trainer", "GRPOConfig": "grpo"})
+    raise ConfigError(f"{layout} (config.mesh_devices sets how many)") from None
   _say(f"config:\n{describe(cfg)}")
   return cfg, job, logdir, latest, devices
 
@@ -127,7 +132,8 @@ def _set_up_trainer(job: Job, latest: int | None, mesh: jax.sharding.Mesh) -> GR
   if isinstance(job.drafter, Drafter) and learned != "eagle":
     warning = drafter_policy_mismatch(learned, model)  # the policy RL starts from
     if warning:
-      _say(f"warning: {warning}")
+      _say(f"warning: {warning} (--config.drafter={learned} "
+           "--config.drafter_training.online=True)")
   with _outside_the_steps(job, latest, "while building the trainer"):
     return make_trainer(job, model, mesh)
 

@@ -43,7 +43,7 @@ def section(cfg: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigD
   return value
 
 
-def config_error(error: Exception, where: str, sections: dict[str, str] | None = None,
+def config_error(error: Exception, where: str | None, sections: dict[str, str] | None = None,
                  sources: dict[str, str] | None = None) -> ConfigError:
   """The one place where the job's config path goes in front of a library error: ``error``,
   raised while building a dataclass from ``config.<where>``, as a :class:`ConfigError`.
@@ -52,14 +52,15 @@ def config_error(error: Exception, where: str, sections: dict[str, str] | None =
   where the section is ``sections[Owner]`` (a nested dataclass's own section, e.g.
   ``{"TunerConfig": "rollout.tuner"}``) or ``where``; a field the job fills from elsewhere
   in the config is named by its ``sources`` path instead (``{"num_prompts":
-  "task.num_prompts"}``). Any other error reads ``config.<where>: <message>``. Either way each
+  "task.num_prompts"}``). Any other error reads ``config.<where>: <message>`` (``where`` None:
+  a rule over several sections, the message alone). Either way each
   ``Owner.`` of ``sections`` the message mentions is spelled as its section."""
   sections, sources = sections or {}, sources or {}
   if isinstance(error, FieldError):
     path = sources.get(error.field) or f"{sections.get(error.owner, where)}.{error.field}"
     text = f"config.{path} {error.problem}"
   else:
-    text = f"config.{where}: {error}"
+    text = str(error) if where is None else f"config.{where}: {error}"
   for owner, section_ in sections.items():
     text = text.replace(f"{owner}.", f"config.{section_}.")
   return ConfigError(text)

@@ -255,8 +255,7 @@ def drafter_policy_mismatch(path: str | Path, policy) -> str | None:
   name = f" ({record['name']})" if record.get("name") else ""
   return (f"drafter {path} was trained for policy {expected[:19]}{name}, not for this one "
           f"({actual[:19]}): decoding stays exact, but expect far fewer accepted drafts; retrain "
-          f"it for this policy or fine-tune it online (--config.drafter={path} "
-          f"--config.drafter_training.online=True)")
+          f"it for this policy or fine-tune it online")
 
 
 def load_drafter(path: str | Path, target_config: ModelConfig | None = None) -> Drafter:

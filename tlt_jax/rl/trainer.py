@@ -143,9 +143,9 @@ def check_update_layout(config: TrainerConfig, grpo_config: grpo.GRPOConfig, dev
   rows = config.prompts_per_step * grpo_config.group_size
   if rows % config.minibatches or (rows // config.minibatches) % devices:
     raise ValueError(
-        f"trainer.prompts_per_step x grpo.group_size = {rows} rows must split into "
-        f"trainer.minibatches={config.minibatches} minibatches whose size divides over "
-        f"{devices} devices (set --config.mesh_devices, or change those fields)")
+        f"TrainerConfig.prompts_per_step x GRPOConfig.group_size = {rows} rows must split into "
+        f"TrainerConfig.minibatches={config.minibatches} minibatches whose size divides over "
+        f"{devices} devices: change those fields or the devices")
 
 
 def check_rollout_devices(value, available: int | None = None,
