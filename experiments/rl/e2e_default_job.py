@@ -84,16 +84,11 @@ def make_trainer(job, policy_dir: pathlib.Path) -> harness.GRPOTrainer:
   long each part took."""
   mesh = jax.sharding.Mesh(np.array(job_devices(job.cfg)), ("data",))
   trainer = runner.make_trainer(job, rb.load_policy(policy_dir), mesh)
-  t0 = time.perf_counter()
-  rollout = trainer.engine.precompile()
-  t1 = time.perf_counter()
-  update = trainer.precompile_update()
-  t2 = time.perf_counter()
-  devices = trainer.precompile_drafter()
-  trainer.precompile_s = dict(rollout=round(t1 - t0, 1), update=round(t2 - t1, 1),
-                              drafter=round(time.perf_counter() - t2, 1),
-                              executables=dict(rollout=rollout, update=update),
-                              drafter_devices=devices)
+  done = runner.precompile(trainer)
+  trainer.precompile_s = dict(rollout=round(done.rollout_s, 1), update=round(done.update_s, 1),
+                              drafter=round(done.drafter_s, 1),
+                              executables=dict(rollout=done.rollout, update=done.update),
+                              drafter_devices=done.drafter_devices)
   rb.record_rollouts(trainer)
   return trainer
 
