@@ -18,6 +18,7 @@ import pytest
 from tests.helpers import assert_written_atomically, garble
 from tests.xla_env import subprocess_env
 from tlt_jax import generate, train
+from tlt_jax.checkpoint.checkpointer import CheckpointError
 from tlt_jax.job import runner
 from tlt_jax.job.build import build_job
 from tlt_jax.job.run_dir import CONFIG_FILE, export_final_model, resume_config, save_run_config
@@ -426,9 +427,19 @@ def test_a_refused_resume_writes_nothing(finished_run, tmp_path):
   shutil.rmtree(logdir / "final_model")  # unfinished, so the resume restores
   before = {name: (logdir / name).read_bytes() for name in ("config.json", "metrics.jsonl")}
   cfg = tiny_config(logdir, resume=True)
-  cfg.model.hidden_size = 64  # the checkpoint's policy has 32
+  cfg.model.hidden_size = 64  # the checkpoint's policy has 32: refused before anything loads
   with pytest.raises(ValueError):
     train.run(cfg, overrides=["model.hidden_size"])
+  assert {name: (logdir / name).read_bytes() for name in before} == before
+  # an override the saved config allows, but no checkpoint restores (each one's arrays damaged):
+  # the run fails at the restore itself, and config.json still holds the run's steps
+  for array in (logdir / "checkpoints").rglob("*"):
+    if array.is_file() and array.suffix not in (".json",) and array.stat().st_size > 64:
+      array.write_bytes(b"\0" * array.stat().st_size)
+  cfg = tiny_config(logdir, resume=True)
+  cfg.trainer.steps = 5
+  with pytest.raises(CheckpointError, match="no good checkpoint left"):
+    train.run(cfg, overrides=["trainer.steps"])
   assert {name: (logdir / name).read_bytes() for name in before} == before
 
 
