@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tlt_jax.rollout.kinds import DrafterKind
 from tlt_jax.rollout.tuner.config import TunerConfig
 from tlt_jax.utils import require_positive_ints
 
@@ -54,7 +55,7 @@ class Arm:
   name: str
   depth: int = 0  # draft levels (vanilla: 0); the cost model's acceptance prediction uses it
   topk: int = 1  # children per draft node (chains: 1)
-  source: str = "learned"  # the drafter: "learned" (EAGLE), "ngram", "suffix", ... (vanilla: any)
+  source: str = DrafterKind.LEARNED  # the drafter that drafts for it (vanilla: any)
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -199,7 +200,7 @@ class Tuner:
     stats = self._buckets.get(bucket)
     return None if stats is None else stats.arms.get(arm)
 
-  def observe_drafter(self, quality: float | None = None, source: str = "learned",
+  def observe_drafter(self, quality: float | None = None, source: str = DrafterKind.LEARNED,
                       forget: bool = False) -> None:
     """The drafter of ``source`` changed (the learned one's weights after online training, a
     suffix drafter's history grew); ``quality`` is the held-out top-1 agreement of what drafted

@@ -19,6 +19,7 @@ import statistics
 
 from tlt_jax.rollout.tuner.base import LONG_SEGMENT, Decision, Tuner, _BucketStats, _check_bucket, \
     _check_drafter
+from tlt_jax.rollout.kinds import DrafterKind
 from tlt_jax.rollout.tuner.config import TunerConfig
 
 
@@ -126,7 +127,7 @@ class CostModel(Tuner):
     super().set_costs(step_seconds, overhead_s)
 
   # ---- what it is told -------------------------------------------------------------------
-  def observe_drafter(self, quality: float | None = None, source: str = "learned",
+  def observe_drafter(self, quality: float | None = None, source: str = DrafterKind.LEARNED,
                       forget: bool = False) -> None:
     _check_drafter("CostModel", quality, source)
     self._speeds.clear()
@@ -148,7 +149,7 @@ class CostModel(Tuner):
       window.append((alpha, drafter.version))
 
   # ---- predictions -------------------------------------------------------------------------
-  def alpha(self, arm: str | None = None, source: str = "learned") -> float | None:
+  def alpha(self, arm: str | None = None, source: str = DrafterKind.LEARNED) -> float | None:
     """The per-token acceptance of ``arm``'s drafter as ``arm``'s segments measured it (an arm
     never run: pooled over the arms of its ``Arm.source``; ``arm`` None or never offered: over
     the arms of ``source``), each measurement shifted by how much that drafter's reported top-1
