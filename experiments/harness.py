@@ -27,7 +27,8 @@ holds, from the bottom up:
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
 * offline drafter training: ``step_printer`` (the log lines of
   ``tlt_jax.drafter.warmup.train_drafter_on_batch``);
-* reports: ``package_version``, ``write_json`` (indented JSON, its folder made) and the
+* reports: ``package_version``, ``machine`` (what a benchmark ran on: one way of reading each
+  fact, under each script's own keys), ``write_json`` (indented JSON, its folder made) and the
   package's ``write_report``.
 
 Imports stay within the package's runtime dependencies (no ``ml_collections``, torch or gguf at
@@ -41,7 +42,9 @@ import argparse
 import ast
 import importlib.metadata
 import json
+import os
 import pathlib
+import platform
 import statistics
 import time
 from typing import Any, Callable, TypeVar
@@ -519,6 +522,23 @@ def package_version(name: str) -> str | None:
     return importlib.metadata.version(name)
   except importlib.metadata.PackageNotFoundError:
     return None
+
+
+def machine(*facts: str, **renamed: str) -> dict[str, Any]:
+  """What a benchmark ran on, under the keys its JSON has always used: each of ``facts`` under
+  its own name, then each ``key="fact"`` of ``renamed`` under ``key``. The facts: ``platform``,
+  ``host``, ``python``, ``cpu_count``, ``loadavg_end`` (the load averages when called: call it
+  at the end), ``jax`` (its version), ``backend``, ``device_kind`` (the first device's),
+  ``device_count``, ``devices`` (each device as text); any other fact names a distribution, read
+  as its installed version (``package_version``: None where it is not installed)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  read = dict(platform=platform.platform, host=platform.node, python=platform.python_version,
+              cpu_count=os.cpu_count, loadavg_end=lambda: list(os.getloadavg()),
+              jax=lambda: jax.__version__, backend=jax.default_backend,
+              device_kind=lambda: jax.devices()[0].device_kind, device_count=jax.device_count,
+              devices=lambda: [str(d) for d in jax.devices()])
+  return {key: read[fact]() if fact in read else package_version(fact)
+          for key, fact in [(f, f) for f in facts] + list(renamed.items())}
 
 
 def write_json(path, report: Any) -> pathlib.Path:

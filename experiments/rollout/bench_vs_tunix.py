@@ -27,17 +27,13 @@ pad id would silently change the outputs whenever the model generates that token
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
 
-import jax
 import numpy as np
 
 from experiments import harness
@@ -302,11 +298,8 @@ def main():
       ratio_ours_over_tunix={b: r["ratio_ours_over_tunix"] for b, r in results.items()},
       tokens_per_s={b: r["tokens_per_s"] for b, r in results.items()},
       results=results,
-      env=dict(jax=jax.__version__, jaxlib=importlib.metadata.version("jaxlib"),
-               flax=importlib.metadata.version("flax"),
-               tunix=importlib.metadata.version("google-tunix"), backend=jax.default_backend(),
-               devices=[str(d) for d in jax.devices()], python=platform.python_version(),
-               cpu_count=os.cpu_count(), loadavg_end=list(os.getloadavg())))
+      env=harness.machine("jax", "jaxlib", "flax", "backend", "devices", "python", "cpu_count",
+                          "loadavg_end", tunix="google-tunix"))
   print(f"ratio ours/tunix: {json.dumps(summary['ratio_ours_over_tunix'])}")
   write_report(a.out, summary)
 

@@ -447,8 +447,8 @@ def main():
     print(f"  {name:62s} {us:8.1f} us  {100 * us / step:6.1f}%")
   summary = dict(batch=a.batch, kv_len=kv_len, prompt_len=a.prompt_len, steps=a.steps,
                  repeats=a.repeats, us_per_step_min=best, us_per_step_median=med,
-                 derived_us=derived, all_s_per_step=times, backend=jax.default_backend(),
-                 jax=jax.__version__, cpu_count=os.cpu_count(), loadavg_end=list(os.getloadavg()))
+                 derived_us=derived, all_s_per_step=times,
+                 **harness.machine("backend", "jax", "cpu_count", "loadavg_end"))
   if a.trace:
     tr_out = trace_segment(
         segment, lambda: segment(weights, fresh_state(), args, np.int32(0), np.int32(0)),
