@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import shlex
 import shutil
 import statistics
@@ -658,22 +657,22 @@ ENTRIES = {e.name: e for e in (
 
 
 def hardware() -> dict:
-  """What the results were measured on (the JAX backend as the scripts see it)."""
-  info = dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version())
+  """What the results were measured on: ``harness.machine`` in a fresh interpreter (the JAX
+  backend as the scripts see it; this driver never loads JAX)."""
+  probe = ("import json; from experiments import harness; print(json.dumps(harness.machine("
+           "'platform', 'python', 'jax', 'backend', cpus='cpu_count', device='device_kind', "
+           "devices='device_count')))")
   try:
-    probe = subprocess.run([sys.executable, "-c", "import jax; d = jax.devices()[0]; print("
-                            "jax.__version__, d.platform, d.device_kind, len(jax.devices()))"],
-                           capture_output=True, text=True, timeout=120, check=True)
-    version, backend, kind, count = probe.stdout.split()[-4:]
-    info.update(jax=version, backend=backend, device=kind, devices=int(count))
-  except (subprocess.SubprocessError, ValueError) as e:
-    info.update(jax=f"unknown ({e})")
-  return info
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+  except (subprocess.SubprocessError, ValueError, IndexError) as e:
+    return dict(jax=f"unknown ({e})")
 
 
 def describe(hw: dict) -> str:
   return (f"{hw.get('backend', '?')} ({hw.get('device', '?')}) × {hw.get('devices', '?')}, "
-          f"{hw['cpus']} CPUs, {hw['platform']}, JAX {hw.get('jax', '?')}")
+          f"{hw.get('cpus', '?')} CPUs, {hw.get('platform', '?')}, JAX {hw.get('jax', '?')}")
 
 
 RAN_HERE: set[str] = set()  # the commands this process has run (``--fresh`` runs each once)
