@@ -22,7 +22,8 @@ holds, from the bottom up:
   (vanilla plus one engine per strategy), ``warm_up`` (precompile and one untimed run),
   ``interleaved`` (repeats of several contenders in turn, so that load from other processes
   falls on all of them), ``ratios`` / ``median_ratio`` (per-repeat ratios, then their median:
-  how every speedup here is reported);
+  how every speedup here is reported), ``median`` / ``mean`` of what was measured (None left
+  out);
 * the speculative-decoding tables of sd/bench_sd.py and its --smollm2 mode (``measure``,
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
 * offline drafter training: ``step_printer`` (the log lines of
@@ -341,6 +342,18 @@ def ratios(mine: list, theirs: list, value: Callable = lambda s: s["tokens_per_s
 def median_ratio(mine: list, theirs: list, value: Callable = lambda s: s["tokens_per_s"]):
   """The median of the per-repeat ratios (how every speedup in these benchmarks is reported)."""
   return statistics.median(ratios(mine, theirs, value))
+
+
+def median(values) -> float | None:
+  """The median of ``values`` left out None (None where nothing is left)."""
+  values = [v for v in values if v is not None]
+  return float(statistics.median(values)) if values else None
+
+
+def mean(values) -> float | None:
+  """The mean of ``values`` left out None (None where nothing is left)."""
+  values = [v for v in values if v is not None]
+  return float(np.mean(values)) if values else None
 
 
 def timed(fn: Callable[..., T], *args, **kwargs) -> tuple[float, T]:
