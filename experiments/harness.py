@@ -22,12 +22,14 @@ holds, from the bottom up:
   (vanilla plus one engine per strategy), ``warm_up`` (precompile and one untimed run),
   ``interleaved`` (repeats of several contenders in turn, so that load from other processes
   falls on all of them), ``ratios`` / ``median_ratio`` (per-repeat ratios, then their median:
-  how every speedup here is reported);
+  how every speedup here is reported), ``median`` / ``mean`` of what was measured (None left
+  out);
 * the speculative-decoding tables of sd/bench_sd.py and its --smollm2 mode (``measure``,
   ``depth_table``, ``phase_split``, ``forward_cost``, ``heatmap``);
 * offline drafter training: ``step_printer`` (the log lines of
   ``tlt_jax.drafter.warmup.train_drafter_on_batch``);
-* reports: ``package_version``, ``write_json`` (indented JSON, its folder made) and the
+* reports: ``package_version``, ``machine`` (what a benchmark ran on: one way of reading each
+  fact, under each script's own keys), ``write_json`` (indented JSON, its folder made) and the
   package's ``write_report``.
 
 Imports stay within the package's runtime dependencies (no ``ml_collections``, torch or gguf at
@@ -41,7 +43,9 @@ import argparse
 import ast
 import importlib.metadata
 import json
+import os
 import pathlib
+import platform
 import statistics
 import time
 from typing import Any, Callable, TypeVar
@@ -340,6 +344,18 @@ def median_ratio(mine: list, theirs: list, value: Callable = lambda s: s["tokens
   return statistics.median(ratios(mine, theirs, value))
 
 
+def median(values) -> float | None:
+  """The median of ``values`` left out None (None where nothing is left)."""
+  values = [v for v in values if v is not None]
+  return float(statistics.median(values)) if values else None
+
+
+def mean(values) -> float | None:
+  """The mean of ``values`` left out None (None where nothing is left)."""
+  values = [v for v in values if v is not None]
+  return float(np.mean(values)) if values else None
+
+
 def timed(fn: Callable[..., T], *args, **kwargs) -> tuple[float, T]:
   """``fn(*args, **kwargs)`` and the wall seconds it took."""
   t0 = time.perf_counter()
@@ -519,6 +535,23 @@ def package_version(name: str) -> str | None:
     return importlib.metadata.version(name)
   except importlib.metadata.PackageNotFoundError:
     return None
+
+
+def machine(*facts: str, **renamed: str) -> dict[str, Any]:
+  """What a benchmark ran on, under the keys its JSON has always used: each of ``facts`` under
+  its own name, then each ``key="fact"`` of ``renamed`` under ``key``. The facts: ``platform``,
+  ``host``, ``python``, ``cpu_count``, ``loadavg_end`` (the load averages when called: call it
+  at the end), ``jax`` (its version), ``backend``, ``device_kind`` (the first device's),
+  ``device_count``, ``devices`` (each device as text); any other fact names a distribution, read
+  as its installed version (``package_version``: None where it is not installed)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  read = dict(platform=platform.platform, host=platform.node, python=platform.python_version,
+              cpu_count=os.cpu_count, loadavg_end=lambda: list(os.getloadavg()),
+              jax=lambda: jax.__version__, backend=jax.default_backend,
+              device_kind=lambda: jax.devices()[0].device_kind, device_count=jax.device_count,
+              devices=lambda: [str(d) for d in jax.devices()])
+  return {key: read[fact]() if fact in read else package_version(fact)
+          for key, fact in [(f, f) for f in facts] + list(renamed.items())}
 
 
 def write_json(path, report: Any) -> pathlib.Path:

@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import shlex
 import shutil
 import statistics
@@ -118,6 +117,13 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
           ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def one_run(work: pathlib.Path, name: str, *args: object) -> list[Run]:
+  """The one run of the script ``name`` (``TOPIC/NAME``), writing ``work/NAME.json`` (its
+  ``--out``, the last flag)."""
+  out = work / f"{pathlib.Path(name).name}.json"
+  return [Run(script(name, *args, "--out", out), out)]
+
+
 def model_args(a: argparse.Namespace) -> tuple[str, ...]:
   return ("--model", a.model) if a.model else ()
 
@@ -195,14 +201,16 @@ def render_table4(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
   peak = max(s for s, _ in best.values())
   verdict = (f"best SD speedup {peak:.2f}× (paper: {PAPER['table4'][(1, 64)]}× at batch 1, "
              f"{PAPER['table4'][(32, 16)]}× at batch 32)")
-  if peak < PAPER["sd_batch1"][0]:
-    lines += ["", *sd_breakdown(reports)]
+  lines += sd_breakdown(reports, peak)
   return Rendered(lines, None, verdict, copy_png=_sd_png(reports, a, "batch"))
 
 
-def sd_breakdown(reports: dict[str, dict]) -> list[str]:
-  """Why SD misses the paper's speedup, from this run's measurements: what a target pass over T
-  tokens costs against a 1-token pass, and where an SD step's time goes at batch 1."""
+def sd_breakdown(reports: dict[str, dict], peak: float) -> list[str]:
+  """Where the best speedup ``peak`` misses the paper's SD alone at batch 1, why, from this run's
+  measurements: what a target pass over T tokens costs against a 1-token pass, and where an SD
+  step's time goes at batch 1 (a blank line first); nothing where it does not."""
+  if peak >= PAPER["sd_batch1"][0]:
+    return []
   if "bench_sd_phases" in reports:  # tiny: bench_sd.py --phase-split
     passes = reports["bench_sd_phases"]["target_pass_ms"]
     phases = reports["bench_sd_phases"]["phases"]
@@ -211,9 +219,9 @@ def sd_breakdown(reports: dict[str, dict]) -> list[str]:
     passes = r["cost"]["1"]["target_pass_ms"]
     phases = r["phases"]["1"]
   else:
-    return ["**Target missed** (this run has no phase split to explain it)."]
-  out = ["**Target missed.** SD pays when a target pass over T tokens costs about a 1-token pass "
-         "(memory-bound decoding on an accelerator). Measured here, one target pass over T "
+    return ["", "**Target missed** (this run has no phase split to explain it)."]
+  out = ["", "**Target missed.** SD pays when a target pass over T tokens costs about a 1-token "
+         "pass (memory-bound decoding on an accelerator). Measured here, one target pass over T "
          "tokens ÷ a 1-token pass at batch 1: " + ", ".join(
              f"T={t}: {ms / passes['1']:.1f}×" for t, ms in passes.items()) + ".", "",
          "Where a step's time goes at batch 1 (the timing callbacks inflate every phase):", ""]
@@ -238,8 +246,7 @@ def render_fig13(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
                if isinstance(c, dict))
   lines += ["", f"Accepted length grows with depth and width (up to {accept:.2f} tokens a step); "
                 f"the best speedup is {peak:.2f}×."]
-  if peak < PAPER["sd_batch1"][0]:
-    lines += ["", *sd_breakdown(reports)]
+  lines += sd_breakdown(reports, peak)
   return Rendered(lines, None, f"best {peak:.2f}× at batch 1 (paper: SD alone "
                                f"{PAPER['sd_batch1'][0]}–{PAPER['sd_batch1'][1]}×)",
                   copy_png=_sd_png(reports, a, "depth"))
@@ -253,18 +260,17 @@ def pool_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
     if not a.model or not pathlib.Path(a.model).is_dir():
       raise ReproduceError("table5 --size real compiles the pool for an HF checkpoint directory: "
                            "give it with --model /path/to/hf_dir")
-    return [Run(script("sd/ablate_pool", "--target", a.model, "--max-batch", 32, "--max-new", 256,
-                       "--out", work / "ablate_pool.json"), work / "ablate_pool.json")]
+    return one_run(work, "sd/ablate_pool", "--target", a.model, "--max-batch", 32, "--max-new",
+                   256)
   # the memory of an executable does not depend on the weights: a random 2-layer model of the
   # bench target's width; the five strategies at buckets 1, 2, 4; SD up to batch 2 and batch x
   # verify <= 32 in the thresholded pool; Table 5's two pools only (the unthresholded shared
   # one took 215 of 543 s compiling). ~110 executables, most of the time compiling them. With
   # three strategies the shared pool's own executables outnumber what sharing saves (45 naive
   # vs 45 shared, 1.08x)
-  return [Run(script("sd/ablate_pool", "--target", "random", "--layers", 2, "--max-batch", 4,
-                     "--max-new", 64, "--sd-max-batch", 2, "--verify-budget", 32,
-                     "--skip-unthresholded", "--out", work / "ablate_pool.json"),
-              work / "ablate_pool.json")]
+  return one_run(work, "sd/ablate_pool", "--target", "random", "--layers", 2, "--max-batch", 4,
+                 "--max-new", 64, "--sd-max-batch", 2, "--verify-budget", 32,
+                 "--skip-unthresholded")
 
 
 def render_table5(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
@@ -317,8 +323,7 @@ DRIFT_ARGS = ("--steps", 40, *DRIFT_WORKLOAD, "--drafter-lr", "5e-4", "--scratch
 def drift_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
   need_real("table6", a, "the drift workload is built on the tiny arithmetic task (a reward for "
                          "an answer format its warm start does not write)")
-  out = work / "drafter_drift.json"
-  return [Run(script("drafter/drafter_drift", *DRIFT_ARGS, "--out", out), out)]
+  return one_run(work, "drafter/drafter_drift", *DRIFT_ARGS)
 
 
 def render_table6(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
@@ -386,9 +391,39 @@ def e2e_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
                 out)]
   # the long-tail job (issue 37): the paper's regime at CPU scale, a rollout whose few long rows
   # decode alone at the end, over epochs of one prompt set; TLT drafts from history there
-  out = work / "e2e_default_job.json"
-  return [Run(script("rl/e2e_default_job", "--config", "tlt_jax/configs/tiny_longtail.py",
-                     "--drafter", "suffix", "--steps", 12, "--split-step", 4, "--out", out), out)]
+  return one_run(work, "rl/e2e_default_job", "--config", "tlt_jax/configs/tiny_longtail.py",
+                 "--drafter", "suffix", "--steps", 12, "--split-step", 4)
+
+
+def fig11_speedup(speedup: float | None) -> list[str]:
+  """TLT's end-to-end speedup beside the paper's range (a blank line first)."""
+  return ["", f"TLT's end-to-end speedup here: **{fmt(speedup, '.2f', '×')}**; the paper: "
+              f"{PAPER['fig11'][0]}–{PAPER['fig11'][1]}× over verl."]
+
+
+def fig11_verdict(speedup: float | None, where: str = "") -> str:
+  return (f"TLT {fmt(speedup, '.2f', '×')} end to end{where} (paper: {PAPER['fig11'][0]}–"
+          f"{PAPER['fig11'][1]}×)")
+
+
+def draw_fig11(steps: dict[str, list], parts: dict[str, list]) -> Callable[[object], None]:
+  """Fig. 11's PNG: each arm's seconds per RL step (``steps``: arm -> one value a step), and its
+  median seconds stacked by part (``parts``: part -> one value an arm, in ``steps``' order)."""
+  def draw(fig):
+    ax = fig.add_subplot(1, 2, 1)
+    for name, seconds in steps.items():
+      ax.plot(seconds, label=name)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("step seconds")
+    ax.legend()
+    ax2 = fig.add_subplot(1, 2, 2)
+    bottom = [0.0] * len(steps)
+    for label, vals in parts.items():
+      ax2.bar(list(steps), vals, bottom=bottom, label=label)
+      bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.set_ylabel("median seconds")
+    ax2.legend()
+  return draw
 
 
 def longtail_fig11(r: dict) -> Rendered:
@@ -428,34 +463,18 @@ def longtail_fig11(r: dict) -> Rendered:
            "'SD, frozen drafter' bar is Table 6's, on the drift workload.", ""]
   lines += table(["arm", "step s", "rollout s", "update s", "rollout / step", "tail / rollout",
                   "last / rollout", "step ÷ vanilla", "accepted per SD step"], table_rows)
-  lines += ["", f"TLT's end-to-end speedup here: **{fmt(speedup, '.2f', '×')}**; the paper: "
-                f"{PAPER['fig11'][0]}–{PAPER['fig11'][1]}× over verl."]
+  lines += fig11_speedup(speedup)
   if speedup is not None and speedup < PAPER["fig11"][0]:
     lines += ["", "**Target missed.** docs/benchmarks.md (\"The long-tail job\") has the cost "
                   "breakdown: on a CPU a 9-token verify costs 2-2.8× a 1-token step at batch 1, "
                   "so history drafts must accept ~3 tokens a step to pay; on an H200 the verify "
                   "costs ~1.4×, the rollout is 81% of the step, and TLT still came to 0.98× "
                   "(SD in 17% of the decode steps, 2.25 tokens accepted a step)."]
-
-  def draw(fig):
-    ax = fig.add_subplot(1, 2, 1)
-    for arm, name in (("none", "vanilla"), (sd, "TLT")):
-      ax.plot([m["step_s"] for m in rows_of[arm]], label=name)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("step seconds")
-    ax.legend()
-    ax2 = fig.add_subplot(1, 2, 2)
-    names = ["vanilla", "TLT"]
-    bottom = [0.0, 0.0]
-    for part, label in (("rollout_s", "rollout"), ("update_s", "update")):
-      vals = [med(arm, lambda m: m[part]) for arm in ("none", sd)]
-      ax2.bar(names, vals, bottom=bottom, label=label)
-      bottom = [b + v for b, v in zip(bottom, vals)]
-    ax2.set_ylabel("median seconds")
-    ax2.legend()
-
-  return Rendered(lines, draw, f"TLT {fmt(speedup, '.2f', '×')} end to end on the long-tail job "
-                               f"(paper: {PAPER['fig11'][0]}–{PAPER['fig11'][1]}×)")
+  draw = draw_fig11({"vanilla": [m["step_s"] for m in rows_of["none"]],
+                     "TLT": [m["step_s"] for m in rows_of[sd]]},
+                    {label: [med(arm, lambda m, part=part: m[part]) for arm in ("none", sd)]
+                     for part, label in (("rollout_s", "rollout"), ("update_s", "update"))})
+  return Rendered(lines, draw, fig11_verdict(speedup, " on the long-tail job"))
 
 
 def render_fig11(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
@@ -493,8 +512,7 @@ def render_fig11(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
            "verification). A ratio below 1 is faster than vanilla.", ""]
   lines += table(["arm", "step s", "rollout s", "drafter s (serial)", "update s",
                   "step ÷ vanilla", "accept"], rows)
-  lines += ["", f"TLT's end-to-end speedup here: **{fmt(speedup, '.2f', '×')}**; the paper: "
-                f"{PAPER['fig11'][0]}–{PAPER['fig11'][1]}× over verl."]
+  lines += fig11_speedup(speedup)
   if speedup is not None and speedup < PAPER["fig11"][0]:
     van = summary["vanilla"]
     share = van["rollout_s_median"] / van["step_s_median"]
@@ -505,35 +523,17 @@ def render_fig11(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
                   f"{fmt(rollout, '.2f', '×')} vanilla's (paired median), and with one device "
                   f"its drafter training ({fmt(tlt.get('drafter_serial_s_median'), '.3f')} s a "
                   "step) is paid serially, inside the step."]
-
-  def draw(fig):
-    ax = fig.add_subplot(1, 2, 1)
-    for n in arms:
-      ax.plot([x["step_s"] for x in r["steps"][n]], label=n)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("step seconds")
-    ax.legend()
-    ax2 = fig.add_subplot(1, 2, 2)
-    parts = ("rollout_s_median", "drafter_serial_s_median", "update_s_median")
-    bottom = [0.0] * len(arms)
-    for part in parts:
-      vals = [summary[n].get(part) or 0.0 for n in arms]
-      ax2.bar(arms, vals, bottom=bottom, label=part.replace("_s_median", ""))
-      bottom = [b + v for b, v in zip(bottom, vals)]
-    ax2.set_ylabel("median seconds")
-    ax2.legend()
-
-  return Rendered(lines, draw, f"TLT {fmt(speedup, '.2f', '×')} end to end (paper: "
-                               f"{PAPER['fig11'][0]}–{PAPER['fig11'][1]}×)")
+  draw = draw_fig11({n: [x["step_s"] for x in r["steps"][n]] for n in arms},
+                    {part: [summary[n].get(f"{part}_s_median") or 0.0 for n in arms]
+                     for part in ("rollout", "drafter_serial", "update")})
+  return Rendered(lines, draw, fig11_verdict(speedup))
 
 
 # -------------------------------------------------------------------------------- fig 17
 
 
 def save_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
-  out = work / "drafter_save_latency.json"
-  return [Run(script("drafter/drafter_save_latency", "--repeats", 3 if a.size == "tiny" else 5,
-                     "--out", out), out)]
+  return one_run(work, "drafter/drafter_save_latency", "--repeats", 3 if a.size == "tiny" else 5)
 
 
 def render_fig17(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
@@ -576,9 +576,7 @@ def render_fig17(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
 
 
 def scale_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
-  out = work / "scale_model.json"
-  quick = ("--quick",) if a.size == "tiny" else ()
-  return [Run(script("system/scale_model", *quick, "--out", out), out)]
+  return one_run(work, "system/scale_model", *(("--quick",) if a.size == "tiny" else ()))
 
 
 def render_table3(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
@@ -658,22 +656,22 @@ ENTRIES = {e.name: e for e in (
 
 
 def hardware() -> dict:
-  """What the results were measured on (the JAX backend as the scripts see it)."""
-  info = dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version())
+  """What the results were measured on: ``harness.machine`` in a fresh interpreter (the JAX
+  backend as the scripts see it; this driver never loads JAX)."""
+  probe = ("import json; from experiments import harness; print(json.dumps(harness.machine("
+           "'platform', 'python', 'jax', 'backend', cpus='cpu_count', device='device_kind', "
+           "devices='device_count')))")
   try:
-    probe = subprocess.run([sys.executable, "-c", "import jax; d = jax.devices()[0]; print("
-                            "jax.__version__, d.platform, d.device_kind, len(jax.devices()))"],
-                           capture_output=True, text=True, timeout=120, check=True)
-    version, backend, kind, count = probe.stdout.split()[-4:]
-    info.update(jax=version, backend=backend, device=kind, devices=int(count))
-  except (subprocess.SubprocessError, ValueError) as e:
-    info.update(jax=f"unknown ({e})")
-  return info
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+  except (subprocess.SubprocessError, ValueError, IndexError) as e:
+    return dict(jax=f"unknown ({e})")
 
 
 def describe(hw: dict) -> str:
   return (f"{hw.get('backend', '?')} ({hw.get('device', '?')}) × {hw.get('devices', '?')}, "
-          f"{hw['cpus']} CPUs, {hw['platform']}, JAX {hw.get('jax', '?')}")
+          f"{hw.get('cpus', '?')} CPUs, {hw.get('platform', '?')}, JAX {hw.get('jax', '?')}")
 
 
 RAN_HERE: set[str] = set()  # the commands this process has run (``--fresh`` runs each once)

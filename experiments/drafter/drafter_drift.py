@@ -121,14 +121,14 @@ def main():
   summary = {}
   for name in ARMS:
     mine = rows[name]
-    col = lambda key, part, mine=mine: rb.mean(r.get(key) for r in part(mine))
+    col = lambda key, part, mine=mine: harness.mean(r.get(key) for r in part(mine))
     first, last = (lambda r: r[:third]), (lambda r: r[-third:])
     summary[name] = dict(accept_len_first_third=col("mean_accept_len", first),
                          accept_len_last_third=col("mean_accept_len", last),
-                         accept_len_mean=rb.mean(r.get("mean_accept_len") for r in mine),
+                         accept_len_mean=harness.mean(r.get("mean_accept_len") for r in mine),
                          heldout_top1_first_third=col("heldout_top1", first),
                          heldout_top1_last_third=col("heldout_top1", last),
-                         rollout_s_median=rb.median(r["rollout_s"] for r in mine),
+                         rollout_s_median=harness.median(r["rollout_s"] for r in mine),
                          compiles_during_steps=sum(r["compiles"] for r in mine),
                          precompile_s=arms[name].precompile_s)
     if name != "frozen":
@@ -142,9 +142,9 @@ def main():
   last = {n: summary[n]["accept_len_last_third"] for n in ARMS}
   adapted_rows = rows["adapted"]
   critical_path = dict(  # one device: the adapted drafter's serial steps sit inside the RL step
-      drafter_serial_s_median=rb.median(r.get("drafter_serial_s") for r in adapted_rows),
-      rollout_s_median=rb.median(r["rollout_s"] for r in adapted_rows),
-      step_s_median=rb.median(r["step_s"] for r in adapted_rows),
+      drafter_serial_s_median=harness.median(r.get("drafter_serial_s") for r in adapted_rows),
+      rollout_s_median=harness.median(r["rollout_s"] for r in adapted_rows),
+      step_s_median=harness.median(r["step_s"] for r in adapted_rows),
       frozen_rollout_s_median=summary["frozen"]["rollout_s_median"])
   workload = ("the default tiny job" if a.drift == "none" else
               f"format shift: a correct answer earns 1 in a carry-first trace style the warm "

@@ -190,33 +190,33 @@ def arm_summary(rows: list[dict], devices: int, rb) -> dict:
       drafter_device_s_total=work, drafter_work_fraction_of_idle=work / idle if idle else None,
       drafter_tail_device_s_total=sum(r.get("drafter_spot_tail_device_s", 0.0) for r in rows),
       drafter_device_s_by_device=by_device,
-      devices_participating_median=rb.median(r.get("drafter_spot_devices", 0) for r in rows),
+      devices_participating_median=harness.median(r.get("drafter_spot_devices", 0) for r in rows),
       devices_participating_max=max(r.get("drafter_spot_devices", 0) for r in rows),
       participants_mean=(sum(m * n for m, n in sizes) / sum(n for _, n in sizes)
                          if sizes else None),
       participants_max=max(r.get("drafter_spot_participants_max", 0) for r in rows),
-      idle_share_of_device_time=rb.median(
+      idle_share_of_device_time=harness.median(
           r["tail_idle_device_s"] / (devices * r["decode_wall_s"]) for r in rows),
-      spot_overrun_s_median=rb.median(r["spot_overrun_s"] for r in rows),
+      spot_overrun_s_median=harness.median(r["spot_overrun_s"] for r in rows),
       spot_overrun_s_max=max(r["spot_overrun_s"] for r in rows),
-      preemption_wait_s_median=rb.median(r["preemption_wait_s"] for r in rows),
-      decode_wall_s_median=rb.median(r["decode_wall_s"] for r in rows),
-      rollout_s_median=rb.median(r["rollout_s"] for r in rows),
-      step_s_median=rb.median(r["step_s"] for r in rows),
-      drafter_serial_s_median=rb.median(r["drafter_serial_s"] for r in rows),
+      preemption_wait_s_median=harness.median(r["preemption_wait_s"] for r in rows),
+      decode_wall_s_median=harness.median(r["decode_wall_s"] for r in rows),
+      rollout_s_median=harness.median(r["rollout_s"] for r in rows),
+      step_s_median=harness.median(r["step_s"] for r in rows),
+      drafter_serial_s_median=harness.median(r["drafter_serial_s"] for r in rows),
       compiles_during_steps=sum(r["compiles"] for r in rows),
-      accept_len_mean=rb.mean(r.get("mean_accept_len") for r in rows),
+      accept_len_mean=harness.mean(r.get("mean_accept_len") for r in rows),
       # held out: the weights that drafted each rollout, on its freshest data
       drafter_heldout_top1_last=rows[-1].get("drafter_top1"),
-      drafter_heldout_top1_mean_last_quarter=rb.mean(r.get("drafter_top1") for r in last),
-      drafter_train_top1_mean=rb.mean(r.get("drafter_train_top1") for r in rows))
+      drafter_heldout_top1_mean_last_quarter=harness.mean(r.get("drafter_top1") for r in last),
+      drafter_train_top1_mean=harness.mean(r.get("drafter_train_top1") for r in rows))
 
 
 def ratios(rows: list[dict], reference: list[dict], rb) -> dict:
   """Per-step ratios of an arm to the reference arm (the same tokens at every step), medians."""
   out = {}
   for key in ("decode_wall_s", "rollout_s", "step_s"):
-    out[key] = round(rb.median(x[key] / y[key] for x, y in zip(rows, reference)), 4)
+    out[key] = round(harness.median(x[key] / y[key] for x, y in zip(rows, reference)), 4)
   return out
 
 

@@ -69,26 +69,26 @@ def summarize(rows: dict, skip: int) -> tuple[dict, range, list[int]]:
     mine = rows[name]
     accepts = [accept_len(mine[i]) for i in kept]
     summary[name] = dict(
-        step_s_median=rb.median(mine[i]["step_s"] for i in kept),
-        rollout_s_median=rb.median(mine[i]["rollout_s"] for i in kept),
-        update_s_median=rb.median(mine[i]["update_s"] for i in kept),
-        drafter_serial_s_median=rb.median(mine[i].get("drafter_serial_s", 0.0) for i in kept),
-        other_s_median=rb.median(other(mine[i]) for i in kept),
-        tail_s_median=rb.median(mine[i]["tail_s"] for i in kept),
-        mean_accept_len=rb.mean(accepts),
+        step_s_median=harness.median(mine[i]["step_s"] for i in kept),
+        rollout_s_median=harness.median(mine[i]["rollout_s"] for i in kept),
+        update_s_median=harness.median(mine[i]["update_s"] for i in kept),
+        drafter_serial_s_median=harness.median(mine[i].get("drafter_serial_s", 0.0) for i in kept),
+        other_s_median=harness.median(other(mine[i]) for i in kept),
+        tail_s_median=harness.median(mine[i]["tail_s"] for i in kept),
+        mean_accept_len=harness.mean(accepts),
         steps_with_sd=sum(v is not None for v in accepts),
         compiles_during_steps=sum(r["compiles"] for r in mine),
         step_s_max=max(r["step_s"] for r in mine),
         rollout_s_max=max(r["rollout_s"] for r in mine),
-        drafter_heldout_top1_mean=rb.mean(mine[i].get("drafter_top1") for i in kept),
-        drafter_train_top1_mean=rb.mean(mine[i].get("drafter_train_top1") for i in kept),
-        step_vs_vanilla_paired_median=rb.median(mine[i]["step_s"] / van[i]["step_s"]
+        drafter_heldout_top1_mean=harness.mean(mine[i].get("drafter_top1") for i in kept),
+        drafter_train_top1_mean=harness.mean(mine[i].get("drafter_train_top1") for i in kept),
+        step_vs_vanilla_paired_median=harness.median(mine[i]["step_s"] / van[i]["step_s"]
                                                 for i in kept),
-        rollout_vs_vanilla_paired_median=rb.median(mine[i]["rollout_s"] / van[i]["rollout_s"]
+        rollout_vs_vanilla_paired_median=harness.median(mine[i]["rollout_s"] / van[i]["rollout_s"]
                                                    for i in kept),
-        step_vs_vanilla_paired_median_no_compile_steps=rb.median(
+        step_vs_vanilla_paired_median_no_compile_steps=harness.median(
             mine[i]["step_s"] / van[i]["step_s"] for i in clean),
-        rollout_vs_vanilla_paired_median_no_compile_steps=rb.median(
+        rollout_vs_vanilla_paired_median_no_compile_steps=harness.median(
             mine[i]["rollout_s"] / van[i]["rollout_s"] for i in clean))
   # accepted length against the frozen drafter's, over the steps where both ran SD (the tuner
   # picks SD per segment and bucket from timings, so the arms' SD steps differ)
@@ -97,9 +97,9 @@ def summarize(rows: dict, skip: int) -> tuple[dict, range, list[int]]:
             if accept_len(rows["tlt"][i]) and accept_len(rows["sd_frozen"][i])]
     summary["tlt"]["accept_len_vs_sd_frozen_paired"] = dict(
         steps=len(both),
-        tlt_mean=rb.mean(accept_len(rows["tlt"][i]) for i in both),
-        sd_frozen_mean=rb.mean(accept_len(rows["sd_frozen"][i]) for i in both),
-        ratio_median=rb.median(accept_len(rows["tlt"][i]) / accept_len(rows["sd_frozen"][i])
+        tlt_mean=harness.mean(accept_len(rows["tlt"][i]) for i in both),
+        sd_frozen_mean=harness.mean(accept_len(rows["sd_frozen"][i]) for i in both),
+        ratio_median=harness.median(accept_len(rows["tlt"][i]) / accept_len(rows["sd_frozen"][i])
                                for i in both))
   for name in names:
     s = summary[name]

@@ -21,7 +21,6 @@ import hashlib
 import json
 import pathlib
 import re
-import statistics
 import time
 from typing import Any
 
@@ -397,13 +396,3 @@ def same_trajectory(arms: dict[str, GRPOTrainer], rows: dict[str, list[dict]]) -
   params_gap = {n: float(np.abs(params_vector(arms[n]) - ref).max() / scale) for n in names[1:]}
   return dict(identical_tokens=tokens, identical_rewards=rewards,
               first_divergent_step=diverged, final_params_max_rel_gap=params_gap)
-
-
-def median(values) -> float | None:
-  values = [v for v in values if v is not None]
-  return float(statistics.median(values)) if values else None
-
-
-def mean(values) -> float | None:
-  values = [v for v in values if v is not None]
-  return float(np.mean(values)) if values else None

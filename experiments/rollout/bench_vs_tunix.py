@@ -27,17 +27,13 @@ pad id would silently change the outputs whenever the model generates that token
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
 
-import jax
 import numpy as np
 
 from experiments import harness
@@ -189,11 +185,6 @@ def compare(ours: list[list[int]], theirs: list[list[int]]) -> dict:
               first_divergence={i: p for i, p in enumerate(prefix) if p < len(ours[i])})
 
 
-def _median_or_none(values):
-  values = [v for v in values if v is not None]
-  return statistics.median(values) if values else None
-
-
 def main():
   parser = harness.parser(__doc__)
   parser.add_argument("--repeats", type=int, default=5)
@@ -283,8 +274,8 @@ def main():
     results[str(batch)] = dict(
         tokens_per_s={k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()},
         ratio_ours_over_tunix=statistics.median(ratios), ratios=ratios,
-        ours_prefill_s=_median_or_none(r["prefill_s"] for r in runs["ours"]),
-        ours_decode_s=_median_or_none(r["decode_s"] for r in runs["ours"]),
+        ours_prefill_s=harness.median(r["prefill_s"] for r in runs["ours"]),
+        ours_decode_s=harness.median(r["decode_s"] for r in runs["ours"]),
         ours_decode_steps=runs["ours"][0]["decode_steps"],
         ours_segment_kv_lens=runs["ours"][0]["segment_kv_lens"],
         precompile_s=precompile_s, executables=n_exec, tunix_warmup_s=tunix_warm_s,
@@ -302,11 +293,8 @@ def main():
       ratio_ours_over_tunix={b: r["ratio_ours_over_tunix"] for b, r in results.items()},
       tokens_per_s={b: r["tokens_per_s"] for b, r in results.items()},
       results=results,
-      env=dict(jax=jax.__version__, jaxlib=importlib.metadata.version("jaxlib"),
-               flax=importlib.metadata.version("flax"),
-               tunix=importlib.metadata.version("google-tunix"), backend=jax.default_backend(),
-               devices=[str(d) for d in jax.devices()], python=platform.python_version(),
-               cpu_count=os.cpu_count(), loadavg_end=list(os.getloadavg())))
+      env=harness.machine("jax", "jaxlib", "flax", "backend", "devices", "python", "cpu_count",
+                          "loadavg_end", tunix="google-tunix"))
   print(f"ratio ours/tunix: {json.dumps(summary['ratio_ours_over_tunix'])}")
   write_report(a.out, summary)
 

@@ -33,6 +33,10 @@ and differences are taken of the minima.
 for the attention einsums (unfused), so it is no faster; read the KV write's own cost from the
 trace instead.
 
+The engine is read through its public pieces only: ``weights``, ``prefill`` and
+``executable`` (the compiled segment) of ``RolloutEngine``, and the step functions of its
+``steps``.
+
 ``--trace`` also captures one engine segment with ``jax.profiler`` (perfetto JSON; the CPU thunk
 runtime records one event per executed HLO op) and sums the op events per decode step, grouped by
 the innermost Python function each op came from (read from the HLO's stack-frame tables).
@@ -174,12 +178,12 @@ def build_variants(engine: RolloutEngine, args: SamplerArgs, steps: int):
 
   def loop(body):
     def run(weights, state):
-      target, _ = engine.steps.merge(weights)  # pylint: disable=protected-access
+      target, _ = engine.steps.merge(weights)
       return lax.fori_loop(0, steps, lambda i, s: body(target, s), state)
     return jax.jit(run, donate_argnums=1)
 
   def step(target, s):
-    return engine.steps.vanilla_step(target, s, args)  # pylint: disable=protected-access
+    return engine.steps.vanilla_step(target, s, args)
 
   def fwd(target, s):
     out, tok = fwd_body(target, s)
@@ -188,8 +192,8 @@ def build_variants(engine: RolloutEngine, args: SamplerArgs, steps: int):
   def fwd_emit(target, s):
     out, tok = fwd_body(target, s)
     logp = jnp.take_along_axis(out.logits[:, 0], tok[:, None], axis=-1)
-    return engine.steps.emit(s, ~s.done, tok[:, None], logp, jnp.ones_like(tok),  # pylint: disable=protected-access
-                        out.cache.advance(1), tok, args)
+    return engine.steps.emit(s, ~s.done, tok[:, None], logp, jnp.ones_like(tok),
+                             out.cache.advance(1), tok, args)
 
   def fwd_sample(target, s):
     out = target.forward(s.last_token[:, None], cache=s.cache)
@@ -213,8 +217,8 @@ def build_variants(engine: RolloutEngine, args: SamplerArgs, steps: int):
   def emit(target, s):
     del target
     tok = (s.last_token * 7 + 1) % vocab
-    return engine.steps.emit(s, ~s.done, tok[:, None], tok[:, None].astype(jnp.float32) * -0.01,  # pylint: disable=protected-access
-                        jnp.ones_like(tok), s.cache.advance(1), tok, args)
+    return engine.steps.emit(s, ~s.done, tok[:, None], tok[:, None].astype(jnp.float32) * -0.01,
+                             jnp.ones_like(tok), s.cache.advance(1), tok, args)
 
   # pieces on [B, V] logits carried through the loop (so nothing is loop-invariant)
   def on_logits(piece):
@@ -352,11 +356,10 @@ def main():
   ids = rng.integers(0, config.vocab_size, (a.batch, a.prompt_len)).astype(np.int32)
   lens = np.full((a.batch,), a.prompt_len, np.int32)
   rows = np.arange(a.batch, dtype=np.int32)
-  prefill = engine._executable(("prefill", a.batch, a.prompt_len))  # pylint: disable=protected-access
-  weights = engine._weights()  # pylint: disable=protected-access
+  weights = engine.weights()
 
   def fresh_state():
-    return prefill(weights, ids, lens, rows, rows, engine.pool.no_history(a.batch), args)[0]
+    return engine.prefill(ids, lens, args)
 
   state0 = fresh_state()
   kv_len = state0.cache.max_len
@@ -368,7 +371,8 @@ def main():
   pos = jnp.ones((a.batch,), jnp.int32)
 
   # the engine's own segment (while_loop until every row finishes), per step
-  segment = engine._executable(("segment", a.batch, kv_len, 0, "vanilla"))  # pylint: disable=protected-access
+  segment = engine.executable(("segment", a.batch, kv_len, engine.pool.stop_at(a.batch),
+                               "vanilla"))
 
   def run_segment():
     st = fresh_state()
@@ -443,11 +447,12 @@ def main():
     print(f"  {name:62s} {us:8.1f} us  {100 * us / step:6.1f}%")
   summary = dict(batch=a.batch, kv_len=kv_len, prompt_len=a.prompt_len, steps=a.steps,
                  repeats=a.repeats, us_per_step_min=best, us_per_step_median=med,
-                 derived_us=derived, all_s_per_step=times, backend=jax.default_backend(),
-                 jax=jax.__version__, cpu_count=os.cpu_count(), loadavg_end=list(os.getloadavg()))
+                 derived_us=derived, all_s_per_step=times,
+                 **harness.machine("backend", "jax", "cpu_count", "loadavg_end"))
   if a.trace:
-    tr_out = trace_segment(segment, lambda: segment(weights, fresh_state(), args, np.int32(0), np.int32(0)),
-                           lambda out: int(out.counters["steps"]), top=20)
+    tr_out = trace_segment(
+        segment, lambda: segment(weights, fresh_state(), args, np.int32(0), np.int32(0)),
+        lambda out: int(out.counters["steps"]), top=20)
     summary["trace"] = tr_out
     if "error" in tr_out:
       print("jax.profiler: " + tr_out["error"])

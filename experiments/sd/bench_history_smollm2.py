@@ -28,12 +28,9 @@ samples; greedy outputs would be asserted identical (``--temperatures 0``).
 
 from __future__ import annotations
 
-import os
 import pathlib
 import statistics
 import time
-
-import jax
 
 from experiments import harness
 from experiments.harness import (EngineConfig, NgramConfig, RolloutEngine, SamplingParams,
@@ -95,8 +92,8 @@ def main():
   prompts = harness.chat_prompts(tokenizer, harness.task_questions(a.prompts, seed=7000 + a.seed,
                                                                    gsm_share=1.0))
   plen = max(len(q) for q in prompts)
-  summary = {"args": vars(a), "model": str(model_path), "jax": jax.__version__,
-             "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
+  summary = {"args": vars(a), "model": str(model_path),
+             **harness.machine("jax", device="device_kind", cpu_count="cpu_count"),
              "eagle": drafter is not None, "results": {}}
   t_start = time.time()
   for temperature in [float(t) for t in a.temperatures.split(",")]:

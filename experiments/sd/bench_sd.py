@@ -200,8 +200,8 @@ def smollm2(a) -> None:
   params = SamplingParams(max_new_tokens=a.max_new, temperature=a.temperature, seed=a.seed,
                           stop_token_ids=stop)
   t0 = time.time()
-  summary = {"args": vars(a), "model": str(model_path), "jax": jax.__version__,
-             "device": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),
+  summary = {"args": vars(a), "model": str(model_path),
+             **harness.machine("jax", device="device_kind", cpu_count="cpu_count"),
              "draft_vocab_size": drafter.draft_vocab_size}
   if "cost" not in skip:
     summary["cost"] = cost_table(target, drafter, sorted({1, max(a.batches)}))

@@ -46,7 +46,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import platform
 import statistics
 import string
 import sys
@@ -681,13 +680,11 @@ def main(argv=None) -> dict:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   out_path = pathlib.Path(a.out)
   out_path.parent.mkdir(parents=True, exist_ok=True)
-  device = jax.devices()[0]
   report: dict[str, Any] = dict(
-      complete=False, jax_version=jax.__version__,
-      jaxlib_version=harness.package_version("jaxlib"),
-      backend=jax.default_backend(), device_kind=device.device_kind,
-      device_count=jax.device_count(), python=platform.python_version(), dtype=a.dtype,
-      args=vars(a), xla_flags=os.environ.get("XLA_FLAGS", ""),
+      complete=False, **harness.machine(jax_version="jax", jaxlib_version="jaxlib",
+                                        backend="backend", device_kind="device_kind",
+                                        device_count="device_count", python="python"),
+      dtype=a.dtype, args=vars(a), xla_flags=os.environ.get("XLA_FLAGS", ""),
       mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), skipped=[])
 
   def write() -> None:
@@ -696,8 +693,8 @@ def main(argv=None) -> dict:
     tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
     tmp.replace(out_path)
 
-  say(f"jax {jax.__version__} on {jax.default_backend()}: {device.device_kind} "
-      f"(x{jax.device_count()}), dtype {a.dtype}")
+  say(f"jax {report['jax_version']} on {report['backend']}: {report['device_kind']} "
+      f"(x{report['device_count']}), dtype {a.dtype}")
   check = prepare(a, report, write, t_start)
   write()
   for run in CHECKS:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import platform
 import re
 import shutil
 import statistics
@@ -86,7 +85,7 @@ def main() -> None:
   parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "start_times.json"))
   args = parser.parse_args()
   work = pathlib.Path(tempfile.mkdtemp(prefix="start_times_"))
-  results = dict(date=time.strftime("%Y-%m-%d"), host=platform.node(), cpus=os.cpu_count(),
+  results = dict(date=time.strftime("%Y-%m-%d"), **harness.machine(host="host", cpus="cpu_count"),
                  command=" ".join(["python", "experiments/system/start_times.py", *sys.argv[1:]]),
                  runs={})
   try:

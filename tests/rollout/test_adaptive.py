@@ -107,7 +107,7 @@ def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models, engines):
   rows = np.array([0, 1, 2, -1], np.int32)
   args = SamplerArgs.from_params(SamplingParams(max_new_tokens=40, temperature=0.0,
                                                 stop_token_ids=()), (), cfg.max_stop_ids)
-  weights = engine._weights()
+  weights = engine.weights()
   state, _ = pool.get(("prefill", 4, 16))(weights, ids, lens, rows, rows,
                                             pool.no_history(4), args)
   vanilla = pool.get(("segment", 4, kv_len, pool.stop_at(4), "vanilla"))

@@ -6,7 +6,7 @@ import pytest
 
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
 from tests.helpers import sharp_random_model
 
 STOPS = (3, 4, 5, 6)  # frequent enough that rows of a random model stop at very different times
@@ -96,6 +96,25 @@ def test_greedy_tokens_and_logprobs_match_uncached_forward(model, engines):
     np.testing.assert_allclose(lps, full_logprobs(model, prompt, toks), atol=1e-4)
   assert result.finish_reasons == ["length"] * 3
 
+
+
+def test_prefill_and_a_segment_run_one_at_a_time_decode_as_generate_does(engines):
+  """The public pieces (``weights``, ``executable``, ``prefill``) are generate's own: a full
+  batch bucket prefilled and decoded by one segment samples the tokens generate does."""
+  engine = engines()
+  prompts = prompts_of([8, 8, 8, 8], seed=3)
+  params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, stop_token_ids=())
+  args = SamplerArgs.from_params(params, (), engine.config.max_stop_ids)
+  state = engine.prefill(np.array(prompts), [8] * 4, args)
+  assert state.cache.max_len == engine.config.prefill_kv_len(8)
+  segment = engine.executable(("segment", 4, state.cache.max_len, engine.pool.stop_at(4),
+                               "vanilla"))
+  state = segment(engine.weights(), state, args, np.int32(0), np.int32(0))
+  ran = np.asarray(state.num_generated)
+  assert int(state.counters["steps"]) >= 1 and (ran == ran[0]).all() and ran[0] > 1
+  result = engine.generate(prompts, params)
+  tokens = np.asarray(state.tokens)
+  assert [t[:ran[0]] for t in result.tokens] == [row[:ran[0]].tolist() for row in tokens]
 
 def test_stop_token_included_and_reported(engines):
   prompts = prompts_of([4, 8, 12, 3])

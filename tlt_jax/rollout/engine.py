@@ -75,6 +75,11 @@ class RolloutEngine(Rollout):
   ``config`` is read as ``resolve_engine_config(config, drafter, suffix)`` makes it (itself when
   it is resolved already); ``self.config`` is that.
 
+  Its parts are public: ``steps`` (the pure step functions), ``pool`` (their compiled
+  executables) and ``scheduler`` (the host loop); ``weights``, ``executable`` and ``prefill`` run
+  the compiled pieces one at a time, outside ``generate`` (``calibrate`` and
+  experiments/rollout/profile_decode_step.py time them so).
+
   ``device``: where it decodes; the weights it is given (the model's included) are placed there
   (zero-copy where they already have a full copy there, e.g. a replicated array's shard). None:
   the weights are used where they are.
@@ -113,11 +118,11 @@ class RolloutEngine(Rollout):
                                self.ngram, self.groups, suffix)
     learned = drafter is not None
     self.pool = ExecutablePool(
-        self.steps, self._weights,
+        self.steps, self.weights,
         groups_for=lambda b: list(dict.fromkeys(s.group for s in self._strategies[b])),
         needs_catchup=lambda b: learned and config.adaptive and any(
             s.learned for s in self._strategies[b]) and len(self._strategies[b]) > 1)
-    self.scheduler = Scheduler(self.pool, self.strategies_for, self.tuner, self._weights, learned)
+    self.scheduler = Scheduler(self.pool, self.strategies_for, self.tuner, self.weights, learned)
     self.device = device
     self.calibration: tuple[dict, float] | None = None  # ``calibrate``'s step costs, once measured
     self._history_share = 0.0  # the share of the last request's prompts that had a history
@@ -153,9 +158,6 @@ class RolloutEngine(Rollout):
       raise IndexError(f"a RolloutEngine decodes on one device: target_params({index})")
     return self.params
 
-  def _weights(self):
-    return (self.params, self.drafter_params)
-
   def set_tuner(self, tuner: Tuner | None = None) -> None:
     """Replaces the adaptive engine's tuner (None: a fresh one from ``config.tuner``)."""
     if not self.config.adaptive:
@@ -177,9 +179,6 @@ class RolloutEngine(Rollout):
   @property
   def _compile_seconds(self) -> float:
     return self.pool.compile_seconds
-
-  def _executable(self, key: tuple):
-    return self.pool.get(key)
 
   def executable_keys(self) -> list[tuple]:
     """Every executable the engine may need (see ``pool.py`` for the key kinds)."""
@@ -225,17 +224,15 @@ class RolloutEngine(Rollout):
     for b in cfg.batch_buckets:
       if len(self._strategies[b]) < 2:
         continue
-      prompt = (np.full((b, plen), cfg.pad_token_id, np.int32), np.ones((b,), np.int32),
-                np.arange(b, dtype=np.int32), np.arange(b, dtype=np.int32), pool.no_history(b))
+      ids, lens = np.full((b, plen), cfg.pad_token_id, np.int32), np.ones((b,), np.int32)
       for strategy in self._strategies[b]:
-        segment = pool.get(("segment", b, kv_len, pool.stop_at(b), strategy.group))
+        segment = self.executable(("segment", b, kv_len, pool.stop_at(b), strategy.group))
         fastest = {}  # steps run -> fastest seconds
         for _ in range(repeats):
           for n in (1, 1 + steps):
-            state, _ = pool.get(("prefill", b, plen))(self._weights(), *prompt, args)
-            state = jax.block_until_ready(state)
+            state = jax.block_until_ready(self.prefill(ids, lens, args))
             t0 = time.perf_counter()
-            state = segment(self._weights(), state, args, np.int32(strategy.choice), np.int32(n))
+            state = segment(self.weights(), state, args, np.int32(strategy.choice), np.int32(n))
             ran = int(jax.device_get(state.counters["steps"]))
             fastest[ran] = min(fastest.get(ran, np.inf), time.perf_counter() - t0)
         if len(fastest) < 2:  # the rows could not run more than one step (a tiny cache)
@@ -245,6 +242,37 @@ class RolloutEngine(Rollout):
         costs[(b, strategy.name)] = per_step
         overheads.append(max(t1 - per_step * n1, 0.0))
     return costs, float(np.median(overheads)) if overheads else 0.0
+
+  # ---- the compiled pieces, one at a time (``calibrate``, profilers, tests) ------------------
+  def weights(self) -> tuple[nnx.State, nnx.State | None]:
+    """What every executable that reads weights takes first: ``(target weights, drafter weights
+    or None)``, as ``generate`` passes them now."""
+    return (self.params, self.drafter_params)
+
+  def executable(self, key: tuple):
+    """The compiled executable of the pool key ``key`` (``pool.py`` lists the kinds), compiled on
+    first use and the very one ``generate`` then runs. ``("prefill", batch, prompt bucket)`` is
+    called as ``(weights(), ids, prompt_lens, row_id, group_id, history, args)`` and returns
+    ``(state, hidden)``; ``("segment", batch, kv_len, stop_at, group)`` as ``(weights(), state,
+    args, choice, max_steps)`` (``choice``: the strategy's index in its group; ``max_steps`` 0:
+    until a boundary) and returns the state, which it donates. Outside ``generate`` a segment
+    ends where ``generate`` would stop it (compaction, growth, all rows done), and nothing is
+    compacted or grown: the caller reads ``state.counters["steps"]``."""
+    return self.pool.get(key)
+
+  def prefill(self, ids, prompt_lens, args: SamplerArgs) -> DecodeState:
+    """The decode state right after prefill of one batch bucket of (padded) prompts ``ids
+    [batch, prompt bucket]`` of lengths ``prompt_lens [batch]``, by the engine's own prefill
+    executable: row ``i`` samples with row ``i``'s keys (as row ``i`` of ``generate`` does),
+    is in prompt group ``i`` and has no history. Its cache has ``prefill_kv_len(prompt bucket)``
+    slots (``state.cache.max_len``), the ``kv_len`` of the segment that decodes it."""
+    ids = np.asarray(ids, np.int32)
+    batch, plen = ids.shape
+    rows = np.arange(batch, dtype=np.int32)
+    state, _ = self.executable(("prefill", batch, plen))(
+        self.weights(), ids, np.asarray(prompt_lens, np.int32), rows, rows,
+        self.pool.no_history(batch), args)
+    return state
 
   # ---- generate ----------------------------------------------------------------------------
   def check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
