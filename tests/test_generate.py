@@ -32,7 +32,7 @@ def test_run_generates_for_every_prompt():
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("rollout.max_batch", 0, "config.rollout: EngineConfig.max_batch must be a positive int"),
+    ("rollout.max_batch", 0, "config.rollout.max_batch must be a positive int"),
     ("sampling.temperature", -0.5, "config.sampling: SamplingParams.temperature"),
     ("model.tiny.num_kv_heads", 3, "config.model.tiny: ModelConfig.num_heads"),
     ("model.dtype", "float8", "ModelConfig.dtype"),
@@ -71,7 +71,7 @@ def test_command_line_overrides():
   bad = subprocess.run(
       [sys.executable, "-m", "tlt_jax.generate", "--config.rollout.max_batch=-1"],
       capture_output=True, text=True, timeout=300, cwd=ROOT)
-  assert bad.returncode != 0 and "EngineConfig.max_batch" in bad.stderr
+  assert bad.returncode != 0 and "config.rollout.max_batch must be a positive int" in bad.stderr
 
 
 def test_a_long_prompt_or_completion_names_the_flags_to_change():
