@@ -42,7 +42,7 @@ def job_trainer(tmp_path, fixed=None, **top):
 
 
 def policy(trainer) -> list[np.ndarray]:
-  return [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
+  return [np.asarray(x) for x in jax.tree.leaves(trainer.policy.params)]
 
 
 def test_in_the_default_job_the_tuners_choice_of_arm_changes_nothing_the_policy_learns(tmp_path):

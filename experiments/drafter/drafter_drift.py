@@ -86,7 +86,7 @@ def main():
   build_s = time.perf_counter() - t0
   print(f"built and compiled {len(arms)} arms in {build_s:.0f}s", flush=True)
   frozen = arms["frozen"]
-  frozen_eval = make_eval_step(frozen.engine.drafter_graphdef, frozen.graphdef)
+  frozen_eval = make_eval_step(frozen.engine.drafter_graphdef, frozen.policy.graphdef)
   start = rb.params_vector(arms["adapted"])
   kl_probe = rb.make_kl_probe(job, policy_dir)
   rows = {name: [] for name in ARMS}

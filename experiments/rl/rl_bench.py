@@ -355,7 +355,7 @@ def make_kl_probe(job: Job, policy_dir: pathlib.Path):
 
 def params_vector(trainer: GRPOTrainer) -> np.ndarray:
   return np.concatenate([np.asarray(x, np.float64).ravel()
-                         for x in jax.tree.leaves(jax.device_get(trainer.params))])
+                         for x in jax.tree.leaves(jax.device_get(trainer.policy.params))])
 
 
 # mean_accept_len is absent when the rollout ran no speculative step; drafter_loss/top1 are

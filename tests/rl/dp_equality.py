@@ -21,9 +21,9 @@ for n in (1, 8):
                          minibatches=1)
   batch = hand_made_batch(trainer, 8)
   for _ in range(2):  # two steps, so the optimizer state must agree too
-    trainer.params, trainer.opt_state, _ = trainer.update_fn(trainer.params, trainer.opt_state,
-                                                             batch)
-  params.append(jax.tree.map(np.asarray, jax.device_get(trainer.params)))
+    policy = trainer.policy
+    policy.params, policy.opt_state, _ = policy.update_fn(policy.params, policy.opt_state, batch)
+  params.append(jax.tree.map(np.asarray, jax.device_get(trainer.policy.params)))
 diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params[0]),
                                                          jax.tree.leaves(params[1])))
 print(f"max abs difference {diff:.3e}")

@@ -97,7 +97,7 @@ def test_batch_aligns_old_logprobs_with_predicted_tokens():
 def test_short_run_is_finite_and_does_not_recompile():
   trainer = make_trainer()
   trainer.precompile_update()  # as the main job does: every update length, ahead of time
-  before = jax.tree.map(np.asarray, trainer.params)
+  before = jax.tree.map(np.asarray, trainer.policy.params)
   first = trainer.step()
   assert np.isfinite(first["loss"]) and 0.0 <= first["reward"] <= 1.0
   # vanilla rollouts: no switches, no acceptance length, no per-arm metrics
@@ -107,7 +107,7 @@ def test_short_run_is_finite_and_does_not_recompile():
   second = trainer.step()
   assert compile_count() == compiles, "the second RL step must not compile anything"
   assert second["step"] == 2 and second["compiles"] == 0
-  after = jax.tree.map(np.asarray, trainer.params)
+  after = jax.tree.map(np.asarray, trainer.policy.params)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(after))
   assert len(jax.tree.leaves(before)) == len(jax.tree.leaves(after))
   assert 0.0 <= trainer.evaluate(4) <= 1.0
@@ -115,12 +115,12 @@ def test_short_run_is_finite_and_does_not_recompile():
 
 def test_update_with_nonzero_advantages_moves_params():
   trainer = make_trainer()
-  before = jax.tree.map(np.asarray, trainer.params)
-  trainer.params, trainer.opt_state, metrics = trainer.update_fn(
-      trainer.params, trainer.opt_state, hand_made_batch(trainer, 4))
+  before = jax.tree.map(np.asarray, trainer.policy.params)
+  trainer.policy.params, trainer.policy.opt_state, metrics = trainer.policy.update_fn(
+      trainer.policy.params, trainer.policy.opt_state, hand_made_batch(trainer, 4))
   assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
   moved = [not np.array_equal(a, np.asarray(b)) for a, b in
-           zip(jax.tree.leaves(before), jax.tree.leaves(trainer.params))]
+           zip(jax.tree.leaves(before), jax.tree.leaves(trainer.policy.params))]
   assert sum(moved) > len(moved) // 2
 
 
@@ -148,11 +148,11 @@ def test_nonfinite_update_stops_the_step_and_restores_the_state():
   trainer = make_trainer()  # 8 rows in 2 minibatches: the finite one is applied, then undone
   varied_rewards(trainer)
   nan_row_batches(trainer)
-  params, opt_state = host(trainer.params), host(trainer.opt_state)
+  params, opt_state = host(trainer.policy.params), host(trainer.policy.opt_state)
   with pytest.raises(NonFiniteUpdateError, match=r"RL step 1: 1 of 2 policy updates"):
     trainer.step()
   assert trainer.step_count == 0
-  for a, b in zip(params + opt_state, host(trainer.params) + host(trainer.opt_state)):
+  for a, b in zip(params + opt_state, host(trainer.policy.params) + host(trainer.policy.opt_state)):
     np.testing.assert_array_equal(a, b)
   # the engine holds the restored (live) params, and training goes on from them
   for a, b in zip(params, host(trainer.engine.params)):
@@ -166,28 +166,30 @@ def test_nonfinite_update_is_skipped_and_counted():
   trainer = make_trainer(on_nonfinite="skip")
   varied_rewards(trainer)
   nan_row_batches(trainer)
-  before = host(trainer.params)
+  before = host(trainer.policy.params)
   metrics = trainer.step()
   assert metrics["skipped_updates"] == 1 and metrics["step"] == 1
   assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])  # the applied one
-  after = host(trainer.params)
+  after = host(trainer.policy.params)
   assert all(np.all(np.isfinite(x)) for x in after)
   assert any(not np.array_equal(a, b) for a, b in zip(before, after))
-  assert int(jax.device_get(trainer.opt_state[1][0].count)) == 1  # one update applied, not two
+  # one update applied, not two
+  assert int(jax.device_get(trainer.policy.opt_state[1][0].count)) == 1
 
 
 def test_update_with_a_nonfinite_new_param_keeps_the_old_state():
   trainer = make_trainer()
   # a NaN in Adam's first moment: loss and gradient (functions of the params) stay finite, but
   # the updated params do not
-  adam = trainer.opt_state[1][0]
+  adam = trainer.policy.opt_state[1][0]
   leaves = jax.tree.leaves(adam.mu)
   leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(np.nan)
   mu = jax.tree.unflatten(jax.tree.structure(adam.mu), leaves)
-  trainer.opt_state = (trainer.opt_state[0], (adam._replace(mu=mu),) + trainer.opt_state[1][1:])
-  params, opt_state = host(trainer.params), host(trainer.opt_state)
-  new_params, new_opt_state, metrics = trainer.update_fn(trainer.params, trainer.opt_state,
-                                                         hand_made_batch(trainer, 4))
+  policy = trainer.policy
+  policy.opt_state = (policy.opt_state[0], (adam._replace(mu=mu),) + policy.opt_state[1][1:])
+  params, opt_state = host(policy.params), host(policy.opt_state)
+  new_params, new_opt_state, metrics = policy.update_fn(policy.params, policy.opt_state,
+                                                        hand_made_batch(trainer, 4))
   assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
   assert not bool(metrics["finite"])
   for a, b in zip(params + opt_state, host(new_params) + host(new_opt_state)):
@@ -205,9 +207,10 @@ def test_first_update_runs_at_the_warmup_rate(warmup, first):
     assert float(schedule(1)) == pytest.approx(2 * lr / 3)
   # the trainer's optimizer uses it: Adam's first update is lr * g / |g| per element
   trainer = make_trainer(learning_rate=lr, warmup_steps=warmup)
-  grads = jax.tree.map(lambda x: np.full(x.shape, 0.5, x.dtype), host(trainer.params))
-  grads = jax.tree.unflatten(jax.tree.structure(trainer.params), grads)
-  updates, _ = trainer.optimizer.update(grads, trainer.opt_state, trainer.params)
+  grads = jax.tree.map(lambda x: np.full(x.shape, 0.5, x.dtype), host(trainer.policy.params))
+  grads = jax.tree.unflatten(jax.tree.structure(trainer.policy.params), grads)
+  policy = trainer.policy
+  updates, _ = policy.optimizer.update(grads, policy.opt_state, policy.params)
   for u in host(updates):
     np.testing.assert_allclose(u, -first, rtol=1e-4)
 
@@ -231,8 +234,8 @@ def test_kl_to_the_reference_policy_is_reported_and_grows_as_params_move():
   batch = hand_made_batch(trainer, 4)
   kls = []
   for _ in range(3):
-    trainer.params, trainer.opt_state, metrics = trainer.update_fn(
-        trainer.params, trainer.opt_state, batch, trainer.ref_params)
+    trainer.policy.params, trainer.policy.opt_state, metrics = trainer.policy.update_fn(
+        trainer.policy.params, trainer.policy.opt_state, batch, trainer.policy.ref_params)
     kls.append(float(metrics["kl_to_ref"]))
   assert kls[0] == pytest.approx(0.0, abs=1e-6)  # the first update starts at the reference
   assert kls[-1] > kls[0]
@@ -275,15 +278,15 @@ def test_rl_steps_learn_a_dense_reward():
   trainer = learning_trainer(eval_problems=32)
   control = held_out(trainer)
   assert np.array_equal(held_out(trainer), control)  # evaluation is a function of the params
-  start = host(trainer.params)
+  start = host(trainer.policy.params)
   history = [trainer.step() for _ in range(8)]
   assert all(m["grad_norm"] > 0 for m in history)
-  assert any(not np.array_equal(a, b) for a, b in zip(start, host(trainer.params)))
+  assert any(not np.array_equal(a, b) for a, b in zip(start, host(trainer.policy.params)))
   after = held_out(trainer)
   assert np.all(after > control + 0.1), (control, after)
   # the engine samples with the updated weights, not the ones it was built with
   engine = [np.asarray(x) for x in jax.tree.leaves(trainer.engine.params)]
-  assert all(np.array_equal(a, b) for a, b in zip(engine, host(trainer.params)))
+  assert all(np.array_equal(a, b) for a, b in zip(engine, host(trainer.policy.params)))
 
 
 def test_the_no_update_control_leaves_the_params_bit_identical():
@@ -292,11 +295,11 @@ def test_the_no_update_control_leaves_the_params_bit_identical():
   start's. (The learning test above shows the same trainer moves them without it.)"""
   trainer = learning_trainer(eval_problems=8, control=True)
   start = held_out(trainer)
-  params, opt_state = host(trainer.params), host(trainer.policy.opt_state)
+  params, opt_state = host(trainer.policy.params), host(trainer.policy.opt_state)
   history = [trainer.step() for _ in range(3)]
   assert all(m["control"] and "loss" not in m for m in history)
   assert trainer.step_count == 3 and all(m["reward"] > 0 for m in history)
-  for a, b in zip(params, host(trainer.params)):
+  for a, b in zip(params, host(trainer.policy.params)):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(opt_state, host(trainer.policy.opt_state)):
     np.testing.assert_array_equal(a, b)
@@ -323,13 +326,14 @@ def test_save_and_restore_continue_exactly(tmp_path):
     straight.save(ckpt)
   straight.step()
   resumed = learning_trainer(kl_coef=0.1)
-  resumed.ref_params = jax.tree.map(lambda x: x * 0.5, resumed.ref_params)  # must be overwritten
+  # must be overwritten by the restore
+  resumed.policy.ref_params = jax.tree.map(lambda x: x * 0.5, resumed.policy.ref_params)
   with Checkpointer(tmp_path / "ckpt") as ckpt:
     resumed.restore(ckpt)
   assert resumed.step_count == 1
   resumed.step()
   for name in ("params", "opt_state", "ref_params"):
-    for a, b in zip(host(getattr(straight, name)), host(getattr(resumed, name))):
+    for a, b in zip(host(getattr(straight.policy, name)), host(getattr(resumed.policy, name))):
       np.testing.assert_array_equal(a, b, err_msg=name)
 
 
@@ -500,13 +504,13 @@ def test_the_store_is_saved_and_restored_exactly_and_old_checkpoints_still_load(
   with Checkpointer(tmp_path / "bad") as ckpt:
     straight.save(ckpt, {"history": {"format": 7}})
   resumed.step()  # step 4: the store and params differ from checkpoint 3's
-  before, params = resumed.history.state_dict(), host(resumed.params)
+  before, params = resumed.history.state_dict(), host(resumed.policy.params)
   with Checkpointer(tmp_path / "bad") as ckpt:
     with pytest.raises(ValueError, match=r"the checkpoint of step 3 holds a rollout history that "
                                          r"does not load: HistoryStore state must have the keys"):
       resumed.restore(ckpt)
   assert resumed.step_count == 4 and resumed.history.state_dict() == before  # as it was
-  for a, b in zip(params, host(resumed.params)):
+  for a, b in zip(params, host(resumed.policy.params)):
     np.testing.assert_array_equal(a, b)
 
 

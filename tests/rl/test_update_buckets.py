@@ -251,9 +251,9 @@ def test_packed_logprobs_equal_each_sequence_alone():
   """Every packed sequence's per-token log-probs equal its padded row's (positions restart at 0,
   it sees only itself); changing one sequence's tokens leaves the others' unchanged."""
   trainer, mini, lengths, packs, micros = packed_setup()
-  logprobs = jax.jit(make_logprobs_fn(trainer.graphdef, trainer.config.temperature))
-  padded = np.asarray(logprobs(trainer.params, mini))
-  packed = np.concatenate([np.asarray(logprobs(trainer.params, m)) for m in micros])
+  logprobs = jax.jit(make_logprobs_fn(trainer.policy.graphdef, trainer.config.temperature))
+  padded = np.asarray(logprobs(trainer.policy.params, mini))
+  packed = np.concatenate([np.asarray(logprobs(trainer.policy.params, m)) for m in micros])
   segments = np.concatenate([m["segments"] for m in micros])
   for r, pack in enumerate(packs):
     at = 0
@@ -268,7 +268,7 @@ def test_packed_logprobs_equal_each_sequence_alone():
   micro = {k: v.copy() for k, v in micros[micro_at].items()}
   middle = micro["segments"][row] == packs[r][1]
   micro["ids"][row, middle] = (micro["ids"][row, middle] + 1) % 14 + 3  # other real tokens
-  changed = np.asarray(logprobs(trainer.params, micro))[row]
+  changed = np.asarray(logprobs(trainer.policy.params, micro))[row]
   before = packed[r]
   # predictions within the other sequences (the one from the token before the middle sequence
   # predicts the middle one's first token, across the boundary: never trained on)
@@ -286,16 +286,16 @@ def test_packed_micro_batches_sum_to_the_full_length_loss_metrics_and_gradient(l
   config = grpo.GRPOConfig(group_size=2, loss_agg=loss_agg, kl_coef=kl_coef)
   trainer, batch, lengths, packs, micros = packed_setup(seed=1, size=2, agg=loss_agg)
   assert len(micros) >= 3 and max(map(len, packs)) >= 3 and (lengths == 0).sum() >= 2
-  params = trainer.params
+  params = trainer.policy.params
   ref_params = None
   if kl_coef:  # a reference policy away from the current one, so the KL term is not zero
     ref_params = jax.tree.map(lambda x: x * 0.9, params)
-  loss_fn = _make_loss_fn(trainer.graphdef, config, trainer.config.temperature)
+  loss_fn = _make_loss_fn(trainer.policy.graphdef, config, trainer.config.temperature)
   (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
       params, ref_params, batch)
 
-  fns = make_packed_update_fns(trainer.graphdef, trainer.optimizer, config, trainer.mesh,
-                               temperature=trainer.config.temperature)
+  fns = make_packed_update_fns(trainer.policy.graphdef, trainer.policy.optimizer, config,
+                               trainer.mesh, temperature=trainer.config.temperature)
   total_tokens = np.float32(batch["mask"].sum())
   acc = fns["zeros"](params)
   for micro in micros:
@@ -313,7 +313,7 @@ def test_packed_micro_batches_sum_to_the_full_length_loss_metrics_and_gradient(l
 
 def trained_params(trainer, batches):
   metrics = [trainer.policy_update(b) for b in batches]
-  return host(trainer.params), host(trainer.opt_state), metrics
+  return host(trainer.policy.params), host(trainer.policy.opt_state), metrics
 
 
 UPDATE_METRICS = ("loss", "pg_loss", "clip_fraction", "ratio_mean", "approx_kl", "kl_to_ref",
@@ -441,7 +441,8 @@ def test_the_policys_old_logprobs_are_its_forward_pass_and_compile_nothing_after
   assert trainer.precompile_update() == plain.precompile_update() + extra
   batch = ragged_batch(trainer, LONG_TAIL, seed=4)
   order = np.random.default_rng(0).permutation(len(LONG_TAIL))
-  want = jax.jit(make_logprobs_fn(trainer.graphdef))(trainer.params, {"ids": batch["ids"]})
+  logprobs_of = jax.jit(make_logprobs_fn(trainer.policy.graphdef))
+  want = logprobs_of(trainer.policy.params, {"ids": batch["ids"]})
   before = compile_count()
   got = trainer.policy.policy_logprobs(batch, order)
   np.testing.assert_allclose(got, np.where(batch["mask"] > 0, want, 0.0), rtol=1e-5, atol=1e-5)

@@ -268,7 +268,7 @@ def tensorboardx_writer_class():
 def export_final_model(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
   """Writes the policy and its tokenizer to ``<logdir>/final_model`` atomically (a complete new
   directory replaces the old one), refusing non-finite weights."""
-  model = nnx.merge(trainer.graphdef, trainer.policy.rollout_params())  # gathered (FSDP)
+  model = nnx.merge(trainer.policy.graphdef, trainer.policy.rollout_params())  # gathered (FSDP)
   for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]:
     if count_nonfinite(leaf):
       raise FloatingPointError(f"final model not written: {jax.tree_util.keystr(path)} holds "

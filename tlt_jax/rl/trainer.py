@@ -221,14 +221,6 @@ def metric_kind(key: str) -> str:
   return "exact"
 
 
-def _policy_attribute(name: str, settable: bool = True) -> property:
-  """A trainer attribute that is its ``PolicyUpdate``'s (``trainer.params`` is
-  ``trainer.policy.params``; setting it sets the policy's)."""
-  getter = lambda self: getattr(self.policy, name)
-  setter = (lambda self, value: setattr(self.policy, name, value)) if settable else None
-  return property(getter, setter, doc=f"``self.policy.{name}``")
-
-
 class GRPOTrainer:
   """Owns the rollout engine, the policy update and, when it trains online, the drafter;
   ``step()`` runs one RL step."""
@@ -295,12 +287,6 @@ class GRPOTrainer:
     self.last_lengths = np.zeros(0, np.int64)  # completion lengths of the latest step
 
   # the policy's state and update functions live in ``self.policy`` (``rl/update.py``)
-  params = _policy_attribute("params")
-  opt_state = _policy_attribute("opt_state")
-  ref_params = _policy_attribute("ref_params")
-  graphdef = _policy_attribute("graphdef", settable=False)
-  optimizer = _policy_attribute("optimizer", settable=False)
-  update_fn = _policy_attribute("update_fn", settable=False)
 
   def _sync_engine(self) -> None:
     """Hands the rollout engine(s) the current params as single-device arrays.
