@@ -828,8 +828,8 @@ def test_final_model_is_never_written_from_non_finite_weights(tmp_path):
   job = build_job(tiny_config(tmp_path))
   graphdef, params = nnx.split(runner.init_model(job.model_config, seed=0))
   def trainer_with(weights):  # what export reads of a trainer: its graphdef and gathered params
-    return types.SimpleNamespace(graphdef=graphdef,
-                                 policy=types.SimpleNamespace(rollout_params=lambda: weights))
+    return types.SimpleNamespace(policy=types.SimpleNamespace(graphdef=graphdef,
+                                                              rollout_params=lambda: weights))
   final = export_final_model(trainer_with(params), job)
   before = (final / "model.safetensors").read_bytes()
   leaves, treedef = jax.tree.flatten(params)
