@@ -133,11 +133,11 @@ def main():
                   f"{rb.fmt(r.get('drafter_top1'))}, compiles {r['compiles']}")
     print("  |  ".join(line), flush=True)
   check = rb.same_trajectory(arms, rows)
-  summary = {name: arm_summary(rows[name], a.devices, rb) for name in names}
+  summary = {name: arm_summary(rows[name], a.devices, harness) for name in names}
   reference = "spot_one" if "spot_one" in names else names[-1]
   for name in names:
     if name != reference:
-      summary[name]["vs_" + reference] = ratios(rows[name], rows[reference], rb)
+      summary[name]["vs_" + reference] = ratios(rows[name], rows[reference], harness)
   for name in names:
     summary[name]["precompile_s"] = arms[name].precompile_s
   report = dict(
@@ -171,8 +171,9 @@ def main():
   rb.finish(a.out, report, lines)
 
 
-def arm_summary(rows: list[dict], devices: int, rb) -> dict:
-  """One arm's totals and medians over its steps."""
+def arm_summary(rows: list[dict], devices: int, harness) -> dict:
+  """One arm's totals and medians over its steps (``harness``: experiments.harness, imported by
+  ``main`` once the device count is set)."""
   idle = sum(r["tail_idle_device_s"] for r in rows)
   work = sum(r.get("drafter_spot_device_s", 0.0) for r in rows)
   by_device = {k: round(sum(r.get(PER_DEVICE + str(k), 0.0) for r in rows), 4)
@@ -212,7 +213,7 @@ def arm_summary(rows: list[dict], devices: int, rb) -> dict:
       drafter_train_top1_mean=harness.mean(r.get("drafter_train_top1") for r in rows))
 
 
-def ratios(rows: list[dict], reference: list[dict], rb) -> dict:
+def ratios(rows: list[dict], reference: list[dict], harness) -> dict:
   """Per-step ratios of an arm to the reference arm (the same tokens at every step), medians."""
   out = {}
   for key in ("decode_wall_s", "rollout_s", "step_s"):
