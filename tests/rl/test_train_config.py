@@ -73,13 +73,14 @@ def test_every_shipped_config_reaches_every_field(name):
   ``--config.<section>.<field>`` reaches it (the job fills seed and num_prompts itself)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   import importlib  # pylint: disable=import-outside-toplevel
+  from tlt_jax.job.build import TRAINER_SOURCES  # pylint: disable=import-outside-toplevel
   from tlt_jax.job.typed_config import dataclass_section  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.grpo import GRPOConfig  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.sft import SFTConfig  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.trainer import TrainerConfig  # pylint: disable=import-outside-toplevel
   cfg = importlib.import_module(f"tlt_jax.configs.{name}").get_config()
   for section, cls, filled in [("sft", SFTConfig, ()), ("grpo", GRPOConfig, ()),
-                               ("trainer", TrainerConfig, ("seed", "num_prompts"))]:
+                               ("trainer", TrainerConfig, TRAINER_SOURCES)]:
     fields = {f.name for f in dataclasses.fields(cls)} - set(filled)
     assert set(cfg[section].keys()) == fields, (name, section)
   with pytest.raises(TypeError, match=r"give values for the fields \['group_size'\]"):

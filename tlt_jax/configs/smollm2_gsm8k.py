@@ -13,12 +13,12 @@ already instruction-tuned. Sized for one accelerator (a step is minutes on a CPU
 
 import ml_collections
 
+from tlt_jax.job.build import trainer_section
 from tlt_jax.job.rollout_config import rollout_section, suffix_section
 from tlt_jax.job.typed_config import dataclass_section
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
-from tlt_jax.rl.trainer import TrainerConfig
 
 
 def smollm2_default_path() -> str:
@@ -56,10 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(path=smollm2_default_path(), dtype="float32"))
   c.sft = dataclass_section(SFTConfig, steps=0)
   c.grpo = dataclass_section(GRPOConfig, group_size=8, clip_eps_high=0.28)
-  c.trainer = dataclass_section(TrainerConfig, omit=("seed", "num_prompts"), steps=200,
-                                prompts_per_step=16, learning_rate=2e-6, warmup_steps=5,
-                                minibatches=4, max_new_tokens=512, eval_problems=128,
-                                update_tokens=16384)
+  c.trainer = trainer_section(steps=200, prompts_per_step=16, learning_rate=2e-6, warmup_steps=5,
+                              minibatches=4, max_new_tokens=512, eval_problems=128,
+                              update_tokens=16384)
   # chat-formatted gsm_symbolic prompts are 60-200 SmolLM2 tokens
   c.rollout = rollout_section(max_batch=128, max_prompt_len=256)
   # the suffix drafter and the store of earlier completions it drafts from (configs/tiny_grpo.py

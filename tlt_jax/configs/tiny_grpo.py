@@ -5,13 +5,13 @@
 
 import ml_collections
 
+from tlt_jax.job.build import trainer_section
 from tlt_jax.job.rollout_config import drafter_training_section, rollout_section, \
     suffix_section
 from tlt_jax.job.typed_config import dataclass_section
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
-from tlt_jax.rl.trainer import TrainerConfig
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -62,9 +62,8 @@ def get_config() -> ml_collections.ConfigDict:
   # (every other field at TrainerConfig's default; seed and num_prompts come from config.seed
   # and config.task.num_prompts). eval_every=20: 3 s an evaluation of 512 problems on a 2-core
   # CPU, ~2 % of the job
-  c.trainer = dataclass_section(TrainerConfig, omit=("seed", "num_prompts"), steps=60,
-                                prompts_per_step=32, learning_rate=5e-5, minibatches=2,
-                                eval_problems=512, eval_every=20)
+  c.trainer = trainer_section(steps=60, prompts_per_step=32, learning_rate=5e-5, minibatches=2,
+                              eval_problems=512, eval_every=20)
   # EngineConfig of the rollout engine (batch buckets up to max_batch rows). The adaptive
   # engine (needs a drafter): strategies lists [depth, topk, verify_tokens] triples, e.g.
   #   --config.drafter=ngram --config.rollout.strategies="((4, 1, 5), (8, 1, 9))"

@@ -17,8 +17,8 @@ import numpy as np
 
 from tlt_jax.job.rollout_config import EAGLE_STRATEGIES, build_drafter, build_drafter_training, \
     build_engine_config, build_suffix, check_drafter, split_drafter
-from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, flatten, section, \
-    to_dataclass
+from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, dataclass_section, \
+    flatten, section, to_dataclass
 from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.load import load_tokenizer, pretrained_config
@@ -122,6 +122,16 @@ def build_task(task_cfg: ml_collections.ConfigDict) -> tuple[Task, bool]:
     raise ConfigError(f"config.task ({kind}): {e}") from None
 
 
+# TrainerConfig fields the job fills from elsewhere in the config (not config.trainer's): where
+TRAINER_SOURCES = {"seed": "seed", "num_prompts": "task.num_prompts"}
+
+
+def trainer_section(**values) -> ml_collections.ConfigDict:
+  """``config.trainer`` for config files: every ``TrainerConfig`` field but ``TRAINER_SOURCES``,
+  at its default unless given in ``values`` (``dataclass_section``)."""
+  return dataclass_section(TrainerConfig, omit=TRAINER_SOURCES, **values)
+
+
 def task_num_prompts(cfg: ml_collections.ConfigDict) -> int:
   """``config.task.num_prompts`` (0 when absent): 0 draws fresh problems every step; N > 0 a
   fixed set of N problems, visited once per epoch in a shuffled order, at least
@@ -205,8 +215,7 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
                       "solution, without the chat template (and this tokenizer may have no BOS)")
   grpo_config = to_dataclass(grpo.GRPOConfig, section(cfg, "grpo"), "grpo")
   trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=cfg.seed,
-                                num_prompts=task_num_prompts(cfg),
-                                sources={"num_prompts": "task.num_prompts"})
+                                num_prompts=task_num_prompts(cfg), sources=TRAINER_SOURCES)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
   drafter = build_drafter(cfg.drafter, model_config, seed=cfg.seed)
   suffix = build_suffix(cfg)

@@ -25,7 +25,8 @@ from tlt_jax.utils import FieldError
 
 _DRAFTER_CHOICES = ("'none', 'ngram', 'eagle' (a drafter trained online from scratch) or the "
                    "directory of a drafter saved by tlt_jax.models.drafter.save_drafter")
-SUFFIX = DrafterKind.SUFFIX  # config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
+# config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
+SUFFIX = DrafterKind.SUFFIX
 _SUFFIX_CHOICES = ("'suffix' (the suffix drafter, which drafts from the rollout's own history, "
                    "alone) or '<eagle or a drafter directory>+suffix' (both in one engine)")
 
