@@ -23,6 +23,7 @@ left in place.
 """
 
 import atexit
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -88,3 +89,18 @@ HEAVIEST_FIRST = (
 def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
   rank = {path: i for i, path in enumerate(HEAVIEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+
+
+def pytest_configure(config):  # pylint: disable=unused-argument
+  """Stops at once, with the fix, when the torchvision that ``speculators`` pulled in is there:
+  built for another torch, it makes every ``import transformers`` fail (the README's test
+  command uninstalls it)."""
+  if importlib.util.find_spec("torchvision") is None:
+    return
+  probe = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True,
+                         check=False)
+  if probe.returncode:
+    import pytest  # pylint: disable=import-outside-toplevel
+    raise pytest.UsageError("torchvision is installed but does not import beside this torch "
+                            "(speculators pulls a build for another torch), which breaks "
+                            "transformers: run `pip uninstall -y torchvision torchaudio`")

@@ -43,11 +43,12 @@ def _save(model: torch.nn.Module, path: str | Path, seed: int,
 
 
 def make_qwen2_checkpoint(path: str | Path, seed: int = 0,
-                          max_shard_size: str | None = None) -> torch.nn.Module:
-  """A 2-layer fp32 Qwen2 (4 heads / 2 KV heads, tied embeddings, qkv bias) saved to ``path``."""
+                          max_shard_size: str | None = None, num_layers: int = 2
+                          ) -> torch.nn.Module:
+  """A 2-layer (or ``num_layers``) fp32 Qwen2 (4 heads / 2 KV heads, tied embeddings, qkv bias) saved to ``path``."""
   torch.manual_seed(seed)
   config = transformers.Qwen2Config(
-      vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=128, num_hidden_layers=2,
+      vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=128, num_hidden_layers=num_layers,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
       rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1,
       eos_token_id=2, dtype="float32")
@@ -55,14 +56,15 @@ def make_qwen2_checkpoint(path: str | Path, seed: int = 0,
 
 
 def make_llama_checkpoint(path: str | Path, seed: int = 0, rope_scaling: dict | None = None,
-                          max_shard_size: str | None = None) -> torch.nn.Module:
-  """A 2-layer fp32 Llama (4 heads / 2 KV heads of dim 32, untied, no bias) saved to ``path``.
+                          max_shard_size: str | None = None, num_layers: int = 2
+                          ) -> torch.nn.Module:
+  """A 2-layer (or ``num_layers``) fp32 Llama (4 heads / 2 KV heads of dim 32, untied, no bias) saved to ``path``.
 
   ``rope_scaling`` is an HF dict such as ``{"rope_type": "llama3", "factor": 8.0, ...}``.
   """
   torch.manual_seed(seed)
   config = transformers.LlamaConfig(
-      vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=128, num_hidden_layers=2,
+      vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=128, num_hidden_layers=num_layers,
       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
       rope_theta=500000.0 if rope_scaling else 10000.0, rope_scaling=rope_scaling,
       rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, bos_token_id=1,

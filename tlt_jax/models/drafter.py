@@ -38,6 +38,8 @@ CONFIG_FILE = "drafter_config.json"
 VOCAB_IDS_TENSOR = "vocab_ids"
 DRAFT_VOCAB_KEY = "draft_vocab_size"
 POLICY_KEY = "trained_for_policy"  # in CONFIG_FILE: {"fingerprint": ..., "name": ...}
+KIND_KEY = "drafter_kind"  # in CONFIG_FILE: "eagle" (absent in older files) or "eagle3"
+EAGLE3_KEYS = ("feature_layers", "ttt_steps")  # in CONFIG_FILE for an eagle3 drafter
 _FINGERPRINT_ROWS = 256  # embedding rows sampled (evenly spaced) into a policy's fingerprint
 
 
@@ -49,6 +51,8 @@ class DrafterOutput(NamedTuple):
 
 class Drafter(nnx.Module):
   """One decoder layer fed with ``fc(concat(embed(token), target_feature))``."""
+
+  kind = "eagle"  # the config's name of this architecture (``drafter=eagle``)
 
   def __init__(self, target_config: ModelConfig, *, rngs: nnx.Rngs,
                draft_vocab_size: int | None = None):
@@ -75,6 +79,17 @@ class Drafter(nnx.Module):
              draft_vocab_size: int | None = None) -> "Drafter":
     """A randomly initialised drafter sized for ``target_config`` (full or reduced vocab)."""
     return cls(target_config, rngs=nnx.Rngs(seed), draft_vocab_size=draft_vocab_size)
+
+  @property
+  def target_features(self) -> bool | tuple[int, ...]:
+    """What ``Transformer.forward(return_hidden=...)`` returns for this drafter: True, the
+    final-normed last hidden state (an EAGLE-3 drafter names layers)."""
+    return True
+
+  @property
+  def feature_size(self) -> int:
+    """Width of the target features the drafter reads (and the engine and buffer keep)."""
+    return self.config.hidden_size
 
   @property
   def draft_vocab_size(self) -> int | None:
@@ -222,6 +237,10 @@ def save_drafter(drafter: Drafter, path: str | Path, policy=None,
   if drafter.vocab_ids is not None:
     tensors[VOCAB_IDS_TENSOR] = np.asarray(drafter.vocab_ids, np.int32)
     config[DRAFT_VOCAB_KEY] = drafter.draft_vocab_size
+  config[KIND_KEY] = drafter.kind
+  for key in EAGLE3_KEYS if drafter.kind == "eagle3" else ():
+    value = getattr(drafter, key)
+    config[key] = list(value) if isinstance(value, tuple) else value
   if policy is not None:
     config[POLICY_KEY] = {"fingerprint": policy_fingerprint(policy), "name": policy_name}
   path.mkdir(parents=True, exist_ok=True)
@@ -258,17 +277,40 @@ def drafter_policy_mismatch(path: str | Path, policy) -> str | None:
           f"it for this policy or fine-tune it online")
 
 
+def _drafter_class(raw_config: dict, path: Path) -> type:
+  """The class of a saved drafter's ``drafter_kind`` (a one-line error for an unknown one)."""
+  from tlt_jax.models.eagle3 import Eagle3Drafter  # pylint: disable=import-outside-toplevel
+  kind = raw_config.get(KIND_KEY, Drafter.kind)
+  classes = {Drafter.kind: Drafter, Eagle3Drafter.kind: Eagle3Drafter}
+  if kind not in classes:
+    raise ValueError(f"{path / CONFIG_FILE}: {KIND_KEY}={kind!r} is not one of "
+                     f"{sorted(classes)}; save the drafter again")
+  if kind == Drafter.kind and any(key in raw_config for key in EAGLE3_KEYS):
+    raise ValueError(f"{path / CONFIG_FILE} has eagle3 keys {list(EAGLE3_KEYS)} but "
+                     f"{KIND_KEY}={kind!r}; save the drafter again")
+  return classes[kind]
+
+
 def load_drafter(path: str | Path, target_config: ModelConfig | None = None) -> Drafter:
-  """Reads a drafter saved by ``save_drafter``; checks it fits ``target_config`` if given.
+  """Reads a drafter saved by ``save_drafter``, or a ``speculators`` ``eagle3`` checkpoint (as
+  vLLM serves; needs ``target_config``); checks it fits ``target_config`` if given.
 
   Damaged, incomplete, misshapen or non-finite files raise a one-line ``WeightsError``
   (a ValueError). Whether it was trained for this policy: :func:`drafter_policy_mismatch`.
   """
-  from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models import hf
+  from tlt_jax.models import speculators_format
   path = Path(path)
+  if speculators_format.is_speculators_dir(path):
+    if target_config is None:
+      raise ValueError(f"{path} is a speculators checkpoint: load it for a target "
+                       "(load_drafter(path, target_config))")
+    return speculators_format.load_speculators(path, target_config)
   for name in (PARAMS_FILE, CONFIG_FILE):
     if not (path / name).is_file():
-      raise FileNotFoundError(f"No {name} in {path}: not a drafter saved by save_drafter")
+      raise FileNotFoundError(f"No {name} in {path}: not a drafter saved by save_drafter (nor a "
+                              "speculators eagle3 checkpoint)")
   raw_config = _read_config(path)
   draft_vocab_size = raw_config.get(DRAFT_VOCAB_KEY)
   try:
@@ -284,8 +326,10 @@ def load_drafter(path: str | Path, target_config: ModelConfig | None = None) -> 
         raise ValueError(f"drafter at {path} was made for {field}={getattr(config, field)}, "
                          f"but the target has {field}={getattr(target_config, field)}")
     config = target_config
-  drafter = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0),
-                                           draft_vocab_size=draft_vocab_size))
+  cls = _drafter_class(raw_config, path)
+  drafter = nnx.eval_shape(lambda: cls(
+      config, rngs=nnx.Rngs(0), draft_vocab_size=draft_vocab_size,
+      **{key: raw_config[key] for key in EAGLE3_KEYS if key in raw_config}))
   file = path / PARAMS_FILE
   with hf.open_safetensors(file) as f:
     tensors = {name: hf.read_tensor(f, file, name) for name in f.keys()}

@@ -54,7 +54,9 @@ class KVCache:
 
 class ModelOutput(NamedTuple):
   logits: jax.Array  # [B, T, V] float32
-  hidden: jax.Array | None  # [B, T, H] last layer, after the final norm (what the LM head sees)
+  # [B, T, H] last layer, after the final norm (what the LM head sees); with feature layers
+  # (``forward(return_hidden=(i, j, ...))``) [B, T, (n + 1) H]: see ``Transformer.forward``
+  hidden: jax.Array | None
   cache: KVCache | None  # keys/values of the new tokens written; lengths unchanged
 
 
@@ -243,27 +245,41 @@ class Transformer(nnx.Module):
 
   def forward(self, input_ids: jax.Array, positions: jax.Array | None = None, *,
               cache: KVCache | None = None, attn_mask: jax.Array | None = None,
-              cache_mask: jax.Array | None = None, return_hidden: bool = False) -> ModelOutput:
+              cache_mask: jax.Array | None = None,
+              return_hidden: bool | tuple[int, ...] = False) -> ModelOutput:
     """Runs ``input_ids [B, T]`` at ``positions [B, T]``, writing their KV at ``cache.lengths + t``.
 
     ``positions`` default to ``cache.lengths[:, None] + arange(T)`` (or ``arange(T)``);
     ``attn_mask [B, T, T]`` restricts which new tokens see each other (tree verify);
     ``cache_mask [B, T, S]`` instead gives the full visibility over every cache slot (tree drafting,
     where earlier draft levels sit in uncommitted slots).
+
+    ``return_hidden``: True returns the final-normed last hidden state ``[B, T, H]``; a tuple of
+    feature layer ids ``(i, j, ...)`` (each in ``[0, num_layers]``) returns ``[B, T, (n + 1) H]``:
+    the residual stream entering each listed layer (``num_layers``: after the last layer, before
+    the final norm; what vLLM's EAGLE-3 auxiliary hidden states are), then the final-normed last
+    hidden state (an EAGLE-3 drafter reads the first ``n H``, its training targets the last H).
     """
     positions, mask = positions_and_mask(input_ids.shape, cache, positions, attn_mask, cache_mask)
     lengths = cache.lengths if cache is not None else None
     inv_freq = rope_inv_freq(self.config)
     x = self.embed(input_ids)
+    wanted = return_hidden if isinstance(return_hidden, tuple) else ()
+    taps: dict[int, jax.Array] = {}
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
+      if i in wanted:
+        taps[i] = x
       kv = (cache.k[i], cache.v[i]) if cache is not None else None
       x, (k, v) = layer(x, positions, inv_freq, mask, kv, lengths)
       new_k.append(k)
       new_v.append(v)
+    taps[len(self.layers)] = x
     hidden = self.norm(x)
     logits = self.lm_logits(hidden)
     new_cache = KVCache(tuple(new_k), tuple(new_v), cache.lengths) if cache is not None else None
+    if wanted:
+      hidden = jnp.concatenate([taps[i] for i in wanted] + [hidden], axis=-1)
     return ModelOutput(logits, hidden if return_hidden else None, new_cache)
 
 
