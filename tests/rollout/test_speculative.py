@@ -11,6 +11,7 @@ from tests.helpers import mirror_drafter, sharp_random_model
 from tests.stats import chi_square_pvalue
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams, filtered_logprobs
@@ -25,12 +26,15 @@ BASE = dict(max_batch=2, max_prompt_len=16, max_new_tokens=40, prefill_buckets=(
 
 @pytest.fixture(scope="module")
 def targets():
-  """(target, drafter) pairs: a 2-layer target with a random drafter (low acceptance), and a
-  1-layer target with a drafter mirroring its layer (high acceptance)."""
+  """(target, drafter) pairs: a 2-layer target with a random drafter (low acceptance), a
+  1-layer target with a drafter mirroring its layer (high acceptance), and a 3-layer target with
+  a random EAGLE-3 drafter reading two of its layers (its head starting as the target's)."""
   deep = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=1)
   shallow = sharp_random_model(ModelConfig.tiny(vocab_size=32, num_layers=1), seed=1)
+  three = sharp_random_model(ModelConfig.tiny(vocab_size=32, num_layers=3), seed=1)
   return {"random": (deep, Drafter.create(deep.config, seed=5)),
-          "mirror": (shallow, mirror_drafter(shallow))}
+          "mirror": (shallow, mirror_drafter(shallow)),
+          "eagle3": (three, Eagle3Drafter.for_target(three, seed=5, feature_layers=(1, 2)))}
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +71,13 @@ def spec_engines(targets):
 
 # the fast tier: a chain and the widest tree with a random drafter (the mirror drafter's sampled
 # and adaptive cases run in the fast tier elsewhere)
-GREEDY_FAST = {("random", "chain"), ("random", "tree-3")}
+GREEDY_FAST = {("random", "chain"), ("random", "tree-3"), ("eagle3", "chain"), ("eagle3", "tree-3")}
 
 
 @pytest.mark.parametrize("drafter_kind, strategy", [
     pytest.param(kind, strategy, id=f"{kind}-{strategy}",
                  marks=() if (kind, strategy) in GREEDY_FAST else pytest.mark.slow)
-    for kind in ("random", "mirror") for strategy in STRATEGIES])
+    for kind in ("random", "mirror", "eagle3") for strategy in STRATEGIES])
 def test_greedy_speculative_equals_vanilla(spec_engines, vanilla_results, drafter_kind, strategy):
   spec = spec_engines(drafter_kind, strategy)
   params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)

@@ -6,6 +6,11 @@ its final norm) and logits ``z_t`` (which predict ``x_{t+1}``). At position ``t`
 distribution ``softmax(z_{t+1})`` (soft cross-entropy, weight 0.1). Position ``t`` has a target
 only while ``t + 1`` is in the same sequence.
 
+An EAGLE-3 drafter (:class:`~tlt_jax.models.eagle3.Eagle3Drafter`) reads wider features (several
+target layers, then ``h_t``) and has no feature loss: ``ttt_loss`` trains ``ttt_steps`` chained
+steps, step ``k`` at ``t`` on the target's distribution of ``x_{t+2+k}`` (``softmax(z_{t+1+k})``),
+weighted ``decay ** k``; ``batch_loss`` picks the objective of the drafter's kind.
+
 Several short sequences may share a row (``pack=True``): ``segment_ids`` (0 = padding) keep
 attention inside each sequence and ``positions`` restart at 0 for each one.
 """
@@ -22,9 +27,11 @@ import optax
 from flax import nnx
 
 from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import Eagle3Drafter, ttt_logits
 from tlt_jax.models.transformer import Transformer
 
 CE_WEIGHT = 0.1
+TTT_DECAY = 1.0  # weight of chained step k's loss: TTT_DECAY ** k (speculators' default)
 
 
 class DrafterBatch(NamedTuple):
@@ -105,9 +112,56 @@ def drafter_loss(drafter: Drafter, target: Transformer, tokens: jax.Array, featu
                     ce_weight)
 
 
+def _shift(x: jax.Array, k: int) -> jax.Array:
+  """``x [B, T, ...]`` moved ``k`` positions left along T, zeros past the end."""
+  if k == 0:
+    return x
+  return jnp.concatenate([x[:, k:], jnp.zeros_like(x[:, :k])], axis=1)
+
+
+def ttt_loss(drafter: Eagle3Drafter, target: Transformer, batch: DrafterBatch,
+             decay: float = TTT_DECAY) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The EAGLE-3 objective: soft cross-entropy of each chained step against the target.
+
+  Step ``k`` at pair ``t`` is scored where pair ``t`` drafts (``mask[t]``) and pair ``t + k``
+  has a target in the same sequence (``mask[t + k]``, same segment). The loss is the
+  ``decay ** k``-weighted mean of the steps' masked means; ``top1``/``num_tokens`` are step 0's
+  (what EAGLE-1's mean), ``top1_last`` the last step's agreement.
+  """
+  logits = ttt_logits(drafter, target, batch.tokens, batch.features, batch.positions,
+                      batch.segment_ids)
+  if batch.next_logits is None:
+    targets = drafter.target_logits(target, batch.next_features)
+  elif drafter.vocab_ids is not None and batch.next_logits.shape[-1] != len(drafter.vocab_ids):
+    targets = jnp.take(batch.next_logits, jnp.asarray(drafter.vocab_ids), axis=-1)
+  else:
+    targets = batch.next_logits
+  targets = jax.lax.stop_gradient(targets.astype(jnp.float32))
+  mask = batch.mask.astype(jnp.float32)
+  segments = batch.segment_ids
+  total, weights, steps = 0.0, 0.0, []
+  for k, step_logits in enumerate(logits):
+    step_mask = mask * _shift(mask, k) * (_shift(segments, k) == segments)
+    count = jnp.maximum(step_mask.sum(), 1.0)
+    target_k = _shift(targets, k)
+    probs = jax.nn.softmax(target_k, axis=-1)
+    cross_entropy = -jnp.sum(probs * jax.nn.log_softmax(step_logits, axis=-1), axis=-1)
+    agree = jnp.argmax(step_logits, axis=-1) == jnp.argmax(target_k, axis=-1)
+    steps.append((jnp.sum(cross_entropy * step_mask) / count,
+                  jnp.sum(agree * step_mask) / count, step_mask.sum()))
+    total, weights = total + decay ** k * steps[-1][0], weights + decay ** k
+  loss = total / weights
+  metrics = dict(loss=loss, feature_loss=jnp.zeros(()), ce_loss=loss, top1=steps[0][1],
+                 top1_last=steps[-1][1], num_tokens=steps[0][2])
+  return loss, metrics
+
+
 def batch_loss(drafter: Drafter, target: Transformer, batch: DrafterBatch,
                ce_weight: float = CE_WEIGHT) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """``drafter_loss`` on a ``DrafterBatch``."""
+  """The loss of ``drafter``'s kind on a ``DrafterBatch``: ``ttt_loss`` for an EAGLE-3 drafter
+  (``ce_weight`` does not apply: it has only the cross-entropy), else ``drafter_loss``."""
+  if isinstance(drafter, Eagle3Drafter):
+    return ttt_loss(drafter, target, batch)
   return drafter_loss(drafter, target, batch.tokens, batch.features, batch.next_features,
                       batch.next_logits, batch.mask, positions=batch.positions,
                       segment_ids=batch.segment_ids, ce_weight=ce_weight)
@@ -162,20 +216,25 @@ def layout_rows(sequences: Sequence[Sequence[int]], seq_len: int, *, pack: bool 
   return ids, positions, segments, trained
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
 def _target_features(graphdef: nnx.GraphDef, params: nnx.State, ids: jax.Array,
-                     positions: jax.Array, segment_ids: jax.Array, with_logits: bool = True
+                     positions: jax.Array, segment_ids: jax.Array, with_logits: bool = True,
+                     features: bool | tuple[int, ...] = True
                      ) -> tuple[jax.Array, jax.Array | None]:
-  """The target's last-layer features (and logits) over rows of (packed) sequences."""
+  """The target's features (``Drafter.target_features``; and logits) over rows of (packed)
+  sequences."""
   target = nnx.merge(graphdef, params)
-  out = target.forward(ids, positions, attn_mask=segment_mask(segment_ids), return_hidden=True)
+  out = target.forward(ids, positions, attn_mask=segment_mask(segment_ids),
+                       return_hidden=features)
   return out.hidden, (out.logits if with_logits else None)  # unused logits are never computed
 
 
 def target_features(target: Transformer, ids: np.ndarray, positions: np.ndarray,
-                    segment_ids: np.ndarray, rows_per_call: int = 16, *, with_logits: bool = True
+                    segment_ids: np.ndarray, rows_per_call: int = 16, *, with_logits: bool = True,
+                    features: bool | tuple[int, ...] = True
                     ) -> tuple[np.ndarray, np.ndarray | None]:
   """Runs the frozen target over rows in fixed-size chunks (one compile per row length).
+  ``features``: what the drafter reads (``Drafter.target_features``).
 
   ``with_logits=False`` never computes the ``[rows, T, V]`` logits: on a real vocabulary they
   are ~200 KB a token (SmolLM2), far more than the features.
@@ -189,7 +248,7 @@ def target_features(target: Transformer, ids: np.ndarray, positions: np.ndarray,
     pad = chunk - (stop - start)
     part = [np.concatenate([x[start:stop], np.zeros((pad,) + x.shape[1:], x.dtype)])
             for x in (ids, positions, segment_ids)]
-    h, z = jax.device_get(_target_features(graphdef, params, *part, with_logits))
+    h, z = jax.device_get(_target_features(graphdef, params, *part, with_logits, features))
     hidden.append(h[:stop - start])
     if with_logits:
       logits.append(z[:stop - start])
@@ -199,8 +258,11 @@ def target_features(target: Transformer, ids: np.ndarray, positions: np.ndarray,
 def make_batch_from_sequences(target: Transformer, sequences: Sequence[Sequence[int]],
                               seq_len: int, *, prompt_lens: Sequence[int] | None = None,
                               pack: bool = False, with_logits: bool = True,
-                              rows_per_call: int = 16) -> DrafterBatch:
+                              rows_per_call: int = 16,
+                              features: bool | tuple[int, ...] = True) -> DrafterBatch:
   """Aligned drafter training arrays (numpy) for token ``sequences`` under the frozen ``target``.
+  ``features``: what the drafter reads (``Drafter.target_features``: an EAGLE-3 drafter's
+  layers).
 
   Position t pairs ``(x_{t+1}, h_t)`` with targets ``h_{t+1}``, ``z_{t+1}``; positions before
   ``prompt_len - 1`` (when given), across sequence ends and on padding are masked out.
@@ -212,7 +274,7 @@ def make_batch_from_sequences(target: Transformer, sequences: Sequence[Sequence[
   ids, positions, segments, trained = layout_rows(sequences, seq_len, pack=pack,
                                                   prompt_lens=prompt_lens)
   hidden, logits = target_features(target, ids, positions, segments, rows_per_call,
-                                   with_logits=with_logits)
+                                   with_logits=with_logits, features=features)
   shift = lambda x: np.concatenate([x[:, 1:], np.zeros_like(x[:, :1])], axis=1)
   next_segments = shift(segments)
   mask = (segments > 0) & (next_segments == segments) & trained

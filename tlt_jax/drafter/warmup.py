@@ -151,11 +151,11 @@ def warm_up_drafter(policy: Transformer, sequences: Sequence[Sequence[int]],
     raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
   _check_sequences(sequences, prompt_lens, row_len)
 
-  batch = make_batch_from_sequences(policy, sequences, row_len, prompt_lens=prompt_lens,
-                                    pack=True)
-  features_s = time.perf_counter() - t0
   if drafter is None:
     drafter = Drafter.create(policy.config, seed=seed)
+  batch = make_batch_from_sequences(policy, sequences, row_len, prompt_lens=prompt_lens,
+                                    pack=True, features=drafter.target_features)
+  features_s = time.perf_counter() - t0
   drafter, report = train_drafter_on_batch(
       policy, drafter, batch, steps=steps, batch_rows=batch_rows, learning_rate=learning_rate,
       seed=seed, log_every=log_every, on_log=on_log, evaluate=evaluate)

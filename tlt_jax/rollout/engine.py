@@ -98,6 +98,10 @@ class RolloutEngine(Rollout):
     if drafter is not None and drafter.config.hidden_size != model.config.hidden_size:
       raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} does not match the "
                        f"target's {model.config.hidden_size}")
+    features = True if drafter is None else drafter.target_features
+    if isinstance(features, tuple) and max(features) > model.config.num_layers:
+      raise ValueError(f"the drafter reads target layers {list(features)}, but the target has "
+                       f"{model.config.num_layers} layers")
     self.config = config
     self.spec = config.spec
     self.model_config = model.config
@@ -115,7 +119,7 @@ class RolloutEngine(Rollout):
     self.tuner = (tuner if tuner is not None else make_tuner(config.tuner)) if config.adaptive \
         else None
     self.steps = StepFunctions(model.config, config, self.graphdef, self.drafter_graphdef,
-                               self.ngram, self.groups, suffix)
+                               self.ngram, self.groups, suffix, features)
     learned = drafter is not None
     self.pool = ExecutablePool(
         self.steps, self.weights,

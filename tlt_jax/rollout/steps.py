@@ -129,8 +129,10 @@ class StepFunctions:
 
   def __init__(self, model_config, config, graphdef, drafter_graphdef,
                ngram: NgramConfig | None, groups: dict[str, StrategyGroup],
-               suffix: SuffixConfig | None = None):
+               suffix: SuffixConfig | None = None, features: bool | tuple[int, ...] = True):
     self.model_config = model_config
+    # what the target returns as a learned drafter's features (``Drafter.target_features``)
+    self.features = features
     self.config = config
     self.graphdef = graphdef
     self.drafter_graphdef = drafter_graphdef
@@ -183,7 +185,7 @@ class StepFunctions:
     target, drafter = self.merge(weights)
     batch = ids.shape[0]
     cache = KVCache.create(self.model_config, batch, kv_len)
-    out = target.forward(ids, cache=cache, return_hidden=drafter is not None)
+    out = target.forward(ids, cache=cache, return_hidden=drafter is not None and self.features)
     last_logits = sd.pick_positions(out.logits, prompt_lens - 1)
     keys = row_keys(args.seed, row_id, jnp.zeros_like(row_id))
     tok, logp = sample_tokens(last_logits, keys, args)
@@ -217,7 +219,7 @@ class StepFunctions:
     """One token per live row; with a learned drafter, its feature is kept for later drafting."""
     live = ~state.done
     out = target.forward(state.last_token[:, None], cache=state.cache,
-                         return_hidden=state.feats is not None)
+                         return_hidden=state.feats is not None and self.features)
     keys = row_keys(args.seed, state.row_id, state.num_generated)
     tok, logp = sample_tokens(out.logits[:, 0], keys, args)
     extra = {}
@@ -294,7 +296,7 @@ class StepFunctions:
     rows, gen_pos = state.row_id, state.num_generated
     positions = state.cache.lengths[:, None] + draft.depth
     out = target.forward(draft.tokens, positions, cache=state.cache, attn_mask=mask,
-                         return_hidden=state.feats is not None)
+                         return_hidden=state.feats is not None and self.features)
     verdict = sd.verify(draft, out.logits, args, rows, gen_pos, spec, coupled=self.coupled)
     self.mark_phase(2, verdict.bonus)
     accepted = verdict.accepted
