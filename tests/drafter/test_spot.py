@@ -206,3 +206,37 @@ def test_runs_on_a_second_device():
       capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "two-device spot ok" in proc.stdout
+
+
+def test_an_eagle3_drafter_learns_from_the_engines_collected_features():
+  """The rollout engine hands an EAGLE-3 drafter's features ((n + 1) H wide: its target layers
+  and the final hidden state) to the buffer; spot training on them learns without recompiling."""
+  from tlt_jax.models.eagle3 import Eagle3Drafter  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
+  target = sharp_random_model(CONFIG.replace(num_layers=3), seed=1)
+  drafter = Eagle3Drafter.for_target(target, seed=0, feature_layers=(1, 2))
+  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(
+      max_batch=16, max_prompt_len=8, max_new_tokens=24, prefill_buckets=(8,)))
+  prompts = [np.random.default_rng(i).integers(0, 32, 3 + i % 5).tolist() for i in range(16)]
+  result = engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=1.0, seed=3),
+                           collect_hidden=True)
+  seqs = [p + t for p, t in zip(prompts, result.tokens)]
+  assert all(h.shape == (len(s) - 1, drafter.feature_size) for h, s in zip(result.hidden, seqs))
+  # the collected features are the target's own over the finished sequence
+  ids, positions, segments, _ = layout_rows(seqs[:1], 40)
+  want, _ = target_features(target, ids, positions, segments, with_logits=False,
+                            features=drafter.target_features)
+  np.testing.assert_allclose(result.hidden[0], want[0, :len(seqs[0]) - 1], atol=2e-4)
+  buffer = DataBuffer(rows=4, seq_len=32, seed=0)
+  buffer.add(0, seqs, result.hidden, [len(p) for p in prompts])
+  trainer = SpotTrainer(drafter, target, buffer, learning_rate=1e-2)
+  target_params = nnx.state(target)
+  before = trainer.evaluate(target_params)
+  trainer.precompile(target_params, jax.devices()[0])  # ahead of time, from the batch's shapes
+  trainer.run(target_params, max_steps=1)
+  compiles = compile_count()
+  trainer.run(target_params, max_steps=40)
+  after = trainer.evaluate(target_params)
+  assert compile_count() == compiles, "an eagle3 spot step recompiled"
+  assert after["loss"] < before["loss"] and after["top1"] > before["top1"] + 0.1, (before, after)

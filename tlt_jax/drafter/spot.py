@@ -120,7 +120,7 @@ class SpotTrainer:
     self._eval_step = make_eval_step(self.graphdef, target, ce_weight=ce_weight)
     self._grad_step = make_grad_step(self.graphdef, target, ce_weight=ce_weight)
     self._apply_step = make_apply_step(self.optimizer)
-    self.hidden_size = drafter.config.hidden_size
+    self.feature_size = drafter.feature_size  # width of the buffer's features (EAGLE-3: wider)
     self._compiled = AotCache()  # ahead-of-time, per (kind, device)
     self._run_lock = threading.Lock()  # one run at a time
     self._state_lock = threading.RLock()  # (params, opt_state, steps) change together
@@ -313,7 +313,7 @@ class SpotTrainer:
     sharding = jax.sharding.SingleDeviceSharding(device)
     rows, length = self.buffer.rows, self.buffer.seq_len
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-    feats = spec((rows, length, self.hidden_size), self.buffer.dtype)
+    feats = spec((rows, length, self.feature_size), self.buffer.dtype)
     return DrafterBatch(tokens=spec((rows, length), np.int32), features=feats,
                         next_features=feats, next_logits=None,
                         mask=spec((rows, length), np.float32),
