@@ -126,7 +126,7 @@ def ttt_loss(drafter: Eagle3Drafter, target: Transformer, batch: DrafterBatch,
   Step ``k`` at pair ``t`` is scored where pair ``t`` drafts (``mask[t]``) and pair ``t + k``
   has a target in the same sequence (``mask[t + k]``, same segment). The loss is the
   ``decay ** k``-weighted mean of the steps' masked means; ``top1``/``num_tokens`` are step 0's
-  (what EAGLE-1's mean), ``top1_last`` the last step's agreement.
+  (what EAGLE-1's mean), ``top1_last``/``ce_last`` the last step's agreement and cross-entropy.
   """
   logits = ttt_logits(drafter, target, batch.tokens, batch.features, batch.positions,
                       batch.segment_ids)
@@ -152,7 +152,7 @@ def ttt_loss(drafter: Eagle3Drafter, target: Transformer, batch: DrafterBatch,
     total, weights = total + decay ** k * steps[-1][0], weights + decay ** k
   loss = total / weights
   metrics = dict(loss=loss, feature_loss=jnp.zeros(()), ce_loss=loss, top1=steps[0][1],
-                 top1_last=steps[-1][1], num_tokens=steps[0][2])
+                 top1_last=steps[-1][1], ce_last=steps[-1][0], num_tokens=steps[0][2])
   return loss, metrics
 
 
