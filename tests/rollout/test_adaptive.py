@@ -10,6 +10,7 @@ from flax import nnx
 from tests.helpers import RoundRobin, mirror_drafter, sharp_random_model
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
@@ -30,11 +31,14 @@ def prompts_of(lengths, seed=0):
 
 @pytest.fixture(scope="module")
 def models():
-  """(target, drafter): a 2-layer target with a random drafter, a 1-layer one with a mirror."""
+  """(target, drafter): a 2-layer target with a random drafter, a 1-layer one with a mirror,
+  a 3-layer one with a random EAGLE-3 drafter reading layers 1 and 2."""
   deep = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=1)
   shallow = sharp_random_model(ModelConfig.tiny(vocab_size=32, num_layers=1), seed=1)
+  three = sharp_random_model(ModelConfig.tiny(vocab_size=32, num_layers=3), seed=1)
   return {"random": (deep, Drafter.create(deep.config, seed=5)),
-          "mirror": (shallow, mirror_drafter(shallow))}
+          "mirror": (shallow, mirror_drafter(shallow)),
+          "eagle3": (three, Eagle3Drafter.for_target(three, seed=5, feature_layers=(1, 2)))}
 
 
 def adaptive(target, drafter, tuner=None, **kw):
@@ -92,11 +96,13 @@ def test_greedy_with_switching_every_segment_equals_vanilla(engines, kind):
     assert sum(a.tokens for a in chain) / sum(a.row_steps for a in chain) > 3.0
 
 
-def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models, engines):
+@pytest.mark.parametrize("kind", ["random", "eagle3"])
+def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models, engines, kind):
   """After vanilla segments, the drafter's cache after catch-up equals a drafter pass over the
-  whole (prompt + generated) sequence's pairs: fails on any off-by-one in the feature history."""
-  target, drafter = models["random"]
-  engine = engines("random/adaptive")
+  whole (prompt + generated) sequence's pairs: fails on any off-by-one in the feature history
+  (an EAGLE-3 drafter's features: its target layers and the final hidden state)."""
+  target, drafter = models[kind]
+  engine = engines(f"{kind}/adaptive")
   pool, cfg = engine.pool, engine.config
   prompts = prompts_of([5, 11, 8], seed=4)  # 3 live rows in the 4-row bucket
   kv_len = cfg.prefill_kv_len(16)
@@ -127,7 +133,7 @@ def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models, engines):
     # once for that width instead of once per row length (seconds each).
     padded = np.zeros((1, kv_len), np.int32)
     padded[0, :len(seq)] = seq
-    hidden = target.forward(jnp.asarray(padded), return_hidden=True).hidden
+    hidden = target.forward(jnp.asarray(padded), return_hidden=drafter.target_features).hidden
     cache = drafter.init_cache(1, kv_len)
     out = drafter.forward(target, jnp.asarray(padded[:, 1:]), hidden[:, :-1], cache=cache)
     np.testing.assert_allclose(np.asarray(state.dcache.k[0][b, :dl[b]]),
@@ -163,6 +169,22 @@ def test_coupled_speculative_emits_vanillas_sampled_tokens(engines, sampling, mo
     np.testing.assert_allclose(a, b, atol=1e-4)
   assert "stop" in got.finish_reasons  # rows stop, many inside accepted drafts
   assert got.stats.mean_accept_len > 1.5  # drafts were really accepted, not just bonuses
+
+
+def test_eagle3_adaptive_coupled_emits_vanillas_sampled_tokens(engines):
+  """An EAGLE-3 drafter in the adaptive engine (switching vanilla, chain and trees every
+  segment) with coupled verification: exactly vanilla's sampled tokens."""
+  params = SamplingParams(max_new_tokens=40, seed=5, stop_token_ids=STOPS, temperature=1.0)
+  vanilla, engine = engines("eagle3/vanilla"), engines("eagle3/adaptive-coupled")
+  engine.set_tuner(RoundRobin())
+  prompts = prompts_of([9, 2, 14, 5, 7, 1, 11], seed=6)
+  got, want = engine.generate(prompts, params), vanilla.generate(prompts, params)
+  assert got.tokens == want.tokens
+  for a, b in zip(got.logprobs, want.logprobs):
+    np.testing.assert_allclose(a, b, atol=1e-4)
+  used = {name for per_bucket in got.stats.arms.values() for name in per_bucket}
+  assert {"vanilla", "chain d4"} <= used and got.stats.switches > 2, used
+  assert sum(got.stats.accept_hist[1:]) > 0  # some drafts were accepted
 
 
 @pytest.mark.slow
