@@ -25,7 +25,11 @@ speculators_eagle3 = pytest.importorskip("speculators.models.eagle3")
 
 from tests import hf_fixtures  # noqa: E402  pylint: disable=wrong-import-position
 from tlt_jax.models import hf  # noqa: E402
-from tlt_jax.models.drafter import Drafter, load_drafter, save_drafter  # noqa: E402
+from tlt_jax.models.drafter import (Drafter, drafter_policy_mismatch,  # noqa: E402
+                                    load_drafter, save_drafter)
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
+from tlt_jax.rollout.speculative import SpecConfig  # noqa: E402
 from tlt_jax.models.eagle3 import Eagle3Drafter, ttt_logits  # noqa: E402
 from tlt_jax.models.speculators_format import (SpeculatorsFormatError,  # noqa: E402
                                                export_speculators, load_speculators)
@@ -124,6 +128,19 @@ def test_three_feature_layers_and_a_round_trip(verifier, tmp_path):
   for (p, a), (q, b) in zip(nnx.to_flat_state(nnx.state(drafter, nnx.Param)),
                             nnx.to_flat_state(nnx.state(back, nnx.Param))):
     assert p == q and np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())), p
+  assert drafter_policy_mismatch(tmp_path / "spec", target) is None  # it names a verifier only
+  # the same drafts in our engine: identical acceptance, step by step (one engine, the
+  # reloaded drafter's params swapped in)
+  engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(
+      max_batch=4, max_prompt_len=8, max_new_tokens=16, prefill_buckets=(8,),
+      spec=SpecConfig(3, 1, 4)))
+  accepted = []
+  for params in (nnx.split(drafter)[1], nnx.split(back)[1]):
+    engine.update_params(engine.params, params)
+    result = engine.generate([[5, 9, 1], [7, 7, 2, 30], [3], [11, 4]],
+                             SamplingParams(max_new_tokens=16, temperature=1.0, seed=2))
+    accepted.append((result.tokens, list(result.stats.accept_hist)))
+  assert accepted[0] == accepted[1] and sum(accepted[0][1][1:]) > 0
   # and through our own format too
   save_drafter(back, tmp_path / "ours")
   again = load_drafter(tmp_path / "ours", target.config)

@@ -254,7 +254,10 @@ def _read_config(path: Path) -> dict:
 
 
 def drafter_policy(path: str | Path) -> dict | None:
-  """The policy record ``{"fingerprint", "name"}`` saved with a drafter, or None if it has none."""
+  """The policy record ``{"fingerprint", "name"}`` saved with a drafter, or None if it has none
+  (a speculators checkpoint never has one: it names its verifier instead)."""
+  if not (Path(path) / CONFIG_FILE).is_file():
+    return None
   record = _read_config(Path(path)).get(POLICY_KEY)
   return record if isinstance(record, dict) and record.get("fingerprint") else None
 
