@@ -24,7 +24,8 @@ from tlt_jax.job.build import build_job
 from tlt_jax.job.run_dir import CONFIG_FILE, export_final_model, resume_config, save_run_config
 from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.job.typed_config import ConfigError, load_config_file, read_json_config
-from tlt_jax.models.drafter import Drafter, save_drafter
+from tlt_jax.models.drafter import Drafter, load_drafter, save_drafter
+from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.trainer import TrainerConfig, metric_kind
 from tlt_jax.rl.update import NonFiniteUpdateError
@@ -213,9 +214,12 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
     ("sft.learning_rate", -1.0, r"config.sft: SFTConfig.learning_rate must be > 0"),
     ("sft.rows", 0, r"config.sft.rows must be a positive int, got 0"),
     ("mesh_devices", -1, r"config.mesh_devices must be an int >= 0"),
-    ("drafter", "eagle3", (r"config.drafter must be 'none', 'ngram', 'eagle' .* or the directory"
-                           r" of a drafter saved by .*save_drafter; 'eagle3' is not an existing "
-                           r"directory")),
+    ("drafter", "eagle4", (r"config.drafter must be 'none', 'ngram', 'eagle' or 'eagle3' \(an "
+                           r"EAGLE-1 or EAGLE-3 drafter .* or the directory of a drafter saved by "
+                           r".*save_drafter; 'eagle4' is not an existing directory")),
+    ("drafter", "eagle3+ngram", r"config.drafter must be .*'eagle3'.*; 'eagle3\+ngram' is not an "
+                                r"existing directory \(or 'suffix'.* or '<eagle, eagle3 or a "
+                                r"drafter directory>\+suffix'"),
     ("rollout_devices", -1, r"config.rollout_devices must be an int >= 0"),
     ("drafter_training.rows", 0, r"config.drafter_training.rows must be a positive int"),
     ("drafter_training.online", "yes", r"config.drafter_training.online must be 'auto', True"),
@@ -327,7 +331,8 @@ def test_the_suffix_drafter_s_mistakes_are_rejected_before_work(tmp_path, no_wor
     train.run(cfg)
 
 
-@pytest.mark.parametrize("drafter", ["none", "suffix", "eagle+suffix", "saved+suffix"])
+@pytest.mark.parametrize("drafter", ["none", "suffix", "eagle+suffix", "eagle3+suffix",
+                                     "saved+suffix"])
 def test_the_job_hands_the_trainer_its_suffix_drafter_and_history(tmp_path, monkeypatch,
                                                                  saved_drafter, drafter):
   """config.drafter's suffix part becomes the trainer's ``suffix=`` (config.suffix's fields), and
@@ -346,9 +351,10 @@ def test_the_job_hands_the_trainer_its_suffix_drafter_and_history(tmp_path, monk
   assert given["history"] == HistoryConfig(max_bytes=12345, per_prompt=3)
   assert job.trainer.num_prompts == 8
   learned = drafter.split("+")[0]
-  assert isinstance(given["drafter"], Drafter) == (learned in ("eagle", "saved"))
-  assert (given["drafter_training"] is not None) == (learned == "eagle")
-  if learned == "eagle":  # the fresh drafter's strategies, as for config.drafter="eagle"
+  assert isinstance(given["drafter"], Drafter) == (learned in ("eagle", "eagle3", "saved"))
+  assert isinstance(given["drafter"], Eagle3Drafter) == (learned == "eagle3")
+  assert (given["drafter_training"] is not None) == (learned in ("eagle", "eagle3"))
+  if learned in ("eagle", "eagle3"):  # a fresh drafter's strategies, as without "+suffix"
     assert job.engine.strategies == (SpecConfig(depth=3, topk=1, verify_tokens=4),)
 
 
@@ -749,8 +755,9 @@ def test_help_lists_the_config_fields():
     (["--config.drafter_training.online=True"], ("config.drafter_training.online=True needs a "
                                                  "learned drafter")),  # True from the command line
     (["--config.drafter=no/such/drafter"], ("config.drafter must be 'none', 'ngram', 'eagle' "
-                                            "(a drafter trained online from scratch) or the "
-                                            "directory of a drafter saved by")),
+                                            "or 'eagle3' (an EAGLE-1 or EAGLE-3 drafter trained "
+                                            "online from scratch) or the directory of a drafter "
+                                            "saved by")),
     # the adaptive fields parse from the command line (the error is about the missing drafter)
     (["--config.rollout.strategies=((4, 1, 5), (4, 2, 8))", "--config.rollout.tuner.kind=ucb1",
       "--config.rollout.segment_steps=8"], "config.rollout.strategies needs a drafter"),
@@ -845,7 +852,6 @@ def test_eagle_drafter_trains_online_saves_resumes_and_exports(tmp_path):
   """config.drafter='eagle': the drafter trains during RL (one device: serial steps), its state
   is in every checkpoint with the data buffer, selective async saves are timed against the full
   blocking one, a resumed run continues the drafter's step count, and final_drafter/ loads."""
-  from tlt_jax.models.drafter import load_drafter  # pylint: disable=import-outside-toplevel
   logdir = tmp_path / "eagle"
   cfg = tiny_config(logdir, drafter="eagle")
   cfg.drafter_training.update(rows=2, seq_len=32, serial_steps=2, serial_budget="fixed")
@@ -879,6 +885,126 @@ def test_eagle_drafter_trains_online_saves_resumes_and_exports(tmp_path):
   final, _ = hf.from_pretrained(logdir / "final_model")
   assert drafter_policy(logdir / "final_drafter")["name"] == str(logdir / "final_model")
   assert drafter_policy_mismatch(logdir / "final_drafter", final) is None
+
+
+def drafter_params(drafter) -> dict:
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  return {path: np.asarray(v.get_value())
+          for path, v in nnx.to_flat_state(nnx.state(drafter, nnx.Param))}
+
+
+def trainer_arguments(job, monkeypatch, latest=None) -> dict:
+  """What ``runner._set_up_trainer`` hands the trainer: its keyword arguments and ``model``."""
+  given = {}
+  monkeypatch.setattr(runner, "GRPOTrainer",
+                      lambda model, *args, **kwargs: given.update(kwargs, model=model))
+  runner._set_up_trainer(job, latest, None)
+  return given
+
+
+def test_a_fresh_eagle3_drafter_starts_its_head_from_the_policy_rl_starts_from(
+    tmp_path, monkeypatch, capsys):
+  """config.drafter='eagle3': the drafter's own head starts as the warm-started policy's LM head
+  (its other weights as build_job drew them for the seed), the same in every run of the seed; a
+  resumed run whose drafter trains online keeps the drafter build_job made (the checkpoint
+  restores it), one whose drafter does not train (no checkpoint holds it) warm-starts again and
+  starts the head as the first run did."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.drafter import target_head_rows  # pylint: disable=import-outside-toplevel
+  job = build_job(tiny_config(tmp_path / "run", drafter="eagle3"))
+  assert isinstance(job.drafter, Eagle3Drafter) and job.drafter_training is not None
+  given = trainer_arguments(job, monkeypatch)
+  drafter, policy = given["drafter"], given["model"]
+  assert isinstance(drafter, Eagle3Drafter) and drafter.vocab_ids is None
+  rows = target_head_rows(policy, jnp.arange(job.model_config.vocab_size))
+  np.testing.assert_array_equal(drafter.head.kernel.get_value(), np.asarray(rows).T)
+  built, started = drafter_params(job.drafter), drafter_params(drafter)
+  assert not np.array_equal(built[("head", "kernel")], started[("head", "kernel")])
+  for path in set(built) - {("head", "kernel")}:
+    np.testing.assert_array_equal(built[path], started[path], err_msg=str(path))
+  again = trainer_arguments(build_job(tiny_config(tmp_path / "again", drafter="eagle3")),
+                            monkeypatch)["drafter"]
+  for path, value in drafter_params(again).items():
+    np.testing.assert_array_equal(value, started[path], err_msg=str(path))
+  capsys.readouterr()
+  resumed = build_job(tiny_config(tmp_path / "run", drafter="eagle3", resume=True))
+  assert trainer_arguments(resumed, monkeypatch, latest=1)["drafter"] is resumed.drafter
+  assert "warm start" not in capsys.readouterr().out  # the checkpoint holds the params
+  frozen = tiny_config(tmp_path / "frozen", drafter="eagle3")
+  with frozen.drafter_training.ignore_type():
+    frozen.drafter_training.online = False
+  first = trainer_arguments(build_job(frozen), monkeypatch)
+  assert first["drafter_training"] is None
+  frozen.resume = True
+  capsys.readouterr()
+  later = trainer_arguments(build_job(frozen), monkeypatch, latest=1)["drafter"]
+  assert "warm start: 3 steps" in capsys.readouterr().out
+  for path, value in drafter_params(later).items():
+    np.testing.assert_array_equal(value, drafter_params(first["drafter"])[path], err_msg=str(path))
+
+
+@pytest.mark.parametrize("kind", [Drafter, Eagle3Drafter], ids=["eagle", "eagle3"])
+def test_the_final_exports_write_an_eagle3_drafter_for_vllm_too(tmp_path, monkeypatch, kind):
+  """Beside final_drafter/, final_drafter_speculators/ (the same drafter, for final_model/) for
+  an EAGLE-3 drafter; for an EAGLE-1 one the final line says in a clause why there is none."""
+  from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
+  job = build_job(tiny_config(tmp_path / "run", drafter=kind.kind))
+  policy = runner.init_model(job.model_config, seed=0)
+  drafter = kind.create(job.model_config, seed=1)
+
+  def final_model(trainer, job):
+    hf.save_pretrained(policy, job.model_config, job.logdir / "final_model")
+    return job.logdir / "final_model"
+
+  def final_drafter(trainer, job):
+    save_drafter(drafter, job.logdir / "final_drafter", policy=policy)
+    return job.logdir / "final_drafter"
+
+  monkeypatch.setattr(runner, "export_final_model", final_model)
+  monkeypatch.setattr(runner, "export_final_drafter", final_drafter)
+  trainer = types.SimpleNamespace(online=object(), step_count=2)
+  final, extra = runner._export(trainer, job, job.logdir)
+  served = job.logdir / "final_drafter_speculators"
+  assert final == job.logdir / "final_model"
+  if kind is Drafter:
+    assert extra == (f", final drafter {job.logdir / 'final_drafter'} (no speculators/vLLM "
+                     "export: that format holds only EAGLE-3 drafters)")
+    assert not served.exists()
+    return
+  assert extra == f", final drafter {job.logdir / 'final_drafter'}, for vLLM {served}"
+  back = load_drafter(served, job.model_config)
+  assert isinstance(back, Eagle3Drafter)
+  for path, value in drafter_params(drafter).items():
+    np.testing.assert_array_equal(drafter_params(back)[path], value, err_msg=str(path))
+  assert sorted(p.name for p in job.logdir.iterdir()) == ["final_drafter",
+                                                          "final_drafter_speculators",
+                                                          "final_model"]
+
+
+def test_an_eagle3_job_trains_its_drafter_and_writes_it_for_vllm(tmp_path, capsys):
+  """The tiny default job with config.drafter='eagle3' (one RL step): the drafter trains online,
+  final_drafter/ loads as an Eagle3Drafter, final_drafter_speculators/ loads back to the same
+  params, and the final line names both."""
+  logdir = tmp_path / "eagle3"
+  cfg = tiny_config(logdir, drafter="eagle3")
+  cfg.trainer.steps = 1
+  cfg.drafter_training.update(rows=2, seq_len=32, serial_steps=1, serial_budget="fixed")
+  train.run(cfg)
+  out = capsys.readouterr().out
+  rows = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
+  steps = [r for r in rows if "reward" in r]
+  assert [r["drafter_serial_steps"] for r in steps] == [1], steps
+  assert np.isfinite(steps[0]["drafter_loss"]), steps
+  drafter = load_drafter(logdir / "final_drafter")
+  assert isinstance(drafter, Eagle3Drafter)
+  served = load_drafter(logdir / "final_drafter_speculators", drafter.config)
+  assert isinstance(served, Eagle3Drafter) and served.feature_layers == drafter.feature_layers
+  want, got = drafter_params(drafter), drafter_params(served)
+  assert want.keys() == got.keys()
+  for path, value in want.items():
+    np.testing.assert_array_equal(got[path], value, err_msg=str(path))
+  assert (f"final drafter {logdir / 'final_drafter'}, for vLLM "
+          f"{logdir / 'final_drafter_speculators'}") in out, out[-2000:]
 
 
 @pytest.mark.slow  # a process killed and resumed: the full tier's

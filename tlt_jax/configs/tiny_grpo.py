@@ -23,10 +23,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 5  # RL steps between checkpoints (0: only at the end)
   # "ngram": lossless speculative rollouts drafted from sibling responses; a directory written by
   # tlt_jax.models.drafter.save_drafter: an EAGLE-style drafter made for this policy
-  # "eagle": an EAGLE drafter trained online from scratch during RL (see drafter_training)
+  # "eagle": an EAGLE drafter trained online from scratch during RL (see drafter_training);
+  # "eagle3": an EAGLE-3 drafter so trained (several target layers' features, its own head,
+  # started from the policy's LM head), also written for vLLM as final_drafter_speculators/
   # "suffix": the suffix drafter, which drafts from the rollout's own history (every prompt's
-  # earlier completions, see history; the group's siblings; the prompt); "eagle+suffix" or
-  # "<drafter directory>+suffix": a learned drafter and the suffix drafter in one engine
+  # earlier completions, see history; the group's siblings; the prompt); "eagle+suffix",
+  # "eagle3+suffix" or "<drafter directory>+suffix": a learned drafter and the suffix drafter in
+  # one engine
   c.drafter = "none"
   # devices that roll out data-parallel, an engine each (0: every device of the mesh)
   c.rollout_devices = 0
@@ -88,7 +91,7 @@ def get_config() -> ml_collections.ConfigDict:
   # learned is saved in every checkpoint and restored on resume
   # (c.rollout.tuner: every field at TunerConfig's default)
   # The drafter trained online from the rollouts' hidden states (online="auto": when
-  # drafter="eagle"; True also trains a drafter loaded from a directory). With several rollout
+  # drafter="eagle" or "eagle3"; True also trains a drafter loaded from a directory). With several rollout
   # devices it trains on the ones the tail leaves idle (spot; spot_devices: 0 every idle one);
   # with one, drafter steps run between rollout and update: serial_budget "ledger" pays for
   # them from savings_share of what SD saved, after up to bootstrap_steps granted in

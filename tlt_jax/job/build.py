@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from tlt_jax.job.rollout_config import EAGLE_STRATEGIES, build_drafter, build_drafter_training, \
-    build_engine_config, build_suffix, check_drafter, split_drafter
+    build_engine_config, build_suffix, check_drafter, fresh_drafter
 from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, dataclass_section, \
     flatten, section, to_dataclass
 from tlt_jax.drafter.online import DrafterTrainingConfig
@@ -222,7 +222,7 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
   history = build_history(cfg)
   training, save_every = build_drafter_training(cfg, drafter)
   rollout = section(cfg, "rollout")
-  if split_drafter(cfg.drafter)[0] == "eagle" and not rollout.strategies:
+  if fresh_drafter(cfg.drafter) and not rollout.strategies:
     # a fresh drafter drafts badly at first: let the tuner decide when SD pays, per bucket
     rollout = ml_collections.ConfigDict(dict(rollout.to_dict(), strategies=EAGLE_STRATEGIES))
   engine_config = build_engine_config(rollout, drafter, suffix,

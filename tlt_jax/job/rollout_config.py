@@ -14,6 +14,8 @@ from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, data
     section
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter, load_drafter
+from tlt_jax.models.eagle3 import Eagle3Drafter
+from tlt_jax.models.transformer import Transformer
 from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.rollout.engine_config import EngineConfig, resolve_engine_config
 from tlt_jax.rollout.kinds import DrafterKind
@@ -23,12 +25,18 @@ from tlt_jax.rollout.tuner import TunerConfig
 from tlt_jax.utils import FieldError
 
 
-_DRAFTER_CHOICES = ("'none', 'ngram', 'eagle' (a drafter trained online from scratch) or the "
-                   "directory of a drafter saved by tlt_jax.models.drafter.save_drafter")
+# config.drafter's fresh learned drafters, trained online from scratch: the architectures' own
+# names (``Drafter.kind`` "eagle": EAGLE-1; ``Eagle3Drafter.kind`` "eagle3": EAGLE-3)
+FRESH_DRAFTERS = {cls.kind: cls for cls in (Drafter, Eagle3Drafter)}
+_FRESH_NAMES = " or ".join(repr(kind) for kind in FRESH_DRAFTERS)  # 'eagle' or 'eagle3'
+_DRAFTER_CHOICES = (f"'none', 'ngram', {_FRESH_NAMES} (an EAGLE-1 or EAGLE-3 drafter trained "
+                    "online from scratch) or the directory of a drafter saved by "
+                    "tlt_jax.models.drafter.save_drafter")
 # config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
 SUFFIX = DrafterKind.SUFFIX
 _SUFFIX_CHOICES = ("'suffix' (the suffix drafter, which drafts from the rollout's own history, "
-                   "alone) or '<eagle or a drafter directory>+suffix' (both in one engine)")
+                   f"alone) or '<{', '.join(FRESH_DRAFTERS)} or a drafter directory>+suffix' "
+                   "(both in one engine)")
 
 
 def split_drafter(value) -> tuple[str, bool]:
@@ -39,6 +47,13 @@ def split_drafter(value) -> tuple[str, bool]:
   if isinstance(value, str) and value.endswith("+" + SUFFIX):
     return value[:-len(SUFFIX) - 1], True
   return value, False
+
+
+def fresh_drafter(value) -> str | None:
+  """The architecture (``"eagle"`` or ``"eagle3"``) when ``config.drafter`` asks for a fresh
+  learned drafter (either alone or with ``+suffix``), else None."""
+  base = split_drafter(value)[0]
+  return base if isinstance(base, str) and base in FRESH_DRAFTERS else None
 
 
 def check_drafter(value) -> None:
@@ -54,7 +69,7 @@ def check_drafter(value) -> None:
            "": "a learned drafter goes before '+suffix'"}[base]
     raise ConfigError(f"config.drafter={value!r}: {why} (config.drafter takes {_DRAFTER_CHOICES}; "
                       f"or {_SUFFIX_CHOICES})")
-  if base in ("none", DrafterKind.NGRAM, "eagle"):
+  if base in ("none", DrafterKind.NGRAM) or fresh_drafter(base):
     return
   if not isinstance(base, str) or not base:
     raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}, or {_SUFFIX_CHOICES}; got "
@@ -66,21 +81,40 @@ def check_drafter(value) -> None:
 
 def build_drafter(value, model_config: ModelConfig, seed: int = 0
                   ) -> Drafter | NgramConfig | None:
-  """``config.drafter``'s learned or n-gram part: none, the n-gram drafter, a fresh EAGLE drafter
-  (``eagle``) or a learned drafter loaded for the policy (the suffix part: ``build_suffix``)."""
+  """``config.drafter``'s learned or n-gram part: none, the n-gram drafter, a fresh EAGLE-1 or
+  EAGLE-3 drafter (``eagle``, ``eagle3``: random; an EAGLE-3 drafter's head starts from the
+  policy's once the policy is known, ``start_fresh_drafter``) or a learned drafter loaded for the
+  policy (the suffix part: ``build_suffix``)."""
   check_drafter(value)
+  if (kind := fresh_drafter(value)) is not None:
+    return FRESH_DRAFTERS[kind].create(model_config, seed=seed)
   value = split_drafter(value)[0]
   if value == "none":
     return None
   if value == DrafterKind.NGRAM:
     return NgramConfig()
-  if value == "eagle":
-    return Drafter.create(model_config, seed=seed)
   try:
     return load_drafter(value, model_config)
   except Exception as e:  # pylint: disable=broad-except  # missing/garbled files, a misfit
     raise ConfigError(f"config.drafter {value} does not load as a drafter of this policy: {e} "
                       f"(config.drafter takes {_DRAFTER_CHOICES})") from None
+
+
+def head_from_policy(value) -> bool:
+  """Whether ``config.drafter``'s fresh drafter starts its own head from the policy's LM head
+  (``start_fresh_drafter``): an EAGLE-3 one (an EAGLE-1 drafter has no head of its own)."""
+  return fresh_drafter(value) == Eagle3Drafter.kind
+
+
+def start_fresh_drafter(value, drafter, policy: Transformer, seed: int = 0):
+  """The drafter RL starts with, once ``policy`` (the policy RL starts from) is known: for
+  ``config.drafter="eagle3"`` (or ``"eagle3+suffix"``) a fresh EAGLE-3 drafter whose own head
+  starts as the policy's LM head (``Eagle3Drafter.for_target``, the other weights as
+  ``build_drafter`` drew them for ``seed``); ``drafter`` itself otherwise (an EAGLE-1 drafter
+  uses the policy's head as it goes; a loaded drafter keeps its own)."""
+  if not head_from_policy(value):
+    return drafter
+  return Eagle3Drafter.for_target(policy, seed)
 
 
 # the config sections of the rollout's dataclasses: an error naming ``<Class>.<field>`` names
@@ -160,7 +194,8 @@ def suffix_section() -> ml_collections.ConfigDict:
 
 
 # config.drafter_training's fields of the job's own (the others are DrafterTrainingConfig's):
-# whether the drafter trains online ("auto": when config.drafter is "eagle" or "eagle+suffix"),
+# whether the drafter trains online ("auto": when config.drafter is a fresh drafter, "eagle" or
+# "eagle3", alone or with "+suffix"),
 # and the RL steps between selective async saves of the drafter alone (0: none)
 DRAFTER_TRAINING_JOB_FIELDS = {"online": "auto", "save_every": 1}
 
@@ -171,13 +206,15 @@ def drafter_training_section() -> ml_collections.ConfigDict:
   return dataclass_section(DrafterTrainingConfig, **DRAFTER_TRAINING_JOB_FIELDS)
 
 
-EAGLE_STRATEGIES = ((3, 1, 4),)  # config.drafter="eagle" without rollout.strategies: chain d3
+# a fresh drafter (config.drafter="eagle" or "eagle3") without rollout.strategies: chain d3
+EAGLE_STRATEGIES = ((3, 1, 4),)
 
 
 def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
                            ) -> tuple[DrafterTrainingConfig | None, int]:
   """``config.drafter_training`` as a ``DrafterTrainingConfig`` when the drafter trains online
-  (``online="auto"``: when ``config.drafter="eagle"``), and the selective-save interval."""
+  (``online="auto"``: when ``config.drafter`` is a fresh drafter, ``eagle`` or ``eagle3``), and
+  the selective-save interval."""
   fields = dict(DRAFTER_TRAINING_JOB_FIELDS)
   if "drafter_training" in cfg:
     fields.update(section(cfg, "drafter_training").items())
@@ -195,12 +232,12 @@ def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
     training = DrafterTrainingConfig(**fields)
   except (TypeError, ValueError) as e:
     raise config_error(e, "drafter_training") from None
-  online = split_drafter(cfg.drafter)[0] == "eagle" if online == "auto" else online
+  online = fresh_drafter(cfg.drafter) is not None if online == "auto" else online
   if not online:
     return None, 0
   if not isinstance(drafter, Drafter):
     raise ConfigError(f"config.drafter_training.online=True needs a learned drafter: set "
-                      f"config.drafter to 'eagle' or a saved drafter's directory (either may "
+                      f"config.drafter to {_FRESH_NAMES} or a saved drafter's directory (any may "
                       f"add '+suffix'), not {cfg.drafter!r}")
   return training, save_every
 

@@ -6,6 +6,11 @@
   <logdir>/drafter_checkpoints/ selective async saves of the online drafter alone
   <logdir>/final_model/         the policy with its tokenizer (``tlt_jax.generate`` loads it)
   <logdir>/final_drafter/       the online-trained drafter (``load_drafter`` loads it)
+  <logdir>/final_drafter_speculators/
+                                the same drafter as a speculators ``eagle3`` checkpoint for
+                                final_model/ (``vllm serve`` takes it as its speculative model);
+                                only for an EAGLE-3 drafter (``drafter=eagle3``): the format
+                                holds no EAGLE-1 drafter
   <logdir>/leftovers-<time>/    an attempt stopped before its first checkpoint, set aside by the
                                 run that started over there
 
@@ -30,6 +35,9 @@ from tlt_jax.checkpoint import Checkpointer, count_nonfinite
 from tlt_jax.job.typed_config import ConfigError, flatten, read_json_config, set_dotted, \
     write_json_config
 from tlt_jax.models import hf
+from tlt_jax.models.drafter import load_drafter
+from tlt_jax.models.eagle3 import Eagle3Drafter
+from tlt_jax.models.speculators_format import export_speculators
 
 if TYPE_CHECKING:
   from tlt_jax.job.build import Job
@@ -40,6 +48,7 @@ CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
 FINAL_MODEL = "final_model"
 FINAL_DRAFTER = "final_drafter"
+FINAL_DRAFTER_SPECULATORS = "final_drafter_speculators"
 DRAFTER_CHECKPOINTS = "drafter_checkpoints"
 
 
@@ -300,3 +309,14 @@ def export_final_drafter(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
   return replace_dir(job.logdir / FINAL_DRAFTER, lambda tmp: trainer.online.export(
       tmp, policy=trainer.policy.rollout_params(), policy_name=str(job.logdir / FINAL_MODEL)))
 
+
+def export_final_speculators(job: Job) -> pathlib.Path | None:
+  """Writes ``<logdir>/final_drafter`` again as a speculators ``eagle3`` checkpoint for the
+  verifier ``<logdir>/final_model`` (both exported already), at
+  ``<logdir>/final_drafter_speculators`` atomically; returns that directory, or None for an
+  EAGLE-1 drafter, which the format cannot hold."""
+  drafter = load_drafter(job.logdir / FINAL_DRAFTER, job.model_config)  # what final_drafter holds
+  if not isinstance(drafter, Eagle3Drafter):
+    return None
+  return export_speculators(drafter, job.logdir / FINAL_MODEL,
+                            job.logdir / FINAL_DRAFTER_SPECULATORS)

@@ -22,10 +22,11 @@ from tlt_jax import hosts
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.drafter import ledger as ledger_lines
 from tlt_jax.job.build import Job, build_job, check_top_level, describe, job_devices
-from tlt_jax.job.rollout_config import split_drafter
+from tlt_jax.job.rollout_config import fresh_drafter, head_from_policy, split_drafter, \
+    start_fresh_drafter
 from tlt_jax.job.run_dir import CHECKPOINTS, DRAFTER_CHECKPOINTS, FINAL_MODEL, MetricsLog, \
-    choose_logdir, export_final_drafter, export_final_model, open_run, save_run_config, \
-    set_aside_leftovers
+    choose_logdir, export_final_drafter, export_final_model, export_final_speculators, open_run, \
+    save_run_config, set_aside_leftovers
 from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.job.typed_config import ConfigError, config_error
 from tlt_jax.models.load import from_pretrained
@@ -122,20 +123,34 @@ def _update_mesh(cfg: ml_collections.ConfigDict, devices: list) -> jax.sharding.
 def _set_up_trainer(job: Job, latest: int | None, mesh: jax.sharding.Mesh) -> GRPOTrainer:
   """The policy (loaded, then warm-started unless the run resumes: its checkpoint holds the
   params) and its trainer on ``mesh``; in between, a warning where the job's saved drafter was
-  made for another policy than the one RL starts from."""
+  made for another policy than the one RL starts from, and a fresh EAGLE-3 drafter's head
+  started from that policy's (``_drafter_head_from_policy``)."""
   with _outside_the_steps(job, latest, "while loading the policy"):
     model = initial_model(job, job.cfg.seed)
-  if not job.cfg.resume:
+  start_head = _drafter_head_from_policy(job)
+  if not job.cfg.resume or start_head:
     with _outside_the_steps(job, latest, "during the warm start"):
       model = _warm_start(model, job)
   learned = split_drafter(job.cfg.drafter)[0]
-  if isinstance(job.drafter, Drafter) and learned != "eagle":
+  if isinstance(job.drafter, Drafter) and fresh_drafter(learned) is None:  # a saved one
     warning = drafter_policy_mismatch(learned, model)  # the policy RL starts from
     if warning:
       _say(f"warning: {warning} (--config.drafter={learned} "
            "--config.drafter_training.online=True)")
+  if start_head:
+    job = dataclasses.replace(job, drafter=start_fresh_drafter(
+        job.cfg.drafter, job.drafter, model, job.cfg.seed))
   with _outside_the_steps(job, latest, "while building the trainer"):
     return make_trainer(job, model, mesh)
+
+
+def _drafter_head_from_policy(job: Job) -> bool:
+  """Whether the job's fresh EAGLE-3 drafter takes its head from the policy RL starts from now:
+  in a new run; in a resumed one only when the drafter does not train online (no checkpoint
+  holds it: the warm start is done again for the policy the run started from; a drafter that
+  trains online is the checkpoint's, restored as it was)."""
+  return head_from_policy(job.cfg.drafter) and (not job.cfg.resume or
+                                                 job.drafter_training is None)
 
 
 def _describe_rl(trainer: GRPOTrainer, job: Job) -> None:
@@ -201,15 +216,18 @@ def _resume(trainer: GRPOTrainer, checkpointer: Checkpointer, drafter_ckpt: Chec
 
 
 def _export(trainer: GRPOTrainer, job: Job, logdir: pathlib.Path) -> tuple[pathlib.Path, str]:
-  """Writes the final model (and the online drafter), from process 0 alone: the params are
-  replicated, so it holds them all. Returns the model's directory and the words naming the
-  drafter's ("" without one)."""
+  """Writes the final model (and the online drafter, and an EAGLE-3 one's speculators export
+  for vLLM), from process 0 alone: the params are replicated, so it holds them all. Returns the
+  model's directory and the words naming the drafter's ("" without one)."""
   final, extra = logdir / FINAL_MODEL, ""
   with _outside_the_steps(job, trainer.step_count, "while exporting the final model"):
     if hosts.is_primary():  # the params are replicated: process 0 holds them all
       final = export_final_model(trainer, job)
       if trainer.online is not None:
         extra = f", final drafter {export_final_drafter(trainer, job)}"
+        served = export_final_speculators(job)  # for vLLM, beside final_model
+        extra += (f", for vLLM {served}" if served is not None else
+                  " (no speculators/vLLM export: that format holds only EAGLE-3 drafters)")
   return final, extra
 
 
