@@ -4,7 +4,9 @@ metrics as an uninterrupted run with the same seed, and ends with the same weigh
 
 Cases: the default job; ``drafter=eagle`` (drafter, optimizer, data buffer, selective saves, the
 tuner of its adaptive engine) on one device with a fixed serial budget and with the ledger's
-(its balance and bootstrap grant), and data-parallel on two. Whatever depends on the machine's timing differs between any two runs, so the
+(its balance and bootstrap grant), and data-parallel on two; ``drafter=eagle3`` (the EAGLE-3
+drafter, its head started from the warm-started policy's, and its speculators export) with the
+fixed budget, and with the default tuner and budget. Whatever depends on the machine's timing differs between any two runs, so the
 cases avoid it: the tuners map buckets to arms (``kind="fixed"``; a bandit's choices follow
 measured speeds, and with rejection sampling the tokens follow the arms), their saved state
 (decisions and pulls per bucket and arm) must match the uninterrupted run's; on two devices the
@@ -61,9 +63,12 @@ CASES = {
     "eagle_ledger": ({**EAGLE, "drafter_training.serial_budget": "ledger",
                       "drafter_training.bootstrap_steps": 5}, 1),
     "eagle_2_devices": ({**EAGLE, "drafter_training.spot": False, "rollout_devices": 2}, 2),
+    "eagle3": ({**EAGLE, "drafter": "eagle3"}, 1),
     # the default tuner and budget (coupled verification): tests/test_same_seed.py
     "eagle_default_tuner": ({"drafter": "eagle", "drafter_training.rows": 2,
                              "drafter_training.seq_len": 32}, 1),
+    "eagle3_default_tuner": ({"drafter": "eagle3", "drafter_training.rows": 2,
+                              "drafter_training.seq_len": 32}, 1),
     "ngram_default_tuner": ({"drafter": "ngram", "rollout.strategies": "((2, 1, 3),)",
                              "rollout.segment_steps": 4}, 1),
     # epoch mode: 8 prompts, 4 a step, so from step 2 on the rows draft from the store
@@ -151,7 +156,7 @@ def references(tmp_path_factory):
 # adaptive engine's stop and resume is the default-tuner case's, tests/test_same_seed.py.)
 SIGNAL_CASES = [("default", signal.SIGKILL), ("default", signal.SIGTERM),
                 ("eagle", signal.SIGINT), ("eagle_ledger", signal.SIGKILL),
-                ("eagle_2_devices", signal.SIGKILL)]
+                ("eagle_2_devices", signal.SIGKILL), ("eagle3", signal.SIGKILL)]
 # Every case is a process killed and resumed: the full tier's (the fast tier stays under 10
 # minutes on 2 cores; its restart tests run in-process: tests/test_restart_path.py and
 # tests/rl/test_trainer.py's save and restore). The ledger case writes every kind of state at
@@ -176,9 +181,50 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_one(references, tmp_path, ca
   if case.startswith("eagle"):
     assert (logdir / "final_drafter").is_dir() and any(
         k.startswith("drafter_loss") for k in got[1]), why
+  if case.startswith("eagle3"):  # the drafter itself went on exactly, and was exported for vLLM
+    assert_same_drafter(reference, logdir, why)
   if "rollout.tuner.kind" in flags:  # the tuner decided, it shows, and its state went on
     assert any(k.startswith("arm_steps/") for k in got[1]), (why, sorted(got[1]))
     assert tuner_counts(reference) == tuner_counts(logdir), why
+
+
+def assert_same_drafter(reference, logdir, why: str) -> None:
+  """The two runs' final EAGLE-3 drafters, in our format and as exported for vLLM, are equal."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.drafter import load_drafter  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.eagle3 import Eagle3Drafter  # pylint: disable=import-outside-toplevel
+
+  def params(path):
+    drafter = load_drafter(path, hf.from_pretrained(path.parent / "final_model")[1])
+    assert isinstance(drafter, Eagle3Drafter), (why, path)
+    return [np.asarray(v.get_value())
+            for _, v in nnx.to_flat_state(nnx.state(drafter, nnx.Param))]
+
+  for name in ("final_drafter", "final_drafter_speculators"):
+    for a, b in zip(params(pathlib.Path(reference) / name), params(pathlib.Path(logdir) / name)):
+      np.testing.assert_array_equal(a, b, err_msg=f"{name}: {why}")
+
+
+# The configuration users run, for drafter=eagle3 (the other drafters' default-tuner cases are
+# tests/test_same_seed.py's): the tuner and the ledger decide from measured time, so the drafter's
+# training may differ between runs; the policy's trajectory and weights may not.
+@pytest.mark.slow
+def test_a_killed_eagle3_run_with_the_default_tuner_follows_the_uninterrupted_policy(references,
+                                                                                   tmp_path):
+  logdir = tmp_path / "run"
+  why = stop_and_resume(logdir, "eagle3_default_tuner", signal.SIGKILL)
+  reference = references("eagle3_default_tuner")
+  want, got = policy_rows(reference), policy_rows(logdir)
+  assert [r["step"] for r in got] == [r["step"] for r in want], why
+  for a, b in zip(want, got):
+    assert a == b, (why, {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
+                          if a.get(k) != b.get(k)})
+  for a, b in zip(final_params(reference), final_params(logdir)):
+    np.testing.assert_array_equal(a, b, err_msg=why)
+  steps = [json.loads(line) for line in (reference / "metrics.jsonl").open()]
+  assert sum(r.get("drafter_serial_steps", 0) for r in steps) > 0, why
+  for run in (reference, logdir):
+    assert (run / "final_drafter_speculators" / "config.json").is_file(), (why, run)
 
 
 def stop_and_resume(logdir, case: str, sig) -> str:
