@@ -17,7 +17,8 @@ from tests.models.random_model import random_model
 from tests.xla_env import ROOT, subprocess_env
 from tlt_jax import export
 from tlt_jax.models import hf
-from tlt_jax.models.drafter import Drafter, load_drafter, policy_fingerprint, save_drafter
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.drafter_io import load_drafter, policy_fingerprint, save_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.models.model_config import ModelConfig
 

@@ -191,7 +191,7 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_one(references, tmp_path, ca
 def assert_same_drafter(reference, logdir, why: str) -> None:
   """The two runs' final EAGLE-3 drafters, in our format and as exported for vLLM, are equal."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from tlt_jax.models.drafter import load_drafter  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.drafter_io import load_drafter  # pylint: disable=import-outside-toplevel
   from tlt_jax.models.eagle3 import Eagle3Drafter  # pylint: disable=import-outside-toplevel
 
   def params(path):

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tlt_jax import models, rollout
-from tlt_jax.models import drafter, hf, load, transformer, weights
+from tlt_jax.models import drafter_io, hf, load, transformer, weights
 from tlt_jax.rollout import engine, ngram, parallel, sampling, speculative, tuner
 
 
@@ -17,7 +17,7 @@ def test_models_exports_are_the_implementations():
   assert models.WeightsError is weights.WeightsError
   assert models.save_pretrained is hf.save_pretrained
   assert models.Transformer is transformer.Transformer
-  assert models.load_drafter is drafter.load_drafter
+  assert models.load_drafter is drafter_io.load_drafter
   assert set(models.__all__) <= set(dir(models))
 
 

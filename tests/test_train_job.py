@@ -24,7 +24,8 @@ from tlt_jax.job.build import build_job
 from tlt_jax.job.run_dir import CONFIG_FILE, export_final_model, resume_config, save_run_config
 from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.job.typed_config import ConfigError, load_config_file, read_json_config
-from tlt_jax.models.drafter import Drafter, load_drafter, save_drafter
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.drafter_io import load_drafter, save_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.trainer import TrainerConfig, metric_kind
@@ -881,7 +882,7 @@ def test_eagle_drafter_trains_online_saves_resumes_and_exports(tmp_path):
   assert sorted(p.name for p in (logdir / "drafter_checkpoints").iterdir()) == ["2", "3"]
   # final_drafter/ records the policy it was trained with: final_model/
   from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
-  from tlt_jax.models.drafter import drafter_policy, drafter_policy_mismatch  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.drafter_io import drafter_policy, drafter_policy_mismatch  # pylint: disable=import-outside-toplevel
   final, _ = hf.from_pretrained(logdir / "final_model")
   assert drafter_policy(logdir / "final_drafter")["name"] == str(logdir / "final_model")
   assert drafter_policy_mismatch(logdir / "final_drafter", final) is None

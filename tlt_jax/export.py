@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from tlt_jax.models import hf
-from tlt_jax.models.drafter import Drafter, drafter_policy_mismatch, load_drafter
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.drafter_io import drafter_policy_mismatch, load_drafter
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.speculators_format import export_speculators, is_speculators_dir
 from tlt_jax.models.weights import WeightsError, hf_tensor_names

@@ -12,7 +12,8 @@ from tlt_jax.drafter.objective import (drafter_loss, eagle_loss, make_batch_from
                                    make_eval_step, make_optimizer, make_train_step, pack_sequences,
                                    split_drafter)
 from tlt_jax.models.model_config import ModelConfig
-from tlt_jax.models.drafter import Drafter, load_drafter, save_drafter
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.drafter_io import load_drafter, save_drafter
 from tlt_jax.utils import compile_count
 from tests.helpers import sharp_random_model
 

@@ -16,8 +16,9 @@ from tests.helpers import mirror_drafter, sharp_random_model
 from tlt_jax.drafter.objective import (drafter_loss, make_batch_from_sequences, make_optimizer,
                                    make_train_step, split_drafter)
 from tlt_jax.models.model_config import ModelConfig
-from tlt_jax.models.drafter import (Drafter, load_drafter, most_frequent_ids, save_drafter,
-                                    spread_to_vocab, token_frequencies)
+from tlt_jax.models.drafter import (Drafter, most_frequent_ids, spread_to_vocab,
+                                    token_frequencies)
+from tlt_jax.models.drafter_io import load_drafter, save_drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import SpecConfig

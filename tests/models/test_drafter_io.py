@@ -18,7 +18,8 @@ from tests.xla_env import subprocess_env
 from tlt_jax.job.build import DEFAULT_CONFIG, build_job
 from tlt_jax.job.typed_config import load_config_file
 from tlt_jax.models.model_config import ModelConfig
-from tlt_jax.models.drafter import CONFIG_FILE, PARAMS_FILE, Drafter, load_drafter, save_drafter
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.drafter_io import CONFIG_FILE, PARAMS_FILE, load_drafter, save_drafter
 from tlt_jax.models.weights import WeightsError
 
 CONFIG = ModelConfig.tiny(vocab_size=32, num_layers=1)

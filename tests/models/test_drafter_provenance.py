@@ -12,9 +12,9 @@ from flax import nnx
 from tests.models.random_model import random_model
 from tests.models.test_drafter_io import random_drafter
 from tlt_jax.models.model_config import ModelConfig
-from tlt_jax.models.drafter import (CONFIG_FILE, POLICY_KEY, drafter_policy,
-                                    drafter_policy_mismatch, load_drafter, policy_fingerprint,
-                                    save_drafter)
+from tlt_jax.models.drafter_io import (CONFIG_FILE, POLICY_KEY, drafter_policy,
+                                       drafter_policy_mismatch, load_drafter, policy_fingerprint,
+                                       save_drafter)
 from tlt_jax.drafter.online import OnlineDrafter
 
 CONFIG = ModelConfig.tiny(vocab_size=32, num_layers=2)

@@ -9,7 +9,7 @@ import pytest
 from tests.helpers import sharp_random_model
 from tlt_jax.drafter.objective import (batch_loss, make_batch_from_sequences, make_optimizer,
                                        make_train_step, split_drafter)
-from tlt_jax.models.drafter import load_drafter, save_drafter
+from tlt_jax.models.drafter_io import load_drafter, save_drafter
 from tlt_jax.models.eagle3 import (Eagle3Drafter, check_feature_layers, default_feature_layers,
                                    ttt_logits)
 from tlt_jax.models.model_config import ModelConfig

@@ -25,8 +25,9 @@ speculators_eagle3 = pytest.importorskip("speculators.models.eagle3")
 
 from tests import hf_fixtures  # noqa: E402  pylint: disable=wrong-import-position
 from tlt_jax.models import hf  # noqa: E402
-from tlt_jax.models.drafter import (Drafter, drafter_policy_mismatch,  # noqa: E402
-                                    load_drafter, save_drafter)
+from tlt_jax.models.drafter import Drafter  # noqa: E402
+from tlt_jax.models.drafter_io import (drafter_policy_mismatch, load_drafter,  # noqa: E402
+                                       save_drafter)
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 from tlt_jax.rollout.speculative import SpecConfig  # noqa: E402

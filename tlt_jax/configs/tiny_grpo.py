@@ -22,7 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.resume = False  # True: continue the run in <logdir> with its saved config.json
   c.checkpoint_every = 5  # RL steps between checkpoints (0: only at the end)
   # "ngram": lossless speculative rollouts drafted from sibling responses; a directory written by
-  # tlt_jax.models.drafter.save_drafter: an EAGLE-style drafter made for this policy
+  # tlt_jax.models.drafter_io.save_drafter: an EAGLE-style drafter made for this policy
   # "eagle": an EAGLE drafter trained online from scratch during RL (see drafter_training);
   # "eagle3": an EAGLE-3 drafter so trained (several target layers' features, its own head,
   # started from the policy's LM head), also written for vLLM as final_drafter_speculators/

@@ -38,7 +38,8 @@ from tlt_jax import hosts
 from tlt_jax.drafter.buffer import DataBuffer
 from tlt_jax.drafter.ledger import DrafterLedger
 from tlt_jax.drafter.spot import SpotTrainer
-from tlt_jax.models.drafter import Drafter, save_drafter
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.drafter_io import save_drafter
 from tlt_jax.rollout.stats import RolloutStats
 from tlt_jax.utils import FieldError
 

@@ -13,7 +13,8 @@ from ml_collections import config_dict
 from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, dataclass_section, \
     section
 from tlt_jax.models.model_config import ModelConfig
-from tlt_jax.models.drafter import Drafter, load_drafter
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.drafter.online import DrafterTrainingConfig
@@ -31,7 +32,7 @@ FRESH_DRAFTERS = {cls.kind: cls for cls in (Drafter, Eagle3Drafter)}
 _FRESH_NAMES = " or ".join(repr(kind) for kind in FRESH_DRAFTERS)  # 'eagle' or 'eagle3'
 _DRAFTER_CHOICES = (f"'none', 'ngram', {_FRESH_NAMES} (an EAGLE-1 or EAGLE-3 drafter trained "
                     "online from scratch) or the directory of a drafter saved by "
-                    "tlt_jax.models.drafter.save_drafter")
+                    "tlt_jax.models.drafter_io.save_drafter")
 # config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
 SUFFIX = DrafterKind.SUFFIX
 _SUFFIX_CHOICES = ("'suffix' (the suffix drafter, which drafts from the rollout's own history, "

@@ -35,7 +35,7 @@ from tlt_jax.checkpoint import Checkpointer, count_nonfinite
 from tlt_jax.job.typed_config import ConfigError, flatten, read_json_config, set_dotted, \
     write_json_config
 from tlt_jax.models import hf
-from tlt_jax.models.drafter import load_drafter
+from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.models.speculators_format import export_speculators
 
@@ -305,7 +305,7 @@ def replace_dir(final: pathlib.Path, write) -> pathlib.Path:
 
 def export_final_drafter(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
   """Writes the online-trained drafter to ``<logdir>/final_drafter`` atomically (loads with
-  ``tlt_jax.models.drafter.load_drafter``)."""
+  ``tlt_jax.models.drafter_io.load_drafter``)."""
   return replace_dir(job.logdir / FINAL_DRAFTER, lambda tmp: trainer.online.export(
       tmp, policy=trainer.policy.rollout_params(), policy_name=str(job.logdir / FINAL_MODEL)))
 

@@ -30,7 +30,8 @@ from tlt_jax.job.run_dir import CHECKPOINTS, DRAFTER_CHECKPOINTS, FINAL_MODEL, M
 from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.job.typed_config import ConfigError, config_error
 from tlt_jax.models.load import from_pretrained
-from tlt_jax.models.drafter import Drafter, drafter_policy_mismatch
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.drafter_io import drafter_policy_mismatch
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import history as history_lib
 from tlt_jax.rl.sft import warm_start

@@ -9,8 +9,9 @@ The names most code needs are importable from here::
 (``models/load.py``), which picks the format reader (``hf.py`` or ``gguf.py``) by the path.
 """
 
-from tlt_jax.models.drafter import (Drafter, drafter_policy_mismatch, load_drafter,
-                                    policy_fingerprint, save_drafter)
+from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.drafter_io import (drafter_policy_mismatch, load_drafter, policy_fingerprint,
+                                       save_drafter)
 from tlt_jax.models.hf import save_pretrained
 from tlt_jax.models.load import from_pretrained, load_tokenizer, pretrained_config
 from tlt_jax.models.model_config import ModelConfig
