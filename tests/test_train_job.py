@@ -1006,6 +1006,12 @@ def test_an_eagle3_job_trains_its_drafter_and_writes_it_for_vllm(tmp_path, capsy
     np.testing.assert_array_equal(got[path], value, err_msg=str(path))
   assert (f"final drafter {logdir / 'final_drafter'}, for vLLM "
           f"{logdir / 'final_drafter_speculators'}") in out, out[-2000:]
+  # and the speculators package itself computes the trained drafter's logits from that pair
+  pytest.importorskip("speculators")
+  from tests.models.test_eagle3_speculators import compare_with_package  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
+  policy, _ = hf.from_pretrained(logdir / "final_model")
+  assert compare_with_package(drafter, policy, logdir / "final_drafter_speculators") < 2e-5
 
 
 @pytest.mark.slow  # a process killed and resumed: the full tier's
