@@ -312,6 +312,32 @@ def test_unusable_drafters_are_rejected_before_work(tmp_path, no_work, saved_dra
     train.run(cfg)
 
 
+def test_a_published_speculators_drafter_warm_starts_the_online_one(tmp_path):
+  """config.drafter may name a speculators eagle3 checkpoint (as vLLM serves): it loads as the
+  job's EAGLE-3 drafter, weights as published; one made for another model is refused in one
+  line naming both sides."""
+  from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.speculators_format import export_speculators  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.transformer import init_model  # pylint: disable=import-outside-toplevel
+  config = build_job(tiny_config(tmp_path / "unused")).model_config
+  hf.save_pretrained(init_model(config), config, tmp_path / "verifier")
+  published = Eagle3Drafter.create(config, seed=2)
+  export_speculators(published, tmp_path / "verifier", tmp_path / "published")
+  cfg = tiny_config(tmp_path / "run", drafter=str(tmp_path / "published"))
+  with cfg.drafter_training.ignore_type():
+    cfg.drafter_training.online = True
+  job = build_job(cfg)
+  assert isinstance(job.drafter, Eagle3Drafter) and job.drafter_training is not None
+  assert job.drafter.feature_layers == published.feature_layers
+  want, got = drafter_params(published), drafter_params(job.drafter)
+  assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+  cfg.model.hidden_size = 2 * config.hidden_size
+  with pytest.raises(ConfigError, match=rf"hidden_size={config.hidden_size} but the target has "
+                                        rf"hidden_size={2 * config.hidden_size}") as err:
+    build_job(cfg)
+  assert "\n" not in str(err.value)
+
+
 def test_the_suffix_drafter_s_mistakes_are_rejected_before_work(tmp_path, no_work):
   cfg = tiny_config(tmp_path / "a", drafter="suffix")
   cfg.rollout.strategies = ((2, 1, 3),)  # the learned drafter's strategies, and there is none
