@@ -54,12 +54,13 @@ import numpy as np
 
 # pylint: disable=unused-import  # names re-used by the scripts (see the module docstring)
 from tlt_jax.drafter.objective import (DrafterBatch, make_batch_from_sequences, make_eval_step,
-                                       make_optimizer, make_train_step, split_drafter)
-from tlt_jax.drafter.warmup import train_drafter_on_batch, warm_up_on_rollouts
+                                       make_optimizer, make_train_step, split_drafter, ttt_loss)
+from tlt_jax.drafter.warmup import evaluate_drafter, train_drafter_on_batch, warm_up_on_rollouts
 from tlt_jax.models import from_pretrained, hf, load_tokenizer
 from tlt_jax.models.model_config import ModelConfig
-from tlt_jax.models.drafter import (Drafter, load_drafter, most_frequent_ids, save_drafter,
-                                    token_frequencies)
+from tlt_jax.models.drafter import Drafter, most_frequent_ids, token_frequencies
+from tlt_jax.models.drafter_io import load_drafter, save_drafter
+from tlt_jax.models.eagle3 import Eagle3Drafter, check_feature_layers, default_feature_layers
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl import grpo
