@@ -181,6 +181,44 @@ def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
   assert all("drafter_serial_s" not in r for r in rows["none"])
 
 
+@pytest.mark.slow
+def test_eagle3_vs_eagle_runs_at_tiny_sizes(tmp_path):
+  """train_drafter_offline.py --kinds eagle,eagle3 (issue 40) on a tiny default-job policy
+  (~25 s on a warm compile cache, ~80 s cold): both kinds train on the same rows, the chained
+  top-1's first step is the teacher-forced top-1, and each kind's held-out acceptance in the
+  engine is reported."""
+  report_path, out = tmp_path / "report.json", tmp_path / "drafters"
+  tiny = ["sft.steps=2", "model.hidden_size=32", "model.intermediate_size=64",
+          "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1"]
+  args = ["--target", "job", "--set", *tiny, "--kinds", "eagle,eagle3", "--prompts", "8",
+          "--eval-prompts", "4", "--max-new-tokens", "16", "--row-len", "64", "--batch-rows",
+          "2", "--steps", "3", "--log-every", "1", "--accept-depths", "2", "--out", str(out),
+          "--report", str(report_path)]
+  codes = run_scripts([(str(EXPERIMENTS / "drafter" / "train_drafter_offline.py"), args)],
+                      tmp_path, timeout=300)
+  assert set(codes.values()) == {"returned"}, codes
+  report = json.loads(report_path.read_text())
+  assert report == json.loads((out / "train_log.json").read_text())
+  kinds = report["kinds"]
+  assert set(kinds) == {"eagle", "eagle3"} and report["overrides"]["sft.steps"] == 2
+  assert kinds["eagle3"]["feature_layers"] == [1] and kinds["eagle3"]["ttt_steps"] == 3
+  # the same rows: every kind scored on the same trained and held-out positions
+  assert kinds["eagle"]["train"]["num_tokens"] == kinds["eagle3"]["train"]["num_tokens"] == \
+      report["trained_positions"]
+  assert kinds["eagle"]["held_out"]["num_tokens"] == kinds["eagle3"]["held_out"]["num_tokens"]
+  for kind, r in kinds.items():
+    assert r["chained_top1"]["steps"] == 3
+    assert r["chained_top1"]["step1"] == pytest.approx(r["held_out"]["top1"], abs=1e-6), kind
+    assert r["s_per_step"] >= 0 and r["train_s"] > 0 and len(r["log"]) == 3
+    assert set(r["acceptance"]) == {"chain_d2"}
+    for cell in r["acceptance"]["chain_d2"].values():
+      assert 1.0 <= cell["mean_accept_len"] <= 3.0 and sum(cell["accept_hist"]) > 0
+    assert set(r["acceptance"]["chain_d2"]) == {"t0", "t1"}
+    assert json.loads((out / kind / "drafter_config.json").read_text())["drafter_kind"] == kind
+  assert kinds["eagle3"]["chained_top1"]["last"] == pytest.approx(
+      kinds["eagle3"]["held_out"]["top1_last"], abs=1e-6)  # ttt_steps chained steps, both ways
+
+
 @pytest.mark.parametrize("arms, message", [("sd_frozen,tlt", "must include vanilla"),
                                            ("vanilla,tlt_fast", "unknown arm(s) tlt_fast")])
 def test_e2e_speedup_checks_its_arms_before_any_work(tmp_path, arms, message):
