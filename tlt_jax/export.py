@@ -58,11 +58,7 @@ def fingerprint_params(model_dir: Path, config: ModelConfig) -> dict:
   wanted = {hf_name: path for path, (hf_name, _) in hf_tensor_names(config).items()
             if path == ("embed_tokens", "embedding")
             or ".".join(map(str, path)).endswith("norm.weight")}
-  found = {}
-  for file in sorted(model_dir.glob("*.safetensors")):
-    with hf.open_safetensors(file) as f:
-      for name in sorted(set(f.keys()) & set(wanted)):
-        found[wanted[name]] = hf.read_tensor(f, file, name)
+  found = {wanted[name]: value for name, value in hf.read_tensors(model_dir, wanted).items()}
   missing = sorted(name for name, path in wanted.items() if path not in found)
   if missing:
     raise WeightsError(f"the safetensors files of {model_dir} lack {missing[0]!r} "

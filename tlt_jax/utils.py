@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import sys
 import threading
 
@@ -100,3 +101,23 @@ def nonfinite_count(array: np.ndarray) -> int:
     return 0
   finite = np.isfinite(array)
   return 0 if finite.all() else int(finite.size - np.count_nonzero(finite))
+
+
+def replace_dir(final: pathlib.Path, write) -> pathlib.Path:
+  """Has ``write(tmp)`` fill a fresh sibling directory, then swaps it in for ``final``: a reader
+  sees the old complete directory or the new one, never a partial one (a ``write`` that fails
+  leaves ``final`` as it was and no sibling behind)."""
+  final = pathlib.Path(final)
+  tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+  for leftover in (tmp, old):
+    shutil.rmtree(leftover, ignore_errors=True)
+  try:
+    write(tmp)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  if final.exists():
+    final.rename(old)
+  tmp.rename(final)
+  shutil.rmtree(old, ignore_errors=True)
+  return final

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 import sys
 import time
 from typing import TYPE_CHECKING, Iterable
@@ -38,6 +37,7 @@ from tlt_jax.models import hf
 from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.models.speculators_format import export_speculators
+from tlt_jax.utils import replace_dir
 
 if TYPE_CHECKING:
   from tlt_jax.job.build import Job
@@ -286,21 +286,6 @@ def export_final_model(trainer: GRPOTrainer, job: Job) -> pathlib.Path:
     hf.save_pretrained(model, job.model_config, tmp)
     job.tokenizer.save(tmp)
   return replace_dir(job.logdir / FINAL_MODEL, write)
-
-
-def replace_dir(final: pathlib.Path, write) -> pathlib.Path:
-  """Has ``write(tmp)`` fill a fresh sibling directory, then swaps it in for ``final``: a reader
-  sees the old complete directory or the new one, never a partial one."""
-  tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
-  for leftover in (tmp, old):
-    shutil.rmtree(leftover, ignore_errors=True)
-  write(tmp)
-  if final.exists():
-    final.rename(old)
-  tmp.rename(final)
-  shutil.rmtree(old, ignore_errors=True)
-  return final
-
 
 
 def export_final_drafter(trainer: GRPOTrainer, job: Job) -> pathlib.Path:

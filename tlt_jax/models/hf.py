@@ -242,6 +242,23 @@ def _tensor_files(path: Path) -> dict[str, Path]:
   return files
 
 
+def read_tensors(path: str | Path, names) -> dict[str, np.ndarray]:
+  """The tensors ``names`` that the HF directory ``path`` holds (single file or sharded index),
+  read without the rest of the model; a name it lacks is simply absent from the result."""
+  path = Path(path)
+  files = _tensor_files(path)
+  by_file: dict[Path, list[str]] = defaultdict(list)
+  for name in dict.fromkeys(names):
+    if name in files:
+      by_file[files[name]].append(name)
+  found = {}
+  for file, wanted in by_file.items():
+    with open_safetensors(file) as f:
+      for name in wanted:
+        found[name] = read_tensor(f, file, name)
+  return found
+
+
 def _is_harmless_extra(name: str, config: ModelConfig) -> bool:
   """Tensors a checkpoint may carry that the model does not use."""
   if name.endswith(_HARMLESS_SUFFIXES):

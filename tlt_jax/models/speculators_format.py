@@ -16,9 +16,6 @@ computes what it computes), as are checkpoints using options our drafter does no
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +27,7 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter, check_feature_layers, draft_layer_config
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.weights import WeightsError, check_finite
-from tlt_jax.utils import read_json_object
+from tlt_jax.utils import read_json_object, replace_dir
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -147,13 +144,10 @@ def check_fits_verifier(drafter: Drafter, verifier: ModelConfig, where: str = "d
         f"{verifier.num_layers} layers")
 
 
-def export_speculators(drafter: Drafter, verifier_dir: str | Path, out_dir: str | Path,
-                       embedding: np.ndarray | None = None) -> Path:
+def export_speculators(drafter: Drafter, verifier_dir: str | Path, out_dir: str | Path) -> Path:
   """Writes ``drafter`` as a speculators ``eagle3`` checkpoint at ``out_dir`` (atomically: a
-  complete directory or none) for the HF-format verifier at ``verifier_dir``.
-
-  ``embedding`` (the verifier's ``[V, H]`` token embedding) is read from ``verifier_dir`` when
-  not given. Returns ``out_dir``.
+  complete directory or none, ``utils.replace_dir``) for the HF-format verifier at
+  ``verifier_dir``, whose token embedding it reads. Returns ``out_dir``.
   """
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
@@ -161,39 +155,30 @@ def export_speculators(drafter: Drafter, verifier_dir: str | Path, out_dir: str 
   verifier_dir, out_dir = Path(verifier_dir), Path(out_dir)
   verifier_hf = hf.read_hf_config(verifier_dir)
   check_fits_verifier(drafter, hf.config_from_hf(verifier_hf), "the drafter")
-  if embedding is None:
-    embedding = _verifier_embedding(verifier_dir, drafter.config)
+  embedding = _verifier_embedding(verifier_dir, drafter.config)
   config = speculators_config(drafter, verifier_hf, str(verifier_dir.resolve()))
-  tensors = speculators_tensors(drafter, np.asarray(embedding, np.asarray(
-      nnx.state(drafter, nnx.Param)["norm"]["weight"].get_value()).dtype))
-  out_dir.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-  try:
+  tensors = speculators_tensors(drafter, embedding.astype(np.dtype(drafter.config.jnp_dtype)))
+
+  def write(tmp: Path) -> None:
+    tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    if out_dir.exists():
-      shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-  finally:
-    if tmp.exists():
-      shutil.rmtree(tmp)
-  return out_dir
+
+  return replace_dir(out_dir, write)
 
 
 def _verifier_embedding(verifier_dir: Path, config: ModelConfig) -> np.ndarray:
   """The verifier's token embedding ``[V, H]`` read from its safetensors (no whole model)."""
   from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
   name = "model.embed_tokens.weight"
-  for file in sorted(verifier_dir.glob("*.safetensors")):
-    with hf.open_safetensors(file) as f:
-      if name in f.keys():
-        value = hf.read_tensor(f, file, name)
-        if value.shape != (config.vocab_size, config.hidden_size):
-          raise WeightsError(f"{file}: {name} has shape {value.shape}, expected "
-                             f"{(config.vocab_size, config.hidden_size)}")
-        return value
-  raise WeightsError(f"no {name} in the safetensors files of {verifier_dir}: not an HF-format "
-                     "model directory")
+  value = hf.read_tensors(verifier_dir, [name]).get(name)
+  if value is None:
+    raise WeightsError(f"no {name} in the safetensors files of {verifier_dir}: not an HF-format "
+                       "model directory")
+  if value.shape != (config.vocab_size, config.hidden_size):
+    raise WeightsError(f"{verifier_dir}: {name} has shape {value.shape}, expected "
+                       f"{(config.vocab_size, config.hidden_size)}")
+  return value
 
 
 # ------------------------------------------------------------------------------------ import
