@@ -154,10 +154,6 @@ class Eagle3Drafter(Drafter):
     """Width of the target features the drafter reads, ``(n + 1) H`` (see the docstring)."""
     return (len(self.feature_layers) + 1) * self.config.hidden_size
 
-  @property
-  def draft_vocab_size(self) -> int | None:
-    return None if self.vocab_ids is None else len(self.vocab_ids)
-
   def target_logits(self, target: Transformer, hidden: jax.Array) -> jax.Array:
     """The target's LM head over the drafter's vocabulary on the final-normed hidden states
     (the last ``H`` of target features, or ``[..., H]`` itself), in float32."""
