@@ -744,6 +744,23 @@ MUTANTS = [
            ("tests/drafter/test_spot.py",),
            "ahead-of-time spot steps are compiled for H-wide features (an eagle3 drafter's are "
            "(n+1)H)"),
+    # ---- TLT where users run it (issue 52)
+    Mutant("tuner_learns_from_the_mean_row", "tlt_jax/rollout/tuner/base.py",
+           "        length = float(tokens) / int(row_steps) if critical_length is None \\\n"
+           "            else float(critical_length)",
+           "        length = float(tokens) / int(row_steps)",
+           ("tests/rollout/test_tuner.py", "-k", "rows_the_rollout_waits_for"),
+           "the cost tuner prices an arm at the mean row's acceptance, which short rows inflate"),
+    Mutant("scheduler_gives_no_critical_length", "tlt_jax/rollout/scheduler.py",
+           "critical_length=critical_length(made, live, delta[\"steps\"]))",
+           "critical_length=None)",
+           ("tests/rollout/test_adaptive.py", "-k", "rows_the_rollout_waits_for"),
+           "the scheduler never tells the tuner the accepted length of the rows it waits for"),
+    Mutant("critical_length_over_every_row", "tlt_jax/rollout/scheduler.py",
+           "    return float(made[live].mean()) / steps",
+           "    return float(made.mean()) / steps",
+           ("tests/rollout/test_scheduler.py", "-k", "critical_length"),
+           "the critical length averages the rows that finished with those still running"),
 
 ]
 

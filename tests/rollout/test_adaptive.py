@@ -429,3 +429,32 @@ def test_bounded_segments_run_the_scheduler_s_measured_length(engines):
     assert max(steps[len(engine.config.batch_buckets)]) == 7
   finally:
     engine.scheduler.segment_lengths = saved
+
+
+def test_the_tuner_learns_the_accepted_length_of_the_rows_the_rollout_waits_for(engines):
+  """Every tuned speculative segment reports ``critical_length``: the tokens per step of the rows
+  still live at its end (the last to finish, in a chunk's last segment), which can be no more
+  than a step emits; rows accept differently, so somewhere it differs from the mean row's
+  ``tokens / row_steps`` (a scheduler that passes the mean, or nothing, fails)."""
+  engine = engines("random/adaptive")
+
+  class Recording(RoundRobin):
+    def __init__(self):
+      super().__init__()
+      self.updates = []
+
+    def update(self, bucket, arm, tokens, seconds, **measured):
+      super().update(bucket, arm, tokens, seconds, **measured)
+      self.updates.append((arm, tokens, measured))
+
+  tuner = Recording()
+  engine.set_tuner(tuner)
+  params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
+  for seed in (1, 2):
+    engine.generate(prompts_of([9, 2, 14, 5, 7, 1, 11], seed=seed), params)
+  sd = [(tokens, m) for arm, tokens, m in tuner.updates if arm != "vanilla"]
+  assert sd
+  widest = max(s.max_emit for s in STRATEGIES)
+  for tokens, m in sd:
+    assert m["critical_length"] is not None and 0 < m["critical_length"] <= widest, m
+  assert any(abs(m["critical_length"] - tokens / m["row_steps"]) > 1e-6 for tokens, m in sd)

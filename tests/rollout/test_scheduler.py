@@ -5,8 +5,10 @@ tokens each row emitted (the arms' critical tokens)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from tlt_jax.rollout.scheduler import ChunkResult, ChunkRun, Request, prefill_inputs
+from tlt_jax.rollout.scheduler import (ChunkResult, ChunkRun, Request, critical_length,
+                                      prefill_inputs)
 from tlt_jax.rollout.stats import ArmTally
 
 
@@ -61,3 +63,13 @@ def test_each_segment_s_arm_is_credited_the_tokens_of_the_chunk_s_longest_row():
   np.testing.assert_array_equal(run.per_segment[2][1], [0, 0, 5])
   run.credit_critical_tokens()
   assert (first.critical_tokens, second.critical_tokens) == (2 + 5, 2)
+
+
+def test_the_critical_length_is_that_of_the_rows_still_live_at_the_segment_s_end():
+  """Rows 0 and 2 finished in the segment having made many tokens; rows 1 and 3 are live and made
+  6 and 10 in 4 steps: 2 tokens a step. With none live, the row that made the most."""
+  made = np.array([20, 6, 18, 10])
+  assert critical_length(made, np.array([1, 3]), steps=4) == pytest.approx(2.0)
+  assert made.sum() / 16 > 3  # what the mean row over 4 x 4 row-steps would say
+  assert critical_length(made, np.array([], np.int64), steps=5) == pytest.approx(4.0)
+  assert critical_length(made, np.array([1]), steps=0) is None

@@ -836,3 +836,26 @@ def test_a_rollout_passes_the_drafter_source_to_its_tuner():
   assert {s: (d["version"], d["quality"]) for s, d in drafters.items()} == \
       {"suffix": (1, 0.3), "learned": (1, None)}
   Rollout.observe_drafter(types.SimpleNamespace(tuner=None), source="suffix")  # no tuner: nothing
+
+
+def test_the_cost_model_learns_acceptance_from_the_rows_the_rollout_waits_for():
+  """Segments where the short rows accept nearly every draft (mean row: 6 tokens a step) but the
+  rows still live at the segment's end accept ~1.2: the chain (3x vanilla's step) must look
+  hopeless, as it is for the rollout's end. Judged by the mean row it would look 2x faster."""
+  arms = [Arm("vanilla"), Arm("chain d7", 7, 1)]
+  tuner = make_tuner(TunerConfig())
+  tuner.set_costs({(1, "vanilla"): 1e-3, (1, "chain d7"): 3e-3}, OVERHEAD)
+  chosen = []
+  for _ in range(12):
+    d = tuner.plan(1, arms)
+    chosen.append(d.arm)
+    steps = d.max_steps or 32
+    if d.arm == "vanilla":
+      tuner.update(1, "vanilla", 4 * steps, steps * 1e-3, steps=steps, row_steps=4 * steps)
+    else:
+      tuner.update(1, d.arm, 24 * steps, steps * 3e-3, steps=steps, row_steps=4 * steps,
+                   critical_length=1.2)
+  assert tuner.alpha("chain d7") == pytest.approx(acceptance_from_length(1.2, 7), abs=1e-6)
+  assert chosen.count("chain d7") == 1 and chosen[-6:] == ["vanilla"] * 6, chosen
+  with pytest.raises(ValueError, match="critical_length must be a finite number >= 0"):
+    tuner.update(1, "chain d7", 4, 1.0, steps=1, row_steps=4, critical_length=float("nan"))

@@ -54,6 +54,19 @@ def segment_lengths(step_costs: dict, boundary_s: float, segment_steps: int,
   return out
 
 
+def critical_length(made: np.ndarray, live: np.ndarray, steps: int) -> float | None:
+  """Tokens per step of the rows a segment's rollout waits for: the mean over the rows still
+  ``live`` at the segment's end (they ran every one of its ``steps``, and they are the longer
+  rows, which decide when the rollout ends) of the tokens each ``made`` in it, divided by
+  ``steps``; where no row is left, the row that made the most (the last to finish). ``made``:
+  per row of the chunk; ``live``: their indices. None for a segment of no steps."""
+  if steps <= 0 or made.size == 0:
+    return None
+  if live.size:
+    return float(made[live].mean()) / steps
+  return float(made.max()) / steps
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
   """A decoding strategy as the scheduler sees it: its name, its executable group and its index
@@ -180,14 +193,17 @@ class ChunkRun:
     self.counted = {k: int(counters[k]) for k in self.counted}
     return delta
 
-  def record_emitted(self, tally: Any, rows: np.ndarray, n_gen: np.ndarray) -> None:
+  def record_emitted(self, tally: Any, rows: np.ndarray, n_gen: np.ndarray) -> np.ndarray:
     """After a segment of arm ``tally``: each slot's row id ``rows`` (-1: empty) has emitted
-    ``n_gen`` tokens in all. A row compacted away earlier keeps its count."""
+    ``n_gen`` tokens in all. A row compacted away earlier keeps its count. Returns the tokens
+    each row of the chunk emitted in the segment."""
     now = self.emitted.copy()
     placed = rows >= 0
     now[rows[placed] - self.first_row] = n_gen[placed]
-    self.per_segment.append((tally, now - self.emitted))
+    made = now - self.emitted
+    self.per_segment.append((tally, made))
     self.emitted = now
+    return made
 
   def credit_critical_tokens(self) -> None:
     """Once every row is done: each segment's arm is credited the tokens that the chunk's
@@ -347,20 +363,23 @@ class Scheduler:
 
   def _account(self, run: ChunkRun, strategy: Strategy, tuned: bool, end: SegmentEnd,
                switch_s: float, stats: RolloutStats) -> None:
-    """Adds a segment to the tallies: the tuner's reward where it chose the strategy (its tokens
-    over the segment's seconds, the catch-up before it included), the arm's tally, the tokens
-    each row emitted, and the rollout's counters."""
+    """Adds a segment to the tallies: the tokens each row emitted, the tuner's reward where it
+    chose the strategy (its tokens over the segment's seconds, the catch-up before it included,
+    and the accepted length of the rows the rollout waits for), the arm's tally and the
+    rollout's counters."""
     delta = run.advance(end.counters)
-    if tuned and delta["steps"] > 0:
-      self.tuner.update(run.batch, strategy.name, delta["tokens"], end.seconds + switch_s,
-                        steps=delta["steps"], row_steps=delta["row_steps"], switch_s=switch_s)
     arm = stats.arm(run.batch, strategy.name)
+    made = run.record_emitted(arm, end.rows, end.n_gen)
+    if tuned and delta["steps"] > 0:
+      live = end.rows[(end.rows >= 0) & ~end.done] - run.first_row
+      self.tuner.update(run.batch, strategy.name, delta["tokens"], end.seconds + switch_s,
+                        steps=delta["steps"], row_steps=delta["row_steps"], switch_s=switch_s,
+                        critical_length=critical_length(made, live, delta["steps"]))
     arm.segments += 1
     arm.seconds += end.seconds + switch_s
     arm.steps += delta["steps"]
     arm.tokens += delta["tokens"]
     arm.row_steps += delta["row_steps"]
-    run.record_emitted(arm, end.rows, end.n_gen)
     stats.decode_s += end.seconds
     stats.segments.append((run.batch, delta["steps"], end.seconds, strategy.name))
     stats.segment_kv_lens.append(run.kv_len)

@@ -235,13 +235,16 @@ class Tuner:
 
   def update(self, bucket: int, arm: str, tokens: int, seconds: float, *,
              steps: int | None = None, row_steps: int | None = None,
-             switch_s: float = 0.0) -> None:
+             switch_s: float = 0.0, critical_length: float | None = None) -> None:
     """Records that ``arm`` produced ``tokens`` tokens in ``seconds`` seconds in ``bucket``.
 
     The scheduler also says how many decode ``steps`` the segment ran, the live rows summed over
     them (``row_steps``: a vanilla step emits one token per live row, so ``tokens / row_steps``
-    is a speculative arm's accepted length) and the part of ``seconds`` that was the switch's
-    drafter catch-up (``switch_s``); the ``"cost"`` kind learns from them."""
+    is a speculative arm's mean accepted length), the part of ``seconds`` that was the switch's
+    drafter catch-up (``switch_s``) and ``critical_length``: the tokens per step emitted by the
+    rows that decide when the rollout ends (those still live at the segment's end; see
+    ``scheduler.critical_length``). The ``"cost"`` kind learns acceptance from
+    ``critical_length`` where given, else from the mean row."""
     bucket = _check_bucket(bucket)
     stats = self._buckets.get(bucket)
     if stats is None or arm not in stats.arms:
@@ -268,11 +271,19 @@ class Tuner:
       decoding = float(seconds) - float(switch_s)
       record.step_s.append((max(decoding - self._overhead, 0.5 * decoding) / int(steps),
                             int(steps)))
+      if critical_length is not None and (isinstance(critical_length, bool) or
+                                          not critical_length >= 0 or
+                                          not math.isfinite(critical_length)):
+        raise ValueError(f"Tuner.update: critical_length must be a finite number >= 0 (tokens "
+                         f"per step) or None, got {critical_length!r}")
       if row_steps:
-        self._learn(arm, int(tokens), int(row_steps))
+        length = float(tokens) / int(row_steps) if critical_length is None \
+            else float(critical_length)
+        self._learn(arm, length)
 
-  def _learn(self, arm: str, tokens: int, row_steps: int) -> None:
-    """What a segment's accepted length taught (the ``"cost"`` kind)."""
+  def _learn(self, arm: str, length: float) -> None:
+    """What a segment's accepted length (tokens per row per step) taught (the ``"cost"``
+    kind)."""
 
   def state_dict(self) -> dict:
     """A JSON-serializable snapshot: kind, every bucket's counts and windows, the arms offered

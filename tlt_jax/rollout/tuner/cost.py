@@ -80,8 +80,12 @@ class CostModel(Tuner):
   per live row per step). Seconds per step come from the engine's calibration (``set_costs``:
   every executable timed once at ``precompile``) and then from the arm's own segments at ``b``
   (the median of a window, the segment boundary's overhead taken off). Accepted lengths are
-  counted, not timed: each speculative segment's ``tokens / row_steps`` gives the drafter's
-  per-token acceptance ``alpha`` (``acceptance_from_length``), pooled over buckets (what one
+  counted, not timed: each speculative segment's accepted length gives the drafter's per-token
+  acceptance ``alpha`` (``acceptance_from_length``). That length is the one of the rows the
+  rollout waits for (``critical_length``: the rows still live at the segment's end, whose tokens
+  decide when the rollout ends), not the mean row's (``tokens / row_steps``, used only where the
+  scheduler gives no critical length): short rows that accept much and finish early must not sell
+  an arm to the long rows that accept little. It is pooled over buckets (what one
   bucket learns, every bucket uses) and, for an arm never run, over the other arms of its
   drafter (``Arm.source``: a suffix drafter's acceptance says nothing of the learned drafter's);
   the prediction of an arm is ``accepted_length(alpha, depth, topk)``.
@@ -140,10 +144,10 @@ class CostModel(Tuner):
     used = {v for window in drafter.accept.values() for _, v in window}
     drafter.qualities = {v: q for v, q in drafter.qualities.items() if v in used}
 
-  def _learn(self, arm: str, tokens: int, row_steps: int) -> None:
+  def _learn(self, arm: str, length: float) -> None:
     meta = self._meta[arm]
     if meta.speculative:
-      alpha = acceptance_from_length(tokens / row_steps, meta.depth, meta.topk)
+      alpha = acceptance_from_length(length, meta.depth, meta.topk)
       drafter = self._drafters.setdefault(meta.source, _Drafter())
       window = drafter.accept.setdefault(arm, collections.deque(maxlen=self.config.window))
       window.append((alpha, drafter.version))
