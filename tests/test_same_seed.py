@@ -51,7 +51,8 @@ def test_in_the_default_job_the_tuners_choice_of_arm_changes_nothing_the_policy_
   while acceptance and the drafter's training differ."""
   probe = job_trainer(tmp_path)
   engine = probe.engine
-  sd_max, top = engine.config.sd_max_batch, engine.config.max_batch
+  top = engine.config.max_batch
+  sd_max = engine.config.sd_max_batch or top  # None: no fixed cap
   sd_arm = next(s.name for s in engine.strategies_for(min(engine.config.batch_buckets))
                 if s.name != "vanilla")
   above = ((top, "vanilla"),) if top > sd_max else ()

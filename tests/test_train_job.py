@@ -649,7 +649,8 @@ def test_precompile_compiles_rollout_update_and_drafter_and_says_how_long():
     def executable_keys(self):
       return ["prefill", "segment"]
 
-    def precompile(self, progress=None):
+    def precompile(self, progress=None, background=False):
+      assert background  # the SD arms compile off the first step's critical path
       order.append("rollout")
       if progress is not None:
         progress(1, 2)

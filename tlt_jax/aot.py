@@ -23,6 +23,8 @@ from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import jax
 
+from tlt_jax.utils import in_background, mark_background
+
 
 def default_workers() -> int:
   """Threads that compile at once by default: half the host's cores (XLA's compiler and the
@@ -39,6 +41,7 @@ class AotCache:
     self._key_locks: dict[Hashable, threading.Lock] = {}
     self._lock = threading.Lock()  # guards the two dicts and the seconds
     self.seconds_by_key: dict[Hashable, float] = {}  # lowering + compiling, per key
+    self.background_keys: set[Hashable] = set()  # compiled in a background thread
 
   def get(self, key: Hashable, lower: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
     """The executable for ``key``: ``lower()`` compiled on the first call, reused afterwards."""
@@ -56,6 +59,8 @@ class AotCache:
       with self._lock:
         self._executables[key] = compiled
         self.seconds_by_key[key] = seconds
+        if in_background():
+          self.background_keys.add(key)
         self._key_locks.pop(key, None)
       return compiled
 
@@ -105,7 +110,10 @@ class AotCache:
       return lowered.compile(), lower_s + time.perf_counter() - t0
 
     try:
-      with concurrent.futures.ThreadPoolExecutor(workers, "aot-compile") as pool:
+      # compile threads count as the caller's (a background caller's compiles stay background)
+      with concurrent.futures.ThreadPoolExecutor(workers, "aot-compile",
+                                                 initializer=mark_background,
+                                                 initargs=(in_background(),)) as pool:
         try:
           futures = []
           for key, _ in held:
@@ -117,6 +125,8 @@ class AotCache:
             with self._lock:
               self._executables[key] = compiled
               self.seconds_by_key[key] = seconds
+              if in_background():
+                self.background_keys.add(key)
             if progress is not None:
               progress(done, len(held))
         except BaseException:
@@ -147,6 +157,13 @@ class AotCache:
     """Seconds spent lowering and compiling, all keys together."""
     with self._lock:
       return float(sum(self.seconds_by_key.values()))
+
+  @property
+  def foreground_seconds(self) -> float:
+    """Seconds spent lowering and compiling the keys no background thread compiled."""
+    with self._lock:
+      return float(sum(s for k, s in self.seconds_by_key.items()
+                       if k not in self.background_keys))
 
   def keys(self) -> list[Hashable]:
     """The compiled keys, in the order they were compiled."""

@@ -20,18 +20,42 @@ _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _EXPONENT_BITS = {np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
 _lock = threading.Lock()
 _compiles = 0
+_background_compiles = 0
 _registered = False
+_thread = threading.local()  # .background: this thread compiles off the critical path
 
 
 def _on_event(name: str, duration: float, **kwargs) -> None:
-  global _compiles
+  global _compiles, _background_compiles
   if name == _BACKEND_COMPILE_EVENT:
     with _lock:
-      _compiles += 1
+      if getattr(_thread, "background", False):
+        _background_compiles += 1
+      else:
+        _compiles += 1
+
+
+def mark_background(on: bool = True) -> None:
+  """Counts this thread's compiles as background ones (``background_compile_count``), not in
+  ``compile_count``: a thread that compiles executables before anything waits for them."""
+  _thread.background = on
+
+
+def in_background() -> bool:
+  """Whether this thread's compiles count as background ones (``mark_background``)."""
+  return getattr(_thread, "background", False)
+
+
+def background_compile_count() -> int:
+  """Number of XLA backend compilations in threads marked as background (``mark_background``)."""
+  compile_count()  # installs the listener
+  with _lock:
+    return _background_compiles
 
 
 def compile_count() -> int:
-  """Number of XLA backend compilations in this process since the counter was installed."""
+  """Number of XLA backend compilations in this process since the counter was installed, but
+  those of background threads (``mark_background``)."""
   global _registered
   with _lock:
     if not _registered:

@@ -244,14 +244,23 @@ def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(engines):
 def test_the_cost_tuner_is_calibrated_at_precompile_and_its_rollouts_compile_nothing(models):
   # its own engine, small enough to precompile whole in the fast tier: two buckets, a chain and
   # a tree (two verify groups), so rows move buckets and arms differ in cost
+  # (SD steps of this tiny model cost 5-7 vanilla steps on this CPU, so no arm would pay: the
+  # SD steps' costs come from a table where they pay at bucket 1 alone; tests/rollout/
+  # test_offers.py has the rest)
   target, drafter = models["mirror"]
   engine = adaptive(target, drafter, tuner=make_tuner(TunerConfig()),  # kind="cost": the default
                     max_batch=2, strategies=STRATEGIES[:2])
+  with_cost_table(engine, {1: 1.5, 2: 9.0})
   engine.precompile()
   costs, overhead = engine.calibration
-  want = {(b, s.name) for b in engine.config.batch_buckets for s in engine.strategies_for(b)
-          if len(engine.strategies_for(b)) > 1}
+  visited = {v.bucket: v for v in engine.offers.visited}
+  assert visited[1].offered and not visited[2].offered, engine.offers.visited
+  want = {(b, s.name) for b in engine.offers.buckets for s in engine.candidates_for(b)
+          if s.spec is None or visited.get(b) and visited[b].offered}
   assert set(costs) == want and all(c > 0 for c in costs.values()) and overhead >= 0
+  for b in engine.config.batch_buckets:
+    offered = [s.name for s in engine.strategies_for(b)]
+    assert offered == ["vanilla"] + (visited[b].offered if b in visited else []), (b, offered)
   for b, s in want:  # a speculative step costs more than a vanilla step of its bucket
     if s != "vanilla":
       assert costs[(b, s)] > costs[(b, "vanilla")], (b, s, costs)
@@ -265,6 +274,21 @@ def test_the_cost_tuner_is_calibrated_at_precompile_and_its_rollouts_compile_not
     result = engine.generate(prompts_of([9, 2, 14, 5, 7, 1, 11], seed=seed), SamplingParams(
         max_new_tokens=40, temperature=1.0, seed=seed, stop_token_ids=STOPS))
     assert result.stats.compiles == 0
+
+
+def with_cost_table(engine, relative: dict[int, float]):
+  """Makes ``engine``'s calibration of SD arms read a table: vanilla's step as measured, each SD
+  arm's ``relative[bucket]`` times it (the executables still compile and run once)."""
+  measure = engine._calibrate_bucket  # pylint: disable=protected-access
+
+  def table(batch, strategies):
+    costs = measure(batch, strategies)
+    vanilla = costs[(batch, "vanilla")]
+    return {(batch, s.name): vanilla * (1.0 if s.spec is None else relative[batch])
+            for s in strategies}
+
+  engine._calibrate_bucket = table  # pylint: disable=protected-access
+  return engine
 
 
 def test_pool_compiles_only_what_each_bucket_may_use_and_shares_verify_groups(models):

@@ -154,23 +154,25 @@ def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
 
 # the config.rollout fields of the job, in the order config files list them (the other
 # EngineConfig fields are the job's to set, or kept at their defaults)
-ROLLOUT_FIELDS = ("max_batch", "max_prompt_len", "strategies", "sd_max_batch", "verify_budget",
-                  "segment_steps", "verify", "suffix_strategies")
+ROLLOUT_FIELDS = ("max_batch", "max_prompt_len", "strategies", "sd_max_batch",
+                  "sd_prior_acceptance", "verify_budget", "segment_steps", "verify",
+                  "suffix_strategies")
 
 
 def rollout_section(**values) -> ml_collections.ConfigDict:
   """``config.rollout`` for config files: the job's ``EngineConfig`` fields at the dataclass's
   defaults unless given in ``values``, and ``tuner`` with every ``TunerConfig`` field, so a
-  config file states only what it changes. ``segment_steps`` (default None: the engine decides)
-  is an int placeholder, which a command line can still set."""
+  config file states only what it changes. ``segment_steps`` and ``sd_max_batch`` (default
+  None: the engine decides) are int placeholders, which a command line can still set."""
   unknown = sorted(set(values) - set(ROLLOUT_FIELDS) - {"tuner"})
   if unknown:
     raise TypeError(f"rollout_section: {unknown} are not config.rollout fields "
                     f"({', '.join(ROLLOUT_FIELDS)}, tuner)")
   defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
   fields = {name: values.get(name, defaults[name]) for name in ROLLOUT_FIELDS}
-  if fields["segment_steps"] is None:
-    fields["segment_steps"] = config_dict.placeholder(int)
+  for name in ("segment_steps", "sd_max_batch"):  # None: the engine decides
+    if fields[name] is None:
+      fields[name] = config_dict.placeholder(int)
   section_ = ml_collections.ConfigDict(fields)
   section_.tuner = values.get("tuner", dataclass_section(TunerConfig))
   return section_

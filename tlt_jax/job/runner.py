@@ -305,15 +305,17 @@ class Precompiled:
 
 def precompile(trainer: GRPOTrainer, progress: bool = False) -> Precompiled:
   """Compiles what the RL steps run, before the first of them: the rollout's executables (and a
-  cost tuner's calibration), the policy update's, and the online drafter's steps, so that the
-  steps compile nothing and their timings are the steps' own. ``progress``: a bar on stderr
+  cost tuner's calibration; with it, the speculative arms that the calibration says pay compile
+  in a background thread and are offered once they exist, so the first step waits for
+  vanilla's alone), the policy update's, and the online drafter's steps, so that the steps
+  compile nothing on their critical path and their timings are the steps' own. ``progress``: a bar on stderr
   while the rollout's executables compile (they are most of the time). Returns the counts and
   seconds of each part (the job prints ``line()``)."""
   t0 = time.perf_counter()
   bar = (_compile_bar(len(trainer.engine.executable_keys())) if progress
          else contextlib.nullcontext())
-  with bar as advance:
-    rollout = trainer.engine.precompile(progress=advance)
+  with bar as advance:  # the SD arms compile in the background, offered once they exist
+    rollout = trainer.engine.precompile(progress=advance, background=True)
   t1 = time.perf_counter()
   update = trainer.precompile_update()
   t2 = time.perf_counter()

@@ -12,8 +12,9 @@ chooses the strategy of the next segment, and continues.
 Strategies: without a drafter every segment is vanilla. With a drafter and one ``spec`` every
 segment is speculative with that strategy. With ``strategies`` the engine is *adaptive*: vanilla
 plus those strategies are the arms of a tuner (``tuner/``: the cost tuner unless
-``EngineConfig.tuner`` names another kind) per batch bucket, SD only where ``batch <=
-sd_max_batch``, and rows switch between vanilla and SD at segment boundaries.
+``EngineConfig.tuner`` names another kind) per batch bucket, SD only where the calibration says
+it can pay (``offers.py``; and ``batch <= sd_max_batch`` where that cap is set), and rows switch
+between vanilla and SD at segment boundaries.
 
 The engine is four rooms: ``engine_config.py`` (``EngineConfig``, its checks, and
 ``resolve_engine_config``, which fills in what the drafters imply before the engine is built),
@@ -38,6 +39,7 @@ from tlt_jax.rollout.engine_config import EngineConfig, resolve_engine_config
 from tlt_jax.rollout.kinds import DrafterKind
 from tlt_jax.rollout.interface import Rollout, check_prompts, collect_mask, is_integer, on_device
 from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.offers import SdOffers
 from tlt_jax.rollout.pool import ExecutablePool
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
 from tlt_jax.rollout.scheduler import (ChunkResult, Request, Scheduler, Strategy,
@@ -129,6 +131,7 @@ class RolloutEngine(Rollout):
     self.scheduler = Scheduler(self.pool, self.strategies_for, self.tuner, self.weights, learned)
     self.device = device
     self.calibration: tuple[dict, float] | None = None  # ``calibrate``'s step costs, once measured
+    self.offers: SdOffers | None = None  # the SD arms offered per bucket (a calibrated precompile)
     self._history_share = 0.0  # the share of the last request's prompts that had a history
     self.observes_history = True  # False: a data-parallel rollout observes it once for all
     if device is not None:
@@ -172,7 +175,13 @@ class RolloutEngine(Rollout):
       self.tuner.set_costs(*self.calibration)
 
   def strategies_for(self, batch: int) -> list[Strategy]:
-    """The strategies that may decode a ``batch`` bucket (the first is the default)."""
+    """The strategies that may decode a ``batch`` bucket now (the first is the default): after a
+    calibrated ``precompile``, vanilla plus the arms measured to pay there whose executables
+    exist (``offers``); else every strategy the config permits there (``candidates_for``)."""
+    return self._strategies[batch] if self.offers is None else self.offers.offered(batch)
+
+  def candidates_for(self, batch: int) -> list[Strategy]:
+    """Every strategy the config permits at a ``batch`` bucket (vanilla first)."""
     return self._strategies[batch]
 
   # ---- executable pool -------------------------------------------------------------------------
@@ -182,7 +191,8 @@ class RolloutEngine(Rollout):
 
   @property
   def _compile_seconds(self) -> float:
-    return self.pool.compile_seconds
+    """Seconds compiling on the rollout's critical path (not the background's)."""
+    return self.pool.executables.foreground_seconds
 
   def executable_keys(self) -> list[tuple]:
     """Every executable the engine may need (see ``pool.py`` for the key kinds)."""
@@ -194,24 +204,65 @@ class RolloutEngine(Rollout):
     return self.pool.stats()
 
   def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
-                 calibrate: bool = True) -> int:
-    """Compiles every bucket's executables now; returns how many were compiled.
+                 calibrate: bool = True, background: bool = False) -> int:
+    """Compiles the executables the rollout may run; returns how many were compiled now.
 
     ``progress(done, total)``, if given, is called after each executable compiles, ``total``
-    being how many this call compiles (executables compiled earlier are not counted). With a
-    tuner that uses a cost model (``TunerConfig(kind="cost")``) and ``calibrate``, the strategies'
-    step costs are then measured once (``calibrate``) and handed to it.
-    """
-    compiled = self.pool.precompile(progress)
-    if calibrate and self.tuner is not None and self.config.tuner.kind == "cost":
-      self.calibration = self.calibrate()
-      self.tuner.set_costs(*self.calibration)
-      self.scheduler.segment_lengths = segment_lengths(*self.calibration,
-                                                       self.config.segment_steps)
-    return compiled
+    being how many that stage compiles (executables compiled earlier are not counted).
 
-  def calibrate(self, steps: int = 8, repeats: int = 5) -> tuple[dict, float]:
-    """Times the decode step of every strategy at every batch bucket where the tuner chooses:
+    With a cost tuner (``TunerConfig(kind="cost")``) and ``calibrate``, SD arms exist where the
+    calibration says they pay (``offers.py``): vanilla's executables compile and its step is
+    timed at every bucket with a choice; then, bucket by bucket from the smallest, the SD arms'
+    steps are compiled and timed, and the arms that pay at ``sd_prior_acceptance`` are compiled
+    whole and offered, up to the first bucket where none pays. ``background``: that second
+    stage runs in a thread while the rollout decodes (the call returns once vanilla is ready, and
+    counts vanilla's executables only; ``offers.wait()`` waits for the rest). Otherwise every
+    executable the config permits is compiled, and a cost tuner's step costs are measured.
+    """
+    cost = self.tuner is not None and self.config.tuner.kind == "cost"
+    if not (calibrate and cost):
+      return self.pool.precompile(progress)
+    if self.offers is not None:  # precompiled before: what it offers stands
+      self.offers.wait()
+      return 0
+    offers = SdOffers(self._strategies, self.config.sd_prior_acceptance, self._publish)
+    compiled = self.pool.compile(self.pool.base_keys(), progress)
+    vanilla = {b: self._strategies[b][:1] for b in offers.buckets}
+    self._set_calibration(self.calibrate(strategies=vanilla))
+    self.offers = offers
+    loop = (self.pool.compile, self._offer_keys, self._calibrate_bucket)
+    if background:
+      offers.start(*loop)
+      return compiled
+    offers.run(*loop)
+    offers.take_ready()
+    return compiled + offers.compiled
+
+  def _set_calibration(self, calibration: tuple[dict, float]) -> None:
+    """Keeps the measured step costs and hands them to the tuner and the scheduler."""
+    self.calibration = calibration
+    self.tuner.set_costs(*calibration)
+    self.scheduler.segment_lengths = segment_lengths(*calibration, self.config.segment_steps)
+
+  def _publish(self, costs: dict) -> None:
+    """A bucket's SD arms are offered: their step costs join the calibration and the tuner's."""
+    known, overhead = self.calibration
+    self.calibration = ({**known, **costs}, overhead)
+    self.tuner.set_costs(costs, overhead)
+
+  def _offer_keys(self, batch: int, strategies: Sequence[Strategy],
+                  calibration_only: bool) -> list[tuple]:
+    """The executables ``strategies`` need at ``batch`` (see ``ExecutablePool.sd_keys``)."""
+    learned = any(s.learned for s in strategies) and self.pool.needs_catchup(batch)
+    return self.pool.sd_keys(batch, [s.group for s in strategies], learned, calibration_only)
+
+  def _calibrate_bucket(self, batch: int, strategies: Sequence[Strategy]) -> dict:
+    return self.calibrate(strategies={batch: strategies})[0]
+
+  def calibrate(self, steps: int = 8, repeats: int = 5,
+                strategies: dict[int, Sequence[Strategy]] | None = None) -> tuple[dict, float]:
+    """Times the decode step of every strategy at every batch bucket where the tuner chooses
+    (``strategies``: these per bucket instead):
     ``({(bucket, strategy name): seconds per step}, seconds of one segment boundary)``.
 
     Each bucket's rows are dummy one-token prompts decoded without stop ids at temperature 1 at
@@ -224,12 +275,12 @@ class RolloutEngine(Rollout):
                                    cfg.max_stop_ids)
     plen = cfg.prefill_buckets[0]
     kv_len = cfg.prefill_kv_len(plen)
+    if strategies is None:
+      strategies = {b: c for b, c in self._strategies.items() if len(c) > 1}
     costs, overheads = {}, []
-    for b in cfg.batch_buckets:
-      if len(self._strategies[b]) < 2:
-        continue
+    for b in sorted(strategies):
       ids, lens = np.full((b, plen), cfg.pad_token_id, np.int32), np.ones((b,), np.int32)
-      for strategy in self._strategies[b]:
+      for strategy in strategies[b]:
         segment = self.executable(("segment", b, kv_len, pool.stop_at(b), strategy.group))
         fastest = {}  # steps run -> fastest seconds
         for _ in range(repeats):

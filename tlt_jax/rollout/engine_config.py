@@ -95,10 +95,13 @@ class EngineConfig:
   # (``suffix.check_suffix_spec``). Empty with a suffix drafter: one chain of its depth
   # (``resolve_engine_config``).
   suffix_strategies: tuple[SpecConfig, ...] = ()
-  # Buckets above this always decode vanilla. The paper uses 32 (GPUs); 8 is from measurement on
-  # CPU, where SD never beat vanilla above batch 8 (docs/benchmarks.md) and every SD arm offered
-  # at a big bucket costs exploration there.
-  sd_max_batch: int = 8
+  # Buckets above this always decode vanilla (None: no fixed cap). The paper uses 32 (GPUs). With
+  # the cost tuner and a precompile, the calibration decides per bucket which SD arms exist
+  # (``offers.py``): an arm is offered where its measured step cost relative to vanilla's is below
+  # what it emits at ``sd_prior_acceptance`` per drafted token, from the smallest bucket up to the
+  # first where no arm pays (on a 2-core CPU: the small buckets; on an H200: up to batch 64).
+  sd_max_batch: int | None = None
+  sd_prior_acceptance: float = 0.85  # the per-token acceptance an SD arm must pay at to exist
   verify_budget: int = 0  # > 0: a strategy serves bucket b only if b * verify_tokens <= this
   segment_steps: int | None = None  # most steps per segment (0: unbounded; None: 32 if adaptive)
   tuner: TunerConfig | None = None  # None: TunerConfig() (the cost tuner)
@@ -144,8 +147,13 @@ class EngineConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise FieldError("EngineConfig", name, f"must be an int >= 0 (0: no limit), got {value!r}")
-    require_positive_ints(self, "max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids",
-                          "sd_max_batch")
+    require_positive_ints(self, "max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids")
+    if self.sd_max_batch is not None:
+      require_positive_ints(self, "sd_max_batch")
+    prior = self.sd_prior_acceptance
+    if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 < prior <= 1:
+      raise FieldError("EngineConfig", "sd_prior_acceptance", f"must be a number in (0, 1] (a "
+                       f"per-token acceptance, e.g. 0.85), got {prior!r}")
     defaults = (("batch_buckets", self.max_batch, bk.powers_of_two_up_to(self.max_batch)),
                 ("prefill_buckets", self.max_prompt_len,
                  bk.powers_of_two_up_to(self.max_prompt_len, start=min(16, self.max_prompt_len))))
@@ -193,7 +201,7 @@ class EngineConfig:
 
   def serves(self, spec: SpecConfig, batch: int) -> bool:
     """Whether the adaptive engine may decode a ``batch`` bucket with ``spec``."""
-    return batch <= self.sd_max_batch and (
+    return (self.sd_max_batch is None or batch <= self.sd_max_batch) and (
         not self.verify_budget or batch * spec.verify_tokens <= self.verify_budget)
 
   def check_fixed_tuner(self, ngram: bool = False) -> None:

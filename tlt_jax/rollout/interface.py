@@ -82,8 +82,10 @@ class Rollout(abc.ABC):
     """The strategies that may decode a ``batch`` bucket (the first is the default)."""
 
   @abc.abstractmethod
-  def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
-    """Compiles every executable now; returns how many were compiled."""
+  def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
+                 background: bool = False) -> int:
+    """Compiles the executables the rollout may run; returns how many were compiled now
+    (``background``: the speculative arms' compile in a thread, offered once they exist)."""
 
   def observe_drafter(self, quality: float | None = None,
                       source: str = DrafterKind.LEARNED) -> None:

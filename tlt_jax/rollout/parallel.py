@@ -36,11 +36,13 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
 from tlt_jax.rollout.engine_config import resolve_engine_config
 from tlt_jax.rollout.interface import Rollout
 from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.offers import SdOffers
+from tlt_jax.rollout.scheduler import segment_lengths
 from tlt_jax.rollout.suffix import SuffixConfig
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.stats import DeviceStats, RolloutStats
 from tlt_jax.rollout.tuner import Tuner, TunerConfig, make_tuner
-from tlt_jax.utils import compile_count
+from tlt_jax.utils import compile_count, in_background, mark_background
 
 __all__ = ["DataParallelRollout", "LockedTuner", "shard_ranges"]
 
@@ -172,15 +174,53 @@ class DataParallelRollout(Rollout):
     """Every executable of every device's engine, as ``(device index, key)``."""
     return [(k, key) for k, e in enumerate(self.engines) for key in e.executable_keys()]
 
-  def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
-    """Compiles every device's pool (one thread per device); returns how many were compiled."""
+  def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
+                 background: bool = False) -> int:
+    """Compiles every device's pool (one thread per device); returns how many were compiled.
+    With a cost tuner, as ``RolloutEngine.precompile`` does on one device: vanilla's executables
+    on every device, then the SD arms where the calibration says they pay (``background``: in a
+    thread, while the rollout decodes), one bucket at a time on every device, timed on the
+    first (the devices are alike; timing every device at once would measure them competing for
+    the host) and offered to all at once."""
+    first = self.engines[0]
+    calibrated = self.shared_tuner is not None and self.config.tuner.kind == "cost"
+    if calibrated and first.offers is not None:  # precompiled before: what it offers stands
+      first.offers.wait()
+      return 0
+    keys = ((lambda e: e.pool.base_keys()) if calibrated else (lambda e: e.executable_keys()))
+    compiled = self._compile_on_every_device(keys, progress)
+    if not calibrated:
+      return compiled
+    offers = SdOffers({b: first.candidates_for(b) for b in self.config.batch_buckets},
+                      self.config.sd_prior_acceptance,
+                      first._publish)  # pylint: disable=protected-access
+    vanilla = {b: first.candidates_for(b)[:1] for b in offers.buckets}
+    calibration = first.calibrate(strategies=vanilla)
+    for engine in self.engines:  # every device's scheduler bounds its segments alike
+      engine.calibration = calibration
+      engine.scheduler.segment_lengths = segment_lengths(*calibration, self.config.segment_steps)
+      engine.offers = offers
+    self.shared_tuner.set_costs(*calibration)
+    loop = (lambda keys: self._compile_on_every_device(lambda _: keys),
+            first._offer_keys, first._calibrate_bucket)  # pylint: disable=protected-access
+    if background:
+      offers.start(*loop)
+      return compiled
+    offers.run(*loop)
+    offers.take_ready()
+    return compiled + offers.compiled
+
+  def _compile_on_every_device(self, keys_of: Callable[[RolloutEngine], list],
+                               progress: Callable[[int, int], Any] | None = None) -> int:
+    """Compiles ``keys_of(engine)`` on every device's engine (one thread per device); returns
+    how many executables one device compiled."""
     counts = [0] * len(self.engines)
     done = [0]
     lock = threading.Lock()
-    total = sum(len([k for k in e.executable_keys() if k not in e.pool.executables])
+    total = sum(len([k for k in keys_of(e) if k not in e.pool.executables])
                 for e in self.engines)
-
     cancel = threading.Event()
+    background = in_background()
 
     def tick(*_):
       if cancel.is_set():
@@ -191,14 +231,10 @@ class DataParallelRollout(Rollout):
           progress(done[0], total)
 
     def work(k):
-      counts[k] = self.engines[k].precompile(tick, calibrate=False)
+      mark_background(background)  # a background caller's threads compile in the background
+      counts[k] = self.engines[k].pool.compile(keys_of(self.engines[k]), tick)
 
     self._run_threads(work, range(len(self.engines)), cancel.set)
-    if self.shared_tuner is not None and self.config.tuner.kind == "cost":
-      # the devices are alike: one engine's measured step costs serve the shared tuner (timing
-      # every device at once would measure them competing for the host)
-      self.engines[0].calibration = self.engines[0].calibrate()
-      self.shared_tuner.set_costs(*self.engines[0].calibration)
     return sum(counts)
 
   def pool_stats(self) -> list[dict[str, Any]]:

@@ -153,10 +153,38 @@ class ExecutablePool:
     keys += [("grow", b, n, m) for b in cfg.batch_buckets for n, m in zip(lengths, lengths[1:])]
     return keys
 
+  def base_keys(self) -> list[tuple]:
+    """The keys vanilla decoding needs (every key but the speculative groups' segments and the
+    catch-ups): what a rollout that has offered no SD arm yet runs."""
+    return [k for k in self.keys() if not (k[0] == "catchup" or
+                                           (k[0] == "segment" and k[4] != "vanilla"))]
+
+  def calibration_kv_len(self) -> int:
+    """The cache length ``RolloutEngine.calibrate`` times steps at (the shortest prefill's)."""
+    return self.config.prefill_kv_len(self.config.prefill_buckets[0])
+
+  def sd_keys(self, batch: int, groups: Sequence[str], catchup: bool,
+              calibration_only: bool = False) -> list[tuple]:
+    """The keys that let speculative ``groups`` decode a ``batch`` bucket: their segments at
+    every cache length (``calibration_only``: at the calibration's alone), and the catch-up there
+    where ``catchup`` (a learned drafter follows vanilla)."""
+    lengths = ((self.calibration_kv_len(),) if calibration_only else self.kv_lengths_used())
+    keys = [("segment", batch, n, self.stop_at(batch), g) for g in dict.fromkeys(groups)
+            if g != "vanilla" for n in lengths]
+    if catchup and not calibration_only:
+      keys += [("catchup", batch, n) for n in lengths]
+    return keys
+
+  def compile(self, keys: Sequence[tuple],
+              progress: Callable[[int, int], Any] | None = None) -> int:
+    """Compiles the keys not compiled yet; returns how many (``progress(done, total)`` after
+    each)."""
+    return self.executables.compile_all(keys, self.lower, progress)
+
   def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
     """Compiles every key now; returns how many were compiled (``progress(done, total)`` after
     each)."""
-    return self.executables.compile_all(self.keys(), self.lower, progress)
+    return self.compile(self.keys(), progress)
 
   def stats(self) -> dict[str, Any]:
     """Executables per kind (and per strategy group), compile seconds, and the device memory each

@@ -76,8 +76,9 @@ class ProcessShardedRollout(Rollout):
   def strategies_for(self, batch: int):
     return self.local.strategies_for(batch)
 
-  def precompile(self, progress: Callable[[int, int], Any] | None = None) -> int:
-    return self.local.precompile(progress)
+  def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
+                 background: bool = False) -> int:
+    return self.local.precompile(progress, background=background)
 
   def _lead(self):
     return getattr(self.local, "engines", [self.local])[0]

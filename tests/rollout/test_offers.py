@@ -1,0 +1,204 @@
+"""Which SD arms each batch bucket offers, decided from cost tables (a CPU's and an H200's), and
+the engine's speculative executables compiled off the critical path: an arm is never used before
+its executables exist, and nothing compiles once the pool is complete."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from tests.helpers import mirror_drafter, sharp_random_model
+from tlt_jax.models.model_config import ModelConfig
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.offers import SdOffers, offered_buckets, paying, pays
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.scheduler import Strategy
+from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.tuner import TunerConfig, accepted_length, make_tuner
+from tlt_jax.utils import FieldError, background_compile_count, compile_count
+
+VANILLA = Strategy("vanilla", "vanilla", 0, None)
+SUFFIX = Strategy("suffix d8", "suffix d8", 0, SpecConfig(8, 1, 9), "suffix")
+CHAIN = Strategy("chain d4", "chain d4", 0, SpecConfig(4, 1, 5))
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+# Relative step costs (an SD step, drafting included, per vanilla step), measured on the tiny
+# long-tail job (docs/benchmarks.md, "The long-tail job"). This 2-core CPU: the suffix arm at
+# 3.2 / 3.8 / 6.2 / 4.7x at batch 1 / 2 / 4 / 8 (the engine's calibration) and a 9-token pass
+# 1.8x a 1-token one at 16-64 before drafting (pass_cost_cpu_tiny.json), so ~5x with it.
+CPU = {1: 3.2, 2: 3.8, 4: 6.2, 8: 4.7, 16: 5.0, 32: 5.0, 64: 5.0}
+# The H200 (run 2's calibration at 1-8: 1.41 / 1.61 / 1.52 / 1.69x; pass_cost_h200.json's 9-token
+# pass at 16 / 64: 1.38 / 1.33x, 32 between them).
+H200 = {1: 1.41, 2: 1.61, 4: 1.52, 8: 1.69, 16: 1.38, 32: 1.36, 64: 1.33}
+
+
+def table(relative: dict[int, float], vanilla_s: float = 1e-4) -> dict:
+  """A cost table in seconds per step: vanilla's step grows with the batch, SD's is
+  ``relative[bucket]`` times it."""
+  out = {}
+  for b, r in relative.items():
+    out[(b, "vanilla")] = vanilla_s * (1 + b / 16)
+    out[(b, SUFFIX.name)] = out[(b, "vanilla")] * r
+  return out
+
+
+def test_pays_compares_the_emitted_tokens_with_the_relative_cost():
+  assert pays(5.0, 8, 1, 0.85) == (accepted_length(0.85, 8) > 5.0)
+  assert pays(5.0, 8, 1, 0.85) and not pays(5.5, 8, 1, 0.85)  # 5.12 tokens a step
+  assert not pays(9.0, 8, 1, 1.0) and pays(8.9, 8, 1, 1.0)  # at most depth + 1
+  assert paying({(1, "vanilla"): 1.0}, 1, [VANILLA, SUFFIX], 0.85) == []  # never measured
+
+
+def test_on_this_cpu_the_table_keeps_sd_to_the_small_buckets():
+  candidates = {b: [VANILLA, SUFFIX] for b in BUCKETS}
+  assert offered_buckets(table(CPU), candidates, 0.85) == {1: [SUFFIX.name], 2: [SUFFIX.name]}
+  # a sharper prior (every draft accepted: 9 tokens) offers it wherever a step costs < 9
+  assert set(offered_buckets(table(CPU), candidates, 1.0)) == set(BUCKETS)
+
+
+def test_with_the_h200_s_pass_costs_sd_is_offered_up_to_batch_64():
+  candidates = {b: [VANILLA, SUFFIX] for b in BUCKETS}
+  assert offered_buckets(table(H200), candidates, 0.85) == {b: [SUFFIX.name] for b in BUCKETS}
+  # at 0.5 per token a step emits ~2.0 tokens, above every bucket's 1.33-1.69x: still
+  # everywhere; at 0.3 (1.43 tokens) it pays at batch 1 (1.41x) and the visit stops at the
+  # first bucket where it does not (batch 2, 1.61x), though 16-64 (1.33-1.38x) would pay
+  assert set(offered_buckets(table(H200), candidates, 0.5)) == set(BUCKETS)
+  assert offered_buckets(table(H200), candidates, 0.3) == {1: [SUFFIX.name]}
+
+
+def test_the_loop_stops_compiling_at_the_first_bucket_where_nothing_pays():
+  """``SdOffers.run`` on the CPU table: it times bucket 1, 2 and 4, compiles the paying arms'
+  executables at 1 and 2 alone, and never visits 8 and up."""
+  candidates = {b: [VANILLA, SUFFIX, CHAIN] for b in BUCKETS}
+  costs = table(CPU)
+  for b in BUCKETS:  # the chain (5 tokens at most) costs 6x everywhere: it never pays
+    costs[(b, CHAIN.name)] = costs[(b, "vanilla")] * 6.0
+  compiled, published = [], []
+  offers = SdOffers(candidates, 0.85, published.append)
+
+  def keys_of(b, strategies, calibration_only):
+    return [(b, s.name, calibration_only) for s in strategies]
+
+  def compile_keys(keys):
+    compiled.extend(keys)
+    return len(keys)
+
+  def calibrate(b, strategies):
+    assert (b, SUFFIX.name, True) in compiled  # timed only once compiled
+    return {(b, s.name): costs[(b, s.name)] for s in strategies}
+
+  assert [s.name for s in offers.offered(1)] == ["vanilla"]  # before the loop: vanilla alone
+  offers.run(compile_keys, keys_of, calibrate)
+  assert offers.done.is_set() and [v.bucket for v in offers.visited] == [1, 2, 4]
+  assert [k for k in compiled if not k[2]] == [(1, SUFFIX.name, False), (2, SUFFIX.name, False)]
+  assert not published  # published to the engine at its next look, not from the loop's thread
+  assert [s.name for s in offers.offered(2)] == ["vanilla", SUFFIX.name]
+  assert [s.name for s in offers.offered(4)] == ["vanilla"]
+  assert len(published) == 2 and offers.compiled == len(compiled)
+  assert offers.visited[0].relative_costs == pytest.approx({SUFFIX.name: 3.2, CHAIN.name: 6.0})
+
+
+def test_a_failed_loop_says_so_at_the_next_look():
+  offers = SdOffers({1: [VANILLA, SUFFIX]}, 0.85)
+
+  def broken(keys):
+    raise MemoryError("no room")
+
+  offers.start(broken, lambda *a: [1], lambda *a: {})
+  assert offers.wait(30)
+  with pytest.raises(RuntimeError, match="compiling the speculative arms failed"):
+    offers.offered(1)
+
+
+def test_sd_prior_acceptance_is_checked():
+  with pytest.raises(FieldError, match=r"EngineConfig\.sd_prior_acceptance must be a number in "
+                     r"\(0, 1\]"):
+    EngineConfig(sd_prior_acceptance=0.0)
+  with pytest.raises(FieldError, match=r"EngineConfig\.sd_max_batch"):
+    EngineConfig(sd_max_batch=0)
+  assert EngineConfig().sd_max_batch is None  # no fixed cap: the calibration decides
+  assert EngineConfig(strategies=((4, 1, 5),)).serves(SpecConfig(4, 1, 5), 64)
+
+
+# ---------------------------------------------------------------- the engine
+
+STOPS = (3, 4, 5, 6)
+
+
+@pytest.fixture(scope="module")
+def model():
+  target = sharp_random_model(ModelConfig.tiny(vocab_size=32, num_layers=1), seed=1)
+  return target, mirror_drafter(target)
+
+
+def engine_with_table(model, relative):
+  """A cost-tuned adaptive engine (buckets 1, 2, 4) whose SD arms' calibration reads
+  ``relative`` (vanilla's step as measured; see test_adaptive.with_cost_table)."""
+  from tests.rollout.test_adaptive import with_cost_table  # pylint: disable=import-outside-toplevel
+  target, drafter = model
+  engine = RolloutEngine(target, drafter=drafter, tuner=make_tuner(TunerConfig()), config=
+                         EngineConfig(max_batch=4, max_prompt_len=16, max_new_tokens=40,
+                                      prefill_buckets=(16,), kv_buckets=(),
+                                      strategies=((4, 1, 5),), segment_steps=3))
+  return with_cost_table(engine, relative)
+
+
+def used_arms(result) -> dict[int, set[str]]:
+  return {int(b): set(arms) for b, arms in result.stats.arms.items()}
+
+
+def test_background_precompile_offers_sd_only_once_its_executables_exist(model):
+  """The first rollout waits for vanilla's executables alone and decodes vanilla while the SD
+  arm compiles; every executable a segment runs exists before it runs; once the loop is done
+  the arm is offered where the table says it pays (bucket 1 of 1, 2, 4), and nothing compiles."""
+  engine = engine_with_table(model, {1: 1.5, 2: 1.5, 4: 9.0})
+  release = threading.Event()
+  compile_keys = engine.pool.compile
+
+  def slow_compile(keys, progress=None):
+    if any((k[0] == "segment" and k[4] != "vanilla") or k[0] == "catchup" for k in keys):
+      release.wait(120)  # the SD arms' compile waits until the first rollout is done
+    return compile_keys(keys, progress)
+
+  engine.pool.compile = slow_compile
+  get = engine.pool.get
+
+  def strict_get(key):  # the scheduler runs only executables that exist
+    assert engine.pool.executables.lookup(key) is not None, f"{key} ran before it was compiled"
+    return get(key)
+
+  engine.scheduler.pool.get = strict_get
+  before = background_compile_count()
+  compiled = engine.precompile(background=True)
+  base = set(engine.pool.base_keys())
+  assert compiled == len(base) and set(engine.pool.executables.keys()) == base
+  params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
+  prompts = [[7, 9, 11], [8], [12, 13, 14, 15], [9, 9]]
+  first = engine.generate(prompts, params)
+  assert all(arms == {"vanilla"} for arms in used_arms(first).values()), used_arms(first)
+  assert first.stats.compiles == 0
+  release.set()
+  assert engine.offers.wait(300)
+  assert background_compile_count() > before  # the SD executables compiled in the thread
+  n = compile_count()
+  second = engine.generate(prompts, params)
+  assert compile_count() == n and second.stats.compiles == 0
+  assert [s.name for s in engine.strategies_for(1)] == ["vanilla", "chain d4"]
+  assert [s.name for s in engine.strategies_for(2)] == ["vanilla", "chain d4"]
+  assert [s.name for s in engine.strategies_for(4)] == ["vanilla"]
+  catchups = {k[1] for k in engine.pool.executables.keys() if k[0] == "catchup"}
+  assert catchups == {1, 2}  # bucket 4's arm was only timed: its catch-up never compiled
+  assert second.tokens == first.tokens  # greedy: SD changes no token
+  assert used_arms(second).get(4, {"vanilla"}) == {"vanilla"}
+
+
+def test_a_foreground_precompile_is_complete_when_it_returns(model):
+  engine = engine_with_table(model, {1: 9.0, 2: 1.5, 4: 1.5})  # nothing pays at bucket 1
+  engine.precompile()
+  assert engine.offers.done.is_set() and [v.bucket for v in engine.offers.visited] == [1]
+  assert all([s.name for s in engine.strategies_for(b)] == ["vanilla"] for b in (1, 2, 4))
+  assert engine.precompile() == 0  # again: what it offers stands
+  result = engine.generate([[7, 9, 11], [8]], SamplingParams(max_new_tokens=20, seed=3))
+  assert result.stats.compiles == 0 and np.all([len(t) > 0 for t in result.tokens])
