@@ -195,3 +195,163 @@ def test_divergence_gaps_report_where_and_by_how_much():
   assert (found["vanilla_token"], found["sd_token"]) == (reference[1][2], other[1][2])
   assert found["logit_vanilla_token"] >= found["logit_sd_token"]
   assert found["gap"] == pytest.approx(found["logit_vanilla_token"] - found["logit_sd_token"])
+
+
+# ---- --e2e (issue 52): the long-tail jobs, vanilla against TLT, one JSON each and a figure ----
+E2E_ROW_KEYS = ("step_s", "rollout_s", "update_s", "prefill_s", "decode_s", "compact_s", "reward",
+                "rollout_digest")
+BREAKDOWN_KEYS = {"steps", "sd_share_of_decode_steps_median", "sd_share_by_bucket",
+                  "mean_accept_len_median", "accept_len_by_source_median",
+                  "accept_share_by_source_median", "verify_cost_vs_vanilla_step",
+                  "host_s_per_rollout_median", "host_s_ratio_paired_median", "compile"}
+
+
+def matplotlib_imports() -> bool:
+  return importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.mark.slow
+def test_e2e_tiny_writes_each_jobs_json_and_the_step_time_figure(tmp_path):
+  """``--e2e-tiny``: both long-tail jobs at toy sizes, each as vanilla and TLT stepping in turn,
+  each into its finished JSON of paired per-step rows with the issue's breakdown, plus the PNG
+  of per-step seconds (where matplotlib imports) and a log per job."""
+  from tests.xla_env import subprocess_env  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "e2e"
+  env = subprocess_env(PYTHON=sys.executable, E2E_OUT=str(out))
+  proc = subprocess.run([str(SCRIPT), "--e2e-tiny"], env=env, cwd=tmp_path, capture_output=True,
+                        text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+  expected = {"tiny_longtail": ("suffix", 4), "mid_longtail": ("eagle+suffix", 3)}
+  for name, (sd, steps) in expected.items():
+    r = json.loads((out / f"{name}_e2e.json").read_text())
+    assert "partial" not in r and r["arms"] == ["none", sd] and r["steps"] == steps, name
+    assert r["config"].endswith(f"{name}.py") and r["backend"] == "cpu"
+    assert r["identical_tokens_and_rewards"] is True  # coupled: the CPU has never diverged
+    rows = r["steps_metrics"]
+    assert len(rows["none"]) == len(rows[sd]) == len(r["compiled"]) == steps
+    for arm in ("none", sd):
+      for i, row in enumerate(rows[arm]):
+        assert row["step"] == i + 1 and all(k in row for k in E2E_ROW_KEYS), (name, arm, i)
+        assert finite_positive(row["step_s"]) and row["step_s"] >= row["rollout_s"]
+    assert [a["rollout_digest"] for a in rows["none"]] == [a["rollout_digest"] for a in rows[sd]]
+    assert r["warm_start"]["sft"]["steps"] == 3 and "loss" in r["warm_start"]["metrics"]
+    assert set(r["pool_wait_s"]) == {"none", sd}  # --wait-pool: SD's arms existed at step 1
+    b = r["breakdown"]
+    assert set(b) == BREAKDOWN_KEYS, name
+    assert set(b["host_s_per_rollout_median"]) == {"none", sd}
+    assert all(isinstance(v, float) for v in b["host_s_per_rollout_median"].values())
+    assert set(b["compile"]) == {"none", sd}
+    for arm, c in b["compile"].items():
+      assert c["rollout_by_kind"]["segment"]["count"] >= 1 and c["rollout_compile_s"] > 0, arm
+      assert c["precompile_s"]["update"] >= 0
+    assert b["verify_cost_vs_vanilla_step"] is None or all(
+        costs.get("vanilla") == 1.0 for costs in b["verify_cost_vs_vanilla_step"].values())
+    assert (out / f"{name}.log").is_file()
+  # the mid job's TLT: the online EAGLE drafter trained beside the suffix drafter
+  mid = json.loads((out / "mid_longtail_e2e.json").read_text())
+  assert any(row.get("drafter_serial_steps", 0) > 0 for row in mid["steps_metrics"]["eagle+suffix"])
+  assert "tiny_longtail: 4 paired steps (complete)" in proc.stdout
+  png = out / "e2e_step_times.png"
+  if matplotlib_imports():
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  else:
+    assert not png.exists() and "matplotlib is not installed" in proc.stdout
+
+
+def fake_trainer(calibration=None, compiled=None):
+  """What ``e2e_default_job.breakdown`` reads of a trainer: its engine's calibration and pool."""
+  from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+  pool = SimpleNamespace(executables=SimpleNamespace(seconds_by_key=dict(compiled or {})))
+  return SimpleNamespace(engine=SimpleNamespace(calibration=calibration, pool=pool),
+                         precompile_s=dict(rollout=1.0, update=2.0, drafter=0.0))
+
+
+def test_e2e_breakdown_reads_sd_shares_sources_verify_costs_host_time_and_compiles():
+  job = importlib.import_module("experiments.rl.e2e_default_job")
+  base = dict(rollout_s=1.0, prefill_s=0.1, decode_s=0.6, compact_s=0.1)  # host 0.2 s (tlt:
+  # 0.25 and 0.3 s in steps 2 and 3)
+  rows = {"none": [dict(base), dict(base), dict(base)],
+          "tlt": [dict(base, decode_s=0.9),  # step 1: left out below
+                  dict(base, rollout_s=0.9, decode_s=0.45, **{
+                      "arm_share/vanilla": 0.75, "arm_steps/1/vanilla": 0.2,
+                      "arm_steps/1/suffix_d8": 0.8, "arm_steps/64/vanilla": 1.0,
+                      "arm_steps/64/suffix_d8": 0.0, "mean_accept_len": 3.0,
+                      "accept_len/history": 3.5, "accept_share/history": 0.9}),
+                  dict(base, rollout_s=0.8, decode_s=0.3, **{
+                      "arm_share/vanilla": 0.5, "arm_steps/1/vanilla": 0.0,
+                      "arm_steps/1/suffix_d8": 1.0, "mean_accept_len": 4.0,
+                      "accept_len/history": 4.5, "accept_len/siblings": 2.0,
+                      "accept_share/history": 0.8, "accept_share/siblings": 0.2})]}
+  costs = {(1, "vanilla"): 1e-3, (1, "suffix d8"): 1.5e-3, (64, "vanilla"): 2e-3,
+           (64, "suffix d8"): 5e-3}
+  trainers = {"none": fake_trainer(compiled={("prefill", 64, 80): 1.0, ("segment", 64, 128, 16,
+                                                                        "vanilla"): 2.0}),
+              "tlt": fake_trainer((costs, 4e-4), {("segment", 1, 128, 0, "vanilla"): 1.0,
+                                                  ("segment", 1, 128, 0, "suffix d8"): 3.0,
+                                                  ("compact", 4, 1, 128): 0.5})}
+  b = job.breakdown(rows, trainers, "tlt", [1, 2])
+  assert set(b) == BREAKDOWN_KEYS and b["steps"] == [2, 3]
+  assert b["sd_share_of_decode_steps_median"] == pytest.approx(0.375)
+  one = b["sd_share_by_bucket"]["1"]
+  assert one["steps"] == 2 and one["sd_share_median"] == pytest.approx(0.9)
+  assert one["arm_share_median"] == {"suffix_d8": pytest.approx(0.9),
+                                     "vanilla": pytest.approx(0.1)}
+  assert b["sd_share_by_bucket"]["64"]["sd_share_median"] == 0.0
+  assert list(b["sd_share_by_bucket"]) == ["1", "64"]  # by batch size, not as strings
+  assert b["mean_accept_len_median"] == 3.5
+  assert b["accept_len_by_source_median"] == {"history": 4.0, "siblings": 2.0}
+  assert b["accept_share_by_source_median"]["history"] == pytest.approx(0.85)
+  assert b["verify_cost_vs_vanilla_step"] == {"1": {"suffix d8": 1.5, "vanilla": 1.0},
+                                              "64": {"suffix d8": 2.5, "vanilla": 1.0}}
+  assert b["host_s_per_rollout_median"]["none"] == pytest.approx(0.2)
+  assert b["host_s_per_rollout_median"]["tlt"] == pytest.approx(0.275)
+  assert b["host_s_ratio_paired_median"] == pytest.approx(1.375)
+  tlt = b["compile"]["tlt"]
+  assert tlt["rollout_by_kind"]["segment"] == dict(count=2, seconds=4.0, max_s=3.0)
+  assert tlt["segments_by_group"]["suffix d8"]["seconds"] == 3.0
+  assert tlt["rollout_compile_s"] == 4.5 and tlt["precompile_s"]["update"] == 2.0
+  assert b["compile"]["none"]["rollout_by_kind"]["prefill"]["count"] == 1
+  # no SD arm built yet (the JSON written before the arms): nothing to read, nothing fails
+  early = job.breakdown({"none": [], "tlt": []}, {}, "tlt", [])
+  assert early["verify_cost_vs_vanilla_step"] is None and early["compile"] == {}
+
+
+def e2e_report(steps: int, partial: bool = False) -> dict:
+  rows = {"none": [dict(step=i + 1, step_s=1.0, rollout_s=0.8) for i in range(steps)],
+          "suffix": [dict(step=i + 1, step_s=0.5 if i else 3.0, rollout_s=0.4)
+                     for i in range(steps)]}
+  compiled = [True] + [False] * (steps - 1)
+  report = dict(arms=["none", "suffix"], steps_metrics=rows, compiled=compiled,
+                breakdown=dict(sd_share_of_decode_steps_median=0.5,
+                               sd_share_by_bucket={"1": dict(sd_share_median=1.0)},
+                               accept_len_by_source_median={"history": 3.0},
+                               host_s_per_rollout_median={"none": 0.01, "suffix": 0.011},
+                               compile={"none": dict(rollout_compile_s=10.0)}))
+  if partial:
+    report.update(partial=True, stage=f"step {steps}")
+  return report
+
+
+def test_e2e_figure_script_reads_finished_partial_and_missing_jsons(tmp_path, capsys, monkeypatch):
+  """``experiments/system/e2e_longtail.py``: each job's headline (paired medians over steps 2 on,
+  compiled steps left out) from a finished JSON and from one a timeout cut short; a missing JSON
+  is named, not fatal; the PNG is drawn where matplotlib imports and skipped with a note where
+  it does not."""
+  plot = importlib.import_module("experiments.system.e2e_longtail")
+  (tmp_path / "tiny_longtail_e2e.json").write_text(json.dumps(e2e_report(5)))
+  (tmp_path / "mid_longtail_e2e.json").write_text(json.dumps(e2e_report(2, partial=True)))
+  paths = [str(tmp_path / f"{n}_e2e.json") for n in ("tiny_longtail", "mid_longtail", "nothing")]
+  png = tmp_path / "steps.png"
+  assert plot.main(["--png", str(png), *paths]) == 0
+  text = capsys.readouterr().out
+  assert "tiny_longtail: 5 paired steps (complete); TLT / vanilla paired median over 4: step " \
+         "0.500, rollout 0.500" in text
+  assert "mid_longtail: 2 paired steps (partial, at step 2)" in text
+  assert "by bucket: 1 1.00" in text and "history 3.00" in text and "none 10.0" in text
+  assert "nothing_e2e.json: no figures" in text
+  if matplotlib_imports():
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  png.unlink(missing_ok=True)
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # importing it raises ImportError
+  assert plot.main(["--png", str(png), *paths]) == 0
+  assert "matplotlib is not installed" in capsys.readouterr().out and not png.exists()

