@@ -187,6 +187,43 @@ for k, engine in enumerate(dp.engines):  # every engine decodes with the new dra
 print(f"spot trainer: {runs[0]['steps']} drafter steps on the idle device, preempted at a step "
       f"boundary")
 
+# The default cost tuner across devices: vanilla's executables on every device first; the SD arms
+# in the background, timed on device 0 (here read from a table where they pay at bucket 1 alone)
+# and compiled and offered on every device at once; then nothing compiles.
+from tlt_jax.rollout.tuner import TunerConfig  # pylint: disable=wrong-import-position
+from tlt_jax.utils import background_compile_count  # pylint: disable=wrong-import-position
+
+cfg = EngineConfig(**base, strategies=(SpecConfig(3, 1, 4),), verify="coupled",
+                   tuner=TunerConfig())
+dp_cost = DataParallelRollout(target, drafter, cfg, devices=devices)
+measure = dp_cost.engines[0]._calibrate_bucket  # pylint: disable=protected-access
+
+
+def table(batch, strategies):
+  costs = measure(batch, strategies)
+  return {(batch, s.name): costs[(batch, "vanilla")] * (1.5 if batch == 1 else 9.0)
+          if s.spec is not None else costs[(batch, s.name)] for s in strategies}
+
+
+dp_cost.engines[0]._calibrate_bucket = table  # pylint: disable=protected-access
+bg0 = background_compile_count()
+dp_cost.precompile(background=True)
+assert all(e.offers is dp_cost.engines[0].offers for e in dp_cost.engines)
+assert dp_cost.engines[0].offers.wait(300)
+assert background_compile_count() > bg0
+params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, stop_token_ids=stops)
+n = compile_count()
+out = dp_cost.generate(prompts, params)
+assert compile_count() == n and out.stats.compiles == 0
+assert out.tokens == RolloutEngine(target, drafter, cfg).generate(prompts, params).tokens
+for engine in dp_cost.engines:
+  assert [s.name for s in engine.strategies_for(1)] == ["vanilla", "chain d3"]
+  assert [s.name for s in engine.strategies_for(2)] == ["vanilla"]
+  assert ("catchup", 1, engine.pool.kv_lengths_used()[0]) in engine.pool.executables
+  assert not any(k[0] == "catchup" and k[1] > 1 for k in engine.pool.executables)
+print("cost tuner over devices: SD offered where the table pays, on every device, compiled in "
+      "the background")
+
 # Ctrl-C during a data-parallel rollout: the interrupt reaches the caller only after every device
 # thread has stopped (a thread left inside XLA when the interpreter exits aborts the process:
 # "terminate called ... FATAL: exception not rethrown", exit -6 instead of 130). Device 0 decodes

@@ -202,3 +202,19 @@ def test_a_foreground_precompile_is_complete_when_it_returns(model):
   assert engine.precompile() == 0  # again: what it offers stands
   result = engine.generate([[7, 9, 11], [8]], SamplingParams(max_new_tokens=20, seed=3))
   assert result.stats.compiles == 0 and np.all([len(t) > 0 for t in result.tokens])
+
+
+def test_sd_offers_all_offers_every_permitted_arm_and_times_it(model):
+  """``sd_offers="all"``: the whole permitted pool compiles and every arm is offered, timed for
+  the tuner, whatever the calibration says (the tuner alone decides)."""
+  target, drafter = model
+  engine = RolloutEngine(target, drafter=drafter, tuner=make_tuner(TunerConfig()), config=
+                         EngineConfig(max_batch=2, max_prompt_len=16, max_new_tokens=40,
+                                      prefill_buckets=(16,), kv_buckets=(),
+                                      strategies=((4, 1, 5),), sd_offers="all"))
+  engine.precompile()
+  assert engine.offers is None and set(engine.executable_keys()) <= set(engine.pool.executables)
+  assert all(engine.strategies_for(b) == engine.candidates_for(b) for b in (1, 2))
+  assert {(b, "chain d4") for b in (1, 2)} <= set(engine.calibration[0])
+  with pytest.raises(FieldError, match=r"EngineConfig\.sd_offers must be one of"):
+    EngineConfig(sd_offers="some")

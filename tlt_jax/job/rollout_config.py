@@ -155,8 +155,8 @@ def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
 # the config.rollout fields of the job, in the order config files list them (the other
 # EngineConfig fields are the job's to set, or kept at their defaults)
 ROLLOUT_FIELDS = ("max_batch", "max_prompt_len", "strategies", "sd_max_batch",
-                  "sd_prior_acceptance", "verify_budget", "segment_steps", "verify",
-                  "suffix_strategies")
+                  "sd_prior_acceptance", "sd_offers", "verify_budget", "segment_steps",
+                  "verify", "suffix_strategies")
 
 
 def rollout_section(**values) -> ml_collections.ConfigDict:

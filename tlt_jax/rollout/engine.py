@@ -216,12 +216,16 @@ class RolloutEngine(Rollout):
     steps are compiled and timed, and the arms that pay at ``sd_prior_acceptance`` are compiled
     whole and offered, up to the first bucket where none pays. ``background``: that second
     stage runs in a thread while the rollout decodes (the call returns once vanilla is ready, and
-    counts vanilla's executables only; ``offers.wait()`` waits for the rest). Otherwise every
-    executable the config permits is compiled, and a cost tuner's step costs are measured.
+    counts vanilla's executables only; ``offers.wait()`` waits for the rest). Otherwise (another
+    tuner, no ``calibrate``, or ``sd_offers="all"``) every executable the config permits is
+    compiled, and a cost tuner's step costs are measured.
     """
     cost = self.tuner is not None and self.config.tuner.kind == "cost"
-    if not (calibrate and cost):
-      return self.pool.precompile(progress)
+    if not (calibrate and cost and self.config.sd_offers == "calibrated"):
+      compiled = self.pool.precompile(progress)
+      if calibrate and cost:  # sd_offers="all": every arm, timed for the tuner
+        self._set_calibration(self.calibrate())
+      return compiled
     if self.offers is not None:  # precompiled before: what it offers stands
       self.offers.wait()
       return 0

@@ -28,6 +28,7 @@ from tlt_jax.utils import FieldError, require_positive_ints
 __all__ = ["EngineConfig", "VERIFY_MODES", "parse_spec", "parse_specs", "resolve_engine_config"]
 
 VERIFY_MODES = ("rejection", "coupled")
+SD_OFFERS = ("calibrated", "all")
 SPECS_HINT = "a list of [depth, topk, verify_tokens] triples, e.g. ((4, 1, 5), (4, 2, 8))"
 
 
@@ -102,6 +103,9 @@ class EngineConfig:
   # first where no arm pays (on a 2-core CPU: the small buckets; on an H200: up to batch 64).
   sd_max_batch: int | None = None
   sd_prior_acceptance: float = 0.85  # the per-token acceptance an SD arm must pay at to exist
+  # "calibrated": the SD arms a bucket offers are the ones its calibration says pay (above);
+  # "all": every arm the other fields permit, and the tuner alone decides (e.g. to study it)
+  sd_offers: str = "calibrated"
   verify_budget: int = 0  # > 0: a strategy serves bucket b only if b * verify_tokens <= this
   segment_steps: int | None = None  # most steps per segment (0: unbounded; None: 32 if adaptive)
   tuner: TunerConfig | None = None  # None: TunerConfig() (the cost tuner)
@@ -150,6 +154,9 @@ class EngineConfig:
     require_positive_ints(self, "max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids")
     if self.sd_max_batch is not None:
       require_positive_ints(self, "sd_max_batch")
+    if self.sd_offers not in SD_OFFERS:
+      raise FieldError("EngineConfig", "sd_offers", f"must be one of {SD_OFFERS}, got "
+                       f"{self.sd_offers!r}")
     prior = self.sd_prior_acceptance
     if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 < prior <= 1:
       raise FieldError("EngineConfig", "sd_prior_acceptance", f"must be a number in (0, 1] (a "

@@ -183,12 +183,16 @@ class DataParallelRollout(Rollout):
     first (the devices are alike; timing every device at once would measure them competing for
     the host) and offered to all at once."""
     first = self.engines[0]
-    calibrated = self.shared_tuner is not None and self.config.tuner.kind == "cost"
+    cost = self.shared_tuner is not None and self.config.tuner.kind == "cost"
+    calibrated = cost and self.config.sd_offers == "calibrated"
     if calibrated and first.offers is not None:  # precompiled before: what it offers stands
       first.offers.wait()
       return 0
     keys = ((lambda e: e.pool.base_keys()) if calibrated else (lambda e: e.executable_keys()))
     compiled = self._compile_on_every_device(keys, progress)
+    if cost and not calibrated:  # sd_offers="all": every arm, timed for the shared tuner
+      first.calibration = first.calibrate()
+      self.shared_tuner.set_costs(*first.calibration)
     if not calibrated:
       return compiled
     offers = SdOffers({b: first.candidates_for(b) for b in self.config.batch_buckets},
