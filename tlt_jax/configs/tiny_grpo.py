@@ -71,8 +71,12 @@ def get_config() -> ml_collections.ConfigDict:
   # engine (needs a drafter): strategies lists [depth, topk, verify_tokens] triples, e.g.
   #   --config.drafter=ngram --config.rollout.strategies="((4, 1, 5), (8, 1, 9))"
   # and the tuner picks vanilla or one of them per decode segment of at most segment_steps
-  # steps (None: 32 when adaptive, else unbounded), in every batch bucket <= sd_max_batch (and,
-  # with verify_budget > 0, bucket * verify_tokens <= verify_budget). verify: "coupled" (the
+  # steps (None: 32 when adaptive, else unbounded). A bucket offers a strategy where its
+  # calibration (each arm's decode step timed at precompile) says it pays at
+  # sd_prior_acceptance per drafted token (sd_offers="calibrated"; "all": wherever permitted),
+  # from the smallest bucket up to the first where none does, compiled in the background while
+  # the first steps decode vanilla; sd_max_batch (None: no cap) and, with verify_budget > 0,
+  # bucket * verify_tokens <= verify_budget bound where it may. verify: "coupled" (the
   # default: SD emits exactly the tokens vanilla sampling draws for the seed, so the tuner's
   # choices, which follow measured speeds, change no token and one config and seed give one
   # policy trajectory; measured as fast as rejection: docs/benchmarks.md) or "rejection"
@@ -81,8 +85,9 @@ def get_config() -> ml_collections.ConfigDict:
   # () = vanilla decoding (with a drafter: one fixed speculative strategy for every segment).
   # suffix_strategies: the suffix drafter's [depth, topk, verify_tokens] triples (with
   # drafter="suffix" or "...+suffix"; () = one chain of suffix.depth)
-  # (the other fields at EngineConfig's defaults: strategies=(), sd_max_batch=8,
-  # verify_budget=0, segment_steps=None, suffix_strategies=())
+  # (the other fields at EngineConfig's defaults: strategies=(), sd_max_batch=None,
+  # sd_prior_acceptance=0.85, sd_offers="calibrated", verify_budget=0, segment_steps=None,
+  # suffix_strategies=())
   c.rollout = rollout_section(max_batch=64, max_prompt_len=32, verify="coupled")
   # TunerConfig of the adaptive engine: kind "cost" (the default: calibrated step costs against
   # counted accepted lengths, one short probe of probe_steps per strategy and drafter version),
