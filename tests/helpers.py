@@ -98,11 +98,13 @@ def choose(tuner, bucket, arms) -> str:
 
 
 class RoundRobin:
-  """A scripted tuner: every bucket cycles through its arms, one segment each."""
+  """A scripted tuner: every bucket cycles through its arms, one segment each; ``updates`` keeps
+  every ``update``'s ``(arm, tokens, seconds, measured keywords)``."""
 
   def __init__(self):
     self.turn = itertools.count()
     self.calls = []
+    self.updates = []
 
   def choose(self, bucket, arms):
     arm = arms[next(self.turn) % len(arms)].name
@@ -114,6 +116,7 @@ class RoundRobin:
 
   def update(self, bucket, arm, tokens, seconds, **measured):
     assert tokens >= 0 and seconds > 0
+    self.updates.append((arm, tokens, seconds, measured))
 
   def step_cost(self, bucket, arm):  # nothing measured: the rollout's SD saving is unknown
     return None

@@ -220,7 +220,8 @@ class RolloutEngine(Rollout):
     tuner, no ``calibrate``, or ``sd_offers="all"``) every executable the config permits is
     compiled, and a cost tuner's step costs are measured.
     """
-    cost = self.tuner is not None and self.config.tuner.kind == "cost"
+    # the tuner's own kind (one handed to the engine or set_tuner may differ from config.tuner)
+    cost = getattr(getattr(self.tuner, "config", None), "kind", None) == "cost"
     if not (calibrate and cost and self.config.sd_offers == "calibrated"):
       compiled = self.pool.precompile(progress)
       if calibrate and cost:  # sd_offers="all": every arm, timed for the tuner
@@ -234,13 +235,8 @@ class RolloutEngine(Rollout):
     vanilla = {b: self._strategies[b][:1] for b in offers.buckets}
     self._set_calibration(self.calibrate(strategies=vanilla))
     self.offers = offers
-    loop = (self.pool.compile, self._offer_keys, self._calibrate_bucket)
-    if background:
-      offers.start(*loop)
-      return compiled
-    offers.run(*loop)
-    offers.take_ready()
-    return compiled + offers.compiled
+    return compiled + offers.launch(background, self.pool.compile, self._offer_keys,
+                                    self._calibrate_bucket)
 
   def _set_calibration(self, calibration: tuple[dict, float]) -> None:
     """Keeps the measured step costs and hands them to the tuner and the scheduler."""

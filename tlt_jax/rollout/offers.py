@@ -151,6 +151,16 @@ class SdOffers:
     finally:
       self.done.set()
 
+  def launch(self, background: bool, *args) -> int:
+    """``run(*args)`` now, its arms offered at once (returns what it compiled), or with
+    ``background`` in a thread (``start``; returns 0)."""
+    if background:
+      self.start(*args)
+      return 0
+    self.run(*args)
+    self.take_ready()
+    return self.compiled
+
   def start(self, *args) -> None:
     """``run(*args)`` in a background thread (its error is raised by the next ``offered``)."""
 

@@ -183,7 +183,7 @@ class DataParallelRollout(Rollout):
     first (the devices are alike; timing every device at once would measure them competing for
     the host) and offered to all at once."""
     first = self.engines[0]
-    cost = self.shared_tuner is not None and self.config.tuner.kind == "cost"
+    cost = getattr(getattr(self.shared_tuner, "config", None), "kind", None) == "cost"
     calibrated = cost and self.config.sd_offers == "calibrated"
     if calibrated and first.offers is not None:  # precompiled before: what it offers stands
       first.offers.wait()
@@ -205,14 +205,9 @@ class DataParallelRollout(Rollout):
       engine.scheduler.segment_lengths = segment_lengths(*calibration, self.config.segment_steps)
       engine.offers = offers
     self.shared_tuner.set_costs(*calibration)
-    loop = (lambda keys: self._compile_on_every_device(lambda _: keys),
-            first._offer_keys, first._calibrate_bucket)  # pylint: disable=protected-access
-    if background:
-      offers.start(*loop)
-      return compiled
-    offers.run(*loop)
-    offers.take_ready()
-    return compiled + offers.compiled
+    return compiled + offers.launch(
+        background, lambda keys: self._compile_on_every_device(lambda _: keys),
+        first._offer_keys, first._calibrate_bucket)  # pylint: disable=protected-access
 
   def _compile_on_every_device(self, keys_of: Callable[[RolloutEngine], list],
                                progress: Callable[[int, int], Any] | None = None) -> int:
