@@ -214,15 +214,20 @@ class ChunkRun:
 
 
 class SegmentEnd(NamedTuple):
-  """What the host reads at a segment's end: per slot ``done``, the tokens generated
-  ``n_gen``, the row id ``rows`` (-1: empty) and the committed cache length ``cache_lens``; the
-  device's cumulative ``counters``; and the segment's ``seconds`` (run and read)."""
+  """What the host reads at a segment's end, in one round trip: per slot ``done``, the tokens
+  generated ``n_gen``, the row id ``rows`` (-1: empty) and the committed cache length
+  ``cache_lens``; the device's cumulative ``counters``; every slot's generated ``tokens`` and
+  their ``logprobs`` (the finished rows' are copied out; a segment mostly ends because rows
+  finished, so reading them with the rest saves a second round trip); and the segment's
+  ``seconds`` (run and read)."""
 
   done: np.ndarray
   n_gen: np.ndarray
   rows: np.ndarray
   counters: dict
   cache_lens: np.ndarray
+  tokens: np.ndarray
+  logprobs: np.ndarray
   seconds: float
 
 
@@ -354,8 +359,8 @@ class Scheduler:
     t0 = time.perf_counter()
     run.state = state = segment(self.weights(), run.state, args, np.int32(strategy.choice),
                                 np.int32(max_steps))
-    read = jax.device_get(
-        (state.done, state.num_generated, state.row_id, state.counters, state.cache.lengths))
+    read = jax.device_get((state.done, state.num_generated, state.row_id, state.counters,
+                           state.cache.lengths, state.tokens, state.logprobs))
     seconds = time.perf_counter() - t0
     # only the learned drafter's steps consume the feature pairs; the others leave them pending
     run.lagging |= not strategy.learned and self.learned
@@ -394,7 +399,7 @@ class Scheduler:
     finished = [s for s in range(run.batch) if end.done[s] and rows[s] >= 0]
     if not finished:
       return
-    toks, lps = jax.device_get((run.state.tokens, run.state.logprobs))
+    toks, lps = end.tokens, end.logprobs
     keep = [s for s in finished if rows[s] in run.prompt_feats]
     feats = np.asarray(jax.device_get(run.state.feats))[np.asarray(keep)] if keep else None
     for s in finished:
