@@ -218,3 +218,36 @@ def test_sd_offers_all_offers_every_permitted_arm_and_times_it(model):
   assert {(b, "chain d4") for b in (1, 2)} <= set(engine.calibration[0])
   with pytest.raises(FieldError, match=r"EngineConfig\.sd_offers must be one of"):
     EngineConfig(sd_offers="some")
+
+
+def test_the_background_loop_survives_the_weights_being_replaced_and_donated(model):
+  """A training step replaces the engine's weights and donates the old buffers while the SD arms
+  compile and are timed in the background (the default job's first run failed so: "Buffer has
+  been deleted or donated"): the loop times its own copy, made at precompile, and drops it once
+  done."""
+  import jax  # pylint: disable=import-outside-toplevel
+  engine = engine_with_table(model, {1: 1.5, 2: 9.0, 4: 9.0})
+  own = jax.tree.map(lambda x: x.copy(), engine.params)  # the engine's weights, ours to delete
+  engine.update_params(own)
+  release = threading.Event()
+  compile_keys = engine.pool.compile
+
+  def gated(keys, progress=None):
+    if any(k[0] == "segment" and k[4] != "vanilla" for k in keys):
+      release.wait(120)
+    return compile_keys(keys, progress)
+
+  engine.pool.compile = gated
+  engine.precompile(background=True)
+  assert engine._calibration_weights is not None  # pylint: disable=protected-access
+  engine.update_params(jax.tree.map(lambda x: x.copy(), own))  # a training step's new weights
+  for leaf in jax.tree.leaves(own):  # ... and the old buffers donated
+    leaf.delete()
+  release.set()
+  assert engine.offers.wait(300)
+  assert engine.offers.error is None, engine.offers.error
+  assert [s.name for s in engine.strategies_for(1)] == ["vanilla", "chain d4"]
+  assert engine._calibration_weights is None  # pylint: disable=protected-access
+  out = engine.generate([[7, 9, 11], [8]], SamplingParams(max_new_tokens=20, temperature=0.0,
+                                                          stop_token_ids=STOPS))
+  assert out.stats.compiles == 0

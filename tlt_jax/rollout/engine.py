@@ -132,6 +132,7 @@ class RolloutEngine(Rollout):
     self.device = device
     self.calibration: tuple[dict, float] | None = None  # ``calibrate``'s step costs, once measured
     self.offers: SdOffers | None = None  # the SD arms offered per bucket (a calibrated precompile)
+    self._calibration_weights = None  # the offers loop's copy of the weights (background)
     self._history_share = 0.0  # the share of the last request's prompts that had a history
     self.observes_history = True  # False: a data-parallel rollout observes it once for all
     if device is not None:
@@ -235,6 +236,10 @@ class RolloutEngine(Rollout):
     vanilla = {b: self._strategies[b][:1] for b in offers.buckets}
     self._set_calibration(self.calibrate(strategies=vanilla))
     self.offers = offers
+    # a loop in the background times a copy of the weights, made here: the engine's own may be
+    # replaced and their buffers donated (by the policy update) while it runs
+    self._calibration_weights = self._copy_weights() if background else None
+    offers.on_done = self._drop_calibration_weights
     return compiled + offers.launch(background, self.pool.compile, self._offer_keys,
                                     self._calibrate_bucket)
 
@@ -256,13 +261,24 @@ class RolloutEngine(Rollout):
     learned = any(s.learned for s in strategies) and self.pool.needs_catchup(batch)
     return self.pool.sd_keys(batch, [s.group for s in strategies], learned, calibration_only)
 
+  def _copy_weights(self):
+    """A copy of ``weights()`` on the device (step costs follow shapes, not values)."""
+    return jax.tree.map(lambda x: x.copy(), self.weights())
+
   def _calibrate_bucket(self, batch: int, strategies: Sequence[Strategy]) -> dict:
-    return self.calibrate(strategies={batch: strategies})[0]
+    """``strategies``' step costs at ``batch`` (on the copy of the weights a background loop
+    keeps; it is dropped once the loop has visited its last bucket)."""
+    return self.calibrate(strategies={batch: strategies}, weights=self._calibration_weights)[0]
+
+  def _drop_calibration_weights(self) -> None:
+    self._calibration_weights = None
 
   def calibrate(self, steps: int = 8, repeats: int = 5,
-                strategies: dict[int, Sequence[Strategy]] | None = None) -> tuple[dict, float]:
+                strategies: dict[int, Sequence[Strategy]] | None = None,
+                weights=None) -> tuple[dict, float]:
     """Times the decode step of every strategy at every batch bucket where the tuner chooses
-    (``strategies``: these per bucket instead):
+    (``strategies``: these per bucket instead; ``weights``: these instead of ``weights()``, of
+    the same shapes):
     ``({(bucket, strategy name): seconds per step}, seconds of one segment boundary)``.
 
     Each bucket's rows are dummy one-token prompts decoded without stop ids at temperature 1 at
@@ -277,6 +293,7 @@ class RolloutEngine(Rollout):
     kv_len = cfg.prefill_kv_len(plen)
     if strategies is None:
       strategies = {b: c for b, c in self._strategies.items() if len(c) > 1}
+    weights = self.weights() if weights is None else weights
     costs, overheads = {}, []
     for b in sorted(strategies):
       ids, lens = np.full((b, plen), cfg.pad_token_id, np.int32), np.ones((b,), np.int32)
@@ -285,9 +302,9 @@ class RolloutEngine(Rollout):
         fastest = {}  # steps run -> fastest seconds
         for _ in range(repeats):
           for n in (1, 1 + steps):
-            state = jax.block_until_ready(self.prefill(ids, lens, args))
+            state = jax.block_until_ready(self.prefill(ids, lens, args, weights))
             t0 = time.perf_counter()
-            state = segment(self.weights(), state, args, np.int32(strategy.choice), np.int32(n))
+            state = segment(weights, state, args, np.int32(strategy.choice), np.int32(n))
             ran = int(jax.device_get(state.counters["steps"]))
             fastest[ran] = min(fastest.get(ran, np.inf), time.perf_counter() - t0)
         if len(fastest) < 2:  # the rows could not run more than one step (a tiny cache)
@@ -315,7 +332,7 @@ class RolloutEngine(Rollout):
     compacted or grown: the caller reads ``state.counters["steps"]``."""
     return self.pool.get(key)
 
-  def prefill(self, ids, prompt_lens, args: SamplerArgs) -> DecodeState:
+  def prefill(self, ids, prompt_lens, args: SamplerArgs, weights=None) -> DecodeState:
     """The decode state right after prefill of one batch bucket of (padded) prompts ``ids
     [batch, prompt bucket]`` of lengths ``prompt_lens [batch]``, by the engine's own prefill
     executable: row ``i`` samples with row ``i``'s keys (as row ``i`` of ``generate`` does),
@@ -325,7 +342,8 @@ class RolloutEngine(Rollout):
     batch, plen = ids.shape
     rows = np.arange(batch, dtype=np.int32)
     state, _ = self.executable(("prefill", batch, plen))(
-        self.weights(), ids, np.asarray(prompt_lens, np.int32), rows, rows,
+        self.weights() if weights is None else weights, ids, np.asarray(prompt_lens, np.int32),
+        rows, rows,
         self.pool.no_history(batch), args)
     return state
 

@@ -96,6 +96,7 @@ class SdOffers:
     self.error: BaseException | None = None
     self.visited: list[BucketOffer] = []  # in visiting order
     self.compiled = 0  # executables the loop compiled
+    self.on_done: Callable[[], Any] | None = None  # called once the loop has stopped
 
   def offered(self, bucket: int) -> list[Any]:
     """The strategies ``bucket`` offers now (vanilla first); takes in what the loop published
@@ -149,6 +150,8 @@ class SdOffers:
         with self._lock:
           self._ready.append((b, candidates[:1] + chosen, costs))
     finally:
+      if self.on_done is not None:
+        self.on_done()
       self.done.set()
 
   def launch(self, background: bool, *args) -> int:

@@ -200,6 +200,9 @@ class DataParallelRollout(Rollout):
                       first._publish)  # pylint: disable=protected-access
     vanilla = {b: first.candidates_for(b)[:1] for b in offers.buckets}
     calibration = first.calibrate(strategies=vanilla)
+    if background:  # the loop times a copy: the engines' weights may be donated meanwhile
+      first._calibration_weights = first._copy_weights()  # pylint: disable=protected-access
+      offers.on_done = first._drop_calibration_weights  # pylint: disable=protected-access
     for engine in self.engines:  # every device's scheduler bounds its segments alike
       engine.calibration = calibration
       engine.scheduler.segment_lengths = segment_lengths(*calibration, self.config.segment_steps)
