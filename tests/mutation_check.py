@@ -787,6 +787,12 @@ MUTANTS = [
            ("tests/rollout/test_offers.py", "-k", "replaced_and_donated"),
            "the background loop times the engine's own weights, which a policy update donates "
            "meanwhile (the default job died so on its first CPU run)"),
+    Mutant("vanilla_pool_holds_the_sd_slack", "tlt_jax/rollout/pool.py",
+           "    return tuple(n for n in lengths if n <= top)",
+           "    return tuple(lengths)",
+           ("tests/rollout/test_offers.py", "-k", "cache_lengths_only_sd_reaches"),
+           "the first step waits for vanilla's executables at the cache lengths only SD reaches "
+           "(the default job's TLT pool was twice vanilla's: 1.6x its time to the first step)"),
 
 ]
 

@@ -153,11 +153,24 @@ class ExecutablePool:
     keys += [("grow", b, n, m) for b in cfg.batch_buckets for n, m in zip(lengths, lengths[1:])]
     return keys
 
+  def vanilla_lengths(self) -> tuple[int, ...]:
+    """The cache lengths a rollout that decodes vanilla alone can reach: up to the smallest that
+    holds the longest prompt with the longest completion (and every prefill's). The adaptive
+    engine's capacity above it holds the speculative steps' slack: only SD grows a cache there."""
+    cfg, lengths = self.config, self.kv_lengths_used()
+    plain = bk.bucket_for(min(cfg.max_prompt_len + cfg.max_new_tokens, lengths[-1]), lengths)
+    top = max([plain] + [cfg.prefill_kv_len(p) for p in cfg.prefill_buckets])
+    return tuple(n for n in lengths if n <= top)
+
   def base_keys(self) -> list[tuple]:
-    """The keys vanilla decoding needs (every key but the speculative groups' segments and the
-    catch-ups): what a rollout that has offered no SD arm yet runs."""
+    """The keys vanilla decoding needs: every key but the speculative groups' segments and the
+    catch-ups, at the cache lengths vanilla reaches (``vanilla_lengths``): what a rollout that has
+    offered no SD arm yet runs."""
+    reach = set(self.vanilla_lengths())
+    length = {"segment": 2, "compact": 3, "grow": 3}
     return [k for k in self.keys() if not (k[0] == "catchup" or
-                                           (k[0] == "segment" and k[4] != "vanilla"))]
+                                           (k[0] == "segment" and k[4] != "vanilla"))
+            and (k[0] not in length or k[length[k[0]]] in reach)]
 
   def calibration_kv_len(self) -> int:
     """The cache length ``RolloutEngine.calibrate`` times steps at (the shortest prefill's)."""
@@ -166,13 +179,26 @@ class ExecutablePool:
   def sd_keys(self, batch: int, groups: Sequence[str], catchup: bool,
               calibration_only: bool = False) -> list[tuple]:
     """The keys that let speculative ``groups`` decode a ``batch`` bucket: their segments at
-    every cache length (``calibration_only``: at the calibration's alone), and the catch-up there
-    where ``catchup`` (a learned drafter follows vanilla)."""
+    every cache length (``calibration_only``: at the calibration's alone), the catch-up there
+    where ``catchup`` (a learned drafter follows vanilla), and what a cache grown past
+    ``vanilla_lengths`` by an SD step needs: the growth at ``batch``, and at ``batch`` and every
+    smaller bucket (its rows compact into them) vanilla's segments and the compactions at those
+    lengths."""
+    cfg = self.config
     lengths = ((self.calibration_kv_len(),) if calibration_only else self.kv_lengths_used())
     keys = [("segment", batch, n, self.stop_at(batch), g) for g in dict.fromkeys(groups)
             if g != "vanilla" for n in lengths]
-    if catchup and not calibration_only:
+    if calibration_only:
+      return keys
+    if catchup:
       keys += [("catchup", batch, n) for n in lengths]
+    reach = self.vanilla_lengths()
+    beyond = [n for n in lengths if n not in reach]
+    keys += [("grow", batch, n, m) for n, m in zip(lengths, lengths[1:]) if m in beyond]
+    for b in (b for b in cfg.batch_buckets if b <= batch):
+      keys += [("segment", b, n, self.stop_at(b), "vanilla") for n in beyond]
+      if cfg.compaction:
+        keys += [("compact", b, s, n) for s in cfg.batch_buckets if s < b for n in beyond]
     return keys
 
   def compile(self, keys: Sequence[tuple],
