@@ -793,6 +793,16 @@ MUTANTS = [
            ("tests/rollout/test_offers.py", "-k", "cache_lengths_only_sd_reaches"),
            "the first step waits for vanilla's executables at the cache lengths only SD reaches "
            "(the default job's TLT pool was twice vanilla's: 1.6x its time to the first step)"),
+    Mutant("e2e_reports_vanillas_share_as_sd", "experiments/rl/e2e_default_job.py",
+           '        sd_share_median=med([1.0 - r[f"arm_steps/{bucket}/vanilla"] for r in decoded]),',
+           '        sd_share_median=med([r[f"arm_steps/{bucket}/vanilla"] for r in decoded]),',
+           ("tests/test_accelerator_check.py", "-k", "e2e_breakdown"),
+           "the device run's breakdown reports vanilla's share of a bucket's steps as SD's"),
+    Mutant("e2e_host_time_keeps_compaction", "experiments/rl/e2e_default_job.py",
+           '  return row["rollout_s"] - row["prefill_s"] - row["decode_s"] - row["compact_s"]',
+           '  return row["rollout_s"] - row["prefill_s"] - row["decode_s"]',
+           ("tests/test_accelerator_check.py", "-k", "e2e_breakdown"),
+           "host time per rollout counts the compaction's device time as the host's"),
 
 ]
 
