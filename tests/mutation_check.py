@@ -803,6 +803,17 @@ MUTANTS = [
            '  return row["rollout_s"] - row["prefill_s"] - row["decode_s"]',
            ("tests/test_accelerator_check.py", "-k", "e2e_breakdown"),
            "host time per rollout counts the compaction's device time as the host's"),
+    Mutant("drafter_trained_where_it_cannot_pay", "tlt_jax/drafter/online.py",
+           "    return jax.process_count() == 1 and not engine.learned_sd_possible()",
+           "    return False",
+           ("tests/rl/test_ledger_trainer.py", "-k", "offers_nowhere"),
+           "hidden states kept and the drafter trained on the critical path where no arm of it "
+           "is offered (the default job on a 2-core CPU: +7.6 % a step for nothing)"),
+    Mutant("learned_sd_always_possible", "tlt_jax/rollout/engine.py",
+           "    return any(s.learned for b in self.config.batch_buckets for s in self.offers.offered(b))",
+           "    return True",
+           ("tests/rollout/test_offers.py", "-k", "foreground_precompile"),
+           "the engine says the learned drafter may pay where its calibration offered it nowhere"),
 
 ]
 

@@ -119,3 +119,17 @@ def test_the_bootstrap_in_time_is_paid_from_the_steps_the_trainer_reports():
   spent = sum(m["drafter_serial_s"] for m in rows)
   assert ledger.bootstrap_balance_s == pytest.approx(
       sum(m["step_s"] for m in rows[:2]) - spent, rel=0.05, abs=0.05)
+
+
+def test_a_drafter_the_calibration_offers_nowhere_is_neither_fed_nor_trained(monkeypatch):
+  """Where the engine's calibration offered none of the learned drafter's arms (a 2-core CPU
+  for the default job), hidden states are not kept and no serial step runs, bootstrap included:
+  that drafter could never pay them back here."""
+  trainer = online_trainer(LEDGER)
+  monkeypatch.setattr(trainer.engine, "learned_sd_possible", lambda: False)
+  assert trainer.online.rollout_options(0, [[1, 2]], trainer.engine)["collect_hidden"] is False
+  rows = [trainer.step() for _ in range(2)]
+  assert [m["drafter_serial_steps"] for m in rows] == [0, 0]
+  assert trainer.online.spot.steps == 0 and trainer.online.buffer.num_samples == 0
+  monkeypatch.setattr(trainer.engine, "learned_sd_possible", lambda: True)  # it may pay again
+  assert trainer.step()["drafter_serial_steps"] > 0  # the bootstrap grant, kept meanwhile

@@ -177,6 +177,7 @@ def test_background_precompile_offers_sd_only_once_its_executables_exist(model):
   params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
   prompts = [[7, 9, 11], [8], [12, 13, 14, 15], [9, 9]]
   first = engine.generate(prompts, params)
+  assert engine.learned_sd_possible()  # the loop has not finished: its arms may still come
   assert all(arms == {"vanilla"} for arms in used_arms(first).values()), used_arms(first)
   assert first.stats.compiles == 0
   release.set()
@@ -196,7 +197,9 @@ def test_background_precompile_offers_sd_only_once_its_executables_exist(model):
 
 def test_a_foreground_precompile_is_complete_when_it_returns(model):
   engine = engine_with_table(model, {1: 9.0, 2: 1.5, 4: 1.5})  # nothing pays at bucket 1
+  assert engine.learned_sd_possible()  # before the calibration: every permitted arm may be
   engine.precompile()
+  assert not engine.learned_sd_possible()  # the learned drafter's arm is offered nowhere
   assert engine.offers.done.is_set() and [v.bucket for v in engine.offers.visited] == [1]
   assert all([s.name for s in engine.strategies_for(b)] == ["vanilla"] for b in (1, 2, 4))
   assert engine.precompile() == 0  # again: what it offers stands

@@ -268,12 +268,22 @@ class OnlineDrafter:
     and an engine of several rollout devices."""
     return self.config.spot and len(engine.devices) > 1
 
+  @staticmethod
+  def cannot_pay(engine) -> bool:
+    """Whether the engine's calibration offered none of the learned drafter's arms anywhere (so
+    serial drafter steps and kept hidden states cost time that SD can never pay back). One
+    process only: several processes' engines time their arms apart, and their drafters must
+    take the same steps."""
+    return jax.process_count() == 1 and not engine.learned_sd_possible()
+
   def rollout_options(self, step: int, prompts, engine) -> dict:
     """The extra ``engine.generate`` arguments of RL step ``step``: keep hidden states (unless
-    the ledger has nothing left to grant: no bootstrap and no savings) and, with spot training,
+    the ledger has nothing left to grant: no bootstrap and no savings, or the engine offers none
+    of the drafter's arms: ``cannot_pay``) and, with spot training,
     the hooks that take each finished shard into the buffer and train on idle devices."""
     options = {"collect_hidden": self.collect_fraction()}
-    if not self.spot_trains(engine) and self.ledger is not None and not self.ledger.can_grant():
+    if not self.spot_trains(engine) and ((self.ledger is not None and not self.ledger.can_grant())
+                                         or self.cannot_pay(engine)):
       options["collect_hidden"] = False  # nothing will train on them: keeping them is waste
     if self.spot_trains(engine):
       options["shard_done"], options["idle"] = self.hooks(step, prompts, engine)
@@ -298,7 +308,12 @@ class OnlineDrafter:
         self.quality = float(evaluation["top1"])
     other_s = time.perf_counter() - t0 + self._copy_s  # the last copy to the engines, too
     saved_s = result.stats.sd_saved_s
-    serial = None if spot else self.serial(engine.target_params(0), first, saved_s)
+    if spot:
+      serial = None
+    elif self.cannot_pay(engine):  # no arm of it is offered anywhere: training it is waste
+      serial = dict(steps=0, seconds=0.0, loss=None, top1=None, bootstrap=0)
+    else:
+      serial = self.serial(engine.target_params(0), first, saved_s)
     runs = self.spot_runs() if spot else []
     if (serial or {}).get("steps") or any(r["steps"] for r in runs):
       self.changed, self.evaluated = True, False

@@ -181,6 +181,17 @@ class RolloutEngine(Rollout):
     exist (``offers``); else every strategy the config permits there (``candidates_for``)."""
     return self._strategies[batch] if self.offers is None else self.offers.offered(batch)
 
+  def learned_sd_possible(self) -> bool:
+    """Whether a strategy the learned drafter drafts is offered at some bucket, or may still be
+    (no calibrated offers, or their loop has not finished). False once the calibration offered
+    none of its arms anywhere: on this machine that drafter cannot pay even at
+    ``sd_prior_acceptance``, so keeping hidden states and training it only costs time."""
+    if not any(s.learned for c in self._strategies.values() for s in c):
+      return False
+    if self.offers is None or not self.offers.done.is_set():
+      return True
+    return any(s.learned for b in self.config.batch_buckets for s in self.offers.offered(b))
+
   def candidates_for(self, batch: int) -> list[Strategy]:
     """Every strategy the config permits at a ``batch`` bucket (vanilla first)."""
     return self._strategies[batch]

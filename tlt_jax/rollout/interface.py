@@ -87,6 +87,11 @@ class Rollout(abc.ABC):
     """Compiles the executables the rollout may run; returns how many were compiled now
     (``background``: the speculative arms' compile in a thread, offered once they exist)."""
 
+  def learned_sd_possible(self) -> bool:
+    """Whether a speculative arm that the learned drafter drafts is offered somewhere, or may
+    still be; False: training that drafter cannot pay on this machine."""
+    return True
+
   def observe_drafter(self, quality: float | None = None,
                       source: str = DrafterKind.LEARNED) -> None:
     """The drafter of ``source`` (a ``DrafterKind``) changed (``LEARNED``: its weights;

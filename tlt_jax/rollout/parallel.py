@@ -159,6 +159,9 @@ class DataParallelRollout(Rollout):
   def strategies_for(self, batch: int):
     return self.engines[0].strategies_for(batch)
 
+  def learned_sd_possible(self) -> bool:
+    return self.engines[0].learned_sd_possible()  # the engines share their offers
+
   def update_params(self, params: nnx.State, drafter_params: nnx.State | None = None) -> None:
     """Gives every device's engine the weights, on its device (zero-copy where ``params`` already
     has a full copy there, e.g. a replicated array's shard). ``drafter_params`` are copied to the

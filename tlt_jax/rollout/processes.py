@@ -76,6 +76,9 @@ class ProcessShardedRollout(Rollout):
   def strategies_for(self, batch: int):
     return self.local.strategies_for(batch)
 
+  def learned_sd_possible(self) -> bool:
+    return self.local.learned_sd_possible()
+
   def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
                  background: bool = False) -> int:
     return self.local.precompile(progress, background=background)
