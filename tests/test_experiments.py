@@ -271,3 +271,21 @@ def test_a_script_started_inside_experiments_stops_before_writing_there():
   assert proc.returncode == 1 and "from the repository root" in proc.stderr, proc.stderr[-2000:]
   for folder in (EXPERIMENTS, topic):
     assert not (folder / "experiments").exists() and not (folder / "docs").exists()
+
+
+def test_predict_longtail_reproduces_run_3s_vanilla_and_brackets_tlt(tmp_path):
+  """The H200 prediction (issue 52) from the stored device results: its vanilla rollout is run
+  3's by construction (decode scaled to the measured one, the rest charged as measured), and each
+  scenario's TLT is no slower than vanilla, the critical rows' no faster than the mean row's."""
+  out = tmp_path / "predict.json"
+  codes = run_scripts([(str(EXPERIMENTS / "rl" / "predict_longtail.py"), ["--out", str(out)])],
+                      tmp_path, timeout=300)
+  assert set(codes.values()) == {"returned"}, codes
+  report = json.loads(out.read_text())
+  measured = report["inputs"]["run3_vanilla_medians"]["rollout_s"]
+  for job in ("tiny", "mid"):
+    assert report[job] and all(r["rollout_ratio"] >= 1.0 and r["step_ratio"] >= 1.0
+                               for r in report[job].values()), report[job]
+  tiny = report["tiny"]
+  assert tiny["mean"]["vanilla_rollout_s"] == pytest.approx(measured, rel=0.1)
+  assert tiny["critical"]["rollout_ratio"] <= tiny["mean"]["rollout_ratio"]
