@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import mirror_drafter, sharp_random_model
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.offers import SdOffers, offered_buckets, paying, pays
+from tlt_jax.rollout.offers import CHUNK, SdOffers, offered_buckets, paying, pays
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import Strategy
 from tlt_jax.rollout.speculative import SpecConfig
@@ -98,6 +98,22 @@ def test_the_loop_stops_compiling_at_the_first_bucket_where_nothing_pays():
   assert [s.name for s in offers.offered(4)] == ["vanilla"]
   assert len(published) == 2 and offers.compiled == len(compiled)
   assert offers.visited[0].relative_costs == pytest.approx({SUFFIX.name: 3.2, CHAIN.name: 6.0})
+
+
+def test_a_stop_waits_for_one_chunk_of_compiles_at_most():
+  """At exit (or a cancel) the loop stops after the chunk of executables in flight: a bucket's 20
+  executables are not all compiled first."""
+  offers = SdOffers({1: [VANILLA, SUFFIX]}, 0.85)
+  compiled = []
+
+  def compile_keys(keys):
+    compiled.extend(keys)
+    offers.cancel(wait=False)  # the stop arrives while the first chunk compiles
+    return len(keys)
+
+  offers.start(compile_keys, lambda b, s, only: list(range(20)), lambda b, s: {})
+  assert offers.wait(30)
+  assert compiled == list(range(CHUNK)) and not offers.visited
 
 
 def test_a_failed_loop_says_so_at_the_next_look():

@@ -31,6 +31,9 @@ from tlt_jax.rollout.tuner.cost import accepted_length
 from tlt_jax.utils import mark_background
 
 
+CHUNK = 8  # executables the loop compiles between two looks at a stop (a compile pool's width)
+
+
 def pays(relative_cost: float, depth: int, topk: int, acceptance: float) -> bool:
   """Whether a speculative step of ``depth`` levels of ``topk`` candidates that costs
   ``relative_cost`` vanilla steps emits more tokens than that at per-token ``acceptance``."""
@@ -135,8 +138,7 @@ class SdOffers:
         if self._cancel.is_set():
           return
         candidates = self.candidates[b]
-        self.compiled += compile_keys(keys_of(b, candidates[1:], True))
-        if self._cancel.is_set():
+        if not self._compile(compile_keys, keys_of(b, candidates[1:], True)):
           return
         costs = calibrate(b, candidates)
         chosen = paying(costs, b, candidates, self.acceptance)
@@ -146,13 +148,23 @@ class SdOffers:
                 if vanilla and (b, s.name) in costs}, [s.name for s in chosen]))
         if not chosen:
           return
-        self.compiled += compile_keys(keys_of(b, chosen, False))
+        if not self._compile(compile_keys, keys_of(b, chosen, False)):
+          return
         with self._lock:
           self._ready.append((b, candidates[:1] + chosen, costs))
     finally:
       if self.on_done is not None:
         self.on_done()
       self.done.set()
+
+  def _compile(self, compile_keys: Callable[[list], int], keys: list) -> bool:
+    """Compiles ``keys`` a few at a time (``CHUNK``: a stop waits for one chunk at most);
+    whether all were compiled (False: cancelled)."""
+    for i in range(0, len(keys), CHUNK):
+      if self._cancel.is_set():
+        return False
+      self.compiled += compile_keys(keys[i:i + CHUNK])
+    return not self._cancel.is_set()
 
   def launch(self, background: bool, *args) -> int:
     """``run(*args)`` now, its arms offered at once (returns what it compiled), or with
