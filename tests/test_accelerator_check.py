@@ -247,9 +247,15 @@ def test_e2e_tiny_writes_each_jobs_json_and_the_step_time_figure(tmp_path):
     assert b["verify_cost_vs_vanilla_step"] is None or all(
         costs.get("vanilla") == 1.0 for costs in b["verify_cost_vs_vanilla_step"].values())
     assert (out / f"{name}.log").is_file()
-  # the mid job's TLT: the online EAGLE drafter trained beside the suffix drafter
+  # the mid job's TLT: the online EAGLE drafter trains beside the suffix drafter exactly where the
+  # calibration offered one of its arms (--wait-pool: the offers were settled before step 1; a
+  # toy model on this CPU may offer none, and a drafter that cannot pay is not trained)
   mid = json.loads((out / "mid_longtail_e2e.json").read_text())
-  assert any(row.get("drafter_serial_steps", 0) > 0 for row in mid["steps_metrics"]["eagle+suffix"])
+  costs = mid["breakdown"]["verify_cost_vs_vanilla_step"] or {}
+  learned = any(name.startswith("chain") for per_bucket in costs.values() for name in per_bucket)
+  trained = any(row.get("drafter_serial_steps", 0) > 0
+                for row in mid["steps_metrics"]["eagle+suffix"])
+  assert trained == learned, (costs, trained)
   assert "tiny_longtail: 4 paired steps (complete)" in proc.stdout
   png = out / "e2e_step_times.png"
   if matplotlib_imports():

@@ -64,7 +64,8 @@ CASES = {
                       "drafter_training.bootstrap_steps": 5}, 1),
     "eagle_2_devices": ({**EAGLE, "drafter_training.spot": False, "rollout_devices": 2}, 2),
     "eagle3": ({**EAGLE, "drafter": "eagle3"}, 1),
-    # the default tuner and budget (coupled verification): tests/test_same_seed.py
+    # the default tuner and budget (coupled verification): tests/test_same_seed.py; with the
+    # default calibrated offers, whose SD arms compile in the background while the steps run
     "eagle_default_tuner": ({"drafter": "eagle", "drafter_training.rows": 2,
                              "drafter_training.seq_len": 32}, 1),
     "eagle3_default_tuner": ({"drafter": "eagle3", "drafter_training.rows": 2,
@@ -74,15 +75,20 @@ CASES = {
     # epoch mode: 8 prompts, 4 a step, so from step 2 on the rows draft from the store
     "suffix_default_tuner": ({"drafter": "suffix", "task.num_prompts": 8,
                               "trainer.prompts_per_step": 4}, 1),
-    # the drafter trains on the device the tail leaves idle (spot, the default with two)
+    # the drafter trains on the device the tail leaves idle (spot, the default with two); every
+    # arm offered from the first step (rollout.sd_offers="all"): the default calibrated offers,
+    # compiled in the background, would offer this CPU's few short steps no learned arm, and the
+    # tuner and the drafter would write little to resume (eagle_default_tuner runs them)
     "eagle_2_devices_default_tuner": ({"drafter": "eagle", "drafter_training.rows": 2,
-                                       "drafter_training.seq_len": 32, "rollout_devices": 2}, 2),
+                                       "drafter_training.seq_len": 32, "rollout_devices": 2,
+                                       "rollout.sd_offers": "all"}, 2),
     # the long-tail job (configs/tiny_longtail.py) at the tiny sizes, with every TLT feature:
     # the EAGLE drafter trained online and paid by the ledger, the suffix drafter over epochs
     # (8 prompts, 4 a step), the default tuner choosing among them, coupled verification
     "longtail_every_feature": ({"@config": "configs/tiny_longtail.py", "drafter": "eagle+suffix",
                                 "drafter_training.rows": 2, "drafter_training.seq_len": 32,
-                                "task.num_prompts": 8, "trainer.prompts_per_step": 4}, 1),
+                                "task.num_prompts": 8, "trainer.prompts_per_step": 4,
+                                "rollout.sd_offers": "all"}, 1),
 }
 
 

@@ -704,6 +704,8 @@ def test_a_run_with_a_saved_drafter_and_strategies_resumes_them_and_the_tuner(
   cfg = tiny_config(logdir, drafter=str(saved_drafter))
   cfg.rollout.update(strategies=((2, 1, 3),), segment_steps=4,
                      batch_buckets=(8,))  # one batch bucket: few executables to compile
+  # every arm offered from the first step (the calibration would offer this CPU none at batch 8)
+  cfg.rollout.sd_offers = "all"
   cfg.rollout.tuner.window = 1000  # every reward stays in the windows
   cfg.trainer.steps = 1
   first = train.run(cfg)

@@ -263,9 +263,9 @@ class DataParallelRollout(Rollout):
         errors.append(e)
 
     threads = [threading.Thread(target=guarded, args=(i,), daemon=True) for i in items]
-    for t in threads:
-      t.start()
     try:
+      for t in threads:  # an interrupt can come while the later ones start (Thread.start
+        t.start()  # waits): the started ones are waited for all the same
       for t in threads:
         t.join()
     except BaseException:
