@@ -70,15 +70,15 @@ CASES = {
                              "drafter_training.seq_len": 32}, 1),
     "eagle3_default_tuner": ({"drafter": "eagle3", "drafter_training.rows": 2,
                               "drafter_training.seq_len": 32}, 1),
+    # (this one and those below offer every arm from the first step, rollout.sd_offers="all":
+    # with the default calibrated offers, compiled in the background, whether a short job on this
+    # CPU offers an arm at all follows timing, and the tuner would have little state to resume)
     "ngram_default_tuner": ({"drafter": "ngram", "rollout.strategies": "((2, 1, 3),)",
-                             "rollout.segment_steps": 4}, 1),
+                             "rollout.segment_steps": 4, "rollout.sd_offers": "all"}, 1),
     # epoch mode: 8 prompts, 4 a step, so from step 2 on the rows draft from the store
     "suffix_default_tuner": ({"drafter": "suffix", "task.num_prompts": 8,
-                              "trainer.prompts_per_step": 4}, 1),
-    # the drafter trains on the device the tail leaves idle (spot, the default with two); every
-    # arm offered from the first step (rollout.sd_offers="all"): the default calibrated offers,
-    # compiled in the background, would offer this CPU's few short steps no learned arm, and the
-    # tuner and the drafter would write little to resume (eagle_default_tuner runs them)
+                              "trainer.prompts_per_step": 4, "rollout.sd_offers": "all"}, 1),
+    # the drafter trains on the device the tail leaves idle (spot, the default with two)
     "eagle_2_devices_default_tuner": ({"drafter": "eagle", "drafter_training.rows": 2,
                                        "drafter_training.seq_len": 32, "rollout_devices": 2,
                                        "rollout.sd_offers": "all"}, 2),
