@@ -281,17 +281,17 @@ def test_the_cache_lengths_only_sd_reaches_compile_with_the_sd_arms(model):
   target, drafter = model
   engine = with_cost_table(RolloutEngine(
       target, drafter=drafter, tuner=make_tuner(TunerConfig(kind="cost")), config=EngineConfig(
-          max_batch=4, max_prompt_len=16, max_new_tokens=40, prefill_buckets=(16,),
-          strategies=((4, 1, 5),), segment_steps=3)), {1: 1.5, 2: 1.5, 4: 9.0})
+          max_batch=2, max_prompt_len=16, max_new_tokens=40, prefill_buckets=(16,),
+          strategies=((4, 1, 5),), segment_steps=3)), {1: 1.5, 2: 9.0})
   plain, cap = engine.pool.kv_lengths_used()
   assert plain == 56 and cap > plain and engine.pool.vanilla_lengths() == (plain,)
   base = engine.pool.base_keys()
   assert all(cap not in k[2:] for k in base), [k for k in base if cap in k[2:]]
   engine.precompile()
   compiled = set(engine.pool.executables.keys())
-  assert ("grow", 2, plain, cap) in compiled and ("grow", 4, plain, cap) not in compiled
+  assert ("grow", 1, plain, cap) in compiled and ("grow", 2, plain, cap) not in compiled
   assert ("segment", 1, cap, 0, "vanilla") in compiled
-  assert ("segment", 4, cap, 2, "vanilla") not in compiled  # bucket 4 never decodes SD
+  assert ("segment", 2, cap, 1, "vanilla") not in compiled  # bucket 2 never decodes SD
   get = engine.pool.get
 
   def strict_get(key):
@@ -300,8 +300,8 @@ def test_the_cache_lengths_only_sd_reaches_compile_with_the_sd_arms(model):
 
   engine.pool.get = strict_get
   params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=())
-  long = [[7 + i % 20 for i in range(16)], [9 + i % 17 for i in range(15)]]  # 16 + 40 > 56 - 15
-  out = engine.generate(long, params)  # bucket 2: SD is offered there
+  long = [[7 + i % 20 for i in range(16)]]  # 16 + 40 > 56 - 15: SD needs the slack's length
+  out = engine.generate(long, params)  # bucket 1: SD is offered there
   assert cap in out.stats.segment_kv_lens, out.stats.segment_kv_lens  # SD rows grew into it
   assert out.stats.compiles == 0 and any(n != "vanilla" for *_, n in out.stats.segments)
-  assert engine.generate([[8]] * 4, params).stats.compiles == 0  # bucket 4: vanilla's pool
+  assert engine.generate([[8]] * 2, params).stats.compiles == 0  # bucket 2: vanilla's pool
