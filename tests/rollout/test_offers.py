@@ -187,6 +187,14 @@ def test_background_precompile_offers_sd_only_once_its_executables_exist(model):
 
   engine.scheduler.pool.get = strict_get
   before = background_compile_count()
+  try:
+    run_while_gated(engine, release, before)
+  finally:
+    release.set()  # a failure must not leave the loop waiting at exit
+
+
+def run_while_gated(engine, release, before):
+  """The checks of the test above, while the SD arms' compile waits for ``release``."""
   compiled = engine.precompile(background=True)
   base = set(engine.pool.base_keys())
   assert compiled == len(base) and set(engine.pool.executables.keys()) == base
@@ -257,12 +265,14 @@ def test_the_background_loop_survives_the_weights_being_replaced_and_donated(mod
     return compile_keys(keys, progress)
 
   engine.pool.compile = gated
-  engine.precompile(background=True)
-  assert engine._calibration_weights is not None  # pylint: disable=protected-access
-  engine.update_params(jax.tree.map(lambda x: x.copy(), own))  # a training step's new weights
-  for leaf in jax.tree.leaves(own):  # ... and the old buffers donated
-    leaf.delete()
-  release.set()
+  try:
+    engine.precompile(background=True)
+    assert engine._calibration_weights is not None  # pylint: disable=protected-access
+    engine.update_params(jax.tree.map(lambda x: x.copy(), own))  # a training step's new weights
+    for leaf in jax.tree.leaves(own):  # ... and the old buffers donated
+      leaf.delete()
+  finally:
+    release.set()  # (a failure must not leave the loop waiting at exit)
   assert engine.offers.wait(300)
   assert engine.offers.error is None, engine.offers.error
   assert [s.name for s in engine.strategies_for(1)] == ["vanilla", "chain d4"]
