@@ -149,7 +149,8 @@ def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
   out = tmp_path / "e2e.json"
   tiny = ["trainer.prompts_per_step=2", "grpo.group_size=2", "rollout.max_batch=4",
           "sft.steps=2", "model.hidden_size=32", "model.intermediate_size=64",
-          "model.num_layers=1", "trainer.max_new_tokens=16"]
+          "model.num_layers=1", "trainer.max_new_tokens=16",
+          "rollout.sd_offers=all"]  # every arm offered: the drafter trains where it may pay
   args = ["--steps", "3", "--config-override", "drafter_training.serial_steps=2",
           "--config-override", "drafter_training.bootstrap_share=None",  # granted up front
           "--verify", "both", "--out", str(out)]

@@ -194,7 +194,6 @@ def _restore_and_train(trainer: GRPOTrainer, job: Job, logdir: pathlib.Path, lat
     try:
       summary = _train(trainer, job, checkpointer, log, drafter_ckpt, stop)
     finally:
-      trainer.engine.stop_compiling()  # a job that ended leaves no compile running behind it
       log.close()
       if drafter_ckpt is not None:
         drafter_ckpt.close()
