@@ -181,10 +181,6 @@ class RolloutEngine(Rollout):
     exist (``offers``); else every strategy the config permits there (``candidates_for``)."""
     return self._strategies[batch] if self.offers is None else self.offers.offered(batch)
 
-  def stop_compiling(self) -> None:
-    if self.offers is not None:
-      self.offers.cancel(wait=True)
-
   def learned_sd_possible(self) -> bool:
     """Whether a strategy the learned drafter drafts is offered at some bucket, or may still be
     (no calibrated offers, or their loop has not finished). False once the calibration offered

@@ -87,10 +87,6 @@ class Rollout(abc.ABC):
     """Compiles the executables the rollout may run; returns how many were compiled now
     (``background``: the speculative arms' compile in a thread, offered once they exist)."""
 
-  def stop_compiling(self) -> None:
-    """Stops the background compile of the speculative arms (``precompile(background=True)``)
-    after the chunk in flight, and waits for it; what it offered stands."""
-
   def learned_sd_possible(self) -> bool:
     """Whether a speculative arm that the learned drafter drafts is offered somewhere, or may
     still be; False: training that drafter cannot pay on this machine."""

@@ -56,16 +56,14 @@ def paying(costs: dict, bucket: int, strategies: Sequence[Any], acceptance: floa
 
 def offered_buckets(costs: dict, candidates: dict[int, Sequence[Any]],
                     acceptance: float) -> dict[int, list[str]]:
-  """What ``SdOffers.run`` offers given a whole cost table: per bucket with candidates, from the
-  smallest up, the names of the paying arms, stopping at the first bucket where none pays (that
-  bucket and the bigger ones keep vanilla alone, and are missing from the result)."""
-  out = {}
-  for b in sorted(candidates):
-    names = [s.name for s in paying(costs, b, candidates[b], acceptance)]
-    if not names:
-      break
-    out[b] = names
-  return out
+  """What ``SdOffers.run`` offers given a whole cost table (the loop itself, compiling nothing):
+  per bucket that offers an SD arm, the names of those arms."""
+  offers = SdOffers(candidates, acceptance)
+  offers.run(lambda keys: 0, lambda b, strategies, calibration_only: [],
+             lambda b, strategies: {(b, s.name): costs[(b, s.name)] for s in strategies
+                                    if (b, s.name) in costs})
+  return {b: [s.name for s in offers.offered(b)[1:]] for b in offers.buckets
+          if len(offers.offered(b)) > 1}
 
 
 @dataclasses.dataclass

@@ -162,9 +162,6 @@ class DataParallelRollout(Rollout):
   def learned_sd_possible(self) -> bool:
     return self.engines[0].learned_sd_possible()  # the engines share their offers
 
-  def stop_compiling(self) -> None:
-    self.engines[0].stop_compiling()
-
   def update_params(self, params: nnx.State, drafter_params: nnx.State | None = None) -> None:
     """Gives every device's engine the weights, on its device (zero-copy where ``params`` already
     has a full copy there, e.g. a replicated array's shard). ``drafter_params`` are copied to the

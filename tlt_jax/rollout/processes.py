@@ -79,9 +79,6 @@ class ProcessShardedRollout(Rollout):
   def learned_sd_possible(self) -> bool:
     return self.local.learned_sd_possible()
 
-  def stop_compiling(self) -> None:
-    self.local.stop_compiling()
-
   def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
                  background: bool = False) -> int:
     return self.local.precompile(progress, background=background)
