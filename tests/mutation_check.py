@@ -814,7 +814,14 @@ MUTANTS = [
            "    return True",
            ("tests/rollout/test_offers.py", "-k", "foreground_precompile"),
            "the engine says the learned drafter may pay where its calibration offered it nowhere"),
-
+    # --- issue 53: the eight bugs a reviewer found (each caught by its feature's own tests) ---
+    # --- end issue 53 reviewer bugs ---
+    # --- issue 53 audit: tlt_jax/rollout ---
+    # --- end audit rollout ---
+    # --- issue 53 audit: tlt_jax/models, tlt_jax/drafter, tlt_jax/checkpoint ---
+    # --- end audit models drafter checkpoint ---
+    # --- issue 53 audit: tlt_jax/rl, tlt_jax/job, tlt_jax/*.py, tlt_jax/configs ---
+    # --- end audit rl job top ---
 ]
 
 
