@@ -21,7 +21,8 @@ from tlt_jax import generate, train
 from tlt_jax.checkpoint.checkpointer import CheckpointError
 from tlt_jax.job import runner
 from tlt_jax.job.build import build_job
-from tlt_jax.job.run_dir import CONFIG_FILE, export_final_model, resume_config, save_run_config
+from tlt_jax.job.run_dir import CONFIG_FILE, check_resume_overrides, export_final_model, \
+    resume_config, save_run_config
 from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.job.typed_config import ConfigError, load_config_file, read_json_config
 from tlt_jax.models.drafter import Drafter
@@ -168,6 +169,28 @@ def test_resume_config_takes_only_the_named_overrides():
   assert notes == ["  trainer.learning_rate: 2e-05 -> 0.0001 (override)"]
   merged, _ = resume_config(cfg, saved, overrides=None)  # API: every difference counts
   assert merged.trainer.steps == 80
+
+
+def test_a_resume_may_change_the_drafters_training_but_not_the_drafter_or_the_model():
+  # the checkpoint's arrays fix the model's fields and which drafter the run trains; how the
+  # drafter trains (drafter_training.*, a name that merely starts like "drafter") is free
+  saved = load_config_file(ROOT / "configs" / "tiny_grpo.py")
+  for name, value, allowed in (("drafter_training.serial_steps", 16, True),
+                               ("drafter_training.learning_rate", 1e-4, True),
+                               ("rollout.max_batch", 4, True),
+                               ("drafter", "eagle", False),
+                               ("model.hidden_size", 64, False)):
+    cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
+    section, _, field = name.rpartition(".")
+    where = cfg[section] if section else cfg
+    assert field in where and where[field] != value, name  # a real field, really changed
+    where[field] = value
+    if allowed:
+      check_resume_overrides(saved, cfg)
+    else:
+      with pytest.raises(ConfigError, match=rf"--config\.{re.escape(name)}=.* conflicts with the "
+                                            "run's saved config"):
+        check_resume_overrides(saved, cfg)
 
 
 def test_the_run_config_is_replaced_atomically(tmp_path, monkeypatch):

@@ -98,6 +98,39 @@ def test_spot_training_learns_without_recompiling(target, samples):
   assert updates_applied(trainer.opt_state) == trainer.steps
 
 
+class StepClock:
+  """A stand-in for the spot module's clock in which each training step takes ``step`` seconds."""
+
+  def __init__(self, step: float):
+    self.now, self.step = 0.0, step
+
+  def perf_counter(self) -> float:
+    return self.now
+
+  def wrap(self, make_step):
+    def timed(*key):
+      real = make_step(*key)
+
+      def step(*args):
+        self.now += self.step
+        return real(*args)
+      return step
+    return timed
+
+
+@pytest.mark.parametrize("budget, steps", [(0.5, 1), (1.5, 1), (2.0, 2), (2.5, 2), (3.0, 3)])
+def test_a_step_starts_only_if_one_more_of_the_last_steps_length_fits_the_budget(
+    monkeypatch, target, samples, budget, steps):
+  # steps of 1 s: after k steps (k s spent), step k+1 starts only if k + 1 <= budget (the first
+  # step always starts: nothing is known of its length yet)
+  trainer = SpotTrainer(Drafter.create(CONFIG, seed=0), target, filled(samples, seed=0))
+  clock = StepClock(step=1.0)
+  monkeypatch.setattr("tlt_jax.drafter.spot.time", clock)
+  monkeypatch.setattr(trainer, "_step", clock.wrap(trainer._step))  # pylint: disable=protected-access
+  out = trainer.run(nnx.state(target), max_seconds=budget, max_steps=10)
+  assert out["steps"] == steps and out["seconds"] == steps, (budget, out)
+
+
 def test_preemption_from_another_thread_loses_no_update(target, samples):
   buffer = filled(samples, seed=1)
   snapshot = buffer.state_dict()

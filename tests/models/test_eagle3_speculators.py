@@ -125,6 +125,24 @@ def test_exported_drafter_matches_the_speculators_package(verifier, tmp_path, dr
   randomize(drafter, seed=2)
   assert drafter.feature_layers == (2, 3)
   export_and_compare(drafter, target, verifier_dir, tmp_path / "spec")
+  if draft_vocab is not None:
+    assert_the_package_reads_our_vocabulary_maps(tmp_path / "spec", drafter, target)
+
+
+def assert_the_package_reads_our_vocabulary_maps(out_dir, drafter, target) -> None:
+  """The exported ``d2t`` / ``t2d`` as the package loads them equal what the package's own
+  ``build_vocab_mappings_from_distribution`` makes for the drafter's vocabulary (offsets:
+  target id = draft index + d2t[index]), and map each draft index to the drafter's token."""
+  vocab_mapping = pytest.importorskip("speculators.train.vocab_mapping")
+  config = speculators_eagle3.Eagle3SpeculatorConfig.from_pretrained(str(out_dir))
+  model = speculators_eagle3.Eagle3DraftModel.from_pretrained(str(out_dir), config=config)
+  ids = [int(t) for t in drafter.vocab_ids]
+  d2t, t2d = vocab_mapping.build_vocab_mappings_from_distribution(
+      {t: 1 for t in ids}, len(ids), target.config.vocab_size)
+  assert np.array_equal(model.d2t.numpy(), d2t.numpy())
+  assert np.array_equal(model.t2d.numpy(), t2d.numpy())
+  draft_index = np.arange(len(ids))
+  assert np.array_equal(draft_index + model.d2t.numpy()[draft_index], sorted(ids))
 
 
 def test_three_feature_layers_and_a_round_trip(verifier, tmp_path):

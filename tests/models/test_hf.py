@@ -112,6 +112,21 @@ def test_llama_logits_match_transformers(llama_dir):
   assert max_diff(our_logits(model, ids), torch_logits(torch_model, ids)) < TOLERANCE
 
 
+def test_a_config_without_tie_word_embeddings_keeps_its_own_head(tmp_path, llama_dir):
+  # transformers' Llama and Qwen2 configs default to an untied head: a config.json that omits the
+  # key (many do) must still read lm_head.weight, not tie the head to the embedding
+  path, torch_model = llama_dir
+  copy = copy_checkpoint(path, tmp_path)
+  cfg = json.loads((copy / "config.json").read_text())
+  del cfg["tie_word_embeddings"]
+  (copy / "config.json").write_text(json.dumps(cfg))
+  assert not transformers.AutoConfig.from_pretrained(str(copy)).tie_word_embeddings
+  model, config = hf.from_pretrained(copy)
+  assert not config.tie_word_embeddings
+  ids = token_batch(batch=2, length=10, seed=3)
+  assert max_diff(our_logits(model, ids), torch_logits(torch_model, ids)) < TOLERANCE
+
+
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
   torch_model = make_llama_checkpoint(tmp_path, seed=2, rope_scaling=LLAMA3_SCALING)
   model, config = hf.from_pretrained(tmp_path)

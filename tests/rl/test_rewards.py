@@ -41,6 +41,8 @@ def test_extract_boxed(text, expected):
     ("The final answer is: 3.5. Done.", "3.5"),
     ("Answer: **-4**", "-4"),
     ("I think the answer is 2.\nWait, no: the answer is 3.", "3"),  # the last phrase wins
+    ("#### 8\nWait, I dropped a carry.\n#### 7", "7"),  # a revised GSM8K answer: the last one
+    ("<answer>8</answer> on reflection <answer>7</answer>", "7"),  # the last tag
     ("I have no idea.", None),
     ("", None),
 ])
@@ -113,6 +115,8 @@ def checker(request):
     ("", "72", 0.0),
     (r"\boxed{}", "72", 0.0),
     (r"first \boxed{72}, then on reflection \boxed{70}", "72", 0.0),  # only the last box counts
+    ("#### 8 ... wait, that forgets a carry ... #### 7", "7", 1.0),  # the last marked answer
+    ("#### 7 ... wait, that forgets a carry ... #### 8", "7", 0.0),
 ])
 def test_math_reward(checker, completion, reference, reward):
   assert math_reward(completion, reference) == reward

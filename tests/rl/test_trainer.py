@@ -4,6 +4,7 @@ history store a suffix drafter drafts from."""
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -16,7 +17,8 @@ from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, metric_kind, step_problems
+from tlt_jax.rl.trainer import (EVAL_SEED, GRPOTrainer, TrainerConfig, eval_problems, metric_kind,
+                                step_problems)
 from tlt_jax.rl.update import NonFiniteUpdateError, learning_rate_schedule
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.utils import compile_count
@@ -268,6 +270,29 @@ def learning_trainer(**kw):
 def held_out(trainer) -> np.ndarray:
   """Greedy and sampled (T=1) mean reward on the trainer's fixed held-out problems."""
   return np.array([trainer.evaluate(), trainer.evaluate(temperature=1.0)])
+
+
+def test_a_correct_answer_ended_by_eos_scores_in_held_out_evaluation(monkeypatch):
+  # a finished completion ends with the EOS token: the reward reads the text without it (decoded
+  # with it, "#71<eos>" is no number and every correct answer would score 0); the held-out
+  # problems answered perfectly score 1 each
+  trainer = make_trainer(eval_problems=4)
+  eos = trainer.tokenizer.eos_token_id
+  answers = lambda prompts: [trainer.tokenizer.encode(answer_for[tuple(p)]) + [eos]
+                             for p in prompts]
+  answer_for = {}
+
+  def generate(prompts, sampling, **_):
+    tokens = answers(prompts)
+    return types.SimpleNamespace(tokens=tokens, logprobs=[[0.0] * len(t) for t in tokens])
+
+  problems = eval_problems(trainer.task, 4, EVAL_SEED)
+  answer_for.update({tuple(trainer.encode_prompt(p)): p.solution for p in problems})
+  monkeypatch.setattr(trainer.engine, "generate", generate)
+  _, texts, rewards = trainer.held_out()
+  assert rewards == [1.0] * 4 and not any("<eos>" in t for t in texts), texts
+  assert trainer.completion_texts(answers([trainer.encode_prompt(problems[0])])) == [
+      problems[0].solution]
 
 
 def test_rl_steps_learn_a_dense_reward():

@@ -128,6 +128,52 @@ def test_stop_token_included_and_reported(engines):
       assert len(toks) == 40 and not set(toks) & set(STOPS)
 
 
+def test_a_stop_token_sampled_first_ends_its_row_at_once(engines):
+  # the first token comes from the prefill, not from a decode step: a stop id drawn there must
+  # end the row with that one token, as it would at any later position
+  prompts = prompts_of([4, 8, 12, 3, 6], seed=5)
+  engine = engines()
+  for temperature in (0.0, 1.0):
+    params = dict(max_new_tokens=40, temperature=temperature, seed=3)
+    free = engine.generate(prompts, SamplingParams(**params))
+    firsts = [t[0] for t in free.tokens]
+    stop = firsts[1]  # row 1 (and any other row that starts with it) draws it first
+    stopped = engine.generate(prompts, SamplingParams(**params, stop_token_ids=(stop,)))
+    for toks, first, reason, free_toks in zip(stopped.tokens, firsts, stopped.finish_reasons,
+                                               free.tokens):
+      if first == stop:
+        assert toks == [stop] and reason == "stop", (toks, reason)
+      else:  # the same stream, cut at its first stop (if any)
+        cut = free_toks.index(stop) + 1 if stop in free_toks else len(free_toks)
+        assert toks == free_toks[:cut]
+    assert sum(f != stop for f in firsts) > 0  # other rows went on
+
+
+def test_rows_compacted_beside_padding_slots_finish_whole(engines, monkeypatch):
+  # 3 live rows of 8 move to bucket 4, whose fourth slot is padding (a copy of slot 0's state):
+  # the padding must not pass for that row. Built greedy and deterministic: rows 0-2 share a
+  # prompt that runs to the length limit, rows 3-7 one whose greedy walk soon meets the stop id,
+  # so rows 0-2 finish together in bucket 4, beside a padding copy of row 0 frozen at compaction
+  engine, static = engines(max_batch=8), engines(max_batch=8, compaction=False)
+  padded = []
+  real = engine.scheduler._compact  # pylint: disable=protected-access
+
+  def spy(run, live, *args):
+    padded.append(min(b for b in engine.config.batch_buckets if b >= live.size) > live.size)
+    return real(run, live, *args)
+
+  monkeypatch.setattr(engine.scheduler, "_compact", spy)
+  long, short = prompts_of([6, 9], seed=3)
+  free = engine.generate([long, short], SamplingParams(max_new_tokens=24, temperature=0.0)).tokens
+  stop = next(t for t in free[1][1:8] if t not in free[0])  # ends short's rows early, long's never
+  params = SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=(stop,))
+  result = engine.generate([long] * 3 + [short] * 5, params)
+  cut = free[1][:free[1].index(stop) + 1]
+  assert result.tokens == [free[0]] * 3 + [cut] * 5, [len(t) for t in result.tokens]
+  assert result.tokens == static.generate([long] * 3 + [short] * 5, params).tokens
+  assert padded == [True], padded  # one compaction, 8 -> 4 with a padding slot
+
+
 def test_row_sample_does_not_depend_on_batch(engines):
   prompts = prompts_of([5, 9, 3, 12, 7, 4])  # 6 prompts -> two chunks with max_batch=4
   params = SamplingParams(max_new_tokens=20, temperature=0.9, top_k=10, top_p=0.9, seed=11,

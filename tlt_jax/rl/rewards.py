@@ -20,7 +20,7 @@ REL_TOL = 1e-6  # relative tolerance of numeric answer comparison
 
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOX_SPACE = re.compile(r"\\boxed\s+([^\s${}]+)")  # ``\boxed 42`` (no braces), rare but seen
-_GSM8K = re.compile(r"####\s*([^\n]*)")
+_GSM8K = re.compile(r"####\s*((?:(?!####)[^\n])*)")  # up to the line's end or the next ####
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _ANSWER_IS = re.compile(r"answer\s*(?:is\s*:?|:)[ \t]*([^\n]+)", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")

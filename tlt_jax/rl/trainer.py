@@ -383,7 +383,7 @@ class GRPOTrainer:
       self._sync_drafter()
     elif len(self.rollout_devices) > 1:  # the tail's idle device-seconds, with none used
       drafter_metrics = step_metrics(result.stats, [], None, {})
-    texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    texts = self.completion_texts(result.tokens)
     rewards = np.array([self.task.reward(p, t) for p, t in zip(rows, texts)], np.float32)
     advantages = grpo.group_advantages(rewards, g, self.grpo_config.normalize_std,
                                        self.grpo_config.eps)  # numpy: nothing compiles
@@ -499,6 +499,11 @@ class GRPOTrainer:
                        f"load: {e}") from None
     return history
 
+  def completion_texts(self, tokens: list[list[int]]) -> list[str]:
+    """The completions as the reward reads them: special tokens (the EOS a finished row ends
+    with) left out, in training and held-out evaluation alike."""
+    return [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+
   def evaluate(self, n: int | None = None, seed: int = EVAL_SEED, temperature: float = 0.0,
                progress=None) -> float:
     """Mean reward on held-out problems (a fixed set, independent of training data): greedy
@@ -515,5 +520,5 @@ class GRPOTrainer:
     result = self.engine.generate([self.encode_prompt(p) for p in problems], SamplingParams(
         max_new_tokens=self.config.max_new_tokens, temperature=temperature, seed=seed),
         progress=progress)
-    texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    texts = self.completion_texts(result.tokens)
     return problems, texts, [self.task.reward(p, t) for p, t in zip(problems, texts)]
