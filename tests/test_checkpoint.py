@@ -71,6 +71,24 @@ def _assert_bitwise_equal(a, b) -> None:
     assert x.tobytes() == y.tobytes()
 
 
+def test_package_exports_are_the_implementations():
+  from tlt_jax.checkpoint import checkpointer, trees  # pylint: disable=import-outside-toplevel
+  assert ck.Checkpointer is checkpointer.Checkpointer
+  assert ck.count_nonfinite is trees.count_nonfinite
+  assert ck.pure_dict_to_state is trees.pure_dict_to_state
+  assert set(ck.__all__) <= set(dir(ck))
+
+
+
+def test_pure_dict_to_state_leaves_its_template_untouched():
+  like = nnx.state(_Tiny(nnx.Rngs(0)), nnx.Param)
+  before = ck.state_to_pure_dict(jax.tree.map(np.asarray, like))
+  other = ck.state_to_pure_dict(nnx.state(_Tiny(nnx.Rngs(1)), nnx.Param))
+  state = ck.pure_dict_to_state(other, like)
+  _assert_bitwise_equal(ck.state_to_pure_dict(state), other)
+  _assert_bitwise_equal(ck.state_to_pure_dict(like), before)
+
+
 def test_round_trip_is_bitwise_exact(tmp_path):
   state = _train_state()
   meta = {"format_version": 1, "config": {"lr": 1e-2, "layers": [8, 8]}, "data_position": 123}

@@ -239,6 +239,24 @@ def test_log_filters_drop_only_orbax_noise():
     sys.unraisablehook = hook
 
 
+
+def test_the_unreadable_array_is_named_from_anywhere_in_the_error_chain():
+  names = ["params/b", "params/w", "step"]
+  inner = ValueError('tensorstore: reading "params.w/0.0" failed: checksum mismatch')
+  try:
+    try:
+      raise inner
+    except ValueError:
+      raise RuntimeError("orbax: restore failed")  # pylint: disable=raise-missing-from
+  except RuntimeError as e:
+    assert console.key_in_error(e, names) == "params/w"  # raised while handling the read
+  try:
+    raise RuntimeError("orbax: restore failed") from inner
+  except RuntimeError as e:
+    assert console.key_in_error(e, names) == "params/w"  # raised from it
+  assert console.key_in_error(RuntimeError('"params.wx/0" is missing'), names) is None
+
+
 _CHILD = """
 import gc, sys, time
 import jax, jax.numpy as jnp

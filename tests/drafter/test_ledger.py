@@ -67,6 +67,13 @@ def test_savings_buy_steps_at_the_measured_cost_and_losses_are_debited():
   assert ledger.grant() == (8, 0)  # at most max_steps a step
 
 
+def test_bootstrap_and_earned_steps_together_stay_within_max_steps():
+  ledger = DrafterLedger(savings_share=0.5, bootstrap_steps=12, max_steps=8)
+  play(ledger, [(None, 0.01)])  # 8 bootstrap steps measure the cost: 10 ms a step
+  ledger.credit(1.0)  # 0.5 s would buy 50 steps
+  assert ledger.grant() == (8, 4)  # the 4 bootstrap steps left, and 4 earned
+
+
 def test_a_drafter_that_never_pays_stops_costing_time():
   ledger = DrafterLedger(savings_share=0.5, bootstrap_steps=16, max_steps=8)
   grants = play(ledger, [(-0.02, 0.01)] * 10)  # SD probes lost a little every step

@@ -124,6 +124,15 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path, saved):
     load_drafter(tmp_path)
 
 
+def test_vocab_ids_outside_the_targets_vocabulary_are_refused(tmp_path):
+  save_drafter(Drafter.create(CONFIG, draft_vocab_size=4), tmp_path)
+  tensors = load_file(str(tmp_path / PARAMS_FILE))
+  for bad in ([0, 1, 2, CONFIG.vocab_size], [-1, 0, 1, 2], [0, 1, 1, 2]):
+    save_file({**tensors, "vocab_ids": np.asarray(bad, np.int32)}, str(tmp_path / PARAMS_FILE))
+    with pytest.raises(WeightsError, match=r"must hold distinct ids in \[0, 32\)"):
+      load_drafter(tmp_path)
+
+
 def test_saved_config_is_the_targets(saved):
   config = json.loads((saved[0] / CONFIG_FILE).read_text())
   assert config["hidden_size"] == CONFIG.hidden_size

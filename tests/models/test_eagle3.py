@@ -44,6 +44,7 @@ def test_feature_layer_defaults_and_checks():
   assert default_feature_layers(5) == (2,)
   assert default_feature_layers(2) == (1,)
   assert default_feature_layers(8) == (2, 4, 5)
+  assert check_feature_layers([0, 8], 8) == (0, 8)  # the embedding and the last layer's output
   for bad in ([], [1, 1], [-1], [9], [3, 1], "x"):
     with pytest.raises(ValueError, match="eagle3 feature layers"):
       check_feature_layers(bad, 8)

@@ -19,7 +19,7 @@ from gguf.quants import quantize
 
 from tlt_jax import generate
 from tlt_jax.job.typed_config import load_config_file
-from tlt_jax.models import from_pretrained, load_tokenizer
+from tlt_jax.models import from_pretrained, load, load_tokenizer, pretrained_config
 from tlt_jax.models import gguf as tlt_gguf
 from tlt_jax.models.model_config import RopeScaling
 from tlt_jax.models.tokenizer import HFTokenizer
@@ -104,12 +104,13 @@ def permute_like_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf(path, arch: str = "llama", types: dict | None = None, seed: int = 0, *,
                drop: tuple[str, ...] = (), extra_tensors: dict | None = None,
-               metadata: dict | None = None, tokenizer: bool = True) -> dict[str, np.ndarray]:
+               metadata: dict | None = None, tokenizer: bool = True,
+               eot: int | None = None) -> dict[str, np.ndarray]:
   """Writes a tiny random GGUF file; returns its tensors as HF-layout float32 (Q/K unpermuted).
 
   ``types`` maps a tensor kind (token_embd, attn, ffn_gate, ffn_up, ffn_down, output) to a
   GGML type (default F32); ``drop`` leaves tensors out; ``metadata`` overrides
-  ``{arch}.<key>`` values.
+  ``{arch}.<key>`` values; ``eot`` writes an end-of-turn id beside the EOS id 2.
   """
   types = types or {}
   rng = np.random.RandomState(seed)
@@ -138,6 +139,8 @@ def write_gguf(path, arch: str = "llama", types: dict | None = None, seed: int =
     writer.add_token_merges(tok["merges"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if eot is not None:
+      writer.add_eot_token_id(eot)
     writer.add_pad_token_id(0)
     writer.add_chat_template(CHAT_TEMPLATE)
 
@@ -308,6 +311,15 @@ def test_dtype_and_every_param_from_the_file(gguf_dir):
   np.testing.assert_allclose(embed, np.asarray(stored.data), rtol=1e-2, atol=1e-2)
 
 
+def test_the_loader_knows_a_gguf_file_by_its_suffix_in_any_case(gguf_dir, tmp_path):
+  upper = tmp_path / "QWEN2.GGUF"
+  upper.write_bytes((gguf_dir / "qwen2.gguf").read_bytes())
+  assert load.is_gguf_path(upper)
+  assert pretrained_config(upper) == tlt_gguf.gguf_config(gguf_dir / "qwen2.gguf")
+  (tmp_path / "model.gguf").mkdir()  # a directory is an HF checkpoint, whatever its name
+  assert not load.is_gguf_path(tmp_path / "model.gguf")
+
+
 # ----------------------------------------------------------------------------- tokenizer
 
 
@@ -444,6 +456,14 @@ def test_rope_scaling_from_metadata_and_rope_freqs(tmp_path):
              extra_tensors={"rope_freqs.weight": odd.astype(np.float32)})
   with pytest.raises(ValueError, match="not Llama-3 scaling"):
     tlt_gguf.gguf_config(tmp_path / "odd.gguf")
+
+
+def test_an_end_of_turn_token_also_ends_generation(tmp_path):
+  """llama.cpp stops at eot_token_id (Llama 3's <|eot_id|>) as well as at the EOS id."""
+  write_gguf(tmp_path / "eot.gguf", "llama", eot=3)
+  assert tlt_gguf.gguf_config(tmp_path / "eot.gguf").eos_token_ids == (2, 3)
+  write_gguf(tmp_path / "same.gguf", "llama", eot=2)
+  assert tlt_gguf.gguf_config(tmp_path / "same.gguf").eos_token_ids == (2,)
 
 
 def test_smollm2_config_from_the_real_file():

@@ -30,6 +30,12 @@ def test_random_model_is_seeded_with_unit_norms_and_scaled_matrices():
   assert half.embed_tokens.embedding.get_value().dtype == jnp.bfloat16
 
 
+def test_a_bfloat16_random_model_holds_every_array_in_bfloat16():
+  half = random_model(CONFIG.replace(dtype="bfloat16"), seed=0, scale=0.5)
+  dtypes = {str(x.dtype) for x in jax.tree.leaves(nnx.state(half))}
+  assert dtypes == {"bfloat16"}  # norm weights too: a float32 one would promote the activations
+
+
 def test_with_dtype_casts_the_same_weights():
   model = random_model(CONFIG, seed=0, scale=0.5)
   half = with_dtype(model, "bfloat16")

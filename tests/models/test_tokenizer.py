@@ -120,3 +120,18 @@ def test_saved_tokenizers_load_back_from_a_model_directory(tokenizer_dir, tmp_pa
   (tmp_path / "bad" / "char_tokenizer.json").write_text("{}")
   with pytest.raises(ValueError, match="char_tokenizer.json is not a char tokenizer file"):
     load_tokenizer(tmp_path / "bad")
+
+
+def test_named_chat_templates_render_the_default_one(tokenizer_dir):
+  """tokenizer_config's list form ``[{name, template}, ...]`` (as transformers writes it) picks
+  the template named ``default``, else the first."""
+  named = [{"name": "tool_use", "template": "TOOLS {{ messages[0]['content'] }}"},
+           {"name": "default", "template": "PLAIN {{ messages[0]['content'] }}"}]
+  config_file = tokenizer_dir / "tokenizer_config.json"
+  config_file.write_text(json.dumps({"chat_template": named}))
+  messages = [{"role": "user", "content": "hi"}]
+  rendered = HFTokenizer.from_file(tokenizer_dir).apply_chat_template(messages)
+  assert rendered == "PLAIN hi"
+  config_file.write_text(json.dumps({"chat_template": named[:1]}))
+  rendered = HFTokenizer.from_file(tokenizer_dir).apply_chat_template(messages)
+  assert rendered == "TOOLS hi"

@@ -142,6 +142,16 @@ def test_tree_mask_forward_equals_path_forwards_with_cache():
   np.testing.assert_allclose(np.asarray(logits), reference, atol=2e-5, rtol=1e-5)
 
 
+def test_attention_bias_reaches_the_output_projection_only_in_llama():
+  """HF Llama's attention_bias also biases o_proj; Qwen2's never does (only q/k/v)."""
+  for architecture, o_bias in (("qwen2", False), ("llama", True)):
+    model = nnx.eval_shape(lambda a=architecture: Transformer(
+        CONFIG.replace(architecture=a, attention_bias=True), rngs=nnx.Rngs(0)))
+    attn = model.layers[0].self_attn
+    assert all(p.bias is not None for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert (attn.o_proj.bias is not None) == o_bias, architecture
+
+
 # --- ModelConfig validation ----------------------------------------------------------------
 
 POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -182,6 +192,7 @@ def test_config_derives_and_normalises_fields():
   assert ModelConfig.tiny(eos_token_id=3).eos_token_ids == (3,)
   assert ModelConfig.tiny().eos_token_ids == ()
   assert ModelConfig.tiny(dtype="bfloat16").jnp_dtype == jnp.bfloat16
+  assert ModelConfig.tiny(dtype="float16").jnp_dtype == jnp.float16
   ModelConfig.tiny(rope_scaling=RopeScaling(rope_type="linear", factor=2.0))
   with pytest.raises(ValueError, match="num_kv_heads"):
     ModelConfig.tiny().replace(num_kv_heads=3)  # replace re-validates

@@ -133,6 +133,10 @@ def test_drafter_training_config_errors():
     DrafterTrainingConfig(serial_steps=-1)
   with pytest.raises(ValueError, match="learning_rate"):
     DrafterTrainingConfig(learning_rate=float("nan"))
+  # a time budget is the "fixed" budget's: the ledger (the default) would silently ignore it
+  with pytest.raises(ValueError, match="DrafterTrainingConfig.serial_seconds is a fixed budget"):
+    DrafterTrainingConfig(serial_seconds=2.0)
+  DrafterTrainingConfig(serial_budget="fixed", serial_seconds=2.0)
 
 
 def test_precompiled_drafter_steps_compile_nothing_and_metrics_split(stepped):
