@@ -114,3 +114,24 @@ def test_a_failed_compile_is_raised_and_frees_its_key():
   assert cache.get(2, _lowering(calls, 2)) is not None  # nothing left locked
   with np.testing.assert_raises_regex(ValueError, "workers must be >= 1"):
     cache.compile_all([7, 8], lambda n: _lowering(calls, n)(), workers=0)
+
+
+def test_compile_all_in_a_background_thread_counts_as_background():
+  """A background caller's compiles (the rollout's SD arms, compiled while the first step runs)
+  are background keys on either path, serial or in compile threads: their seconds are not the
+  foreground's, which the console reports as time the steps waited."""
+  from tlt_jax.utils import mark_background  # pylint: disable=import-outside-toplevel
+  cache, calls = AotCache(), []
+  lower_of = lambda n: _lowering(calls, n)()
+
+  def background():
+    mark_background()
+    cache.compile_all([11, 12], lower_of, workers=2)  # compile threads
+    cache.compile_all([13], lower_of, workers=1)  # in the caller
+
+  thread = threading.Thread(target=background)
+  thread.start()
+  thread.join()
+  cache.compile_all([14], lower_of, workers=1)  # this (foreground) thread
+  assert cache.background_keys == {11, 12, 13}
+  assert cache.foreground_seconds == cache.seconds_by_key[14] < cache.seconds

@@ -74,6 +74,24 @@ def test_directory_precedence(monkeypatch, tmp_path):
   assert compile_cache.choose("/flag") == "/flag"  # the flag overrides the environment's off
 
 
+def test_a_directory_under_home_is_expanded(monkeypatch, tmp_path):
+  """``--compile_cache=~/x`` (or the environment's) is the home directory's ``x``, not a
+  directory named ``~`` in the working directory."""
+  monkeypatch.setenv("HOME", str(tmp_path))
+  assert compile_cache.choose("~/xla") == str(tmp_path / "xla")
+  monkeypatch.setenv(compile_cache.ENV, " ~/env_xla ")
+  assert compile_cache.choose() == str(tmp_path / "env_xla")
+
+
+def test_config_flags_of_either_form_are_overrides():
+  """The fields a command line sets, which a resume takes over the saved config: absl's
+  ``--noconfig.<bool>`` sets one too (to False), as ``--config.<field>=...`` does."""
+  from tlt_jax import cli  # pylint: disable=import-outside-toplevel
+  argv = ["tlt_jax.train", "--config.trainer.steps=3", "--noconfig.trainer.control",
+          "--config.resume", "--verbose", "--compile_cache=off"]
+  assert cli.config_overrides(argv) == ["trainer.steps", "trainer.control", "resume"]
+
+
 def test_second_run_loads_what_the_first_compiled(tmp_path):
   cache = tmp_path / "cache"
   cold, _ = run_generate(ONE_PROMPT + [f"--compile_cache={cache}"])

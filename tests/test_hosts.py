@@ -169,6 +169,17 @@ def test_the_launcher_refuses_bad_arguments(capfd, argv, message):
   assert message in capfd.readouterr().err
 
 
+def test_the_cpu_pool_is_at_least_the_devices(monkeypatch):
+  """A launched process's XLA:CPU pool is that of one process with every device: the
+  environment's ``$PJRT_NPROC`` / ``$NPROC`` or the machine's cores, never fewer than the
+  devices (XLA:CPU's own rule, whose partial sums the launched processes must match)."""
+  assert launch.cpu_pool_size({"PJRT_NPROC": "1"}, 4) == 4
+  assert launch.cpu_pool_size({"NPROC": "16"}, 4) == 16
+  assert launch.cpu_pool_size({"PJRT_NPROC": "3", "NPROC": "16"}, 2) == 3
+  env = launch.child_env({"PJRT_NPROC": "1"}, 1, 2, "127.0.0.1:1", 4, None)
+  assert env["PJRT_NPROC"] == "8" and env["JAX_PROCESS_ID"] == "1"
+
+
 def test_initialize_refuses_a_process_that_already_touched_a_device():
   jax.devices()
   with pytest.raises(RuntimeError, match="must start before anything touches a JAX device"):
@@ -185,7 +196,10 @@ def test_initialize_says_what_is_wrong_with_the_environment():
                          "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
                         "process id 2 is outside [0, 2)"),
                        ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0",
-                         "JAX_COORDINATOR_ADDRESS": "localhost"}, "needs a port")]:
+                         "JAX_COORDINATOR_ADDRESS": "localhost"}, "needs a port"),
+                       ({"JAX_NUM_PROCESSES": "0", "JAX_PROCESS_ID": "0",
+                         "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
+                        "the number of processes must be at least 1, got 0")]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env=dict(clean, PYTHONPATH=str(ROOT), **env), timeout=60, check=False)

@@ -40,6 +40,14 @@ def test_drafter_exports_are_the_implementations():
   assert set(drafter_pkg.__all__) <= set(dir(drafter_pkg))
 
 
+def test_rl_exports_are_the_implementations():
+  from tlt_jax import rl  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl import tasks  # pylint: disable=import-outside-toplevel
+  assert rl.ArithmeticTask is tasks.ArithmeticTask and rl.Problem is tasks.Problem
+  assert rl.Task is tasks.Task and rl.extract_answer is tasks.extract_answer
+  assert set(rl.__all__) <= set(dir(rl))
+
+
 @pytest.mark.slow
 def test_each_package_imports_first_in_a_fresh_process():
   """No circular import, whichever package a user imports first."""

@@ -309,3 +309,22 @@ def test_a_signal_during_a_save_waits_for_the_save_then_stops():
         finished.append("the save")
     assert e.value.exit_code == 130
   assert finished == ["the save"]
+
+
+def test_a_second_signal_during_the_steps_stops_at_once_and_the_handlers_come_back():
+  """``StopSignals.graceful()`` (around the RL steps): the first SIGTERM only asks for a stop
+  after the step in flight (``signum``); a second one raises at once (exit code 128 + 15); on
+  leaving, the previous handlers are back."""
+  from tlt_jax.job.signals import StopSignals  # pylint: disable=import-outside-toplevel
+  before = signal.getsignal(signal.SIGTERM)
+  with StopSignals() as stop:
+    with pytest.raises(Interrupted, match="^SIGTERM received$") as e:
+      with stop.graceful():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler has run by now
+        assert stop.signum == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        raise AssertionError("a second SIGTERM did not stop the steps")
+    assert e.value.exit_code == 143
+  assert signal.getsignal(signal.SIGTERM) is before

@@ -239,6 +239,16 @@ def test_gym_scorer_crash_scores_zero(gym, monkeypatch):
   assert task.reward(problem, problem.solution) == 0.0
 
 
+def test_a_non_finite_score_scores_zero(gym, monkeypatch):
+  """A scorer that answers NaN or Inf gives reward 0: one such row would make its whole group's
+  advantages NaN (and the update would be skipped or stop the run)."""
+  task = ReasoningGymTask("basic_arithmetic", size=4, seed=0)
+  problem = task.problem(0)
+  for score in (float("nan"), float("inf"), -float("inf")):
+    monkeypatch.setattr(task.dataset, "score_answer", lambda answer, entry, s=score: s)
+    assert task.reward(problem, problem.solution) == 0.0, score
+
+
 def test_gym_sampling_is_deterministic_and_cached(gym, monkeypatch):
   task = ReasoningGymTask("basic_arithmetic", size=4, seed=1)
   generated = []

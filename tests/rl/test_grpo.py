@@ -339,6 +339,7 @@ def test_jit_static_config_and_closure():
     ("clip_eps_high", 0.0), ("clip_eps_high", float("nan")),
     ("kl_coef", -0.1), ("kl_coef", float("inf")),
     ("loss_agg", "mean"), ("normalize_std", 1), ("eps", 0.0),
+    ("eps", float("inf")),  # every advantage would be 0: nothing to learn from
 ])
 def test_bad_config_raises_with_field_name(field, value):
   kwargs = {"group_size": 4, field: value}

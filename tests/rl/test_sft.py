@@ -181,6 +181,7 @@ def test_greedy_accuracy_agrees_with_a_plain_greedy_decode():
     (dict(learning_rate=0.0), "learning_rate must be > 0"),
     (dict(learning_rate=-1e-3), "learning_rate must be > 0"),
     (dict(learning_rate="3e-3"), "learning_rate must be > 0"),
+    (dict(learning_rate=float("inf")), "learning_rate must be > 0 and finite, got inf"),
 ])
 def test_sft_config_validation(kwargs, message):
   with pytest.raises(ValueError, match=message):

@@ -112,6 +112,19 @@ def test_invalid_settings_are_rejected():
     ArithmeticTask().make_problem(1, 2, "*")
 
 
+def test_sums_put_the_longer_operand_first_or_second_alike():
+  """The larger operand of a sum is drawn first, then the pair is swapped half of the time: a
+  model sees "5+123=?" as often as "123+5=?" (subtractions keep the larger one first)."""
+  problems = ArithmeticTask(max_digits=6).sample(np.random.default_rng(2), 2000)
+  lengths = [tuple(len(x) for x in p.prompt[:-2].split("+")) for p in problems]
+  first, second = sum(a > b for a, b in lengths), sum(a < b for a, b in lengths)
+  assert first > 200 and second > 200 and abs(first - second) < 0.2 * (first + second)
+  for p in ArithmeticTask(max_digits=6, subtraction=True).sample(np.random.default_rng(2), 500):
+    if "-" in p.prompt:
+      a, b = (int(x) for x in p.prompt[:-2].split("-"))
+      assert a >= b, p.prompt
+
+
 def test_operand_digits_is_the_larger_operands_size():
   """The size a problem is drawn by: over many draws, each size's share follows digit_probs
   (a parse that took the first operand, or the result, would not)."""

@@ -1,6 +1,7 @@
 """The main job rejects bad config values at start, naming the field."""
 
 import pathlib
+import types
 
 import pytest
 
@@ -42,6 +43,34 @@ def test_unknown_keys_are_rejected(tmp_path):
   cfg.sft.stepz = 3
   with pytest.raises(ValueError, match=r"config.sft has unknown keys \['stepz'\]"):
     train.run(cfg)
+
+
+def test_a_config_without_a_required_field_names_it(tmp_path):
+  """A config file written by hand that lacks a field the job needs says which, not a KeyError
+  from deep in the job; the fields with defaults (e.g. ``fsdp``) may be left out."""
+  cfg = default_config()
+  cfg.logdir = str(tmp_path)
+  del cfg["checkpoint_every"]
+  del cfg["fsdp"]
+  with pytest.raises(ValueError, match=r"^config lacks the fields \['checkpoint_every'\]; start "
+                                       r"from .*tiny_grpo.py"):
+    train.run(cfg)
+
+
+def test_the_last_step_is_evaluated_once_and_always_checkpointed():
+  """Periodic held-out evaluations come every eval_every steps but not after the last step,
+  which the final evaluation covers (evaluated twice, a run would pay for the same figures
+  twice); checkpoints every checkpoint_every steps and after the last."""
+  from tlt_jax.job import runner  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl.trainer import TrainerConfig  # pylint: disable=import-outside-toplevel
+  evaluation_due = runner._evaluation_due  # pylint: disable=protected-access
+  checkpoint_due = runner._checkpoint_due  # pylint: disable=protected-access
+  config = TrainerConfig(steps=6, eval_every=2)
+  assert [s for s in range(1, 7) if evaluation_due(config, s)] == [2, 4]
+  assert not any(evaluation_due(TrainerConfig(steps=6), s) for s in range(1, 7))
+  job = types.SimpleNamespace(cfg=types.SimpleNamespace(checkpoint_every=4),
+                              trainer=TrainerConfig(steps=6))
+  assert [s for s in range(1, 7) if checkpoint_due(job, s)] == [4, 6]
 
 
 def test_the_long_tail_job_is_one_batch_of_heavy_tailed_rows_over_epochs():

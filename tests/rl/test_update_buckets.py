@@ -459,3 +459,14 @@ def test_the_policys_old_logprobs_are_its_forward_pass_and_compile_nothing_after
   single = make_trainer(update_tokens=update_tokens, old_logprobs="policy")
   m = single.policy_update(batch)
   assert (m["ratio_mean"], m["clip_fraction"], m["approx_kl"]) == (1.0, 0.0, 0.0), m
+
+
+def test_with_two_epochs_the_second_pass_scores_against_the_params_before_the_step():
+  """old_logprobs="policy" with epochs=2: only a single pass over the rows may take its own
+  forward pass as the old log-probs; the second epoch's update runs with params the first one
+  moved, so its ratios are no longer 1 (were its old log-probs its own, they would all be)."""
+  trainer = make_trainer(old_logprobs="policy", epochs=2)
+  batch = ragged_batch(trainer, LONG_TAIL, seed=4)
+  metrics = trainer.policy_update(batch)
+  assert metrics["skipped_updates"] == 0
+  assert metrics["approx_kl"] > 0.0 and metrics["ratio_mean"] != 1.0, metrics

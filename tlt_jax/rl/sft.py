@@ -7,6 +7,7 @@ problem) so the step compiles once; the loss is taken on solution and EOS tokens
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -37,8 +38,10 @@ class SFTConfig:
       raise ValueError(f"SFTConfig.steps must be an int >= 0 (0: no warm start), got "
                        f"{self.steps!r}")
     require_positive_ints(self, "rows", "row_len")
-    if not (isinstance(self.learning_rate, (int, float)) and self.learning_rate > 0):
-      raise ValueError(f"SFTConfig.learning_rate must be > 0, got {self.learning_rate!r}")
+    if not (isinstance(self.learning_rate, (int, float)) and math.isfinite(self.learning_rate)
+            and self.learning_rate > 0):
+      raise ValueError(f"SFTConfig.learning_rate must be > 0 and finite, got "
+                       f"{self.learning_rate!r}")
 
 
 def encode_problem(tokenizer: CharTokenizer, problem: Problem) -> tuple[list[int], int]:
