@@ -124,3 +124,14 @@ def test_the_rollout_section_takes_engine_config_s_defaults():
   section.segment_steps = 4  # a placeholder a command line can set
   with pytest.raises(TypeError, match=r"\['max_batches'\] are not config.rollout fields"):
     rollout_section(max_batches=4)
+
+
+def test_sd_max_batch_and_verify_budget_include_their_own_bucket():
+  """``sd_max_batch`` is the largest bucket that may speculate, and a strategy whose verify pass
+  fills ``verify_budget`` exactly still serves the bucket."""
+  config = EngineConfig(max_batch=8, strategies=((4, 1, 5),), sd_max_batch=4)
+  chain = config.strategies[0]
+  assert [config.serves(chain, b) for b in (1, 2, 4, 8)] == [True, True, True, False]
+  assert [len(config.options(b)) for b in config.batch_buckets] == [2, 2, 2, 1]
+  config = EngineConfig(max_batch=8, strategies=((4, 1, 5),), verify_budget=10)
+  assert [config.serves(chain, b) for b in (1, 2, 4, 8)] == [True, True, False, False]

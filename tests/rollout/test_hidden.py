@@ -90,6 +90,17 @@ def test_collect_a_fraction_or_given_rows(engines):
   assert engines["chain"].generate(prompts, params).hidden is None
 
 
+def test_a_collected_fraction_is_drawn_afresh_for_each_seed():
+  """``collect_hidden=<fraction>`` picks its rows by the sampling seed: the same rows for one
+  seed, other rows for another (the drafter does not train on the same row positions every
+  step)."""
+  from tlt_jax.rollout.interface import collect_mask  # pylint: disable=import-outside-toplevel
+  picks = [tuple(np.flatnonzero(collect_mask(0.25, 16, seed, True))) for seed in range(4)]
+  assert all(len(p) == 4 for p in picks)
+  assert picks[0] == tuple(np.flatnonzero(collect_mask(0.25, 16, 0, True)))
+  assert len(set(picks)) > 1
+
+
 def test_mean_accept_len_is_none_without_a_speculative_step(engines):
   from tlt_jax.rollout.tuner import TunerConfig, make_tuner  # pylint: disable=import-outside-toplevel
   engine = engines["adaptive"]

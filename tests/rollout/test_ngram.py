@@ -126,6 +126,26 @@ def test_own_most_recent_beats_sibling_and_longer_suffix_wins():
   np.testing.assert_array_equal(np.asarray(draft[0]), [6, 2, 1])  # n=1: own, most recent
 
 
+def test_the_engine_s_ngram_kind_drafts_from_a_row_s_siblings():
+  """``kinds.NgramKind`` (what the engine's n-gram steps call) searches the rows of the decode
+  state's prompt group: row 1 has only just started and drafts its sibling's continuation."""
+  from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.kinds import KINDS, DrafterKind  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.speculative import SpecConfig  # pylint: disable=import-outside-toplevel
+  state = SimpleNamespace(
+      prompt_tokens=jnp.array([[5, 6, 0], [5, 6, 0]], jnp.int32),
+      prompt_lens=jnp.array([2, 2], jnp.int32),
+      tokens=jnp.array([[7, 8, 9, 10, 0], [7, 0, 0, 0, 0]], jnp.int32),
+      num_generated=jnp.array([4, 1], jnp.int32), last_token=jnp.array([10, 7], jnp.int32),
+      group_id=jnp.array([0, 0], jnp.int32), row_id=jnp.array([0, 1], jnp.int32),
+      done=jnp.array([False, False]))
+  drafted = KINDS[DrafterKind.NGRAM].draft(
+      SimpleNamespace(ngram=NgramConfig(max_ngram=3, depth=4)), None, None, state, None,
+      SimpleNamespace(members=[SpecConfig(4, 1, 5)]), 0)
+  np.testing.assert_array_equal(np.asarray(drafted.draft.draft_len), [0, 3])
+  np.testing.assert_array_equal(np.asarray(drafted.draft.tokens[1, :4]), [7, 8, 9, 10])
+
+
 def test_no_recompile_across_values_and_runs_in_while_loop():
   rng = np.random.default_rng(0)
   cases = [random_case(rng, b=8, p=6, n=16, vocab=4, num_groups=2) for _ in range(3)]

@@ -36,6 +36,25 @@ def test_one_device_is_the_plain_engine():
     DataParallelRollout(target, None, cfg, devices=[dp.devices[0]] * 2)
 
 
+def test_a_fresh_shared_tuner_keeps_the_calibrated_step_costs():
+  """``set_tuner()`` builds a fresh tuner and hands it what the precompile measured, as the
+  one-device engine's does (the cost tuner chooses by those costs)."""
+  from tests.helpers import sharp_random_model  # pylint: disable=import-outside-toplevel
+  from tlt_jax.models.model_config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.engine import EngineConfig  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.ngram import NgramConfig  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.parallel import DataParallelRollout  # pylint: disable=import-outside-toplevel
+  target = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=2)
+  dp = DataParallelRollout(target, NgramConfig(depth=3), EngineConfig(
+      max_batch=2, max_prompt_len=8, max_new_tokens=8, prefill_buckets=(8,),
+      strategies=((3, 1, 4),)))
+  dp.engines[0].calibration = ({(1, "vanilla"): 1e-3, (1, "ngram d3"): 3e-3}, 2e-4)
+  old = dp.tuner
+  dp.set_tuner()
+  assert dp.tuner is not old
+  assert dp.tuner.step_cost(1, "vanilla") == 1e-3 and dp.tuner.step_cost(1, "ngram d3") == 3e-3
+
+
 @pytest.mark.slow
 def test_two_devices_same_tokens_and_idle_devices_work():
   """See parallel_check.py: same tokens as one device (vanilla sampled, adaptive coupled

@@ -15,7 +15,7 @@ from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.sampling import SamplingParams, filtered_logprobs
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.speculative import Draft, SpecConfig, tree_attention
 
 STOPS = (3, 4, 5, 6)
 GREEDY_BATCHES = ([5], [3, 12, 7], [9, 2, 14, 5, 7, 1, 11])  # 1, 3 and 7 rows of varied lengths
@@ -67,6 +67,17 @@ def spec_engines(targets):
           target, drafter=drafter, config=EngineConfig(**BASE, spec=STRATEGIES[strategy]))
     return cache[drafter_kind, strategy]
   return get
+
+
+def test_tree_attention_lets_each_node_see_itself_and_every_ancestor():
+  """Node 4 sits 3 levels under the root (0 -> 1 -> 3 -> 4; 2 is 1's sibling): it sees the root,
+  1, 3 and itself, and nothing of the sibling branch."""
+  parent = jnp.array([[0, 0, 0, 1, 3]], jnp.int32)
+  draft = Draft(tokens=jnp.zeros((1, 5), jnp.int32), depth=jnp.array([[0, 1, 1, 2, 3]]),
+                parent=parent, children=jnp.full((1, 5, 2), -1, jnp.int32), draft_probs=None,
+                draft_len=jnp.array([3], jnp.int32))
+  want = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
+  np.testing.assert_array_equal(np.asarray(tree_attention(draft, 3))[0], np.array(want, bool))
 
 
 # the fast tier: a chain and the widest tree with a random drafter (the mirror drafter's sampled

@@ -57,3 +57,13 @@ def test_last_seconds_count_the_segments_with_at_most_an_eighth_of_the_rows_live
   assert last_seconds(segments) == 0.125 + 0.0625 + 2.0
   assert tail_seconds(segments) == 0.25 + 0.125 + 0.0625 + 2.0
   assert last_seconds([]) == 0.0
+
+
+def test_the_run_s_arm_shares_weigh_each_step_by_its_decode_steps():
+  from tlt_jax.rollout.stats import run_sd_summary  # pylint: disable=import-outside-toplevel
+  history = [{"sd_switches": 0, "arm_share/vanilla": 1.0, "decode_steps": 300},
+             {"sd_switches": 2, "arm_share/vanilla": 0.0, "arm_share/chain_d3": 1.0,
+              "decode_steps": 100},
+             {"eval_reward": 0.5}]  # not an RL step: left out
+  assert run_sd_summary(history) == ("SD: vanilla 75% chain_d3 25% of decode steps; "
+                                     "2 switches (0.00 s catch-up)")

@@ -859,3 +859,13 @@ def test_the_cost_model_learns_acceptance_from_the_rows_the_rollout_waits_for():
   assert chosen.count("chain d7") == 1 and chosen[-6:] == ["vanilla"] * 6, chosen
   with pytest.raises(ValueError, match="critical_length must be a finite number >= 0"):
     tuner.update(1, "chain d7", 4, 1.0, steps=1, row_steps=4, critical_length=float("nan"))
+
+
+def test_a_segment_s_step_cost_leaves_out_its_catch_up_but_its_reward_does_not():
+  """A switch's drafter catch-up is charged to the segment's reward (tokens per second) but is
+  not a decode step: the arm's measured step cost is the rest of the segment's seconds."""
+  tuner = make_tuner(TunerConfig())
+  tuner.plan(4, [Arm("vanilla"), Arm("chain d3", 3)])
+  tuner.update(4, "chain d3", 64, 0.5, steps=16, row_steps=32, switch_s=0.1)
+  assert tuner.step_cost(4, "chain d3") == pytest.approx(0.4 / 16)
+  assert tuner.summary()["4"]["chain d3"]["median_reward"] == pytest.approx(64 / 0.5)

@@ -432,9 +432,10 @@ class RolloutEngine(Rollout):
     ``RolloutResult.hidden`` for all rows (True), a seeded random fraction of them (a float) or
     the rows given by one bool per prompt.
 
-    The data-parallel hooks (``DataParallelRollout.generate``) on one device: ``shard_done(0,
-    row_offset, result)`` is called once with the whole result before it is returned; ``idle``
-    never (no device is left idle while another decodes).
+    The data-parallel hooks (``DataParallelRollout.generate``) on one device: ``shard_done(0, 0,
+    result)`` is called once with the whole result before it is returned (its first row is
+    ``prompts[0]``, counted within this call as a data-parallel rollout counts a shard's, whatever
+    ``row_offset``); ``idle`` never (no device is left idle while another decodes).
     """
     del idle  # one device: never idle while another decodes
     prompts = self.check_prompts(prompts)
@@ -466,7 +467,7 @@ class RolloutEngine(Rollout):
     result = RolloutResult(rows.tokens, rows.logprobs, rows.reasons, stats,
                            None if collect is None else rows.hidden)
     if shard_done is not None:
-      shard_done(0, int(row_offset), result)
+      shard_done(0, 0, result)  # within this call's prompts (a caller adds its offset)
     return result
 
   def _finish_stats(self, stats: RolloutStats, tokens: list[list[int]], compiles0: int,
