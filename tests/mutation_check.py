@@ -1245,6 +1245,22 @@ MUTANTS = [
            ("tests/rl/test_train_chat.py", "-k", "smollm2_configs_build"),
            "the SmolLM2 chat job asks for a char-level warm start an instruction-tuned model can"
            "not take"),
+    Mutant("tiny_grpo_trains_a_drafter_by_default", "tlt_jax/configs/tiny_grpo.py",
+           '  c.drafter = "none"', '  c.drafter = "eagle"',
+           ("tests/test_train_job.py", "-k", "saves_its_config_metrics"),
+           "the README's default job left with a drafter (a local experiment committed)"),
+    Mutant("tiny_generate_left_with_a_local_model", "tlt_jax/configs/tiny_generate.py",
+           '  c.model.path = ""', '  c.model.path = "runs/tiny/final_model"',
+           ("tests/test_generate.py", "-k", "every_prompt"),
+           "the generation demo points at a contributor's local checkpoint, not the tiny preset"),
+    Mutant("mid_longtail_every_power_of_two", "tlt_jax/configs/mid_longtail.py",
+           "batch_buckets=(1, 4, 16, 64), ", "",
+           ("tests/rl/test_train_config.py", "-k", "job_is_the_long_tail_job"),
+           "the mid-size job compiles every power-of-two bucket (its stated fewer executables lost)"),
+    Mutant("reasoning_gym_config_keeps_gsm_symbolic", "tlt_jax/configs/smollm2_reasoning_gym.py",
+           '  c.task.name = "chain_sum"\n', "",
+           ("tests/rl/test_train_chat.py", "-k", "smollm2_configs"),
+           "the reasoning-gym config inherits smollm2_gsm8k's task name"),
     # --- end audit rl job top ---
 ]
 
