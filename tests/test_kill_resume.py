@@ -57,7 +57,6 @@ EAGLE = {"drafter": "eagle", "drafter_training.rows": 2, "drafter_training.seq_l
          **fixed_tuner("chain d3")}
 CASES = {
     "default": ({}, 1),
-    "eagle": (EAGLE, 1),
     # the ledger's bootstrap grant runs out at step 3; the fixed tuner's buckets give the
     # ledger no vanilla step cost to estimate a saving from, so it grants nothing after it
     "eagle_ledger": ({**EAGLE, "drafter_training.serial_budget": "ledger",
@@ -157,12 +156,14 @@ def references(tmp_path_factory):
   return get
 
 
-# (eagle with a fixed budget is stopped by Ctrl-C here; its SIGKILL is the ledger case's, which
-# writes the same state and the ledger's besides. The n-gram drafter has no state of its own: its
-# adaptive engine's stop and resume is the default-tuner case's, tests/test_same_seed.py.)
+# (The EAGLE drafter's Ctrl-C is the ledger case's, which writes the fixed budget's state and the
+# ledger's besides: a separate fixed-budget eagle case wrote a subset of it and was dropped for
+# CI's time, issue 53. The drafter's SIGKILL is the two-device and EAGLE-3 cases'. The n-gram
+# drafter has no state of its own: its adaptive engine's stop and resume is the default-tuner
+# case's, tests/test_same_seed.py.)
 SIGNAL_CASES = [("default", signal.SIGKILL), ("default", signal.SIGTERM),
-                ("eagle", signal.SIGINT), ("eagle_ledger", signal.SIGKILL),
-                ("eagle_2_devices", signal.SIGKILL), ("eagle3", signal.SIGKILL)]
+                ("eagle_ledger", signal.SIGINT), ("eagle_2_devices", signal.SIGKILL),
+                ("eagle3", signal.SIGKILL)]
 # Every case is a process killed and resumed: the full tier's (the fast tier stays under 10
 # minutes on 2 cores; its restart tests run in-process: tests/test_restart_path.py and
 # tests/rl/test_trainer.py's save and restore). The ledger case writes every kind of state at

@@ -20,6 +20,7 @@ pytest.importorskip("matplotlib")
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+COMPILE_BOUND = {"01_rollout_engine.ipynb"}  # run with the tests' fast-compile flags (see below)
 
 
 def test_there_are_notebooks():
@@ -38,9 +39,13 @@ def test_notebook_executes(path, monkeypatch):
   # built twice (03 trains twice) or by two notebooks is loaded, not compiled, the second time.
   # Results are unchanged: an entry is keyed by the program and its compile options.
   # XLA's default optimisation, as a user's kernel has: a notebook runs real training (where the
-  # fast-compile flags of conftest.py cost more than they save) and asserts what it learned
-  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE_FLAGS,
-                                                                           "").strip())
+  # fast-compile flags of conftest.py cost more than they save) and asserts what it learned. The
+  # one notebook that mostly compiles keeps the flags (measured alone, 2026-12-06: 01 took 15 s
+  # with them and 30 s without; 02, 03 and 04 took 69 / 113 / 51 s with them, 56 / 76 / 43 s
+  # without)
+  if path.name not in COMPILE_BOUND:
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE_FLAGS,
+                                                                             "").strip())
   nb = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                    resources={"metadata": {"path": str(path.parent)}})

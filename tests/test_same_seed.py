@@ -7,8 +7,11 @@ tokens vanilla sampling draws for the seed, so rewards, losses and weights follo
 
 The job as users run it (full tier): for ``drafter=eagle`` (SIGKILL), ``ngram`` (Ctrl-C's
 SIGINT), ``suffix`` in epoch mode (SIGTERM) and ``eagle`` on two devices with spot training
-(SIGKILL), each stopped at a random step and resumed, two uninterrupted runs and the resumed one
-follow one policy trajectory. The fixed-tuner kill/resume cases, which also compare the drafter's
+(SIGKILL), each stopped at a random step and resumed, follows the uninterrupted run's policy
+trajectory: the stopped run is a second run of the same config and seed up to its stop, and the
+resumed one goes on from a checkpoint through the same timed decisions. (A third, uninterrupted
+run was dropped for CI's time, issue 53: a run that differed from the reference after the stop
+without being stopped would make the resumed one differ too, which the test already fails on.) The fixed-tuner kill/resume cases, which also compare the drafter's
 and the tuner's state exactly, are in tests/test_kill_resume.py.
 """
 
@@ -20,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.test_kill_resume import (CASES, final_params, policy_rows, references, run_job,  # pylint: disable=unused-import
+from tests.test_kill_resume import (CASES, final_params, policy_rows, references,  # pylint: disable=unused-import
                                     stop_and_resume)
 from tests.test_train_job import tiny_config
 from tlt_jax.job import runner
@@ -113,17 +116,13 @@ DEFAULT_TUNER_CASES = [("eagle_default_tuner", signal.SIGKILL),
 @pytest.mark.slow
 @pytest.mark.parametrize("case, sig", DEFAULT_TUNER_CASES,
                          ids=[f"{c}-{signal.Signals(s).name}" for c, s in DEFAULT_TUNER_CASES])
-def test_with_the_default_tuner_two_runs_and_a_resumed_one_follow_one_policy(references, tmp_path,
-                                                                             case, sig):
-  flags, devices = CASES[case]
+def test_with_the_default_tuner_a_stopped_and_resumed_run_follows_the_uninterrupted_policy(
+    references, tmp_path, case, sig):
   stopped = tmp_path / "stopped"
   why = stop_and_resume(stopped, case, sig)
-  again = tmp_path / "again"  # a second uninterrupted run
-  rc, _, err = run_job(again, flags, devices)
-  assert rc == 0, (why, err[-3000:])
   reference = references(case)
   want = policy_rows(reference)
-  for name, logdir in (("the resumed run", stopped), ("a second run", again)):
+  for name, logdir in (("the resumed run", stopped),):
     got = policy_rows(logdir)
     assert [r["step"] for r in got] == [r["step"] for r in want], (name, why)
     for a, b in zip(want, got):
