@@ -278,16 +278,15 @@ def test_a_correct_answer_ended_by_eos_scores_in_held_out_evaluation(monkeypatch
   # problems answered perfectly score 1 each
   trainer = make_trainer(eval_problems=4)
   eos = trainer.tokenizer.eos_token_id
+  problems = eval_problems(trainer.task, 4, EVAL_SEED)
+  answer_for = {tuple(trainer.encode_prompt(p)): p.solution for p in problems}
   answers = lambda prompts: [trainer.tokenizer.encode(answer_for[tuple(p)]) + [eos]
                              for p in prompts]
-  answer_for = {}
 
   def generate(prompts, sampling, **_):
     tokens = answers(prompts)
     return types.SimpleNamespace(tokens=tokens, logprobs=[[0.0] * len(t) for t in tokens])
 
-  problems = eval_problems(trainer.task, 4, EVAL_SEED)
-  answer_for.update({tuple(trainer.encode_prompt(p)): p.solution for p in problems})
   monkeypatch.setattr(trainer.engine, "generate", generate)
   _, texts, rewards = trainer.held_out()
   assert rewards == [1.0] * 4 and not any("<eos>" in t for t in texts), texts

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.models.model_config import ModelConfig
+from tlt_jax.rollout.buckets import bucket_for
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
 from tests.helpers import sharp_random_model
@@ -159,7 +160,7 @@ def test_rows_compacted_beside_padding_slots_finish_whole(engines, monkeypatch):
   real = engine.scheduler._compact  # pylint: disable=protected-access
 
   def spy(run, live, *args):
-    padded.append(min(b for b in engine.config.batch_buckets if b >= live.size) > live.size)
+    padded.append(bucket_for(live.size, engine.config.batch_buckets) > live.size)
     return real(run, live, *args)
 
   monkeypatch.setattr(engine.scheduler, "_compact", spy)
