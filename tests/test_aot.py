@@ -75,7 +75,7 @@ def test_compile_all_in_threads_keeps_keys_order_and_compiles_each_key_once():
     np.testing.assert_allclose(cache.lookup(n)(jnp.ones(n)), np.full(n, 3.0))
   before = compile_count()
   assert cache.compile_all(keys, lower_of, workers=3) == 0 and compile_count() == before
-  assert set(cache.seconds_by_key) == set(keys) and not cache._key_locks  # pylint: disable=protected-access
+  assert set(cache.seconds_by_key) == set(keys) and not cache.compiling()
 
 
 def test_a_get_during_compile_all_waits_for_its_executable():
@@ -110,7 +110,7 @@ def test_a_failed_compile_is_raised_and_frees_its_key():
     raise AssertionError("no error")
   except RuntimeError as e:
     assert "lowering 2 failed" in str(e)
-  assert 2 not in cache and not cache._key_locks  # pylint: disable=protected-access
+  assert 2 not in cache and not cache.compiling()
   assert cache.get(2, _lowering(calls, 2)) is not None  # nothing left locked
   with np.testing.assert_raises_regex(ValueError, "workers must be >= 1"):
     cache.compile_all([7, 8], lambda n: _lowering(calls, n)(), workers=0)

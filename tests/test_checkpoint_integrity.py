@@ -220,7 +220,7 @@ def test_log_filters_drop_only_orbax_noise():
   # into orbax's closed event loop are dropped; the user's own pass through.
   seen = []
   hook = sys.unraisablehook
-  assert getattr(hook, "_tlt_checkpoint", False)
+  assert getattr(hook, "tlt_checkpoint", False)
   coro = SimpleNamespace(cr_code=SimpleNamespace(co_filename=orbax_file))
   closed = RuntimeError("Event loop is closed")
   try:

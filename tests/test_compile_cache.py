@@ -24,8 +24,8 @@ from tlt_jax.utils import compile_count
 events = {}
 monitoring.register_event_listener(lambda name, **kw: events.update({name: events.get(name, 0) + 1}))
 compile_count()
-rc = cli.main(generate.__doc__, generate.run, generate._DEFAULT_CONFIG, sys.argv,
-              extra_flags=generate._prompt_flag)
+rc = cli.main(generate.__doc__, generate.run, generate.DEFAULT_CONFIG, sys.argv,
+              extra_flags=generate.prompt_flag)
 print(json.dumps(dict(rc=rc, compiles=compile_count(),
                       requests=events.get("/jax/compilation_cache/compile_requests_use_cache", 0),
                       hits=events.get("/jax/compilation_cache/cache_hits", 0))))
@@ -35,8 +35,8 @@ print(json.dumps(dict(rc=rc, compiles=compile_count(),
 # the same for the main job (tlt_jax.train)
 _COUNTING_TRAIN = _COUNTING_MAIN.replace(
     "from tlt_jax import cli, generate", "from tlt_jax import cli, train").replace(
-    """cli.main(generate.__doc__, generate.run, generate._DEFAULT_CONFIG, sys.argv,
-              extra_flags=generate._prompt_flag)""",
+    """cli.main(generate.__doc__, generate.run, generate.DEFAULT_CONFIG, sys.argv,
+              extra_flags=generate.prompt_flag)""",
     "cli.main(train.__doc__, train.run, train.DEFAULT_CONFIG, sys.argv)")
 
 
@@ -142,14 +142,14 @@ def test_generate_compiles_only_what_its_request_uses(monkeypatch):
       engines.append(self)
 
   monkeypatch.setattr(generate, "RolloutEngine", Recorded)
-  cfg = generate._DEFAULT_CONFIG
+  cfg = generate.DEFAULT_CONFIG
   from tlt_jax.job import typed_config as config_lib  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load_config_file(cfg)
   cfg.rollout.update(max_new_tokens=16)
   cfg.sampling.update(max_new_tokens=16)
   stats = generate.run(cfg, prompts=["12+7=?"])
   engine, = engines
-  compiled = set(engine._executables)
+  compiled = set(engine.pool.executables)
   # one row: its prefill and decode segments at batch 1, nothing of the other batch buckets
   assert stats["compiles"] == len(compiled) <= 3
   assert {key[1] for key in compiled} == {1} and ("prefill", 1, 16) in compiled

@@ -19,7 +19,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
-LIBRARIES = {"__init__.py", "harness.py", "rl_bench.py", "device_flags.py"}  # not scripts
+# not scripts: the modules the scripts share
+LIBRARIES = {"__init__.py", "harness.py", "rl_bench.py", "step_time.py", "device_flags.py"}
 
 RUNNER = """\
 import contextlib, io, json, runpy, sys

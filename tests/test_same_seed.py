@@ -63,13 +63,13 @@ def test_in_the_default_job_the_tuners_choice_of_arm_changes_nothing_the_policy_
   for name, fixed in (("speculative", ((sd_max, sd_arm),) + above),
                       ("vanilla", ((top, "vanilla"),))):
     trainer = job_trainer(tmp_path / name, fixed)
-    used, packed_update = [], trainer.policy._packed_update
+    used, packed_update = [], trainer.policy.packed_update
 
     def recording(batch, picked, lengths, used=used, packed_update=packed_update):
       used.append(np.array(batch["old_logprobs"][picked]))  # what the loss compares against
       return packed_update(batch, picked, lengths)
 
-    trainer.policy._packed_update = recording
+    trainer.policy.packed_update = recording
     runs[name] = ([trainer.step() for _ in range(2)], policy(trainer), used)
   (sd_rows, sd_params, sd_old), (v_rows, v_params, v_old) = runs["speculative"], runs["vanilla"]
   assert len(sd_old) == len(v_old) == 4  # 2 steps x 2 minibatches

@@ -28,10 +28,10 @@ from tlt_jax.job.typed_config import ConfigError, load_config_file, read_json_co
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.drafter_io import load_drafter, save_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
-from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.trainer import TrainerConfig, metric_kind
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.engine import RolloutEngine
+from tlt_jax.rollout.history import HistoryConfig
 from tlt_jax.rollout.speculative import SpecConfig
 from tlt_jax.rollout.suffix import SuffixConfig
 
@@ -411,14 +411,14 @@ def test_the_job_hands_the_trainer_its_suffix_drafter_and_history(tmp_path, monk
 def test_a_history_store_too_small_for_an_epoch_is_noted(tmp_path):
   cfg = tiny_config(tmp_path, drafter="suffix", task=dict(max_digits=3, num_prompts=8))
   cfg.history.max_bytes = 4000  # 8 prompts x 2 completions x 16 tokens need 8 x 512 bytes
-  note = runner._history_room(build_job(cfg))
+  note = runner.history_room_note(build_job(cfg))
   assert note.startswith("note: history.max_bytes=4000 holds less than an epoch's completions at "
                          "full length (4096 bytes for 8 prompts x 2 completions x 16 tokens)")
   cfg.history.max_bytes = 4096
-  assert runner._history_room(build_job(cfg)) is None
+  assert runner.history_room_note(build_job(cfg)) is None
   cfg.task.num_prompts = 0  # fresh problems: no epoch to hold
   cfg.history.max_bytes = 10
-  assert runner._history_room(build_job(cfg)) is None
+  assert runner.history_room_note(build_job(cfg)) is None
 
 
 def checkpoint_metadata(logdir, step: int) -> dict:
@@ -512,7 +512,7 @@ def test_a_new_run_in_a_logdir_with_checkpoints_is_refused(finished_run):
 
 
 class FakeTrainer:
-  """What ``runner._train`` uses of a GRPOTrainer; ``step`` runs ``on_step(step)`` first."""
+  """What ``runner.train_steps`` uses of a GRPOTrainer; ``step`` runs ``on_step(step)`` first."""
 
   def __init__(self, on_step=lambda step: None):
     self.step_count, self.saved, self.on_step = 0, [], on_step
@@ -554,6 +554,7 @@ class FakeLog:
 
 def fake_job(tmp_path, steps=4, checkpoint_every=0):
   return types.SimpleNamespace(cfg=tiny_config(tmp_path, checkpoint_every=checkpoint_every),
+                               checkpoint_every=checkpoint_every,
                                trainer=TrainerConfig(steps=steps), logdir=tmp_path,
                                drafter_save_every=0)
 
@@ -571,7 +572,7 @@ def test_a_non_finite_update_advises_what_works(tmp_path, checkpoints, advice):
   with pytest.raises(NonFiniteUpdateError, match=advice + r" and add "
                      r"--config.trainer.on_nonfinite=skip .* or a lower "
                      r"--config.trainer.learning_rate"):
-    runner._train(FakeTrainer(diverge), fake_job(tmp_path), FakeCheckpointer(checkpoints),
+    runner.train_steps(FakeTrainer(diverge), fake_job(tmp_path), FakeCheckpointer(checkpoints),
                  FakeLog())
   assert "on_nonfinite" in load_config_file(ROOT / "configs" / "tiny_grpo.py").trainer
 
@@ -585,7 +586,7 @@ def test_a_signal_during_rl_stops_after_the_step_in_flight_and_saves_it(tmp_path
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match=rf"stopped by {sig.name} after step 2, saved as "
                                                 r"checkpoints/2; continue with") as e:
-      runner._train(trainer, fake_job(tmp_path), FakeCheckpointer(), log, stop=stop)
+      runner.train_steps(trainer, fake_job(tmp_path), FakeCheckpointer(), log, stop=stop)
   assert e.value.exit_code == 128 + sig and trainer.saved == [2]
   assert [step for step, _ in log.rows] == [0, 1, 2]  # the start evaluation, then both steps
 
@@ -594,12 +595,13 @@ def test_a_signal_during_rl_stops_after_the_step_in_flight_and_saves_it(tmp_path
       os.kill(os.getpid(), sig)
       os.kill(os.getpid(), sig)
   trainer = FakeTrainer(twice)
+  before = signal.getsignal(signal.SIGTERM)
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match=r"interrupted during step 2; no checkpoint was "
                                                 r"written yet") as e:
-      runner._train(trainer, fake_job(tmp_path), FakeCheckpointer(), FakeLog(), stop=stop)
+      runner.train_steps(trainer, fake_job(tmp_path), FakeCheckpointer(), FakeLog(), stop=stop)
   assert e.value.exit_code == 128 + sig and trainer.saved == []
-  assert signal.getsignal(signal.SIGTERM) is not stop._handle  # handlers restored
+  assert signal.getsignal(signal.SIGTERM) == before  # handlers restored
 
 
 def test_periodic_evaluations_go_into_their_steps_rows_before_the_save(tmp_path):
@@ -612,7 +614,7 @@ def test_periodic_evaluations_go_into_their_steps_rows_before_the_save(tmp_path)
   log = FakeLog()
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match="stopped by SIGTERM after step 3"):
-      runner._train(trainer, job, FakeCheckpointer(), log, stop=stop)
+      runner.train_steps(trainer, job, FakeCheckpointer(), log, stop=stop)
   assert [(step, "eval_accuracy" in m) for step, m in log.rows] == [
       (0, True), (1, False), (2, True), (3, False)]
   assert trainer.saved == [3]
@@ -626,15 +628,15 @@ def test_periodic_evaluations_go_into_their_steps_rows_before_the_save(tmp_path)
   trainer.evaluate = signal_twice
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match="after step 2, during its held-out evaluation"):
-      runner._train(trainer, job, FakeCheckpointer(), FakeLog(), stop=stop)
+      runner.train_steps(trainer, job, FakeCheckpointer(), FakeLog(), stop=stop)
   assert trainer.saved == []
 
 
 def test_a_checkpoint_is_due_every_checkpoint_every_steps_and_after_the_last(tmp_path):
   job = fake_job(tmp_path, steps=5, checkpoint_every=2)
-  assert [step for step in range(1, 6) if runner._checkpoint_due(job, step)] == [2, 4, 5]
+  assert [step for step in range(1, 6) if runner.checkpoint_due(job, step)] == [2, 4, 5]
   job = fake_job(tmp_path, steps=5)  # checkpoint_every=0: the last step only
-  assert [step for step in range(1, 6) if runner._checkpoint_due(job, step)] == [5]
+  assert [step for step in range(1, 6) if runner.checkpoint_due(job, step)] == [5]
 
 
 class KeptRows:
@@ -658,7 +660,7 @@ def test_a_resumed_run_reads_its_start_figures_from_step_0_s_row(tmp_path):
   rows = [dict(step=0, note="a row without figures"),
           dict(step=0, eval_accuracy=0.25, eval_sampled_reward=0.5),
           dict(step=2, eval_accuracy=0.75, eval_sampled_reward=0.875)]
-  steps = runner._Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), KeptRows(rows), None,
+  steps = runner.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), KeptRows(rows), None,
                         StopSignals())
   assert steps.evaluate_at_start() == (0.25, 0.5)
   steps.log = KeptRows(rows[:1] + rows[2:])
@@ -947,11 +949,11 @@ def drafter_params(drafter) -> dict:
 
 
 def trainer_arguments(job, monkeypatch, latest=None) -> dict:
-  """What ``runner._set_up_trainer`` hands the trainer: its keyword arguments and ``model``."""
+  """What ``runner.set_up_trainer`` hands the trainer: its keyword arguments and ``model``."""
   given = {}
   monkeypatch.setattr(runner, "GRPOTrainer",
                       lambda model, *args, **kwargs: given.update(kwargs, model=model))
-  runner._set_up_trainer(job, latest, None)
+  runner.set_up_trainer(job, latest, None)
   return given
 
 
@@ -1016,7 +1018,7 @@ def test_the_final_exports_write_an_eagle3_drafter_for_vllm_too(tmp_path, monkey
   monkeypatch.setattr(runner, "export_final_model", final_model)
   monkeypatch.setattr(runner, "export_final_drafter", final_drafter)
   trainer = types.SimpleNamespace(online=object(), step_count=2)
-  final, extra = runner._export(trainer, job, job.logdir)
+  final, extra = runner.export_run(trainer, job, job.logdir)
   served = job.logdir / "final_drafter_speculators"
   assert final == job.logdir / "final_model"
   if kind is Drafter:

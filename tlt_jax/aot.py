@@ -16,12 +16,18 @@ parallel.
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import os
+import pickle
 import threading
 import time
+import warnings
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import jax
+import jax.extend.backend
+import numpy as np
+from jax.experimental import serialize_executable
 
 from tlt_jax.utils import in_background, mark_background
 
@@ -29,14 +35,108 @@ from tlt_jax.utils import in_background, mark_background
 def default_workers() -> int:
   """Threads that compile at once by default: half the host's cores (XLA's compiler and the
   process's own work share them), at most 8; one (compiles in the caller) on 2 cores, where
-  threads measured no gain (the long-tail job's 303 rollout executables: 285 s against 302 s)."""
+  threads gave no gain."""
   return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
-class AotCache:
-  """Compiled executables by key, each lowered and compiled on its first ``get``."""
+class _OnDevice(pickle.Unpickler):
+  """Reads a serialized one-device executable back, every device it names replaced by ``device``
+  and the program loaded with ``device`` as its assignment."""
+
+  def __init__(self, payload: bytes, device: jax.Device):
+    super().__init__(io.BytesIO(payload))
+    self.device = device
+    self.options = jax.extend.backend.get_compile_options(
+        1, 1, device_assignment=np.array([[device.id]]))
+
+  def persistent_load(self, pid):
+    if pid[0] == "exec":
+      return self.device.client.deserialize_executable(pid[1], [self.device], self.options)
+    if pid[0] == "device":
+      return self.device
+    if pid[0] == "client":
+      return self.device.client
+    raise pickle.UnpicklingError(f"unknown persistent id {pid[0]!r}")
+
+
+def one_device(compiled: jax.stages.Compiled) -> jax.Device | None:
+  """The device a one-device executable runs on; None for a program over several devices."""
+  devices = set()
+  for sharding in jax.tree.leaves(compiled.input_shardings):
+    devices |= set(sharding.device_set)
+  return devices.pop() if len(devices) == 1 else None
+
+
+def rebind(compiled: jax.stages.Compiled, device: jax.Device) -> jax.stages.Compiled:
+  """``compiled``, a one-device executable, loaded to run on ``device`` (no compile)."""
+  payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+  unloaded, args_info, no_kwargs = _OnDevice(payload, device).load()
+  return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info), out_tree,
+                             no_kwargs=no_kwargs)
+
+
+class SharedPrograms:
+  """One compile per program across devices.
+
+  The first device to ask for a key compiles it; every other device gets that executable rebound
+  to itself (``rebind``). A program over several devices, or one the backend cannot rebind, is
+  compiled for each device that asks."""
 
   def __init__(self):
+    self._compiled: dict[Hashable, jax.stages.Compiled] = {}
+    self._key_locks: dict[Hashable, threading.Lock] = {}
+    self._lock = threading.Lock()
+    self.compiles = 0  # programs compiled here
+    self.rebinds = 0  # executables loaded onto another device instead of compiled
+    self.rebind_errors: list[str] = []  # why a rebind fell back to a compile
+
+  def has(self, key: Hashable) -> bool:
+    with self._lock:
+      return key in self._compiled
+
+  def executable(self, key: Hashable, lower: Callable[[], jax.stages.Lowered],
+                 device: jax.Device | None) -> jax.stages.Compiled:
+    """The executable of ``key`` on ``device``: rebound from another device's compile where one
+    exists, else compiled from ``lower()`` (and kept for the other devices)."""
+    with self._lock:
+      key_lock = self._key_locks.setdefault(key, threading.Lock())
+    with key_lock:
+      with self._lock:
+        first = self._compiled.get(key)
+      if first is not None and device is not None and one_device(first) not in (None, device):
+        try:
+          compiled = rebind(first, device)
+          with self._lock:
+            self.rebinds += 1
+          return compiled
+        except Exception as e:  # pylint: disable=broad-except  # a compile still gives it
+          with self._lock:
+            self.rebind_errors.append(f"{key}: {type(e).__name__}: {e}")
+            if len(self.rebind_errors) == 1:
+              warnings.warn(f"executables cannot be shared across devices here ({type(e).__name__}: "
+                            f"{e}); each device compiles its own", RuntimeWarning)
+      compiled = lower().compile()
+      with self._lock:
+        self.compiles += 1
+        self._compiled.setdefault(key, compiled)
+      return compiled
+
+  def add(self, key: Hashable, compiled: jax.stages.Compiled) -> None:
+    """Keeps ``compiled`` (compiled elsewhere) for the other devices to rebind."""
+    with self._lock:
+      self.compiles += 1
+      self._compiled.setdefault(key, compiled)
+
+
+class AotCache:
+  """Compiled executables by key, each lowered and compiled on its first ``get``.
+
+  With ``shared`` (and the ``device`` this cache's executables run on), a key another device's
+  cache compiled already is rebound to ``device`` instead of lowered and compiled again."""
+
+  def __init__(self, shared: SharedPrograms | None = None, device: jax.Device | None = None):
+    self.shared = shared
+    self.device = device
     self._executables: dict[Hashable, Any] = {}
     self._key_locks: dict[Hashable, threading.Lock] = {}
     self._lock = threading.Lock()  # guards the two dicts and the seconds
@@ -54,7 +154,7 @@ class AotCache:
         if key in self._executables:  # another thread compiled it while this one waited
           return self._executables[key]
       t0 = time.perf_counter()
-      compiled = lower().compile()
+      compiled = self._build(key, lower)
       seconds = time.perf_counter() - t0
       with self._lock:
         self._executables[key] = compiled
@@ -63,6 +163,11 @@ class AotCache:
           self.background_keys.add(key)
         self._key_locks.pop(key, None)
       return compiled
+
+  def _build(self, key: Hashable, lower: Callable[[], jax.stages.Lowered]) -> jax.stages.Compiled:
+    if self.shared is None:
+      return lower().compile()
+    return self.shared.executable(key, lower, self.device)
 
   def lookup(self, key: Hashable) -> jax.stages.Compiled | None:
     """The executable for ``key`` if it was compiled, else None (never compiles)."""
@@ -87,6 +192,8 @@ class AotCache:
     workers = default_workers() if workers is None else int(workers)
     if workers < 1:
       raise ValueError(f"workers must be >= 1, got {workers}")
+    if self.shared is not None and all(self.shared.has(key) for key in missing):
+      workers = 1  # every key is a rebind: nothing to lower or compile
     if workers == 1 or len(missing) < 2:
       for done, key in enumerate(missing, 1):
         self.get(key, lambda key=key: lower_of(key))
@@ -122,6 +229,8 @@ class AotCache:
             futures.append(pool.submit(compile_timed, lowered, time.perf_counter() - t0))
           for done, ((key, _), future) in enumerate(zip(held, futures), 1):
             compiled, seconds = future.result()  # in keys' order
+            if self.shared is not None:
+              self.shared.add(key, compiled)
             with self._lock:
               self._executables[key] = compiled
               self.seconds_by_key[key] = seconds
@@ -169,6 +278,11 @@ class AotCache:
     """The compiled keys, in the order they were compiled."""
     with self._lock:
       return list(self._executables)
+
+  def compiling(self) -> list[Hashable]:
+    """The keys a compile holds a lock for now (none once every call has returned)."""
+    with self._lock:
+      return list(self._key_locks)
 
   def items(self) -> list[tuple[Hashable, Any]]:
     with self._lock:

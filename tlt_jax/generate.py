@@ -28,7 +28,7 @@ from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.utils import progress_bar
 
-_DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "tiny_generate.py"
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "tiny_generate.py"
 
 DEMO_ALPHABET = "0123456789+-*=() ?"
 
@@ -97,7 +97,7 @@ def run(cfg, overrides=None, prompts: list[str] | None = None, chat: bool = Fals
   engine = RolloutEngine(model, config=engine_config)
   if precompile:
     n = engine.precompile()
-    print(f"precompiled {n} executables in {engine._compile_seconds:.1f}s", flush=True)
+    print(f"precompiled {n} executables in {engine.compile_seconds:.1f}s", flush=True)
   with progress_bar(len(ids), "generating", "row") as bar:
     result = engine.generate(ids, sampling, progress=lambda done, _: bar.update(done - bar.n))
   completions = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
@@ -132,7 +132,7 @@ def check_lengths(ids: list[list[int]], engine_config: EngineConfig, sampling: S
           f"{max(len(p) for p in ids)} or shorten the prompt")
 
 
-def _prompt_flag() -> dict:
+def prompt_flag() -> dict:
   from absl import flags  # pylint: disable=import-outside-toplevel
   return {"prompts": flags.DEFINE_multi_string("prompt", None, "a prompt text (repeatable)"),
           "chat": flags.DEFINE_bool("chat", False, "send each prompt as a user message in the "
@@ -141,4 +141,4 @@ def _prompt_flag() -> dict:
 
 if __name__ == "__main__":
   from tlt_jax import cli  # pylint: disable=import-outside-toplevel
-  sys.exit(cli.main(__doc__, run, _DEFAULT_CONFIG, sys.argv, extra_flags=_prompt_flag))
+  sys.exit(cli.main(__doc__, run, DEFAULT_CONFIG, sys.argv, extra_flags=prompt_flag))

@@ -52,12 +52,6 @@ def _env_int(name: str) -> int | None:
                      f"or this process's index)") from None
 
 
-def backend_started() -> bool:
-  """Whether JAX's backends already exist (then it is too late for ``jax.distributed``)."""
-  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
-  return xla_bridge.backends_are_initialized()
-
-
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                heartbeat_s: int = DEFAULT_HEARTBEAT_S, connect_timeout_s: int = 120) -> None:
@@ -68,10 +62,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   long a dead process goes unnoticed, ``connect_timeout_s`` how long to wait for every process
   to reach the coordinator.
   """
-  if backend_started():
-    raise RuntimeError("jax.distributed must start before anything touches a JAX device, but "
-                       "this process already did (e.g. jax.devices() at import time); call "
-                       "tlt_jax.hosts.initialize() first")
   address = coordinator_address or os.environ.get(ENV_ADDRESS)
   count = num_processes if num_processes is not None else _env_int(ENV_COUNT)
   index = process_id if process_id is not None else _env_int(ENV_ID)
@@ -104,6 +94,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                      f"process 0), ${ENV_COUNT} and ${ENV_ID}, run under srun or on a TPU pod "
                      "slice, or use python -m tlt_jax.launch") from None
   except Exception as e:  # pylint: disable=broad-except  # the coordinator was not reached
+    if isinstance(e, RuntimeError) and "must be called before any JAX" in str(e):
+      # JAX's own check, made before it connects: this process already has its backends
+      raise RuntimeError("jax.distributed must start before anything touches a JAX device, but "
+                         "this process already did (e.g. jax.devices() at import time); call "
+                         "tlt_jax.hosts.initialize() first") from None
     raise PeerLostError(f"process {index} could not join the job's other processes through the "
                         f"coordinator at {address} within {connect_timeout_s}s ({_first(e)}); "
                         "check that every process was started with the same address and "
@@ -167,8 +162,9 @@ def allgather(value: Any, tag: str) -> list[Any]:
   count = jax.process_count()
   if count == 1:
     return [value]
-  from jax._src import distributed  # pylint: disable=import-outside-toplevel
-  client = distributed.global_state.client
+  # JAX keeps its distributed client private; orbax (a dependency) hands it out publicly
+  from orbax.checkpoint import multihost  # pylint: disable=import-outside-toplevel
+  client = multihost.get_jax_distributed_client()
   me = jax.process_index()
   n = _state["rounds"].get(tag, 0)
   _state["rounds"][tag] = n + 1

@@ -54,7 +54,7 @@ def cpu_pool_size(base: dict, devices: int) -> int:
   It matters for more than speed: XLA:CPU cuts a large matrix product (e.g. a weight gradient,
   contracting over every token of a batch) into as many partial sums as that pool suggests, so
   the same program on the same inputs rounds differently in a process with 4 simulated devices
-  than in one with 2 (on a 2-core machine: the same bits for 1, 2 or 3 devices, others for 4).
+  than in one with 2 (docs/benchmarks.md has a case).
   """
   for name in ("PJRT_NPROC", "NPROC"):
     value = base.get(name, "")

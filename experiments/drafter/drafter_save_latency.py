@@ -4,7 +4,7 @@ The main job saves the drafter alone every RL step with an async ``Checkpointer`
 returns once the arrays are on the host; files are written in the background) and the full
 state (policy params + AdamW state + drafter + its optimizer) every ``checkpoint_every`` steps,
 blocking. This measures both, the way the job does (``OnlineDrafter.checkpoint_state()`` for the
-drafter; ``GRPOTrainer._checkpoint_state()``'s content for the full state), for the tiny default
+drafter; ``GRPOTrainer.checkpoint_state()``'s content for the full state), for the tiny default
 policy and for a policy of SmolLM2-135M's shape (random weights, float32), median of repeats:
 
   python -m experiments.drafter.drafter_save_latency [--repeats 5]

@@ -1,5 +1,5 @@
 """Predicts TLT's step and rollout ratios on an accelerator for the long-tail jobs, before the
-device run measures them (issue 52, item 7), with the step-time model (``tlt_jax/rl/step_time``).
+device run measures them (issue 52, item 7), with the step-time model (``rl/step_time.py``).
 
   python -m experiments.rl.predict_longtail [--out docs/results/predict_longtail_h200.json]
 
@@ -37,7 +37,7 @@ import statistics
 
 import numpy as np
 
-from tlt_jax.rl.step_time import Costs, rollout_time
+from experiments.rl.step_time import Costs, rollout_time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"

@@ -8,7 +8,7 @@ rows, so its running batch is small (where speculative decoding pays) for more o
 and the update, which shrinks with the devices, is a smaller share of the step. This script turns
 that argument into numbers in three parts:
 
-1. **The model**: ``tlt_jax.rl.step_time`` (Python/numpy, no JAX computation; its docstring
+1. **The model**: ``experiments.rl.step_time`` (Python/numpy, no JAX computation; its docstring
    says what it predicts and how). Given per-device costs (``Costs``) and the completion
    lengths of one RL step's rows it predicts the rollout, update, drafter and step times
    and the speedup of TLT over vanilla decoding.
@@ -59,10 +59,11 @@ from typing import Sequence
 import numpy as np
 
 # pylint: disable=unused-import  # the model's names, for tests/test_scale_model.py
-from tlt_jax.rl.step_time import (Costs, DEVICES, PAPER_ASSUMPTIONS, PAPER_FIGURES, PAPER_TABLE3,
-                                  POLICIES, bucket_for, calibrate_update, chunk_time, device_time,
-                                  drafter_time, long_tail_lengths, paper_costs, paper_setting,
-                                  predict_step, rollout_time, scale_curve, shard_sizes, update_time)
+from experiments.rl.step_time import (Costs, DEVICES, PAPER_ASSUMPTIONS, PAPER_FIGURES,
+                                      PAPER_TABLE3, POLICIES, bucket_for, calibrate_update,
+                                      chunk_time, device_time, drafter_time, long_tail_lengths,
+                                      paper_costs, paper_setting, predict_step, rollout_time,
+                                      scale_curve, shard_sizes, update_time)
 # pylint: enable=unused-import
 
 # ---------------------------------------------------------------------- measurement (JAX here)

@@ -126,7 +126,7 @@ def test_a_step_starts_only_if_one_more_of_the_last_steps_length_fits_the_budget
   trainer = SpotTrainer(Drafter.create(CONFIG, seed=0), target, filled(samples, seed=0))
   clock = StepClock(step=1.0)
   monkeypatch.setattr("tlt_jax.drafter.spot.time", clock)
-  monkeypatch.setattr(trainer, "_step", clock.wrap(trainer._step))  # pylint: disable=protected-access
+  monkeypatch.setattr(trainer, "step_for", clock.wrap(trainer.step_for))
   out = trainer.run(nnx.state(target), max_seconds=budget, max_steps=10)
   assert out["steps"] == steps and out["seconds"] == steps, (budget, out)
 

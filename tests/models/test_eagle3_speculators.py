@@ -63,7 +63,9 @@ def their_logits(out_dir, features: np.ndarray, ids: np.ndarray, positions: np.n
                  steps: int, n_aux: int, hidden: int) -> list[np.ndarray]:
   """The package's per-step draft logits for one row (B = 1), eager attention."""
   config = speculators_eagle3.Eagle3SpeculatorConfig.from_pretrained(str(out_dir))
-  config.transformer_layer_config._attn_implementation = "eager"  # pylint: disable=protected-access
+  layer = config.transformer_layer_config  # the same config, with eager attention
+  config.transformer_layer_config = type(layer).from_dict(layer.to_dict(),
+                                                          attn_implementation="eager")
   model = speculators_eagle3.Eagle3DraftModel.from_pretrained(str(out_dir), config=config)
   model.load_verifier_weights()
   model.eval()

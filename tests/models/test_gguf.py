@@ -69,7 +69,7 @@ def train_tokenizer(pre: str) -> dict:
   raw = Tokenizer(models.BPE())
   if pre == "qwen2":
     raw.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(tlt_gguf._QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(tlt_gguf.QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   else:  # smollm: single digits, then GPT-2's split
     raw.pre_tokenizer = pre_tokenizers.Sequence([
@@ -413,7 +413,7 @@ def test_convert_round_trips_to_ours_and_transformers(gguf_dir, tmp_path, transf
 
 
 def test_generate_runs_a_gguf_file_with_chat(gguf_dir):
-  cfg = load_config_file(generate._DEFAULT_CONFIG)
+  cfg = load_config_file(generate.DEFAULT_CONFIG)
   cfg.model.path = str(gguf_dir / "qwen2.gguf")
   cfg.rollout.update(max_batch=2, max_prompt_len=64, max_new_tokens=4, precompile=False)
   cfg.sampling.update(max_new_tokens=4, temperature=0.0)

@@ -213,7 +213,7 @@ def test_a_vanilla_trainer_saves_no_tuner_and_ignores_one_in_a_checkpoint(steppe
   with Checkpointer(tmp_path / "ckpt") as ckpt:
     vanilla.restore(ckpt, report=notes.append)
   assert notes == [] and vanilla.step_count == 1
-  like = vanilla._checkpoint_state()  # pylint: disable=protected-access
+  like = vanilla.checkpoint_state()
   with Checkpointer(tmp_path / "vanilla") as ckpt:
     vanilla.save(ckpt)
     _, metadata = ckpt.restore(1, like=like)

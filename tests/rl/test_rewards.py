@@ -123,7 +123,7 @@ def test_math_reward(checker, completion, reference, reward):
 
 
 def test_own_rules_without_math_verify(no_math_verify):
-  assert rewards._load_math_verify() is None
+  assert rewards.load_math_verify() is None
   assert math_reward(r"\boxed{\frac{1}{2}}", "0.5") == 1.0  # numbers: this module's own parser
   assert math_reward(r"\boxed{\sqrt{4}}", "2") == 0.0  # beyond its rules
 
@@ -154,7 +154,7 @@ def test_math_verify_rejects_wrong_answers(real_math_verify, completion, referen
 
 
 def test_equivalent_forms_with_math_verify(real_math_verify):
-  assert rewards._math_verify_says(r"\frac{1}{2}", "0.5") is True
+  assert rewards.math_verify_says(r"\frac{1}{2}", "0.5") is True
   assert math_reward(r"We halve it: \boxed{\frac{1}{2}}", "0.5") == 1.0
   assert math_reward(r"\boxed{0.5}", r"\boxed{\tfrac{1}{2}}") == 1.0
   assert math_reward(r"\boxed{\text{1,000}} apples", "#### 1000") == 1.0
@@ -162,9 +162,9 @@ def test_equivalent_forms_with_math_verify(real_math_verify):
 
 
 def test_own_rules_decide_when_math_verify_says_no(real_math_verify):
-  assert rewards._math_verify_says("1e3", "1000") is False
+  assert rewards.math_verify_says("1e3", "1000") is False
   assert math_reward(r"\boxed{1e3}", "1000") == 1.0
-  assert rewards._math_verify_says("1000000.0000001", "1000000") is False
+  assert rewards.math_verify_says("1000000.0000001", "1000000") is False
   assert math_reward(r"\boxed{1000000.0000001}", "1000000") == 1.0
 
 
@@ -198,9 +198,9 @@ def fake_math_verify(verdict) -> types.ModuleType:
 @pytest.mark.parametrize("verdict", [False, RuntimeError("parser broke")])
 def test_math_verify_falls_back(monkeypatch, verdict):
   monkeypatch.setitem(sys.modules, "math_verify", fake_math_verify(verdict))
-  rewards._load_math_verify.cache_clear()
+  rewards.load_math_verify.cache_clear()
   try:
     assert math_reward(r"\boxed{1,000}", "1000") == 1.0
     assert math_reward(r"\boxed{999}", "1000") == 0.0
   finally:
-    rewards._load_math_verify.cache_clear()
+    rewards.load_math_verify.cache_clear()

@@ -151,5 +151,5 @@ def test_operands_past_int64_are_drawn_and_traced_exactly():
     assert p.answer == str(a + b) and task.reward(p, p.solution) == 1.0
   from tlt_jax.rl import tasks  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(5)
-  assert tasks._random_number(rng, 18) == int(np.random.default_rng(5).integers(10 ** 17, 10 ** 18))
-  assert all(len(str(tasks._random_number(rng, 19))) == 19 for _ in range(50))
+  assert tasks.random_number(rng, 18) == int(np.random.default_rng(5).integers(10 ** 17, 10 ** 18))
+  assert all(len(str(tasks.random_number(rng, 19))) == 19 for _ in range(50))

@@ -63,13 +63,12 @@ def test_the_last_step_is_evaluated_once_and_always_checkpointed():
   twice); checkpoints every checkpoint_every steps and after the last."""
   from tlt_jax.job import runner  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.trainer import TrainerConfig  # pylint: disable=import-outside-toplevel
-  evaluation_due = runner._evaluation_due  # pylint: disable=protected-access
-  checkpoint_due = runner._checkpoint_due  # pylint: disable=protected-access
+  evaluation_due = runner.evaluation_due  # pylint: disable=protected-access
+  checkpoint_due = runner.checkpoint_due  # pylint: disable=protected-access
   config = TrainerConfig(steps=6, eval_every=2)
   assert [s for s in range(1, 7) if evaluation_due(config, s)] == [2, 4]
   assert not any(evaluation_due(TrainerConfig(steps=6), s) for s in range(1, 7))
-  job = types.SimpleNamespace(cfg=types.SimpleNamespace(checkpoint_every=4),
-                              trainer=TrainerConfig(steps=6))
+  job = types.SimpleNamespace(checkpoint_every=4, trainer=TrainerConfig(steps=6))
   assert [s for s in range(1, 7) if checkpoint_due(job, s)] == [4, 6]
 
 
@@ -102,7 +101,6 @@ def test_the_mid_size_long_tail_job_is_the_long_tail_job_at_145m_parameters():
   import jax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from tlt_jax.job.build import build_job  # pylint: disable=import-outside-toplevel
-  from tlt_jax.job.rollout_config import fresh_drafter  # pylint: disable=import-outside-toplevel
   from tlt_jax.models.transformer import init_model  # pylint: disable=import-outside-toplevel
   cfg = load_config_file(ROOT / "configs" / "mid_longtail.py")
   tiny = load_config_file(ROOT / "configs" / "tiny_longtail.py")
@@ -112,7 +110,7 @@ def test_the_mid_size_long_tail_job_is_the_long_tail_job_at_145m_parameters():
   job = build_job(cfg)
   assert job.trainer.prompts_per_step * job.grpo.group_size == job.engine.max_batch == 64
   assert job.trainer.num_prompts > job.trainer.prompts_per_step  # epoch mode
-  assert cfg.drafter == "eagle+suffix" and fresh_drafter(cfg.drafter) == "eagle"
+  assert cfg.drafter == "eagle+suffix" and job.drafter_spec.fresh == "eagle"
   assert job.suffix is not None and job.drafter_training is not None
   assert job.engine.batch_buckets == (1, 4, 16, 64) and job.engine.prefill_buckets == (80,)
   m = job.model_config

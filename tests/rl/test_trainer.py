@@ -15,12 +15,12 @@ from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
-from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rl.trainer import (EVAL_SEED, GRPOTrainer, TrainerConfig, eval_problems, metric_kind,
                                 step_problems)
 from tlt_jax.rl.update import NonFiniteUpdateError, learning_rate_schedule
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.history import HistoryConfig
 from tlt_jax.utils import compile_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rl.packing import (UPDATE_BUCKET_MIN, bucket_rows, needed_lengths, pack_length,
                                 pack_rows, packed_microbatches, plan_packs, update_buckets)
 from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
-from tlt_jax.rl.update import _make_loss_fn, make_logprobs_fn, make_packed_update_fns, \
+from tlt_jax.rl.update import make_logprobs_fn, make_loss_fn, make_packed_update_fns, \
     packed_attention_mask
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.utils import compile_count
@@ -290,7 +290,7 @@ def test_packed_micro_batches_sum_to_the_full_length_loss_metrics_and_gradient(l
   ref_params = None
   if kl_coef:  # a reference policy away from the current one, so the KL term is not zero
     ref_params = jax.tree.map(lambda x: x * 0.9, params)
-  loss_fn = _make_loss_fn(trainer.policy.graphdef, config, trainer.config.temperature)
+  loss_fn = make_loss_fn(trainer.policy.graphdef, config, trainer.config.temperature)
   (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
       params, ref_params, batch)
 

@@ -59,6 +59,12 @@ for name, d, cfg, temperature in cases:
     assert engine.pool.executables, (name, k)
     for leaf in jax.tree.leaves(engine.params):
       assert leaf.devices() == {devices[k]}, (name, k, leaf.devices())
+  # one compile per program: what the second device ran was rebound from the first's compile
+  programs = set().union(*(e.pool.executables.keys() for e in dp.engines))
+  held = sum(len(e.pool.executables) for e in dp.engines)
+  assert not dp.programs.rebind_errors, dp.programs.rebind_errors
+  assert dp.programs.compiles == len(programs), (name, dp.programs.compiles, len(programs))
+  assert dp.programs.rebinds == held - len(programs) > 0, (name, dp.programs.rebinds, held)
   if d is not None:
     assert len(many.hidden) == len(prompts) and all(h is not None for h in many.hidden)
     for p, c, h in zip(prompts, many.tokens, many.hidden):
@@ -196,7 +202,7 @@ from tlt_jax.utils import background_compile_count  # pylint: disable=wrong-impo
 cfg = EngineConfig(**base, strategies=(SpecConfig(3, 1, 4),), verify="coupled",
                    tuner=TunerConfig())
 dp_cost = DataParallelRollout(target, drafter, cfg, devices=devices)
-measure = dp_cost.engines[0]._calibrate_bucket  # pylint: disable=protected-access
+measure = dp_cost.engines[0].calibrate_bucket
 
 
 def table(batch, strategies):
@@ -205,7 +211,7 @@ def table(batch, strategies):
           if s.spec is not None else costs[(batch, s.name)] for s in strategies}
 
 
-dp_cost.engines[0]._calibrate_bucket = table  # pylint: disable=protected-access
+dp_cost.engines[0].calibrate_bucket = table
 bg0 = background_compile_count()
 dp_cost.precompile(background=True)
 assert all(e.offers is dp_cost.engines[0].offers for e in dp_cost.engines)
@@ -221,6 +227,9 @@ for engine in dp_cost.engines:
   assert [s.name for s in engine.strategies_for(2)] == ["vanilla"]
   assert ("catchup", 1, engine.pool.kv_lengths_used()[0]) in engine.pool.executables
   assert not any(k[0] == "catchup" and k[1] > 1 for k in engine.pool.executables)
+programs = set().union(*(e.pool.executables.keys() for e in dp_cost.engines))
+assert dp_cost.programs.compiles == len(programs) and not dp_cost.programs.rebind_errors
+assert dp_cost.programs.rebinds == len(programs)  # the second device compiled none of them
 print("cost tuner over devices: SD offered where the table pays, on every device, compiled in "
       "the background")
 

@@ -228,7 +228,7 @@ def test_after_precompile_an_adaptive_tuned_rollout_compiles_nothing(engines):
   engine.set_tuner(make_tuner(TunerConfig(kind="beg_mab", epsilon=1.0, epsilon_min=1.0,
                                           decay=False)))
   engine.precompile()
-  assert set(engine.executable_keys()) <= set(engine._executables)
+  assert set(engine.executable_keys()) <= set(engine.pool.executables)
   switches = 0
   for seed in range(3):
     result = engine.generate(prompts_of([9, 2, 14, 5, 7, 1, 11], seed=seed), SamplingParams(
@@ -266,7 +266,7 @@ def test_the_cost_tuner_is_calibrated_at_precompile_and_its_rollouts_compile_not
       assert costs[(b, s)] > costs[(b, "vanilla")], (b, s, costs)
   assert all(engine.tuner.step_cost(b, "vanilla") is not None for b, _ in want)
   engine.set_tuner()  # a fresh tuner keeps the engine's calibration
-  assert engine.tuner._costs == costs  # pylint: disable=protected-access
+  assert {(b, s): c for b, s, c in engine.tuner.state_dict()["costs"]} == costs
   lengths = engine.scheduler.segment_lengths  # bounded segments, measured against the boundary
   assert lengths == segment_lengths(costs, overhead, 3) and set(lengths) == {b for b, _ in want}
   assert all(3 <= n <= 3 * SETTLED_SEGMENTS for n in lengths.values())
@@ -279,7 +279,7 @@ def test_the_cost_tuner_is_calibrated_at_precompile_and_its_rollouts_compile_not
 def with_cost_table(engine, relative: dict[int, float]):
   """Makes ``engine``'s calibration of SD arms read a table: vanilla's step as measured, each SD
   arm's ``relative[bucket]`` times it (the executables still compile and run once)."""
-  measure = engine._calibrate_bucket  # pylint: disable=protected-access
+  measure = engine.calibrate_bucket
 
   def table(batch, strategies):
     costs = measure(batch, strategies)
@@ -287,7 +287,7 @@ def with_cost_table(engine, relative: dict[int, float]):
     return {(batch, s.name): vanilla * (1.0 if s.spec is None else relative[batch])
             for s in strategies}
 
-  engine._calibrate_bucket = table  # pylint: disable=protected-access
+  engine.calibrate_bucket = table
   return engine
 
 

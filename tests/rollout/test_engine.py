@@ -157,13 +157,13 @@ def test_rows_compacted_beside_padding_slots_finish_whole(engines, monkeypatch):
   # so rows 0-2 finish together in bucket 4, beside a padding copy of row 0 frozen at compaction
   engine, static = engines(max_batch=8), engines(max_batch=8, compaction=False)
   padded = []
-  real = engine.scheduler._compact  # pylint: disable=protected-access
+  real = engine.scheduler.compact
 
   def spy(run, live, *args):
     padded.append(bucket_for(live.size, engine.config.batch_buckets) > live.size)
     return real(run, live, *args)
 
-  monkeypatch.setattr(engine.scheduler, "_compact", spy)
+  monkeypatch.setattr(engine.scheduler, "compact", spy)
   long, short = prompts_of([6, 9], seed=3)
   free = engine.generate([long, short], SamplingParams(max_new_tokens=24, temperature=0.0)).tokens
   stop = next(t for t in free[1][1:8] if t not in free[0])  # ends short's rows early, long's never
@@ -202,9 +202,9 @@ def test_top_k_one_is_greedy(engines):
 
 def test_no_recompilation_after_precompile(engines):
   engine = engines()  # shared: the executables other tests used are compiled already
-  missing = set(engine.executable_keys()) - set(engine._executables)
+  missing = set(engine.executable_keys()) - set(engine.pool.executables)
   assert engine.precompile() == len(missing)  # it compiles exactly the ones not there yet
-  assert set(engine._executables) == set(engine.executable_keys())
+  assert set(engine.pool.executables) == set(engine.executable_keys())
   assert engine.precompile() == 0
   for lengths, seed in (([3, 5], 0), ([15, 2, 9], 1), ([1, 7, 16, 4], 2)):
     result = engine.generate(prompts_of(lengths, seed), SamplingParams(
@@ -219,12 +219,12 @@ def test_lazy_compiles_happen_once(model):
   params = SamplingParams(max_new_tokens=20, temperature=1.0, stop_token_ids=STOPS)
   first = engine.generate(prompts_of([4, 6, 8]), params)
   # (<=: JAX may serve an executable another engine already compiled from its own cache)
-  assert 0 < first.stats.compiles <= len(engine._executables)
+  assert 0 < first.stats.compiles <= len(engine.pool.executables)
   for lengths, seed in (([5, 7, 3], 1), ([2], 2), ([9, 9, 9, 9], 3), ([5, 7, 3], 1)):
-    before = set(engine._executables)
+    before = set(engine.pool.executables)
     again = engine.generate(prompts_of(lengths, seed), params)
     # every XLA compile is a new bucket executable: nothing else ever compiles
-    assert again.stats.compiles <= len(set(engine._executables) - before)
+    assert again.stats.compiles <= len(set(engine.pool.executables) - before)
   assert again.stats.compiles == 0
 
 
@@ -270,7 +270,8 @@ def test_integer_arrays_and_tuples_are_accepted_as_prompts(model):
 def test_progress_callbacks_count_compiles_and_finished_rows(model):
   engine = make_engine(model, max_batch=2, prefill_buckets=(16,))
   compiled = []
-  total = engine.precompile(lambda done, n: compiled.append((done, n, len(engine._executables))))
+  total = engine.precompile(
+      lambda done, n: compiled.append((done, n, len(engine.pool.executables))))
   # called once per executable, after it compiled, with the number this call compiles
   assert total == len(engine.executable_keys()) > 1
   assert compiled == [(i, total, i) for i in range(1, total + 1)]

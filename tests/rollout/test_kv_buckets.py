@@ -127,12 +127,12 @@ def test_bad_kv_buckets_are_rejected(bad):
 def test_precompiled_pool_covers_every_growth(engines, kind):
   engine = engines(kind, LADDER)  # shared: what the growth test used is compiled already
   config = engine.config
-  missing = set(engine.executable_keys()) - set(engine._executables)
+  missing = set(engine.executable_keys()) - set(engine.pool.executables)
   n = engine.precompile()
   pool = engine.pool_stats()
   assert n == len(missing)  # it compiles exactly the executables not there yet
   assert pool["executables"] == len(engine.executable_keys())
-  assert set(engine._executables) == set(engine.executable_keys())
+  assert set(engine.pool.executables) == set(engine.executable_keys())
   assert pool["by_kind"]["grow"] == len(config.batch_buckets) * (len(pool["kv_lengths"]) - 1)
   assert pool["kv_lengths"][-1] == config.cache_len and pool["compile_s"] > 0
   for seed, temperature in ((0, 1.0), (1, 0.0), (2, 1.0)):

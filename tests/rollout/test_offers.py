@@ -267,7 +267,7 @@ def test_the_background_loop_survives_the_weights_being_replaced_and_donated(mod
   engine.pool.compile = gated
   try:
     engine.precompile(background=True)
-    assert engine._calibration_weights is not None  # pylint: disable=protected-access
+    assert engine.calibration_weights is not None
     engine.update_params(jax.tree.map(lambda x: x.copy(), own))  # a training step's new weights
     for leaf in jax.tree.leaves(own):  # ... and the old buffers donated
       leaf.delete()
@@ -276,7 +276,7 @@ def test_the_background_loop_survives_the_weights_being_replaced_and_donated(mod
   assert engine.offers.wait(300)
   assert engine.offers.error is None, engine.offers.error
   assert [s.name for s in engine.strategies_for(1)] == ["vanilla", "chain d4"]
-  assert engine._calibration_weights is None  # pylint: disable=protected-access
+  assert engine.calibration_weights is None
   out = engine.generate([[7, 9, 11], [8]], SamplingParams(max_new_tokens=20, temperature=0.0,
                                                           stop_token_ids=STOPS))
   assert out.stats.compiles == 0

@@ -2,12 +2,13 @@
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from tests.xla_env import subprocess_env
-from tlt_jax.rollout.parallel import shard_ranges
+from tlt_jax.rollout.parallel import shard_config, shard_ranges
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +73,6 @@ def test_two_devices_same_tokens_and_idle_devices_work():
 def test_the_shared_tuner_reads_under_its_lock_too():
   """Every call through LockedTuner waits for the lock (summary and speeds read what another
   thread's plan/update is writing: in CI a summary once met a bucket's predictions half built)."""
-  import threading  # pylint: disable=import-outside-toplevel
   from tlt_jax.rollout.parallel import LockedTuner  # pylint: disable=import-outside-toplevel
   from tlt_jax.rollout.tuner import (  # pylint: disable=import-outside-toplevel
       Arm, TunerConfig, make_tuner)
@@ -82,12 +82,27 @@ def test_the_shared_tuner_reads_under_its_lock_too():
   for call in (shared.summary, lambda: shared.speeds(2), shared.state_dict,
                lambda: shared.plan(2, [Arm("vanilla")])):
     done = threading.Event()
-    with shared._lock:  # another thread inside the tuner
+    with shared.lock:  # another thread inside the tuner
       worker = threading.Thread(target=lambda c=call: (c(), done.set()))
       worker.start()
       assert not done.wait(0.2), "a call went past the lock"
     assert done.wait(10)
     worker.join()
+
+
+def is_held(lock) -> bool:
+  """Whether some thread holds ``lock``: a fresh thread cannot take it."""
+  free = []
+
+  def probe():
+    if lock.acquire(blocking=False):
+      lock.release()
+      free.append(True)
+
+  thread = threading.Thread(target=probe)
+  thread.start()
+  thread.join()
+  return not free
 
 
 def test_every_forwarded_tuner_call_holds_the_lock():
@@ -109,10 +124,26 @@ def test_every_forwarded_tuner_call_holds_the_lock():
     config = "the config"
 
     def __getattr__(self, name):
-      return lambda *args, **kwargs: held.setdefault(name, shared._lock._is_owned())
+      return lambda *args, **kwargs: held.setdefault(name, is_held(shared.lock))
 
   shared = LockedTuner(Spy())
   for name in sorted(forwarded):
     getattr(shared, name)(1, "arm", key="value")
   assert held == {name: True for name in forwarded}
   assert shared.config == "the config"
+
+
+def test_each_device_compiles_only_the_batch_buckets_its_shard_can_reach():
+  """A chunk of ``max_batch`` rows over N devices gives each at most ceil(max_batch / N) rows:
+  the buckets above that are never run on any device, so none is compiled there."""
+  from tlt_jax.rollout.engine import EngineConfig  # pylint: disable=import-outside-toplevel
+  config = EngineConfig(max_batch=64, max_prompt_len=16, max_new_tokens=8)
+  assert shard_config(config, 1) is config
+  four = shard_config(config, 4)
+  assert (four.max_batch, four.batch_buckets) == (16, (1, 2, 4, 8, 16))
+  assert shard_config(config, 3).batch_buckets == (1, 2, 4, 8, 16, 32)  # 22 rows: bucket 32
+  five = shard_config(EngineConfig(max_batch=8, max_prompt_len=16, max_new_tokens=8), 5)
+  assert five.batch_buckets == (1, 2)  # 2 rows on the first devices, 1 on the others
+  sparse = shard_config(EngineConfig(max_batch=64, max_prompt_len=16, max_new_tokens=8,
+                                     batch_buckets=(1, 4, 16, 64)), 8)
+  assert sparse.batch_buckets == (1, 4, 16) and sparse.max_batch == 16

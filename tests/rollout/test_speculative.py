@@ -108,9 +108,9 @@ def test_greedy_speculative_equals_vanilla(spec_engines, vanilla_results, drafte
 
 def test_speculative_engine_does_not_recompile(spec_engines):
   engine = spec_engines("mirror", "tree-narrow")  # shared with the greedy test above
-  missing = set(engine.executable_keys()) - set(engine._executables)
+  missing = set(engine.executable_keys()) - set(engine.pool.executables)
   assert engine.precompile() == len(missing)
-  assert set(engine._executables) == set(engine.executable_keys())
+  assert set(engine.pool.executables) == set(engine.executable_keys())
   for lengths, temperature in (([4, 9], 0.0), ([16, 1, 3], 1.0), ([2, 2, 2, 2, 2], 0.6)):
     result = engine.generate(prompts_of(lengths), SamplingParams(
         max_new_tokens=30, temperature=temperature, top_k=7, stop_token_ids=STOPS))

@@ -368,16 +368,16 @@ def test_sampled_with_history_keeps_the_target_law(spec, temperature, stops):
   assert result.stats.accept_by_source()["history"] > 1.2
 
 
-def test_the_tuner_forgets_the_suffix_arms_only_when_the_share_with_history_moves(engines,
+def test_the_tuner_forgets_the_suffix_arms_only_when_the_share_with_history_moves(target,
                                                                                    monkeypatch):
   """A new epoch (the share of prompts with history moves by more than a quarter) re-opens the
   suffix arms; the next requests of that epoch do not, or they would be probed every step."""
-  engine = engines("chain")
+  engine = RolloutEngine(target, suffix=SUFFIX, config=EngineConfig(  # fresh: no request seen
+      **BASE, suffix_strategies=(CHAIN,), tuner=only("suffix d4")))
   told = []
   monkeypatch.setattr(engine.tuner, "observe_drafter",
                       lambda quality=None, source="learned", forget=False:
                       told.append((source, forget)))
-  monkeypatch.setattr(engine, "_history_share", 0.0)
   engine.observe_history([[[1, 2]], [[3]]])  # every prompt has history now: 0 -> 1
   engine.observe_history([[[4]], [[5, 6]]])  # still every prompt
   engine.observe_history([[[4]], [], [], []])  # a quarter: moved by 0.75

@@ -9,20 +9,19 @@ Atomicity: orbax writes every step into ``<directory>/<step>.orbax-checkpoint-tm
 renames it to ``<directory>/<step>`` once all of its files are written (a single directory
 ``rename``, atomic on POSIX filesystems). Step listing only considers plain integer names, so a
 process killed mid-save leaves at most a ``*.orbax-checkpoint-tmp`` directory that no reader
-ever sees; the previous step stays loadable. Opening a ``Checkpointer`` starts removing such
-leftovers in the background (finished at the latest before its first save), hence: one writing
-process per directory. A process crash is covered; durability across a power loss depends on
-the filesystem.
+ever sees; the previous step stays loadable. Opening a ``Checkpointer`` removes such leftovers
+(on process 0), hence: one writing process per directory. A process crash is covered;
+durability across a power loss depends on the filesystem.
 
 Integrity: ``save`` refuses NaN/inf in floating leaves (:class:`NonFiniteError`; override with
 ``allow_nonfinite=True``) and records a checksum of every leaf's host bytes. ``restore`` checks
 each loaded leaf (in its stored dtype, before any cast to ``like``'s) and the metadata against
 them and raises :class:`CheckpointCorruptError` (one line: step directory, first bad key, what to
-do) on a mismatch or unreadable files. Checkpoints written before checksums existed restore
+do) on a mismatch or unreadable files. Checkpoints without checksums restore
 with an :class:`UnverifiedCheckpointWarning`. :meth:`Checkpointer.restore_latest_good` walks
 back from the newest step, renaming each corrupt one to ``<step>.corrupt`` (outside the step
 listing; never deleted by this module) until one verifies. Hashing costs one host copy of the
-arrays per save and restore (about 0.7 GB/s).
+arrays per save and restore.
 
 Rotation (``keep``): after each completed save, all steps are deleted except the newest
 ``keep`` ones and the newest *known-good* step. Known good, per ``Checkpointer`` instance: a
@@ -47,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from typing import Any, Callable
 
@@ -90,6 +90,15 @@ class UnverifiedCheckpointWarning(UserWarning):
 # ----------------------------------------------------------------------------- checkpointer
 
 
+def _clear_tmp_leftovers(directory: str) -> None:
+  """Removes the ``*.orbax-checkpoint-tmp`` directories of saves that crashed, before the
+  manager opens ``directory`` (once, on process 0). Not orbax's own clean-up: that one runs in a
+  thread, and a process that exits while it runs gets orbax tracebacks at interpreter shutdown."""
+  if jax.process_index() == 0 and os.path.isdir(directory):
+    for name in ocp.path.step.tmp_checkpoints(directory):
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
 class Checkpointer:
   """Saves and restores numbered trainer checkpoints in ``directory`` (rotation: module docstring).
 
@@ -110,9 +119,10 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None,  # rotation is ours: it must spare the newest known-good step
         create=False,  # created on first save, so reading a missing directory has no side effect
-        cleanup_tmp_directories=True,
+        cleanup_tmp_directories=False,  # ours, done now (orbax's runs in a thread of its own)
         enable_async_checkpointing=async_save,
     )
+    _clear_tmp_leftovers(self.directory)
     with quiet():
       handlers = {_STATE: ocp.StandardCheckpointHandler(),
                   _METADATA: ocp.JsonCheckpointHandler(), _INTEGRITY: ocp.JsonCheckpointHandler()}
@@ -272,9 +282,6 @@ class Checkpointer:
       self._settle()
     finally:
       with quiet():
-        # the tmp-directory cleanup started by __init__ runs in a thread of its own; a process
-        # that exits while it runs gets orbax tracebacks at interpreter shutdown
-        getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         self._manager.close()
 
   def __enter__(self) -> Checkpointer:

@@ -100,7 +100,7 @@ def install_filters() -> None:
     if not any(isinstance(f, kind) for f in logger.filters):
       logger.addFilter(kind())
   previous = sys.unraisablehook
-  if getattr(previous, "_tlt_checkpoint", False):
+  if getattr(previous, "tlt_checkpoint", False):
     return
 
   def hook(unraisable: Any) -> None:
@@ -111,7 +111,7 @@ def install_filters() -> None:
       pass
     previous(unraisable)
 
-  hook._tlt_checkpoint = True  # type: ignore[attr-defined]
+  hook.tlt_checkpoint = True  # type: ignore[attr-defined]  # the mark: never wrapped twice
   sys.unraisablehook = hook
 
 

@@ -17,8 +17,8 @@ from tlt_jax.job.build import trainer_section
 from tlt_jax.job.rollout_config import rollout_section, suffix_section
 from tlt_jax.job.typed_config import dataclass_section
 from tlt_jax.rl.grpo import GRPOConfig
-from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
+from tlt_jax.rollout.history import HistoryConfig
 
 
 def smollm2_default_path() -> str:

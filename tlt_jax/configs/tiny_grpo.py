@@ -10,8 +10,8 @@ from tlt_jax.job.rollout_config import drafter_training_section, rollout_section
     suffix_section
 from tlt_jax.job.typed_config import dataclass_section
 from tlt_jax.rl.grpo import GRPOConfig
-from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
+from tlt_jax.rollout.history import HistoryConfig
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -57,14 +57,14 @@ def get_config() -> ml_collections.ConfigDict:
   # TrainerConfig: RL steps, prompts per step, AdamW, updates per step, rollout length, tokens
   # per update micro-batch (sequences are packed into rows of about their live length; 0: every
   # row padded to the full length); on_nonfinite: a non-finite update "stop"s the run (params
-  # as before the step) or is "skip"ped and counted; old_logprobs: the loss's old log-probs from
+  # from before the step) or is "skip"ped and counted; old_logprobs: the loss's old log-probs from
   # the "policy"'s own forward pass before the step's updates (exact for a seed whatever the
   # rollout decoded with) or from the "rollout" (no extra pass; their last bits follow the arm);
   # control=True: the no-update control (every policy update skipped, the same held-out
   # evaluations); eval_every: steps between held-out evaluations (0: at the start and end only)
   # (every other field at TrainerConfig's default; seed and num_prompts come from config.seed
-  # and config.task.num_prompts). eval_every=20: 3 s an evaluation of 512 problems on a 2-core
-  # CPU, ~2 % of the job
+  # and config.task.num_prompts). eval_every=20: an evaluation of 512 problems is a small share
+  # of the job
   c.trainer = trainer_section(steps=60, prompts_per_step=32, learning_rate=5e-5, minibatches=2,
                               eval_problems=512, eval_every=20)
   # EngineConfig of the rollout engine (batch buckets up to max_batch rows). The adaptive
@@ -79,7 +79,7 @@ def get_config() -> ml_collections.ConfigDict:
   # bucket * verify_tokens <= verify_budget bound where it may. verify: "coupled" (the
   # default: SD emits exactly the tokens vanilla sampling draws for the seed, so the tuner's
   # choices, which follow measured speeds, change no token and one config and seed give one
-  # policy trajectory; measured as fast as rejection: docs/benchmarks.md) or "rejection"
+  # policy trajectory; as fast as rejection: docs/benchmarks.md) or "rejection"
   # (lossless rejection sampling: the same law, faster where it accepts more, but its tokens
   # follow the arm, so with an adaptive tuner runs are not reproducible).
   # () = vanilla decoding (with a drafter: one fixed speculative strategy for every segment).

@@ -14,10 +14,8 @@ The step line shows the rollout's share of the step and the seconds its last row
 rows``: at most an eighth of them live); docs/benchmarks.md, "The long-tail job", has the
 measurements.
 
-The model is the tiny default's (3 layers, hidden 128), chosen by measuring what a 9-token pass
-costs against a 1-token one (``experiments/sd/pass_cost.py``): on a 2-core CPU 2-2.8x at batch 1
-for every size from 0.5M to 50M parameters, so a larger model would not make SD cheaper there,
-only the job slower; on an H200 0.7-0.9x at batch 1 for every size up to 145M (launch-bound).
+The model is the tiny default's (3 layers, hidden 128): on a CPU a larger one makes a 9-token
+pass no cheaper against a 1-token one (``experiments/sd/pass_cost.py``), only the job slower.
 """
 
 import ml_collections
@@ -31,8 +29,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.task.update(max_digits=32, digit_exponent=1.5, num_prompts=64)
   c.sft.update(row_len=448)  # the longest trace (32 digits) is ~390 tokens with its prompt
   # one policy update per step, in micro-batches of ~1024 tokens: a minibatch holding a 300-token
-  # row packs into rows of 300-430 tokens, and a bigger micro-batch was mostly padding (the
-  # update took 2-5x the rollout with minibatches=2 and update_tokens=4096)
+  # row packs into rows of 300-430 tokens, and a bigger micro-batch is mostly padding
+  # (docs/benchmarks.md, "The long-tail job")
   c.trainer.update(steps=16, prompts_per_step=16, max_new_tokens=352, eval_problems=64,
                    minibatches=1, update_tokens=1024)
   c.grpo.update(group_size=4)

@@ -507,24 +507,10 @@ def _unpure(pure, like):
 
 def step_metrics(stats: RolloutStats, spot_runs: list[dict], serial: dict | None,
                  evaluation: dict) -> dict[str, float]:
-  """The drafter's per-step metrics.
+  """The drafter's per-step metrics: held-out and in-sample loss/top-1, spot and serial steps and
+  seconds, the tail's idle device-seconds and their use, and the spot rounds' contributions.
 
-  ``drafter_loss``/``drafter_top1``: the weights that drafted this step's rollout, scored on its
-  freshest data before the step's serial training (held out, except for what spot steps in the
-  tail already trained on); ``drafter_train_loss``/``_top1``: the mean over this step's drafter
-  steps (in-sample). Spot and serial steps (optimizer updates) and seconds; the device-seconds
-  the tail left idle (``tail_idle_device_s``), the part the idle hooks ran in
-  (``tail_idle_used_device_s``), and how long the rollout waited past its last shard for a
-  drafter round in flight (``spot_overrun_s``: drafter time on the critical path).
-
-  Spot rounds (``SpotTrainer.run_rounds``): ``drafter_spot_contributions`` (gradients computed,
-  one per member per round), ``drafter_spot_devices`` (devices that contributed at least once),
-  ``drafter_spot_participants_max``/``_mean`` (members per round), ``drafter_spot_device_s``
-  (device-seconds of drafter work: the wall time of each round times its members) and, per
-  rollout device ``k`` that contributed, ``drafter_spot_device_s_<k>``;
-  ``drafter_spot_tail_device_s`` estimates the part inside the tail (the last round's members
-  times the overrun taken off). With rounds, ``tail_idle_used_device_s`` also counts a device's
-  wait for the next round to start."""
+  Each key: docs/library.md, "Drafter step metrics"."""
   devices = stats.devices or []
   runs = list(spot_runs) + ([serial] if serial and serial.get("steps") else [])
   sizes = [n for r in spot_runs for n in r.get("participants", [])]

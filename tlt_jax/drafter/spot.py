@@ -174,7 +174,7 @@ class SpotTrainer:
       began = time.perf_counter()
       batch = jax.device_put(batch, device)
       with self._state_lock:
-        step = self._step("train", device)
+        step = self.step_for("train", device)
         self.params, self.opt_state, metrics = step(self.params, self.opt_state, target_params,
                                                     batch)
         self.steps += 1
@@ -196,18 +196,11 @@ class SpotTrainer:
     """Trains in synchronous data-parallel rounds over the devices ``members()`` names, until
     ``stop`` is set, ``max_rounds`` rounds are done or the buffer is empty (one bound needed).
 
-    ``members()`` is asked at the start of each round and returns ``(label, device,
-    target_params)`` triples (target params on that device; labels name the members in the
-    result, e.g. rollout device indices), at most ``slots`` of them: each member computes the
-    gradient on a batch of its own with the current params, the mean is applied on ``device``
-    (the home device: params and optimizer state move there when they live elsewhere). A round
-    of ``device`` alone is ``run``'s fused train step. Every round started is finished and
-    counted before ``stop`` is checked; a round is one optimizer update (``steps`` += 1).
-
-    Returns ``run``'s keys (``steps`` = rounds, the mean ``loss``/``top1`` over contributions,
-    ``tokens`` over all members) plus ``contributions`` (gradients computed), ``participants``
-    (members per round) and ``devices``: per label, its ``contributions`` and ``seconds`` (the
-    wall time of the rounds it took part in: device-seconds of drafter work).
+    ``members()`` is asked each round for at most ``slots`` ``(label, device, target_params)``
+    triples; each member computes a gradient on its own batch and the mean is applied on ``device``.
+    A round is one optimizer update, always finished before ``stop`` is checked. Returns ``run``'s
+    keys plus ``contributions``, ``participants`` and per-label ``devices``: docs/library.md,
+    "SpotTrainer.run_rounds".
     """
     if stop is None and max_rounds is None:
       raise ValueError("SpotTrainer.run_rounds needs stop or max_rounds; without either it would "
@@ -269,7 +262,7 @@ class SpotTrainer:
     metrics (device arrays)."""
     with self._state_lock:
       if len(team) == 1 and team[0][1] == home:  # the home device alone: run's fused step
-        step = self._step("train", home)
+        step = self.step_for("train", home)
         self.params, self.opt_state, metrics = step(self.params, self.opt_state, team[0][2],
                                                     jax.device_put(batches[0], home))
         self.steps += 1
@@ -277,14 +270,14 @@ class SpotTrainer:
       grads, out = [], []
       for (_, device, target_params), batch in zip(team, batches):
         params = self.params if device == home else jax.device_put(self.params, device)
-        g, metrics = self._step("grad", device)(params, target_params,
-                                                jax.device_put(batch, device))
+        g, metrics = self.step_for("grad", device)(params, target_params,
+                                                   jax.device_put(batch, device))
         grads.append(g if device == home else jax.device_put(g, home))
         out.append(metrics)
       weights = np.zeros(slots, np.float32)
       weights[:len(team)] = 1.0 / len(team)
       grads += [grads[0]] * (slots - len(team))  # weight 0
-      apply = self._step("apply", home, slots)
+      apply = self.step_for("apply", home, slots)
       self.params, self.opt_state, _ = apply(self.params, self.opt_state, tuple(grads),
                                              jax.device_put(weights, home))
       self.steps += 1
@@ -343,7 +336,7 @@ class SpotTrainer:
     self._compiled.get(("apply", device, slots), lambda: self._apply_step.lower(
         params, opt_state, (params,) * slots, weights))
 
-  def _step(self, kind: str, device: jax.Device, *key):
+  def step_for(self, kind: str, device: jax.Device, *key):
     """The train, eval, grad or apply step for ``device`` (apply: and its slot count): its
     ahead-of-time executable once ``precompile`` made one, else the jitted function (which
     compiles on first use)."""
@@ -368,7 +361,7 @@ class SpotTrainer:
       params = self.params if params is None else params
       if not _on_device(params, device):
         params = jax.device_put(params, device)
-      step = self._step("eval", device)
+      step = self.step_for("eval", device)
       metrics = jax.device_get(step(params, target_params, jax.device_put(batch, device)))
     out = {key: float(metrics[key]) for key in ("loss", "feature_loss", "ce_loss", "top1")}
     return dict(out, tokens=int(metrics["num_tokens"]))

@@ -15,23 +15,23 @@ import jax
 import ml_collections
 import numpy as np
 
-from tlt_jax.job.rollout_config import EAGLE_STRATEGIES, build_drafter, build_drafter_training, \
-    build_engine_config, build_suffix, check_drafter, fresh_drafter
-from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, dataclass_section, \
-    flatten, section, to_dataclass
+from tlt_jax.job.rollout_config import EAGLE_STRATEGIES, DrafterSpec, build_drafter_training, \
+    build_engine_config, build_suffix, parse_drafter
+from tlt_jax.job.typed_config import ConfigError, check_keys, dataclass_section, flatten, \
+    optional_section, section, to_dataclass
 from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.load import load_tokenizer, pretrained_config
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer
 from tlt_jax.rl import grpo
-from tlt_jax.rl.history import HistoryConfig
 from tlt_jax.rl.sft import SFTConfig
 from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Task, chat_prompt
 from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prompt, eval_problems, \
     step_problems
 from tlt_jax.rollout.engine import EngineConfig
+from tlt_jax.rollout.history import HistoryConfig
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.suffix import SuffixConfig
 
@@ -46,10 +46,15 @@ _OPTIONAL = {"rollout_devices", "drafter_training", "history", "suffix", "distri
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-  """Everything the config says, validated before any work starts."""
+  """Everything the config says, validated before any work starts; ``cfg`` is kept only to be
+  saved with the run (config.json, every checkpoint's metadata)."""
 
   cfg: ml_collections.ConfigDict
   logdir: pathlib.Path
+  seed: int
+  resume: bool
+  checkpoint_every: int  # RL steps between checkpoints (0: the last step's alone)
+  mesh_devices: int  # the update mesh's devices (0: every visible one)
   task: Task
   tokenizer: Tokenizer
   model_config: ModelConfig
@@ -57,13 +62,16 @@ class Job:
   grpo: grpo.GRPOConfig
   trainer: TrainerConfig
   engine: EngineConfig
-  drafter: Drafter | NgramConfig | None  # the learned or n-gram drafter (build_drafter)
+  drafter_spec: DrafterSpec  # config.drafter, parsed
+  drafter: Drafter | NgramConfig | None  # the learned or n-gram drafter (drafter_spec.build)
   drafter_training: DrafterTrainingConfig | None = None  # the drafter trains online
   drafter_save_every: int = 0  # RL steps between selective async drafter saves (0: never)
   model_path: pathlib.Path | None = None  # a pretrained policy (HF directory or .gguf file)
   chat_template: bool = False  # prompts in the tokenizer's chat template
   suffix: SuffixConfig | None = None  # the suffix drafter drafts (config.drafter has "suffix")
   history: HistoryConfig = HistoryConfig()  # the store it drafts from (kept only then)
+  fsdp: int = 1  # FSDP shards of the update mesh
+  rollout_devices: int = 0  # the mesh's devices that roll out, an engine each (0: all)
 
 
 TASK_KINDS = ("arithmetic", "reasoning_gym", "math_dataset")
@@ -142,12 +150,7 @@ def task_num_prompts(cfg: ml_collections.ConfigDict) -> int:
 def build_history(cfg: ml_collections.ConfigDict) -> HistoryConfig:
   """``config.history`` (the defaults when a config lacks it) as a ``HistoryConfig``; bad values
   name ``config.history.<field>``."""
-  fields = dict(section(cfg, "history").items()) if "history" in cfg else {}
-  check_keys(fields, {f.name for f in dataclasses.fields(HistoryConfig)}, "history")
-  try:
-    return HistoryConfig(**fields)
-  except (TypeError, ValueError) as e:
-    raise config_error(e, "history") from None
+  return to_dataclass(HistoryConfig, optional_section(cfg, "history"), "history")
 
 
 def _pretrained_parts(model_cfg: ml_collections.ConfigDict) -> tuple[pathlib.Path, ModelConfig,
@@ -183,16 +186,58 @@ def check_top_level(cfg: ml_collections.ConfigDict) -> None:
                       f"{DEFAULT_CONFIG} and change what you need")
 
 
-def build_job(cfg: ml_collections.ConfigDict) -> Job:
-  """Checks every section of ``cfg`` (unknown keys and bad values name the field)."""
-  check_top_level(cfg)
-  check_drafter(cfg.drafter)
+def build_job(cfg: ml_collections.ConfigDict, keys_checked: bool = False) -> Job:
+  """Checks every section of ``cfg`` (unknown keys and bad values name the field);
+  ``keys_checked``: ``check_top_level`` has passed already."""
+  if not keys_checked:
+    check_top_level(cfg)
+  spec = parse_drafter(cfg.drafter)
+  run_fields = _run_fields(cfg)
+  task, chat = build_task(section(cfg, "task"))
+  model_path, model_config, tokenizer = _model_parts(section(cfg, "model"), task, chat)
+  sft = to_dataclass(SFTConfig, section(cfg, "sft"), "sft")
+  if sft.steps and (chat or tokenizer.bos_token_id is None):
+    raise ConfigError("config.sft.steps must be 0 here: the warm start writes <bos> + prompt + "
+                      "solution, without the chat template (and this tokenizer may have no BOS)")
+  grpo_config = to_dataclass(grpo.GRPOConfig, section(cfg, "grpo"), "grpo")
+  trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=cfg.seed,
+                                num_prompts=task_num_prompts(cfg), sources=TRAINER_SOURCES)
+  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+  drafter = spec.build(model_config, seed=cfg.seed)
+  suffix = build_suffix(cfg, spec)
+  history = build_history(cfg)
+  training, save_every = build_drafter_training(cfg, spec)
+  rollout = section(cfg, "rollout")
+  if spec.fresh and not rollout.strategies:
+    # a fresh drafter drafts badly at first: let the tuner decide when SD pays, per bucket
+    rollout = ml_collections.ConfigDict(dict(rollout.to_dict(), strategies=EAGLE_STRATEGIES))
+  engine_config = build_engine_config(rollout, drafter, suffix,
+                                      max_new_tokens=trainer_config.max_new_tokens,
+                                      pad_token_id=pad)
+  check_prompt_lengths(task, tokenizer, chat, trainer_config, engine_config.max_prompt_len)
+  return Job(cfg=cfg, **run_fields, task=task, tokenizer=tokenizer,
+             model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
+             engine=engine_config, drafter_spec=spec, drafter=drafter, model_path=model_path,
+             chat_template=chat, drafter_training=training, drafter_save_every=save_every,
+             suffix=suffix, history=history)
+
+
+def _run_fields(cfg: ml_collections.ConfigDict) -> dict:
+  """The ``Job``'s top-level fields of ``cfg`` (where the run lives, its seed, checkpoints and
+  devices), the counts checked to be ints >= 0 (the devices' fit: ``job_devices``)."""
   for name in ("checkpoint_every", "mesh_devices", "seed"):
     value = cfg[name]
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
       raise ConfigError(f"config.{name} must be an int >= 0, got {value!r}")
-  task, chat = build_task(section(cfg, "task"))
-  model_cfg = section(cfg, "model")
+  return dict(logdir=pathlib.Path(cfg.logdir), seed=cfg.seed, resume=bool(cfg.resume),
+              checkpoint_every=cfg.checkpoint_every, mesh_devices=cfg.mesh_devices,
+              fsdp=cfg.get("fsdp", 1), rollout_devices=cfg.get("rollout_devices", 0))
+
+
+def _model_parts(model_cfg: ml_collections.ConfigDict, task: Task, chat: bool
+                 ) -> tuple[pathlib.Path | None, ModelConfig, Tokenizer]:
+  """``config.model``: the pretrained policy's path (None: the tiny char-level policy over the
+  task's alphabet), its config and tokenizer, checked to render a chat prompt where ``chat``."""
   model_path = None
   if "path" in model_cfg:  # a pretrained policy with its own tokenizer
     model_path, model_config, tokenizer = _pretrained_parts(model_cfg)
@@ -209,31 +254,7 @@ def build_job(cfg: ml_collections.ConfigDict) -> Job:
     except Exception as e:  # pylint: disable=broad-except  # no template, or one that fails
       raise ConfigError(f"config.task.chat_template=True but the tokenizer cannot render a chat "
                         f"prompt: {e}") from None
-  sft = to_dataclass(SFTConfig, section(cfg, "sft"), "sft")
-  if sft.steps and (chat or tokenizer.bos_token_id is None):
-    raise ConfigError("config.sft.steps must be 0 here: the warm start writes <bos> + prompt + "
-                      "solution, without the chat template (and this tokenizer may have no BOS)")
-  grpo_config = to_dataclass(grpo.GRPOConfig, section(cfg, "grpo"), "grpo")
-  trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=cfg.seed,
-                                num_prompts=task_num_prompts(cfg), sources=TRAINER_SOURCES)
-  pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-  drafter = build_drafter(cfg.drafter, model_config, seed=cfg.seed)
-  suffix = build_suffix(cfg)
-  history = build_history(cfg)
-  training, save_every = build_drafter_training(cfg, drafter)
-  rollout = section(cfg, "rollout")
-  if fresh_drafter(cfg.drafter) and not rollout.strategies:
-    # a fresh drafter drafts badly at first: let the tuner decide when SD pays, per bucket
-    rollout = ml_collections.ConfigDict(dict(rollout.to_dict(), strategies=EAGLE_STRATEGIES))
-  engine_config = build_engine_config(rollout, drafter, suffix,
-                                      max_new_tokens=trainer_config.max_new_tokens,
-                                      pad_token_id=pad)
-  check_prompt_lengths(task, tokenizer, chat, trainer_config, engine_config.max_prompt_len)
-  return Job(cfg=cfg, logdir=pathlib.Path(cfg.logdir), task=task, tokenizer=tokenizer,
-             model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
-             engine=engine_config, drafter=drafter, model_path=model_path, chat_template=chat,
-             drafter_training=training, drafter_save_every=save_every, suffix=suffix,
-             history=history)
+  return model_path, model_config, tokenizer
 
 
 PROMPT_CHECK_MAX = 4096  # prompts encoded by check_prompt_lengths (the first steps' and held-out)
@@ -270,24 +291,29 @@ def check_prompt_lengths(task: Task, tokenizer: Tokenizer, chat: bool, trainer: 
 
 
 def job_devices(cfg: ml_collections.ConfigDict) -> list:
-  """The update mesh's devices (``config.mesh_devices``), after checking that they and
-  ``config.rollout_devices`` fit the visible devices."""
+  """The update mesh's devices of a config's ``mesh_devices``, ``fsdp`` and ``rollout_devices``
+  (``update_devices``)."""
+  return update_devices(cfg.mesh_devices, cfg.get("fsdp", 1), cfg.get("rollout_devices", 0))
+
+
+def update_devices(mesh_devices: int, fsdp: int = 1, rollout_devices: int = 0) -> list:
+  """The update mesh's devices (``config.mesh_devices``, 0: all), after checking that they,
+  ``config.fsdp`` and ``config.rollout_devices`` fit the visible devices."""
   devices = jax.devices()
-  if cfg.mesh_devices > len(devices):
-    raise ConfigError(f"config.mesh_devices={cfg.mesh_devices} but only {len(devices)} devices "
+  if mesh_devices > len(devices):
+    raise ConfigError(f"config.mesh_devices={mesh_devices} but only {len(devices)} devices "
                       "are visible; use 0 for all of them")
-  devices = devices[:cfg.mesh_devices or len(devices)]
+  devices = devices[:mesh_devices or len(devices)]
   try:
-    make_mesh(devices, cfg.get("fsdp", 1))
+    make_mesh(devices, fsdp)
   except ValueError as e:
     raise ConfigError(f"config.fsdp: {e}") from None
   local = [d for d in devices if d.process_index == jax.process_index()]
   try:
-    check_rollout_devices(cfg.get("rollout_devices", 0), len(local), "config.rollout_devices")
+    check_rollout_devices(rollout_devices, len(local), "config.rollout_devices")
   except ValueError as e:
     raise ConfigError(str(e)) from None
   return devices
-
 
 
 def describe(cfg: ml_collections.ConfigDict) -> str:

@@ -11,7 +11,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, dataclass_section, \
-    section
+    optional_section, to_dataclass
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.drafter_io import load_drafter
@@ -40,29 +40,67 @@ _SUFFIX_CHOICES = ("'suffix' (the suffix drafter, which drafts from the rollout'
                    "(both in one engine)")
 
 
-def split_drafter(value) -> tuple[str, bool]:
-  """``config.drafter`` as (the learned or n-gram drafter's part, whether the suffix drafter
-  drafts too): ``"suffix"`` is ``("none", True)``, ``"eagle+suffix"`` ``("eagle", True)``."""
+@dataclasses.dataclass(frozen=True)
+class DrafterSpec:
+  """``config.drafter``, parsed once (``parse_drafter``): the learned or n-gram drafter's
+  ``kind`` and whether the suffix drafter drafts too."""
+
+  value: str  # as the config spells it, for messages
+  kind: str = "none"  # "none", "ngram", "eagle", "eagle3" or "saved" (loaded from path)
+  suffix: bool = False
+  path: pathlib.Path | None = None  # kind "saved": the drafter's directory
+
+  @property
+  def learned(self) -> str:
+    """The learned or n-gram part as the config spells it (``"eagle"`` of ``"eagle+suffix"``)."""
+    if self.value == SUFFIX:
+      return "none"
+    return self.value[:-len(SUFFIX) - 1] if self.suffix else self.value
+
+  @property
+  def fresh(self) -> str | None:
+    """The architecture (``"eagle"``, ``"eagle3"``) of a fresh drafter, trained online from
+    scratch; None for any other."""
+    return self.kind if self.kind in FRESH_DRAFTERS else None
+
+  @property
+  def learns(self) -> bool:
+    """Whether the drafter is a learned one (``Drafter``): fresh or saved."""
+    return self.fresh is not None or self.kind == "saved"
+
+  @property
+  def head_from_policy(self) -> bool:
+    """Whether the fresh drafter starts its own head from the policy's LM head: an EAGLE-3 one
+    (an EAGLE-1 drafter has no head of its own)."""
+    return self.kind == Eagle3Drafter.kind
+
+  def build(self, model_config: ModelConfig, seed: int = 0, policy: Transformer | None = None
+            ) -> Drafter | NgramConfig | None:
+    """The learned or n-gram drafter: none, ``NgramConfig()``, a fresh EAGLE-1 or EAGLE-3 one
+    drawn for ``seed`` (an EAGLE-3 one's head the LM head of ``policy`` where given:
+    ``Eagle3Drafter.for_target``) or the saved one loaded for the policy."""
+    if self.kind == "none":
+      return None
+    if self.kind == DrafterKind.NGRAM:
+      return NgramConfig()
+    if self.head_from_policy and policy is not None:
+      return Eagle3Drafter.for_target(policy, seed)
+    if self.fresh:
+      return FRESH_DRAFTERS[self.kind].create(model_config, seed=seed)
+    try:
+      return load_drafter(self.path, model_config)
+    except Exception as e:  # pylint: disable=broad-except  # missing/garbled files, a misfit
+      raise ConfigError(f"config.drafter {self.learned} does not load as a drafter of this "
+                        f"policy: {e} (config.drafter takes {_DRAFTER_CHOICES})") from None
+
+
+def parse_drafter(value) -> DrafterSpec:
+  """``config.drafter`` as a ``DrafterSpec``: a known kind or an existing directory (either with
+  ``+suffix``), or ``suffix`` alone; anything else is a ``ConfigError`` naming the choices."""
   if value == SUFFIX:
-    return "none", True
-  if isinstance(value, str) and value.endswith("+" + SUFFIX):
-    return value[:-len(SUFFIX) - 1], True
-  return value, False
-
-
-def fresh_drafter(value) -> str | None:
-  """The architecture (``"eagle"`` or ``"eagle3"``) when ``config.drafter`` asks for a fresh
-  learned drafter (either alone or with ``+suffix``), else None."""
-  base = split_drafter(value)[0]
-  return base if isinstance(base, str) and base in FRESH_DRAFTERS else None
-
-
-def check_drafter(value) -> None:
-  """Rejects a ``config.drafter`` that is neither a known kind nor an existing directory (either
-  of them with ``+suffix``, or ``suffix`` alone)."""
-  if value == SUFFIX:
-    return
-  base, suffix = split_drafter(value)
+    return DrafterSpec(value, "none", suffix=True)
+  suffix = isinstance(value, str) and value.endswith("+" + SUFFIX)
+  base = value[:-len(SUFFIX) - 1] if suffix else value
   if suffix and base in ("none", DrafterKind.NGRAM, ""):
     why = {"none": "the suffix drafter alone is 'suffix'",
            "ngram": "the suffix drafter already drafts from the group's sibling responses, as the "
@@ -70,52 +108,15 @@ def check_drafter(value) -> None:
            "": "a learned drafter goes before '+suffix'"}[base]
     raise ConfigError(f"config.drafter={value!r}: {why} (config.drafter takes {_DRAFTER_CHOICES}; "
                       f"or {_SUFFIX_CHOICES})")
-  if base in ("none", DrafterKind.NGRAM) or fresh_drafter(base):
-    return
+  if base in ("none", DrafterKind.NGRAM) or (isinstance(base, str) and base in FRESH_DRAFTERS):
+    return DrafterSpec(value, str(base), suffix)
   if not isinstance(base, str) or not base:
     raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}, or {_SUFFIX_CHOICES}; got "
                       f"{value!r}")
   if not pathlib.Path(base).is_dir():
     raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}; {base!r} is not an existing "
                       f"directory (or {_SUFFIX_CHOICES})")
-
-
-def build_drafter(value, model_config: ModelConfig, seed: int = 0
-                  ) -> Drafter | NgramConfig | None:
-  """``config.drafter``'s learned or n-gram part: none, the n-gram drafter, a fresh EAGLE-1 or
-  EAGLE-3 drafter (``eagle``, ``eagle3``: random; an EAGLE-3 drafter's head starts from the
-  policy's once the policy is known, ``start_fresh_drafter``) or a learned drafter loaded for the
-  policy (the suffix part: ``build_suffix``)."""
-  check_drafter(value)
-  if (kind := fresh_drafter(value)) is not None:
-    return FRESH_DRAFTERS[kind].create(model_config, seed=seed)
-  value = split_drafter(value)[0]
-  if value == "none":
-    return None
-  if value == DrafterKind.NGRAM:
-    return NgramConfig()
-  try:
-    return load_drafter(value, model_config)
-  except Exception as e:  # pylint: disable=broad-except  # missing/garbled files, a misfit
-    raise ConfigError(f"config.drafter {value} does not load as a drafter of this policy: {e} "
-                      f"(config.drafter takes {_DRAFTER_CHOICES})") from None
-
-
-def head_from_policy(value) -> bool:
-  """Whether ``config.drafter``'s fresh drafter starts its own head from the policy's LM head
-  (``start_fresh_drafter``): an EAGLE-3 one (an EAGLE-1 drafter has no head of its own)."""
-  return fresh_drafter(value) == Eagle3Drafter.kind
-
-
-def start_fresh_drafter(value, drafter, policy: Transformer, seed: int = 0):
-  """The drafter RL starts with, once ``policy`` (the policy RL starts from) is known: for
-  ``config.drafter="eagle3"`` (or ``"eagle3+suffix"``) a fresh EAGLE-3 drafter whose own head
-  starts as the policy's LM head (``Eagle3Drafter.for_target``, the other weights as
-  ``build_drafter`` drew them for ``seed``); ``drafter`` itself otherwise (an EAGLE-1 drafter
-  uses the policy's head as it goes; a loaded drafter keeps its own)."""
-  if not head_from_policy(value):
-    return drafter
-  return Eagle3Drafter.for_target(policy, seed)
+  return DrafterSpec(value, "saved", suffix, pathlib.Path(base))
 
 
 # the config sections of the rollout's dataclasses: an error naming ``<Class>.<field>`` names
@@ -178,17 +179,12 @@ def rollout_section(**values) -> ml_collections.ConfigDict:
   return section_
 
 
-def build_suffix(cfg: ml_collections.ConfigDict) -> SuffixConfig | None:
-  """``config.suffix`` as a ``SuffixConfig`` when ``config.drafter`` has the suffix drafter
-  (``suffix`` or ``<drafter>+suffix``), else None; the section is checked in any case, so a
-  mistake shows before it matters (a config without the section takes the defaults)."""
-  fields = dict(section(cfg, "suffix").items()) if "suffix" in cfg else {}
-  check_keys(fields, {f.name for f in dataclasses.fields(SuffixConfig)}, "suffix")
-  try:
-    suffix = SuffixConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-  except (TypeError, ValueError) as e:
-    raise _named(e, "suffix") from None
-  return suffix if split_drafter(cfg.drafter)[1] else None
+def build_suffix(cfg: ml_collections.ConfigDict, drafter: DrafterSpec) -> SuffixConfig | None:
+  """``config.suffix`` as a ``SuffixConfig`` when ``drafter`` has the suffix drafter, else None;
+  the section is checked in any case, so a mistake shows before it matters (a config without
+  the section takes the defaults)."""
+  suffix = to_dataclass(SuffixConfig, optional_section(cfg, "suffix"), "suffix")
+  return suffix if drafter.suffix else None
 
 
 def suffix_section() -> ml_collections.ConfigDict:
@@ -213,14 +209,12 @@ def drafter_training_section() -> ml_collections.ConfigDict:
 EAGLE_STRATEGIES = ((3, 1, 4),)
 
 
-def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
+def build_drafter_training(cfg: ml_collections.ConfigDict, spec: DrafterSpec
                            ) -> tuple[DrafterTrainingConfig | None, int]:
-  """``config.drafter_training`` as a ``DrafterTrainingConfig`` when the drafter trains online
-  (``online="auto"``: when ``config.drafter`` is a fresh drafter, ``eagle`` or ``eagle3``), and
+  """``config.drafter_training`` as a ``DrafterTrainingConfig`` when the drafter ``spec`` names
+  trains online (``online="auto"``: when it is a fresh drafter, ``eagle`` or ``eagle3``), and
   the selective-save interval."""
-  fields = dict(DRAFTER_TRAINING_JOB_FIELDS)
-  if "drafter_training" in cfg:
-    fields.update(section(cfg, "drafter_training").items())
+  fields = dict(DRAFTER_TRAINING_JOB_FIELDS, **optional_section(cfg, "drafter_training"))
   online = fields.pop("online")
   # the field's default is the string "auto", so a command line's True/False arrives as text
   online = {"true": True, "false": False}.get(str(online).lower(), online)
@@ -235,12 +229,12 @@ def build_drafter_training(cfg: ml_collections.ConfigDict, drafter
     training = DrafterTrainingConfig(**fields)
   except (TypeError, ValueError) as e:
     raise config_error(e, "drafter_training") from None
-  online = fresh_drafter(cfg.drafter) is not None if online == "auto" else online
+  online = spec.fresh is not None if online == "auto" else online
   if not online:
     return None, 0
-  if not isinstance(drafter, Drafter):
+  if not spec.learns:
     raise ConfigError(f"config.drafter_training.online=True needs a learned drafter: set "
                       f"config.drafter to {_FRESH_NAMES} or a saved drafter's directory (any may "
-                      f"add '+suffix'), not {cfg.drafter!r}")
+                      f"add '+suffix'), not {spec.value!r}")
   return training, save_every
 

@@ -262,7 +262,7 @@ class MetricsLog:
 def tensorboardx_writer_class():
   """tensorboardX's ``SummaryWriter``, imported without torch: where torch is installed,
   tensorboardX imports it only to accept torch tensors (the job logs Python floats), and that
-  import costs 2-3 s of every job's start. Raises ImportError without tensorboardX."""
+  import slows every job's start. Raises ImportError without tensorboardX."""
   blocked = "torch" not in sys.modules
   if blocked:
     sys.modules["torch"] = None  # `import torch` raises ImportError while this is set

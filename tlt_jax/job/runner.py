@@ -21,23 +21,20 @@ import numpy as np
 from tlt_jax import hosts
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.drafter import ledger as ledger_lines
-from tlt_jax.job.build import Job, build_job, check_top_level, describe, job_devices
-from tlt_jax.job.rollout_config import fresh_drafter, head_from_policy, split_drafter, \
-    start_fresh_drafter
+from tlt_jax.job.build import Job, build_job, check_top_level, describe, update_devices
 from tlt_jax.job.run_dir import CHECKPOINTS, DRAFTER_CHECKPOINTS, FINAL_MODEL, MetricsLog, \
     choose_logdir, export_final_drafter, export_final_model, export_final_speculators, open_run, \
     save_run_config, set_aside_leftovers
 from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.job.typed_config import ConfigError, config_error
 from tlt_jax.models.load import from_pretrained
-from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.drafter_io import drafter_policy_mismatch
 from tlt_jax.models.transformer import Transformer, init_model
-from tlt_jax.rl import history as history_lib
 from tlt_jax.rl.sft import warm_start
 from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, check_update_layout
 from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.update import NonFiniteUpdateError
+from tlt_jax.rollout import history as history_lib
 from tlt_jax.rollout.stats import arm_line, run_sd_summary
 from tlt_jax.utils import progress_bar
 
@@ -51,21 +48,22 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
   SIGINT/SIGTERM during the RL steps stop the run after the step in flight, saved (see
   ``StopSignals``).
   """
-  cfg, job, logdir, latest, devices = _open_job(cfg, overrides)
-  if cfg.resume and latest >= job.trainer.steps and (logdir / FINAL_MODEL).is_dir():
+  job, latest, devices = _open_job(cfg, overrides)
+  cfg, logdir = job.cfg, job.logdir  # the run's config, kept to be saved
+  if job.resume and latest >= job.trainer.steps and (logdir / FINAL_MODEL).is_dir():
     return _nothing_to_do(job, logdir, latest)
-  if not cfg.resume and hosts.is_primary():
+  if not job.resume and hosts.is_primary():
     if (aside := set_aside_leftovers(logdir)) is not None:  # never two runs' files in one logdir
       _say(f"{logdir} held files of an earlier attempt but no checkpoint: moved them to {aside}")
     save_run_config(cfg, logdir)
-  mesh = _update_mesh(cfg, devices)
+  mesh = _update_mesh(job.fsdp, devices)
   with StopSignals() as stop:
     t_start = time.perf_counter()
-    trainer = _set_up_trainer(job, latest, mesh)
+    trainer = set_up_trainer(job, latest, mesh)
     _describe_rl(trainer, job)
     summary, log, checkpointer = _restore_and_train(trainer, job, logdir, latest, stop)
     summary["wall_s"] = time.perf_counter() - t_start
-    final, extra = _export(trainer, job, logdir)
+    final, extra = export_run(trainer, job, logdir)
     hosts.barrier("exported")  # no process ends before the run's files are complete
   _say(f"results: metrics {log.path}, tensorboard --logdir {logdir}, checkpoints "
        f"{checkpointer.directory}, final model {final}{extra}")
@@ -74,9 +72,9 @@ def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) 
 
 
 def _open_job(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None
-              ) -> tuple[ml_collections.ConfigDict, Job, pathlib.Path, int | None, list]:
-  """The run's config (a copy of ``cfg``; on resume the saved one with ``overrides``), its
-  ``Job``, logdir, latest checkpoint step and devices, every check that needs no model done,
+              ) -> tuple[Job, int | None, list]:
+  """The run's ``Job`` (of a copy of ``cfg``; on resume of the saved config with
+  ``overrides``), its latest checkpoint step and devices, every check that needs no model done,
   and the config printed. A multi-process run joins the others here, before any other JAX
   call."""
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # never mutate the caller's config
@@ -87,15 +85,15 @@ def _open_job(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None
   cfg, latest, note = open_run(cfg, logdir, overrides)
   if note:
     _say(note)
-  job = build_job(cfg)
-  devices = job_devices(cfg)
+  job = build_job(cfg, keys_checked=True)  # the same keys as checked above
+  devices = update_devices(job.mesh_devices, job.fsdp, job.rollout_devices)
   try:
     check_update_layout(job.trainer, job.grpo, len(devices))
   except ValueError as e:
     layout = config_error(e, None, {"TrainerConfig": "trainer", "GRPOConfig": "grpo"})
     raise ConfigError(f"{layout} (config.mesh_devices sets how many)") from None
   _say(f"config:\n{describe(cfg)}")
-  return cfg, job, logdir, latest, devices
+  return job, latest, devices
 
 
 def _nothing_to_do(job: Job, logdir: pathlib.Path, latest: int) -> dict:
@@ -107,11 +105,10 @@ def _nothing_to_do(job: Job, logdir: pathlib.Path, latest: int) -> dict:
   return dict(history=[], lengths=[], finished=True, step=latest)
 
 
-def _update_mesh(cfg: ml_collections.ConfigDict, devices: list) -> jax.sharding.Mesh:
-  """The policy update's mesh over ``devices`` (FSDP where ``cfg.fsdp`` > 1), and the console's
+def _update_mesh(fsdp: int, devices: list) -> jax.sharding.Mesh:
+  """The policy update's mesh over ``devices`` (FSDP where ``fsdp`` > 1), and the console's
   line about the devices."""
-  fsdp = cfg.get("fsdp", 1)
-  # without FSDP the plain 1-D mesh: the update compiles (and rounds) exactly as it always did
+  # without FSDP the plain 1-D mesh: the update's program (and rounding) is the unsharded one
   mesh = make_mesh(devices, fsdp) if fsdp > 1 else jax.sharding.Mesh(np.array(devices), ("data",))
   _say(f"devices: {len(devices)} x {devices[0].platform} (" +
        (f"policy updates data-parallel over {len(devices) // fsdp} x FSDP over {fsdp}: params "
@@ -121,28 +118,26 @@ def _update_mesh(cfg: ml_collections.ConfigDict, devices: list) -> jax.sharding.
   return mesh
 
 
-def _set_up_trainer(job: Job, latest: int | None, mesh: jax.sharding.Mesh) -> GRPOTrainer:
+def set_up_trainer(job: Job, latest: int | None, mesh: jax.sharding.Mesh) -> GRPOTrainer:
   """The policy (loaded, then warm-started unless the run resumes: its checkpoint holds the
   params) and its trainer on ``mesh``; in between, a warning where the job's saved drafter was
   made for another policy than the one RL starts from, and a fresh EAGLE-3 drafter's head
   started from that policy's (``_drafter_head_from_policy``)."""
   with _outside_the_steps(job, latest, "while loading the policy"):
-    model = initial_model(job, job.cfg.seed)
+    model = initial_model(job, job.seed)
   start_head = _drafter_head_from_policy(job)
-  if not job.cfg.resume or start_head:
+  if not job.resume or start_head:
     with _outside_the_steps(job, latest, "during the warm start"):
       model = _warm_start(model, job)
-  learned = split_drafter(job.cfg.drafter)[0]
-  if isinstance(job.drafter, Drafter) and fresh_drafter(learned) is None:  # a saved one
-    warning = drafter_policy_mismatch(learned, model)  # the policy RL starts from
+  spec = job.drafter_spec
+  if spec.kind == "saved":
+    warning = drafter_policy_mismatch(spec.learned, model)  # the policy RL starts from
     if warning:
-      _say(f"warning: {warning} (--config.drafter={learned} "
+      _say(f"warning: {warning} (--config.drafter={spec.learned} "
            "--config.drafter_training.online=True)")
-  if start_head:
-    job = dataclasses.replace(job, drafter=start_fresh_drafter(
-        job.cfg.drafter, job.drafter, model, job.cfg.seed))
+  drafter = spec.build(job.model_config, job.seed, policy=model) if start_head else job.drafter
   with _outside_the_steps(job, latest, "while building the trainer"):
-    return make_trainer(job, model, mesh)
+    return make_trainer(job, model, mesh, drafter)
 
 
 def _drafter_head_from_policy(job: Job) -> bool:
@@ -150,8 +145,7 @@ def _drafter_head_from_policy(job: Job) -> bool:
   in a new run; in a resumed one only when the drafter does not train online (no checkpoint
   holds it: the warm start is done again for the policy the run started from; a drafter that
   trains online is the checkpoint's, restored as it was)."""
-  return head_from_policy(job.cfg.drafter) and (not job.cfg.resume or
-                                                 job.drafter_training is None)
+  return job.drafter_spec.head_from_policy and (not job.resume or job.drafter_training is None)
 
 
 def _describe_rl(trainer: GRPOTrainer, job: Job) -> None:
@@ -167,7 +161,7 @@ def _describe_rl(trainer: GRPOTrainer, job: Job) -> None:
   if job.trainer.num_prompts:
     _say(f"data: epoch mode, {job.trainer.num_prompts} fixed problems visited once per epoch, "
          f"{job.trainer.prompts_per_step} per step")
-  if trainer.history is not None and (note := _history_room(job)):
+  if trainer.history is not None and (note := history_room_note(job)):
     _say(note)
   if trainer.online is not None:
     _say("drafter: trained online from the rollouts' hidden states ("
@@ -178,7 +172,7 @@ def _describe_rl(trainer: GRPOTrainer, job: Job) -> None:
 
 def _restore_and_train(trainer: GRPOTrainer, job: Job, logdir: pathlib.Path, latest: int | None,
                        stop: StopSignals) -> tuple[dict, MetricsLog, Checkpointer]:
-  """The run's checkpoints, restored on a resume; the compile; then the RL steps (``_train``)
+  """The run's checkpoints, restored on a resume; the compile; then the RL steps (``train_steps``)
   with the metrics log. Returns the steps' summary, the (closed) metrics log and the
   checkpointer."""
   drafter_ckpt = None
@@ -186,13 +180,13 @@ def _restore_and_train(trainer: GRPOTrainer, job: Job, logdir: pathlib.Path, lat
     drafter_ckpt = Checkpointer(logdir / DRAFTER_CHECKPOINTS, keep=2, async_save=True)
   with Checkpointer(logdir / CHECKPOINTS, keep=2) as checkpointer:
     with _outside_the_steps(job, latest, "while restoring and compiling"):
-      if job.cfg.resume:  # the checkpoint holds the warm-started (and RL-trained) params
+      if job.resume:  # the checkpoint holds the warm-started (and RL-trained) params
         _resume(trainer, checkpointer, drafter_ckpt, job.cfg, logdir)
       _say(precompile(trainer, progress=True).line())
-    log = MetricsLog(logdir, resume_step=trainer.step_count if job.cfg.resume else None,
+    log = MetricsLog(logdir, resume_step=trainer.step_count if job.resume else None,
                      write=hosts.is_primary())
     try:
-      summary = _train(trainer, job, checkpointer, log, drafter_ckpt, stop)
+      summary = train_steps(trainer, job, checkpointer, log, drafter_ckpt, stop)
     finally:
       log.close()
       if drafter_ckpt is not None:
@@ -216,7 +210,7 @@ def _resume(trainer: GRPOTrainer, checkpointer: Checkpointer, drafter_ckpt: Chec
            "checkpoint; they are written again as those steps are re-done)")
 
 
-def _export(trainer: GRPOTrainer, job: Job, logdir: pathlib.Path) -> tuple[pathlib.Path, str]:
+def export_run(trainer: GRPOTrainer, job: Job, logdir: pathlib.Path) -> tuple[pathlib.Path, str]:
   """Writes the final model (and the online drafter, and an EAGLE-3 one's speculators export
   for vLLM), from process 0 alone: the params are replicated, so it holds them all. Returns the
   model's directory and the words naming the drafter's ("" without one)."""
@@ -252,22 +246,24 @@ def _warm_start(model, job: Job):
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
 
   with bar:
-    model, metrics = warm_start(model, job.tokenizer, job.task, job.sft, job.cfg.seed, progress)
+    model, metrics = warm_start(model, job.tokenizer, job.task, job.sft, job.seed, progress)
   _say(f"warm start: {job.sft.steps} steps in {time.perf_counter() - t0:.0f}s, "
        f"loss {metrics.get('loss', float('nan')):.3f}")
   return model
 
 
-def make_trainer(job: Job, model: Transformer, mesh: jax.sharding.Mesh) -> GRPOTrainer:
-  """The job's GRPO trainer for ``model`` (the policy RL starts from) on ``mesh``."""
+def make_trainer(job: Job, model: Transformer, mesh: jax.sharding.Mesh,
+                 drafter=None) -> GRPOTrainer:
+  """The job's GRPO trainer for ``model`` (the policy RL starts from) on ``mesh``, drafting with
+  ``drafter`` (None: ``job.drafter``)."""
   return GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
-                     mesh=mesh, drafter=job.drafter, chat_template=job.chat_template,
-                     rollout_devices=job.cfg.get("rollout_devices", 0),
+                     mesh=mesh, drafter=job.drafter if drafter is None else drafter,
+                     chat_template=job.chat_template, rollout_devices=job.rollout_devices,
                      drafter_training=job.drafter_training, suffix=job.suffix,
                      history=job.history)
 
 
-def _history_room(job: Job) -> str | None:
+def history_room_note(job: Job) -> str | None:
   """A note when the history store cannot hold one epoch's completions at full length (then a
   prompt may find its history evicted by the time the next epoch comes back to it)."""
   if not job.trainer.num_prompts:
@@ -351,16 +347,16 @@ def _evaluate(trainer: GRPOTrainer) -> tuple[float, float]:
   return greedy, sampled
 
 
-def _evaluation_due(config: TrainerConfig, step: int) -> bool:
+def evaluation_due(config: TrainerConfig, step: int) -> bool:
   """Whether step ``step`` (just taken) is followed by a periodic held-out evaluation: every
   ``eval_every`` steps, but not after the last one (the final evaluation covers it)."""
   return bool(config.eval_every) and step % config.eval_every == 0 and step < config.steps
 
 
-def _checkpoint_due(job: Job, step: int) -> bool:
+def checkpoint_due(job: Job, step: int) -> bool:
   """Whether step ``step`` (just taken) is checkpointed: every ``checkpoint_every`` steps (0:
   never in between), and always the last one."""
-  every = job.cfg.checkpoint_every
+  every = job.checkpoint_every
   return bool(every and step % every == 0) or step == job.trainer.steps
 
 
@@ -450,15 +446,15 @@ def _nonfinite_advice(e: NonFiniteUpdateError, checkpointer: Checkpointer,
       "--config.trainer.learning_rate")
 
 
-def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: MetricsLog,
+def train_steps(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: MetricsLog,
            drafter_ckpt: Checkpointer | None = None, stop: StopSignals | None = None) -> dict:
-  """The RL phase: the held-out evaluation at the start, the steps (``_Steps.step``) until
+  """The RL phase: the held-out evaluation at the start, the steps (``Steps.step``) until
   ``trainer.steps`` or a stop signal, then the final evaluation; returns the run's summary.
 
   A first signal stops after the step in flight, which is saved (``Interrupted``, with the
   command that resumes); a second one stops at once, as does a non-finite update, each saying
   what is saved and how to go on."""
-  steps = _Steps(trainer, job, checkpointer, log, drafter_ckpt, stop or StopSignals())
+  steps = Steps(trainer, job, checkpointer, log, drafter_ckpt, stop or StopSignals())
   try:
     start = steps.evaluate_at_start()
     with steps.stop.graceful():
@@ -482,7 +478,7 @@ def _train(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: Metr
 
 
 @dataclasses.dataclass
-class _Steps:
+class Steps:
   """The RL steps of a run and where their results go: the metrics ``log``, the checkpoints and
   the drafter's selective saves (``drafter_ckpt``, None: none). ``doing`` says what a second
   signal would interrupt (for its message); ``saved_step`` is the step last checkpointed;
@@ -526,10 +522,10 @@ class _Steps:
     self.history.append(m)
     self.lengths.extend(trainer.last_lengths.tolist())
     self.save_drafter(m)
-    if _evaluation_due(self.job.trainer, trainer.step_count):  # before the save, so that a stop
+    if evaluation_due(self.job.trainer, trainer.step_count):  # before the save, so that a stop
       self.doing = f"after step {trainer.step_count}, during its held-out evaluation"  # in it
       m["eval_accuracy"], m["eval_sampled_reward"] = _evaluate(trainer)  # redoes both
-    if _checkpoint_due(self.job, trainer.step_count):
+    if checkpoint_due(self.job, trainer.step_count):
       self.save(m)
     self.log.write(m["step"], m)
     _say(_step_line(m, self.job.trainer.steps))
@@ -556,7 +552,7 @@ class _Steps:
       self.saved_step = self.trainer.step_count
 
 
-def _summary(steps: _Steps, start: tuple[float, float], end: tuple[float, float]) -> dict:
+def _summary(steps: Steps, start: tuple[float, float], end: tuple[float, float]) -> dict:
   """The finished run's summary and its closing lines: the held-out figures at the ``start``
   and the ``end`` (greedy accuracy, sampled reward), the train reward of the first and last
   five steps, where the step time went, and the whole run's SD and ledger lines (the steps

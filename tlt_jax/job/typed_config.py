@@ -43,6 +43,11 @@ def section(cfg: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigD
   return value
 
 
+def optional_section(cfg: ml_collections.ConfigDict, name: str) -> dict:
+  """The fields of the section ``cfg[name]`` (``section``), or none where ``cfg`` lacks it."""
+  return dict(section(cfg, name).items()) if name in cfg else {}
+
+
 def config_error(error: Exception, where: str | None, sections: dict[str, str] | None = None,
                  sources: dict[str, str] | None = None) -> ConfigError:
   """The one place where the job's config path goes in front of a library error: ``error``,

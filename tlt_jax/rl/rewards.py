@@ -185,7 +185,7 @@ def answers_match(answer: str, reference: str) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _load_math_verify() -> ModuleType | None:
+def load_math_verify() -> ModuleType | None:
   """The ``math_verify`` module when it is installed, else None (looked up once)."""
   try:
     return importlib.import_module("math_verify")
@@ -193,9 +193,9 @@ def _load_math_verify() -> ModuleType | None:
     return None
 
 
-def _math_verify_says(answer: str, reference: str) -> bool | None:
+def math_verify_says(answer: str, reference: str) -> bool | None:
   """``math_verify``'s verdict on two extracted answers; None if it is absent or fails."""
-  module = _load_math_verify()
+  module = load_math_verify()
   if module is None:
     return None
   # math_verify times out with SIGALRM, which only the main thread may set: elsewhere it raises
@@ -227,6 +227,6 @@ def math_reward(completion: str, reference: str, use_math_verify: bool = True) -
   if answer is None:
     return 0.0
   gold = reference_answer(reference)
-  if use_math_verify and _math_verify_says(answer, gold):
+  if use_math_verify and math_verify_says(answer, gold):
     return 1.0
   return float(answers_match(answer, gold))

@@ -113,7 +113,7 @@ class ArithmeticTask:
     for _ in range(n):
       digits = int(rng.choice(self.max_digits, p=probs)) + 1
       other = int(rng.integers(1, digits + 1))
-      a, b = _random_number(rng, digits), _random_number(rng, other)
+      a, b = random_number(rng, digits), random_number(rng, other)
       op = "-" if self.subtraction and rng.random() < 0.5 else "+"
       if op == "+" and rng.random() < 0.5:
         a, b = b, a
@@ -169,10 +169,10 @@ def operand_digits(prompt: str) -> int:
   return max(len(match.group(1)), len(match.group(2)))
 
 
-def _random_number(rng: np.random.Generator, digits: int) -> int:
+def random_number(rng: np.random.Generator, digits: int) -> int:
   """A uniform number with exactly ``digits`` digits (0..9 for one digit)."""
   if digits > 18:  # past int64: a leading digit and the rest (numbers of 18 digits and fewer
-    # are drawn as they always were, so their problems stay the same for a seed)
+    # take the int64 draw below, so their problems are fixed by the seed)
     rest = "".join(str(d) for d in rng.integers(0, 10, size=digits - 1))
     return int(f"{int(rng.integers(1, 10))}{rest}")
   low = 0 if digits == 1 else 10 ** (digits - 1)

@@ -11,8 +11,8 @@ policy-gradient steps per epoch. The rooms it calls on:
   state and ahead-of-time compiled update steps (``PolicyUpdate``);
 * ``drafter/online.py`` is the adaptive drafter's part of the step (its buffer, spot and serial
   training, its checkpoint), present when the drafter trains online;
-* ``rl/history.py`` keeps the earlier completions of every prompt for a suffix drafter to draft
-  from (``Rollout.uses_history``), saved with the checkpoint.
+* ``rollout/history.py`` keeps the earlier completions of every prompt for a suffix drafter to
+  draft from (``Rollout.uses_history``), saved with the checkpoint.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.tokenizer import Tokenizer
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rl import grpo
-from tlt_jax.rl.history import HistoryConfig, HistoryStore, prompt_key
 from tlt_jax.rl.packing import UPDATE_BUCKET_MIN, padded_batch
 from tlt_jax.rl.tasks import EpochSchedule, Problem, chat_prompt
 from tlt_jax.rl.update import PolicyUpdate
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.history import HistoryConfig, HistoryStore, prompt_key
 from tlt_jax.rollout.parallel import DataParallelRollout
 from tlt_jax.rollout.processes import ProcessShardedRollout
 from tlt_jax.rollout.sampling import SamplingParams
@@ -79,9 +79,8 @@ class TrainerConfig:
   # least one row per device, so a length above the budget still runs). Their gradients are
   # summed into one optimizer step equal to the full-length update's. Bounds update memory; the
   # cost follows the live lengths. A budget well above a minibatch's real tokens pads its packed
-  # rows back up (measured on a CPU: 2048 runs 1.3-1.8x fewer tokens than padding at 128 new
-  # tokens, 8.3x at 1024; 8192 saves nothing at 128). Raise it on accelerators, which want
-  # bigger passes. 0: pad every row to the full length and update each minibatch in one pass.
+  # rows back up (docs/benchmarks.md). Raise it on accelerators, which want bigger passes.
+  # 0: pad every row to the full length and update each minibatch in one pass.
   update_tokens: int = 2048
   # 0: fresh problems every step, drawn from (seed, step). > 0: epoch mode, a fixed set of this
   # many problems (distinct prompts) drawn once from the seed and visited once per epoch in a
@@ -230,21 +229,13 @@ class GRPOTrainer:
                drafter=None, chat_template: bool = False, rollout_devices: int = 1,
                drafter_training: DrafterTrainingConfig | None = None,
                suffix: SuffixConfig | None = None, history: HistoryConfig | None = None):
-    """``drafter`` (a ``Drafter`` or ``NgramConfig``) makes rollouts speculative; being lossless,
-    it changes their speed, never what is sampled. ``chat_template``: prompts are the task's
-    prompt text as a user message in the tokenizer's chat template (``tasks.chat_prompt``)
-    instead of ``<bos> + text``.
-
-    ``suffix``: the engines also draft with the suffix drafter (``rollout/suffix.py``), beside
-    ``drafter`` or alone (``drafter=None``). ``history``: the bounds of the store of every
-    prompt's earlier completions that such an engine drafts from (``rl/history.py``); kept only
-    when the engine uses it (``Rollout.uses_history``), and saved with the checkpoint.
-
-    ``rollout_devices``: how many of the mesh's devices roll out data-parallel, each with its own
-    engine (``rollout/parallel.py``; 0: all of them, 1: the mesh's first device, as before).
-    ``drafter_training``: train the (``Drafter``) drafter online from the rollouts' hidden
-    states (``drafter/online.py``): on the devices the tail leaves idle, or with one rollout
-    device between rollout and update."""
+    """``drafter`` (a ``Drafter`` or ``NgramConfig``) makes rollouts speculative (lossless: speed
+    only); ``suffix`` adds the suffix drafter, which drafts from the ``history`` store (kept
+    and checkpointed only when the engine uses it). ``chat_template``: prompts go through the
+    tokenizer's chat template (``tasks.chat_prompt``) instead of ``<bos> + text``.
+    ``rollout_devices``: the mesh's devices that roll out data-parallel (0: all, 1: the first).
+    ``drafter_training``: train the drafter online from the rollouts' hidden states
+    (docs/library.md, "GRPOTrainer")."""
     self.tokenizer, self.task, self.config, self.grpo_config = tokenizer, task, config, grpo_config
     self.chat_template = chat_template
     self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -436,7 +427,7 @@ class GRPOTrainer:
       self._sync_engine()
 
   # ---- checkpoints ----------------------------------------------------------------------------
-  def _checkpoint_state(self) -> dict:
+  def checkpoint_state(self) -> dict:
     state = dict(self.policy.checkpoint_state(), step=np.asarray(self.step_count, np.int64))
     if self.online is not None:
       state["drafter"] = self.online.checkpoint_state()
@@ -454,7 +445,7 @@ class GRPOTrainer:
       metadata[HISTORY_KEY] = self.history.state_dict()
     write_buffer = (None if self.online is None else
                     self.online.save_buffer(checkpointer, self.step_count, metadata))
-    checkpointer.save(self.step_count, self._checkpoint_state(), metadata)
+    checkpointer.save(self.step_count, self.checkpoint_state(), metadata)
     if write_buffer is not None:
       write_buffer()
 
@@ -465,7 +456,7 @@ class GRPOTrainer:
     engine's tuner (``Rollout.load_tuner_state``) and its history store, if one is kept (a
     checkpoint without one, e.g. from before the store existed, is reported and the store starts
     empty); returns its metadata."""
-    like = self._checkpoint_state()
+    like = self.checkpoint_state()
     if step is None:
       _, state, metadata = checkpointer.restore_latest_good(like=like, report=report)
     else:

@@ -84,7 +84,7 @@ def make_logprobs_fn(graphdef: nnx.GraphDef, temperature: float = 1.0):
   return logprobs
 
 
-def _make_loss_fn(graphdef: nnx.GraphDef, config: grpo.GRPOConfig, temperature: float,
+def make_loss_fn(graphdef: nnx.GraphDef, config: grpo.GRPOConfig, temperature: float,
                   gather=None):
   """``loss_fn(params, ref_params, batch, total_tokens=None) -> (loss, metrics)`` of a padded
   batch, or of a packed micro-batch (``packed_microbatches``; ``total_tokens``: its minibatch's
@@ -152,7 +152,7 @@ def _jit_padded_update(graphdef: nnx.GraphDef, optimizer: optax.GradientTransfor
   ``softmax(logits / temperature)``, as the rollout's old log-probs are: the first update of a
   step then has ratio 1 whatever the temperature. ``metrics["finite"]`` says whether the update
   was applied (``_guarded_step``)."""
-  loss_fn = _make_loss_fn(graphdef, config, temperature, layout.gather)
+  loss_fn = make_loss_fn(graphdef, config, temperature, layout.gather)
 
   def update(params, opt_state, batch, ref_params):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, ref_params, batch)
@@ -188,7 +188,7 @@ def make_packed_update_fns(graphdef: nnx.GraphDef, optimizer: optax.GradientTran
   * ``copy(state) -> state``: a device copy of ``(params, opt_state)``.
   """
   layout = layout or UpdateLayout(mesh)
-  loss_fn = _make_loss_fn(graphdef, config, temperature, layout.gather)
+  loss_fn = make_loss_fn(graphdef, config, temperature, layout.gather)
   replicated = layout.replicated
   acc_sharding = (layout.params, replicated)  # (gradient sums, metric sums)
   one = jax.ShapeDtypeStruct((1, 1), jnp.float32)
@@ -305,7 +305,7 @@ class PolicyUpdate:
         picked = order[m * size:(m + 1) * size]
         valid += int(lengths[picked].sum())
         if cfg.update_tokens:
-          mm, tokens, calls = self._packed_update(batch, picked, lengths[picked])
+          mm, tokens, calls = self.packed_update(batch, picked, lengths[picked])
         else:
           mini = {k: v[picked] for k, v in batch.items()}
           self.params, self.opt_state, mm = self._compiled(("padded",))(
@@ -363,7 +363,7 @@ class PolicyUpdate:
       out[picked] = np.where(mini["mask"] > 0, got, 0.0)
     return out
 
-  def _packed_update(self, batch, picked, lengths):
+  def packed_update(self, batch, picked, lengths):
     """One minibatch's update as gradient-accumulated packed micro-batches (``plan_packs``).
     Returns (metrics, tokens run, passes)."""
     mini = {k: v[picked] for k, v in batch.items()}

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from tlt_jax.aot import SharedPrograms
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.engine_config import EngineConfig, resolve_engine_config
@@ -70,26 +71,17 @@ class RolloutResult:
 class RolloutEngine(Rollout):
   """Generates completions for a list of prompts with bucketed, jitted decode segments.
 
-  With a ``drafter`` (and ``config.spec``, default ``SpecConfig()``), every decode step is a
-  lossless speculative step: draft, verify in one target pass, accept per row. With
-  ``config.strategies`` the strategy (vanilla included) is chosen per segment by ``tuner``
-  (default: ``make_tuner(config.tuner)``; pass one to share or restore what it learned).
-  ``config`` is read as ``resolve_engine_config(config, drafter, suffix)`` makes it (itself when
-  it is resolved already); ``self.config`` is that.
-
-  Its parts are public: ``steps`` (the pure step functions), ``pool`` (their compiled
-  executables) and ``scheduler`` (the host loop); ``weights``, ``executable`` and ``prefill`` run
-  the compiled pieces one at a time, outside ``generate`` (``calibrate`` and
-  experiments/rollout/profile_decode_step.py time them so).
-
-  ``device``: where it decodes; the weights it is given (the model's included) are placed there
-  (zero-copy where they already have a full copy there, e.g. a replicated array's shard). None:
-  the weights are used where they are.
+  With a ``drafter`` every decode step is a lossless speculative step (``config.spec``); with
+  ``config.strategies`` the ``tuner`` (default ``make_tuner(config.tuner)``) chooses the strategy
+  per segment. ``self.config`` is ``resolve_engine_config(config, drafter, suffix)``. ``device``:
+  where it decodes, its weights placed there (None: where they are); ``programs``: executables
+  shared with other devices' engines. Its public parts: docs/library.md, "RolloutEngine".
   """
 
   def __init__(self, model: Transformer, drafter: Drafter | NgramConfig | None = None,
                config: EngineConfig = EngineConfig(), tuner: Tuner | None = None,
-               device: jax.Device | None = None, suffix: SuffixConfig | None = None):
+               device: jax.Device | None = None, suffix: SuffixConfig | None = None,
+               programs: SharedPrograms | None = None):
     if suffix is not None and not isinstance(suffix, SuffixConfig):
       raise TypeError(f"RolloutEngine(suffix=...) takes a SuffixConfig, got {suffix!r}")
     config = resolve_engine_config(config, drafter, suffix)  # itself when already resolved
@@ -127,7 +119,8 @@ class RolloutEngine(Rollout):
         self.steps, self.weights,
         groups_for=lambda b: list(dict.fromkeys(s.group for s in self._strategies[b])),
         needs_catchup=lambda b: learned and config.adaptive and any(
-            s.learned for s in self._strategies[b]) and len(self._strategies[b]) > 1)
+            s.learned for s in self._strategies[b]) and len(self._strategies[b]) > 1,
+        shared=programs, device=device)
     self.scheduler = Scheduler(self.pool, self.strategies_for, self.tuner, self.weights, learned)
     self.device = device
     self.calibration: tuple[dict, float] | None = None  # ``calibrate``'s step costs, once measured
@@ -198,11 +191,7 @@ class RolloutEngine(Rollout):
 
   # ---- executable pool -------------------------------------------------------------------------
   @property
-  def _executables(self) -> dict[tuple, Any]:
-    return self.pool.executables
-
-  @property
-  def _compile_seconds(self) -> float:
+  def compile_seconds(self) -> float:
     """Seconds compiling on the rollout's critical path (not the background's)."""
     return self.pool.executables.foreground_seconds
 
@@ -219,18 +208,11 @@ class RolloutEngine(Rollout):
                  calibrate: bool = True, background: bool = False) -> int:
     """Compiles the executables the rollout may run; returns how many were compiled now.
 
-    ``progress(done, total)``, if given, is called after each executable compiles, ``total``
-    being how many that stage compiles (executables compiled earlier are not counted).
-
-    With a cost tuner (``TunerConfig(kind="cost")``) and ``calibrate``, SD arms exist where the
-    calibration says they pay (``offers.py``): vanilla's executables compile and its step is
-    timed at every bucket with a choice; then, bucket by bucket from the smallest, the SD arms'
-    steps are compiled and timed, and the arms that pay at ``sd_prior_acceptance`` are compiled
-    whole and offered, up to the first bucket where none pays. ``background``: that second
-    stage runs in a thread while the rollout decodes (the call returns once vanilla is ready, and
-    counts vanilla's executables only; ``offers.wait()`` waits for the rest). Otherwise (another
-    tuner, no ``calibrate``, or ``sd_offers="all"``) every executable the config permits is
-    compiled, and a cost tuner's step costs are measured.
+    ``progress(done, total)`` is called after each compile (``total``: that stage's count). With a
+    cost tuner and ``calibrate``, SD arms are compiled only where the calibration says they pay
+    (``offers.py``); ``background``: those compile in a thread while the rollout decodes, and the
+    count is vanilla's (``offers.wait()`` waits for the rest). Otherwise every permitted executable
+    is compiled. Details: docs/library.md, "RolloutEngine".
     """
     # the tuner's own kind (one handed to the engine or set_tuner may differ from config.tuner)
     cost = getattr(getattr(self.tuner, "config", None), "kind", None) == "cost"
@@ -242,7 +224,7 @@ class RolloutEngine(Rollout):
     if self.offers is not None:  # precompiled before: what it offers stands
       self.offers.wait()
       return 0
-    offers = SdOffers(self._strategies, self.config.sd_prior_acceptance, self._publish)
+    offers = SdOffers(self._strategies, self.config.sd_prior_acceptance, self.publish_costs)
     compiled = self.pool.compile(self.pool.base_keys(), progress)
     vanilla = {b: self._strategies[b][:1] for b in offers.buckets}
     self._set_calibration(self.calibrate(strategies=vanilla))
@@ -250,9 +232,9 @@ class RolloutEngine(Rollout):
     # a loop in the background times a copy of the weights, made here: the engine's own may be
     # replaced and their buffers donated (by the policy update) while it runs
     self._calibration_weights = self._copy_weights() if background else None
-    offers.on_done = self._drop_calibration_weights
-    return compiled + offers.launch(background, self.pool.compile, self._offer_keys,
-                                    self._calibrate_bucket)
+    offers.on_done = self.drop_calibration_weights
+    return compiled + offers.launch(background, self.pool.compile, self.offer_keys,
+                                    self.calibrate_bucket)
 
   def _set_calibration(self, calibration: tuple[dict, float]) -> None:
     """Keeps the measured step costs and hands them to the tuner and the scheduler."""
@@ -260,14 +242,14 @@ class RolloutEngine(Rollout):
     self.tuner.set_costs(*calibration)
     self.scheduler.segment_lengths = segment_lengths(*calibration, self.config.segment_steps)
 
-  def _publish(self, costs: dict) -> None:
+  def publish_costs(self, costs: dict) -> None:
     """A bucket's SD arms are offered: their step costs join the calibration and the tuner's."""
     known, overhead = self.calibration
     self.calibration = ({**known, **costs}, overhead)
     self.tuner.set_costs(costs, overhead)
 
-  def _offer_keys(self, batch: int, strategies: Sequence[Strategy],
-                  calibration_only: bool) -> list[tuple]:
+  def offer_keys(self, batch: int, strategies: Sequence[Strategy],
+                 calibration_only: bool) -> list[tuple]:
     """The executables ``strategies`` need at ``batch`` (see ``ExecutablePool.sd_keys``)."""
     learned = any(s.learned for s in strategies) and self.pool.needs_catchup(batch)
     return self.pool.sd_keys(batch, [s.group for s in strategies], learned, calibration_only)
@@ -276,12 +258,23 @@ class RolloutEngine(Rollout):
     """A copy of ``weights()`` on the device (step costs follow shapes, not values)."""
     return jax.tree.map(lambda x: x.copy(), self.weights())
 
-  def _calibrate_bucket(self, batch: int, strategies: Sequence[Strategy]) -> dict:
+  def calibrate_bucket(self, batch: int, strategies: Sequence[Strategy]) -> dict:
     """``strategies``' step costs at ``batch`` (on the copy of the weights a background loop
     keeps; it is dropped once the loop has visited its last bucket)."""
     return self.calibrate(strategies={batch: strategies}, weights=self._calibration_weights)[0]
 
-  def _drop_calibration_weights(self) -> None:
+  @property
+  def calibration_weights(self):
+    """The copy of the weights a background offers loop times (None when no loop holds one)."""
+    return self._calibration_weights
+
+  def keep_calibration_weights(self) -> None:
+    """Keeps a copy of the weights for a background offers loop to time (``calibrate_bucket``):
+    the engine's own may be replaced and their buffers donated while it runs."""
+    self._calibration_weights = self._copy_weights()
+
+  def drop_calibration_weights(self) -> None:
+    """Lets the offers loop's copy of the weights go (its last bucket is timed)."""
     self._calibration_weights = None
 
   def calibrate(self, steps: int = 8, repeats: int = 5,
@@ -425,17 +418,11 @@ class RolloutEngine(Rollout):
                history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
     """Completes every prompt; rows finish on a stop id or at ``params.max_new_tokens``.
 
-    ``progress(rows_done, rows_total)``, if given, is called after every decode segment (where
-    the host reads the finished rows anyway); the last call has ``rows_done == rows_total``.
-    Row ``i`` samples with the keys of row ``i + row_offset`` (a shard of a bigger request passes
-    its first row's index there). ``collect_hidden`` (needs a learned drafter) fills
-    ``RolloutResult.hidden`` for all rows (True), a seeded random fraction of them (a float) or
-    the rows given by one bool per prompt.
-
-    The data-parallel hooks (``DataParallelRollout.generate``) on one device: ``shard_done(0, 0,
-    result)`` is called once with the whole result before it is returned (its first row is
-    ``prompts[0]``, counted within this call as a data-parallel rollout counts a shard's, whatever
-    ``row_offset``); ``idle`` never (no device is left idle while another decodes).
+    ``progress(rows_done, rows_total)`` is called after every decode segment. Row ``i`` samples
+    with the keys of row ``i + row_offset``. ``collect_hidden`` (needs a learned drafter) fills
+    ``RolloutResult.hidden`` for all rows (True), a seeded fraction (float) or one bool per prompt.
+    ``shard_done``/``idle``: ``DataParallelRollout.generate``'s hooks, on one device
+    (docs/library.md, "RolloutEngine").
     """
     del idle  # one device: never idle while another decodes
     prompts = self.check_prompts(prompts)
@@ -452,7 +439,7 @@ class RolloutEngine(Rollout):
     args = SamplerArgs.from_params(params, stop_ids, self.config.max_stop_ids)
     request = Request(prompts, args, stop_ids, int(row_offset), collect, progress, history)
     stats = RolloutStats()
-    compiles0, compile_s0 = compile_count(), self._compile_seconds
+    compiles0, compile_s0 = compile_count(), self.compile_seconds
     self.steps.phase_marks.clear()
     t_start = time.perf_counter()
     rows = ChunkResult([], [], [], [])
@@ -474,7 +461,7 @@ class RolloutEngine(Rollout):
                     compile_s0: float, t_start: float) -> None:
     """The totals of a finished ``generate``: compiles, wall time, throughput, the arms' means,
     the tail, accepted lengths (with SD) and the tuner's summary."""
-    stats.compile_s = self._compile_seconds - compile_s0
+    stats.compile_s = self.compile_seconds - compile_s0
     stats.compiles = compile_count() - compiles0
     stats.wall_s = time.perf_counter() - t_start
     stats.tokens = sum(len(t) for t in tokens)

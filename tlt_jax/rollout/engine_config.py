@@ -100,7 +100,7 @@ class EngineConfig:
   # the cost tuner and a precompile, the calibration decides per bucket which SD arms exist
   # (``offers.py``): an arm is offered where its measured step cost relative to vanilla's is below
   # what it emits at ``sd_prior_acceptance`` per drafted token, from the smallest bucket up to the
-  # first where no arm pays (on a 2-core CPU: the small buckets; on an H200: up to batch 64).
+  # first where no arm pays.
   sd_max_batch: int | None = None
   sd_prior_acceptance: float = 0.85  # the per-token acceptance an SD arm must pay at to exist
   # "calibrated": the SD arms a bucket offers are the ones its calibration says pay (above);

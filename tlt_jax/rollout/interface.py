@@ -82,6 +82,10 @@ class Rollout(abc.ABC):
     """The strategies that may decode a ``batch`` bucket (the first is the default)."""
 
   @abc.abstractmethod
+  def executable_keys(self) -> list[tuple]:
+    """The keys of every executable ``precompile`` may compile."""
+
+  @abc.abstractmethod
   def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
                  background: bool = False) -> int:
     """Compiles the executables the rollout may run; returns how many were compiled now

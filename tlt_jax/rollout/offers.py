@@ -3,8 +3,8 @@ compiled off the critical path.
 
 SD pays at a bucket only where a speculative step, drafting included, costs less than the tokens
 it emits: ``accepted length > step cost / vanilla step cost``. That ratio depends on the hardware,
-the model and the batch (on a 2-core CPU a 9-token verify costs 2-6x a 1-token step, on an H200
-1.3-1.7x up to batch 64), so no fixed batch threshold suits every machine. ``SdOffers`` decides it
+the model and the batch (docs/benchmarks.md, "What a T-token pass costs"), so no fixed batch
+threshold suits every machine. ``SdOffers`` decides it
 per bucket from the engine's calibration (each strategy's decode step timed at that bucket) and a
 prior per-token acceptance (``EngineConfig.sd_prior_acceptance``): an arm is offered at a bucket
 when it would pay there at that acceptance (``pays``); the tuner then chooses among the offered

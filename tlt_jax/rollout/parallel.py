@@ -12,7 +12,8 @@ decode loop keeps every device in lockstep at each host round trip, so the batch
 compaction and the segment boundaries would be those of the slowest shard, and a finished device
 could not run anything else until the whole call returned. JAX dispatch is thread-safe and
 releases the GIL while executables run, so one host thread per device is enough to keep every
-device busy with a different program. The cost is one executable pool per device (compiled once).
+device busy with a different program. Each program is compiled once, on the first device, and
+rebound to the others (``aot.SharedPrograms``): a load of milliseconds, not a compile.
 
 Row ``i`` of the request samples with the keys of row ``i`` whatever shard it lands in
 (``generate(row_offset=...)``), so tokens do not depend on the number of devices (exactly with
@@ -23,6 +24,7 @@ engine's behaviour.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -30,8 +32,10 @@ from typing import Any, Callable, Sequence
 import jax
 from flax import nnx
 
+from tlt_jax.aot import SharedPrograms
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
+from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
 from tlt_jax.rollout.engine_config import resolve_engine_config
 from tlt_jax.rollout.interface import Rollout
@@ -44,7 +48,7 @@ from tlt_jax.rollout.stats import DeviceStats, RolloutStats
 from tlt_jax.rollout.tuner import Tuner, TunerConfig, make_tuner
 from tlt_jax.utils import compile_count, in_background, mark_background
 
-__all__ = ["DataParallelRollout", "LockedTuner", "shard_ranges"]
+__all__ = ["DataParallelRollout", "LockedTuner", "shard_config", "shard_ranges"]
 
 
 class RolloutCancelled(Exception):
@@ -68,6 +72,11 @@ class LockedTuner:
   @property
   def config(self) -> TunerConfig:
     return self.tuner.config
+
+  @property
+  def lock(self) -> threading.RLock:
+    """The lock every forwarded call holds (held across several calls, they run as one)."""
+    return self._lock
 
   def _locked(name: str):  # pylint: disable=no-self-argument  # a class-body helper
     """The method ``name`` of the wrapped tuner, called under the lock."""
@@ -104,6 +113,16 @@ def shard_ranges(n: int, shards: int) -> list[range]:
   return out
 
 
+def shard_config(config: EngineConfig, devices: int) -> EngineConfig:
+  """The engine config of one device's shard: a chunk of ``max_batch`` rows gives each device at
+  most ``ceil(max_batch / devices)`` of them, so the batch buckets above that are dropped."""
+  top = bk.bucket_for(-(-config.max_batch // devices), config.batch_buckets)
+  if top == config.max_batch:
+    return config
+  return dataclasses.replace(config, max_batch=top,
+                             batch_buckets=tuple(b for b in config.batch_buckets if b <= top))
+
+
 class DataParallelRollout(Rollout):
   """Rollouts over several devices: the rows split into one shard per device, each decoded by
   that device's own engine in a host thread of its own (see the module docstring).
@@ -120,13 +139,16 @@ class DataParallelRollout(Rollout):
       raise ValueError("DataParallelRollout needs at least one device")
     if len(set(self.devices)) != len(self.devices):
       raise ValueError(f"DataParallelRollout: devices repeat in {self.devices}")
-    config = resolve_engine_config(config, drafter, suffix)  # once for every engine
+    config = shard_config(resolve_engine_config(config, drafter, suffix), len(self.devices))
     shared = None
     if config.adaptive:
       shared = LockedTuner(tuner if tuner is not None else make_tuner(config.tuner))
-    # each engine places the weights it is given on its own device
+    # each engine places the weights it is given on its own device; a program is compiled once,
+    # by the first device that needs it, and rebound to the others
+    self.programs = SharedPrograms()
     self.engines = [RolloutEngine(model, drafter=drafter, config=config, tuner=shared,
-                                  device=device, suffix=suffix) for device in self.devices]
+                                  device=device, suffix=suffix, programs=self.programs)
+                    for device in self.devices]
     for engine in self.engines:  # generate observes the whole request's history once
       engine.observes_history = False
     self.shared_tuner = shared
@@ -200,12 +222,12 @@ class DataParallelRollout(Rollout):
       return compiled
     offers = SdOffers({b: first.candidates_for(b) for b in self.config.batch_buckets},
                       self.config.sd_prior_acceptance,
-                      first._publish)  # pylint: disable=protected-access
+                      first.publish_costs)
     vanilla = {b: first.candidates_for(b)[:1] for b in offers.buckets}
     calibration = first.calibrate(strategies=vanilla)
     if background:  # the loop times a copy: the engines' weights may be donated meanwhile
-      first._calibration_weights = first._copy_weights()  # pylint: disable=protected-access
-      offers.on_done = first._drop_calibration_weights  # pylint: disable=protected-access
+      first.keep_calibration_weights()
+      offers.on_done = first.drop_calibration_weights
     for engine in self.engines:  # every device's scheduler bounds its segments alike
       engine.calibration = calibration
       engine.scheduler.segment_lengths = segment_lengths(*calibration, self.config.segment_steps)
@@ -213,12 +235,12 @@ class DataParallelRollout(Rollout):
     self.shared_tuner.set_costs(*calibration)
     return compiled + offers.launch(
         background, lambda keys: self._compile_on_every_device(lambda _: keys),
-        first._offer_keys, first._calibrate_bucket)  # pylint: disable=protected-access
+        first.offer_keys, first.calibrate_bucket)
 
   def _compile_on_every_device(self, keys_of: Callable[[RolloutEngine], list],
                                progress: Callable[[int, int], Any] | None = None) -> int:
-    """Compiles ``keys_of(engine)`` on every device's engine (one thread per device); returns
-    how many executables one device compiled."""
+    """Compiles ``keys_of(engine)`` on the first device, then rebinds those executables to every
+    other device (threads, one per device); returns how many executables the devices gained."""
     counts = [0] * len(self.engines)
     done = [0]
     lock = threading.Lock()
@@ -239,7 +261,8 @@ class DataParallelRollout(Rollout):
       mark_background(background)  # a background caller's threads compile in the background
       counts[k] = self.engines[k].pool.compile(keys_of(self.engines[k]), tick)
 
-    self._run_threads(work, range(len(self.engines)), cancel.set)
+    self._run_threads(work, range(1), cancel.set)  # the compiles
+    self._run_threads(work, range(1, len(self.engines)), cancel.set)  # the rebinds
     return sum(counts)
 
   def pool_stats(self) -> list[dict[str, Any]]:
@@ -288,22 +311,13 @@ class DataParallelRollout(Rollout):
                shard_done: Callable[[int, int, RolloutResult], Any] | None = None,
                idle: Callable[[int, threading.Event], Any] | None = None,
                history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
-    """Completes every prompt over the devices; the same result as one engine's ``generate``
-    (the tokens of row ``i`` do not depend on the split; see the module docstring).
-    ``row_offset``: the first prompt is row ``row_offset`` of a larger request (its keys).
+    """Completes every prompt over the devices, with one engine's result (row ``i``'s tokens do not
+    depend on the split); ``row_offset``: the first prompt's row in a larger request.
 
-    ``shard_done(device_index, first_row, result)`` is called in a device's thread as soon as
-    its shard is complete (e.g. to hand its hidden states to the drafter's buffer);
-    ``idle(device_index, stop)`` is then called there while other devices still decode (and at
-    once for devices that got no rows), and must return soon after ``stop`` is set, which happens
-    when the last shard completes. Its return value is kept in ``stats.idle``.
-
-    Stats (``RolloutStats.merge``): counters and seconds summed over devices, ``wall_s`` the
-    rollout's wall time, and ``devices`` (``DeviceStats``): per device ``rows``, ``busy_s`` (its
-    shard's wall time), ``idle_s`` (the rest of the rollout, the tail it waited through) and
-    ``idle_used_s`` (the part of it ``idle`` ran);
-    ``idle_overrun_s``: how long the rollout waited past its last shard for ``idle`` hooks to
-    return (e.g. a drafter step in flight when ``stop`` was set).
+    ``shard_done(device_index, first_row, result)`` runs in a device's thread once its shard is
+    complete; ``idle(device_index, stop)`` then runs there while other devices decode, and must
+    return soon after ``stop`` is set (when the last shard completes); its return value goes to
+    ``stats.idle``. The merged stats: docs/library.md, "Data-parallel stats".
     """
     lead = self.engines[0]
     prompts = lead.check_prompts(prompts)
@@ -311,69 +325,90 @@ class DataParallelRollout(Rollout):
     if history is not None:
       lead.observe_history(history)
     collect = lead.collect_mask(collect_hidden, len(prompts), params.seed)
-    shards = shard_ranges(len(prompts), len(self.engines))
-    results: list[RolloutResult | None] = [None] * len(shards)
-    busy = [0.0] * len(shards)
-    hook_span = [(0.0, 0.0)] * len(shards)  # when each device's idle hook ran (from t0)
-    idle_out: list[Any] = [None] * len(shards)
-    remaining = [sum(1 for s in shards if len(s))]
-    lock = threading.Lock()
-    stop = threading.Event()
-    if remaining[0] == 0:
-      stop.set()
-    counts = [0] * len(shards)
-
-    cancel = threading.Event()  # set when the caller is interrupted: every shard stops
-
-    def report(k):
-      def cb(done, _total):
-        if cancel.is_set():  # called after every decode segment: a shard stops within one
-          raise RolloutCancelled("rollout interrupted")
-        with lock:
-          counts[k] = done
-          if progress is not None:
-            progress(sum(counts), len(prompts))
-      return cb
-
+    run = _ShardRun(self.engines, prompts, params, progress, row_offset, collect, history,
+                    shard_done, idle)
     t0, compiles0 = time.perf_counter(), compile_count()
-
-    def work(k):
-      rows = shards[k]
-      try:
-        if len(rows):
-          mask = False if collect is None else collect[rows.start:rows.stop]
-          results[k] = self.engines[k].generate(
-              prompts[rows.start:rows.stop], params, report(k),
-              row_offset=row_offset + rows.start,
-              collect_hidden=mask,
-              history=None if history is None else history[rows.start:rows.stop])
-          if shard_done is not None:
-            shard_done(k, rows.start, results[k])
-          busy[k] = time.perf_counter() - t0  # the shard is complete once its hook returned
-      finally:
-        with lock:
-          if len(rows):
-            remaining[0] -= 1
-          last = remaining[0] == 0
-        if last:
-          stop.set()
-      if idle is not None and not stop.is_set():
-        t1 = time.perf_counter() - t0
-        idle_out[k] = idle(k, stop)
-        hook_span[k] = (t1, time.perf_counter() - t0)
-
-    def interrupted():
-      stop.set()  # idle hooks return at their next check
-      cancel.set()
-
     try:
-      self._run_threads(work, range(len(shards)), interrupted)
+      self._run_threads(lambda k: run.work(k, t0), range(len(run.shards)), run.interrupt)
     finally:
-      stop.set()
-    wall = time.perf_counter() - t0
-    rollout_wall = max(busy)
-    tokens, logprobs, reasons, hidden = [], [], [], ([] if collect is not None else None)
-    for r in results:
+      run.stop.set()
+    result = run.result(time.perf_counter() - t0)
+    # the counter is per process: every thread's engine saw all threads' compiles (and those of
+    # the idle hooks, e.g. a drafter step compiled for a new device)
+    result.stats.compiles = compile_count() - compiles0
+    if self.tuner is not None:
+      result.stats.tuner = self.tuner.summary()
+    return result
+
+
+class _ShardRun:
+  """One ``DataParallelRollout.generate`` call: each device's shard, decoded in that device's
+  thread (``work``), then its idle hook until the last shard is done; ``result`` merges them."""
+
+  def __init__(self, engines, prompts, params, progress, row_offset, collect, history,
+               shard_done, idle):
+    self.engines, self.prompts, self.params = engines, prompts, params
+    self.progress, self.row_offset, self.collect = progress, row_offset, collect
+    self.history, self.shard_done, self.idle = history, shard_done, idle
+    self.shards = shard_ranges(len(prompts), len(engines))
+    n = len(self.shards)
+    self.results: list[RolloutResult | None] = [None] * n
+    self.busy = [0.0] * n  # when each shard was complete (from t0)
+    self.hook_span = [(0.0, 0.0)] * n  # when each device's idle hook ran (from t0)
+    self.idle_out: list[Any] = [None] * n
+    self.counts = [0] * n
+    self.remaining = sum(1 for s in self.shards if len(s))
+    self.lock = threading.Lock()
+    self.stop = threading.Event()  # set when the last shard is complete: idle hooks return
+    self.cancel = threading.Event()  # set when the caller is interrupted: every shard stops
+    if self.remaining == 0:
+      self.stop.set()
+
+  def interrupt(self) -> None:
+    self.stop.set()  # idle hooks return at their next check
+    self.cancel.set()
+
+  def report(self, k: int):
+    """Device ``k``'s progress callback, called after every decode segment."""
+    def cb(done, _total):
+      if self.cancel.is_set():  # a shard stops within one segment
+        raise RolloutCancelled("rollout interrupted")
+      with self.lock:
+        self.counts[k] = done
+        if self.progress is not None:
+          self.progress(sum(self.counts), len(self.prompts))
+    return cb
+
+  def work(self, k: int, t0: float) -> None:
+    """Device ``k``'s thread: its shard, its ``shard_done`` hook, then its idle hook."""
+    rows = self.shards[k]
+    try:
+      if len(rows):
+        self.results[k] = self.engines[k].generate(
+            self.prompts[rows.start:rows.stop], self.params, self.report(k),
+            row_offset=self.row_offset + rows.start,
+            collect_hidden=False if self.collect is None else self.collect[rows.start:rows.stop],
+            history=None if self.history is None else self.history[rows.start:rows.stop])
+        if self.shard_done is not None:
+          self.shard_done(k, rows.start, self.results[k])
+        self.busy[k] = time.perf_counter() - t0  # complete once its hook returned
+    finally:
+      with self.lock:
+        if len(rows):
+          self.remaining -= 1
+        last = self.remaining == 0
+      if last:
+        self.stop.set()
+    if self.idle is not None and not self.stop.is_set():
+      t1 = time.perf_counter() - t0
+      self.idle_out[k] = self.idle(k, self.stop)
+      self.hook_span[k] = (t1, time.perf_counter() - t0)
+
+  def result(self, wall: float) -> RolloutResult:
+    """The shards' results in row order, with merged and per-device stats."""
+    tokens, logprobs, reasons = [], [], []
+    hidden = [] if self.collect is not None else None
+    for r in self.results:
       if r is None:
         continue
       tokens += r.tokens
@@ -381,27 +416,25 @@ class DataParallelRollout(Rollout):
       reasons += r.finish_reasons
       if hidden is not None:
         hidden += r.hidden
-    stats = RolloutStats.merge([r.stats if r else None for r in results], wall)
-    stats.rollout_wall_s = rollout_wall
-    # the counter is per process: every thread's engine saw all threads' compiles (and those of
-    # the idle hooks, e.g. a drafter step compiled for a new device)
-    stats.compiles = compile_count() - compiles0
-    # a hook's time inside the tail (its device's idle window) counts as used; what it ran past
-    # the last shard's end (a drafter step in flight when stop was set) made the rollout wait
-    stats.devices = [
-        DeviceStats(rows=len(shards[k]), busy_s=busy[k], idle_s=rollout_wall - busy[k],
-                    idle_used_s=max(0.0, min(hook_span[k][1], rollout_wall) - hook_span[k][0]),
-                    tokens=(results[k].stats.tokens if results[k] else 0),
-                    tail_s=(results[k].stats.tail_s if results[k] else 0.0),
-                    last_s=(results[k].stats.last_s if results[k] else 0.0))
-        for k in range(len(shards))]
+    stats = RolloutStats.merge([r.stats if r else None for r in self.results], wall)
+    stats.rollout_wall_s = max(self.busy)
+    stats.devices = [self.device_stats(k, stats.rollout_wall_s) for k in range(len(self.shards))]
     # the devices decode at once: the rollout's tail is its longest device tail (summing them
     # would count device-seconds, not wall time; the tail's idle devices are in ``idle_s``)
     stats.tail_s = max(d.tail_s for d in stats.devices)
     stats.last_s = max(d.last_s for d in stats.devices)
-    stats.idle_overrun_s = max([0.0] + [end - rollout_wall for start, end in hook_span
-                                        if end > start])
-    stats.idle = idle_out
-    if self.tuner is not None:
-      stats.tuner = self.tuner.summary()
+    # what a hook ran past the last shard's end (a step in flight when stop was set)
+    stats.idle_overrun_s = max([0.0] + [end - stats.rollout_wall_s
+                                        for start, end in self.hook_span if end > start])
+    stats.idle = self.idle_out
     return RolloutResult(tokens, logprobs, reasons, stats, hidden)
+
+  def device_stats(self, k: int, rollout_wall: float) -> DeviceStats:
+    """Device ``k``'s rows, busy and idle time; its hook's time inside the tail counts as used."""
+    r = self.results[k]
+    start, end = self.hook_span[k]
+    return DeviceStats(rows=len(self.shards[k]), busy_s=self.busy[k],
+                       idle_s=rollout_wall - self.busy[k],
+                       idle_used_s=max(0.0, min(end, rollout_wall) - start),
+                       tokens=r.stats.tokens if r else 0, tail_s=r.stats.tail_s if r else 0.0,
+                       last_s=r.stats.last_s if r else 0.0)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.aot import AotCache
+from tlt_jax.aot import AotCache, SharedPrograms
 from tlt_jax.rollout import buckets as bk
 from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
 from tlt_jax.rollout.steps import StepFunctions
@@ -32,16 +32,17 @@ class ExecutablePool:
   """Compiles and holds the engine's executables; reports their count, compile time and memory."""
 
   def __init__(self, steps: StepFunctions, weights: Callable[[], Any],
-               groups_for: Callable[[int], Sequence[str]], needs_catchup: Callable[[int], bool]):
+               groups_for: Callable[[int], Sequence[str]], needs_catchup: Callable[[int], bool],
+               shared: SharedPrograms | None = None, device: jax.Device | None = None):
     """``weights()`` gives arrays of the right shapes; ``groups_for(batch)`` names the strategy
     groups that may decode that batch bucket; ``needs_catchup(batch)``: whether SD may follow
-    vanilla there."""
+    vanilla there. ``shared``: programs other devices' pools compiled, rebound to ``device``."""
     self.steps = steps
     self.config = steps.config
     self.weights = weights
     self.groups_for = groups_for
     self.needs_catchup = needs_catchup
-    self.executables = AotCache()
+    self.executables = AotCache(shared, device)
     self._state_specs: dict[tuple[int, int], Any] = {}
 
   @property
@@ -73,8 +74,8 @@ class ExecutablePool:
   def state_spec(self, batch: int, kv_len: int):
     """Shapes of a decode state of ``batch`` rows with ``kv_len`` cache slots (on the weights'
     device). Traced once per (batch, kv_len): every segment, catch-up, compaction and growth of
-    that bucket takes the same state (tracing prefill again for each was ~1/5 of a warm-cache
-    precompile)."""
+    that bucket takes the same state (tracing prefill again for each would add a large share to
+    a warm-cache precompile)."""
     if (batch, kv_len) not in self._state_specs:
       self._state_specs[batch, kv_len] = self._trace_state_spec(batch, kv_len)
     return self._state_specs[batch, kv_len]

@@ -44,17 +44,24 @@ def process_rows(n: int, processes: int, local_devices: int, index: int) -> rang
 
 class ProcessShardedRollout(Rollout):
   """``local`` (a ``RolloutEngine`` or ``DataParallelRollout`` on this process's devices) made
-  one rollout over every process (module docstring). Anything not overridden is ``local``'s."""
+  one rollout over every process (module docstring)."""
 
   def __init__(self, local: Rollout):
     self.local = local
 
-  def __getattr__(self, name):  # config, devices, tuner, strategies_for, precompile, ...
-    if name == "local":
-      raise AttributeError(name)
-    return getattr(self.local, name)
-
   # ---- the Rollout interface -------------------------------------------------------------------
+  @property
+  def config(self):
+    return self.local.config
+
+  @property
+  def devices(self) -> list:
+    """This process's devices (the ones its rows decode on)."""
+    return self.local.devices
+
+  def executable_keys(self) -> list[tuple]:
+    return self.local.executable_keys()
+
   @property
   def uses_history(self) -> bool:
     return self.local.uses_history

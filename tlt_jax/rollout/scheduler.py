@@ -296,7 +296,7 @@ class Scheduler:
       if live.size == 0:
         self._finish_chunk(run, end.counters, stats)
         return run.out
-      self._compact(run, live, end.cache_lens, stats)
+      self.compact(run, live, end.cache_lens, stats)
 
   def _prefill(self, request: Request, chunk: range, stats: RolloutStats) -> ChunkRun:
     """Prefills the chunk in the smallest buckets that hold it; keeps the prompts' hidden states
@@ -419,8 +419,8 @@ class Scheduler:
           counters["accept_hist"]
       stats.add_sources(counters["source_steps"], counters["source_tokens"])
 
-  def _compact(self, run: ChunkRun, live: np.ndarray, cache_lens: np.ndarray,
-               stats: RolloutStats) -> None:
+  def compact(self, run: ChunkRun, live: np.ndarray, cache_lens: np.ndarray,
+              stats: RolloutStats) -> None:
     """Gathers the ``live`` slots into the smallest batch bucket that holds them (with
     compaction on and where that bucket is smaller), and notes their longest committed
     length."""

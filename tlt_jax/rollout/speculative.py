@@ -195,6 +195,16 @@ def draft_chain(target: Transformer, drafter: Drafter, dcache: KVCache, feature,
   return chain_tree(toks, root, probs, jnp.full(root.shape, depth, jnp.int32), vocab_ids)
 
 
+class _Frontier(NamedTuple):
+  """The ``k`` nodes of a tree level that are expanded next, ``[B, k, ...]`` each."""
+
+  index: jax.Array  # candidate index
+  score: jax.Array  # cumulative draft log-probability
+  tok: jax.Array  # target token id
+  feat: jax.Array  # the drafter's input feature
+  vis: jax.Array  # [B, k, depth * k] the uncommitted drafter slots it sees: own + ancestors'
+
+
 def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, logits, root,
                spec: SpecConfig, noise: jax.Array | None = None) -> Draft:
   """EAGLE-2 style: expand the top-k children of the k best frontier nodes per level, then keep
@@ -205,6 +215,24 @@ def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, 
   the target's sample; scores stay the unperturbed log-probs (a child never outscores its
   parent, so the kept candidates always form a tree)."""
   k, depth = spec.topk, spec.depth
+  top_children = _top_children(k, noise)
+  dl = dcache.lengths
+  width = depth * k  # uncommitted drafter slots used by the frontier nodes
+  slot = jnp.arange(dcache.max_len)[None, :]
+  level_cands, front = _root_children(drafter, feature, logits, top_children, k, width)
+  cands, cache = [level_cands], dcache
+  for level in range(1, depth):
+    out = _forward_frontier(target, drafter, cache, dl, slot, front, level, k, width)
+    cache = out.cache
+    level_cands, front = _expand_frontier(drafter, out, front, top_children, level, k)
+    cands.append(level_cands)
+  tokens, score, parent, depth_c = (jnp.concatenate(x, 1) for x in zip(*cands))
+  return _keep_best(tokens, score, parent, depth_c, root, spec)
+
+
+def _top_children(k: int, noise: jax.Array | None):
+  """``top_children(logits, level)``: the log-probs and indices of the ``k`` best children, picked
+  by the log-probs perturbed with level ``level`` of ``noise`` when it is given."""
 
   def top_children(logits, level):
     lp = jax.nn.log_softmax(logits, -1)
@@ -213,49 +241,61 @@ def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, 
     shaken = lp + noise[:, level].reshape((lp.shape[0],) + (1,) * (lp.ndim - 2) + (lp.shape[-1],))
     _, index = lax.top_k(shaken, k)
     return jnp.take_along_axis(lp, index, -1), index
-  b = root.shape[0]
-  dl = dcache.lengths
-  width = depth * k  # uncommitted drafter slots used by the frontier nodes
-  slot = jnp.arange(dcache.max_len)[None, :]
+  return top_children
 
+
+def _root_children(drafter: Drafter, feature, logits, top_children, k: int, width: int):
+  """The root's ``k`` children: the first level's candidates ``(tokens, scores, parents,
+  depths)`` and the frontier they form."""
+  b = logits.shape[0]
   lp, tok = top_children(logits, 0)  # [B, k]
   tok = drafter.to_target_ids(tok)
-  cand_tok, cand_score = [tok], [lp]
-  cand_parent = [jnp.full((b, k), -1, jnp.int32)]
-  cand_depth = [jnp.ones((b, k), jnp.int32)]
+  parent = jnp.full((b, k), -1, jnp.int32)
+  depth = jnp.ones((b, k), jnp.int32)
   frontier = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate index
-  f_score, f_tok = lp, tok
   f_feat = jnp.broadcast_to(feature[:, None], (b, k, feature.shape[-1]))
   f_vis = jnp.broadcast_to(jnp.eye(k, width, dtype=bool), (b, k, width))  # own + ancestors' slots
-  cache, offset = dcache, k
-  for level in range(1, depth):
-    rel = slot - dl[:, None]  # [B, S]
-    in_draft = (rel >= 0) & (rel < width)
-    seen = jnp.take_along_axis(f_vis, jnp.broadcast_to(jnp.clip(rel, 0, width - 1)[:, None],
-                                                       (b, k, slot.shape[1])), axis=2)
-    mask = (rel < 0)[:, None, :] | (in_draft[:, None, :] & seen)
-    positions = jnp.broadcast_to((dl + level - 1)[:, None], (b, k))
-    out = drafter.forward(target, f_tok, f_feat, positions,
-                          cache=cache.with_lengths(dl + (level - 1) * k), cache_mask=mask)
-    cache = out.cache
-    child_lp, child_tok = top_children(out.logits, level)  # [B, k, k]
-    child_tok = drafter.to_target_ids(child_tok)
-    child_score = (f_score[:, :, None] + child_lp).reshape(b, k * k)
-    cand_tok.append(child_tok.reshape(b, k * k))
-    cand_score.append(child_score)
-    cand_parent.append(jnp.repeat(frontier, k, axis=1))
-    cand_depth.append(jnp.full((b, k * k), level + 1, jnp.int32))
-    f_score, pick = lax.top_k(child_score, k)  # the next frontier
-    from_parent = pick // k
-    f_tok = jnp.take_along_axis(child_tok.reshape(b, k * k), pick, 1)
-    f_feat = jnp.take_along_axis(out.hidden, from_parent[:, :, None], 1)
-    own = jax.nn.one_hot(level * k + jnp.arange(k), width, dtype=bool)
-    f_vis = jnp.take_along_axis(f_vis, from_parent[:, :, None], 1) | own[None]
-    frontier = offset + pick
-    offset += k * k
+  return (tok, lp, parent, depth), _Frontier(frontier, lp, tok, f_feat, f_vis)
 
-  tokens, score = jnp.concatenate(cand_tok, 1), jnp.concatenate(cand_score, 1)
-  parent, depth_c = jnp.concatenate(cand_parent, 1), jnp.concatenate(cand_depth, 1)
+
+def _forward_frontier(target: Transformer, drafter: Drafter, cache: KVCache, dl, slot,
+                      front: _Frontier, level: int, k: int, width: int):
+  """One drafter pass over the frontier of ``level``: each node attends to the committed prefix
+  and to the uncommitted slots of its own ancestors."""
+  b = dl.shape[0]
+  rel = slot - dl[:, None]  # [B, S]
+  in_draft = (rel >= 0) & (rel < width)
+  seen = jnp.take_along_axis(front.vis, jnp.broadcast_to(jnp.clip(rel, 0, width - 1)[:, None],
+                                                         (b, k, slot.shape[1])), axis=2)
+  mask = (rel < 0)[:, None, :] | (in_draft[:, None, :] & seen)
+  positions = jnp.broadcast_to((dl + level - 1)[:, None], (b, k))
+  return drafter.forward(target, front.tok, front.feat, positions,
+                         cache=cache.with_lengths(dl + (level - 1) * k), cache_mask=mask)
+
+
+def _expand_frontier(drafter: Drafter, out, front: _Frontier, top_children, level: int, k: int):
+  """The ``k * k`` children of the frontier (level ``level + 1``'s candidates ``(tokens, scores,
+  parents, depths)``) and the ``k`` best of them, the next frontier."""
+  b, width = front.vis.shape[0], front.vis.shape[2]
+  child_lp, child_tok = top_children(out.logits, level)  # [B, k, k]
+  child_tok = drafter.to_target_ids(child_tok)
+  child_score = (front.score[:, :, None] + child_lp).reshape(b, k * k)
+  cands = (child_tok.reshape(b, k * k), child_score, jnp.repeat(front.index, k, axis=1),
+           jnp.full((b, k * k), level + 1, jnp.int32))
+  f_score, pick = lax.top_k(child_score, k)  # the next frontier
+  from_parent = pick // k
+  f_tok = jnp.take_along_axis(child_tok.reshape(b, k * k), pick, 1)
+  f_feat = jnp.take_along_axis(out.hidden, from_parent[:, :, None], 1)
+  own = jax.nn.one_hot(level * k + jnp.arange(k), width, dtype=bool)
+  f_vis = jnp.take_along_axis(front.vis, from_parent[:, :, None], 1) | own[None]
+  offset = k + (level - 1) * k * k  # candidates of the levels before
+  return cands, _Frontier(offset + pick, f_score, f_tok, f_feat, f_vis)
+
+
+def _keep_best(tokens, score, parent, depth_c, root, spec: SpecConfig) -> Draft:
+  """The ``verify_tokens - 1`` best candidates under the root, in topological order, as a
+  ``Draft`` with its parent and children tables."""
+  b, k = root.shape[0], spec.topk
   # A child's score never exceeds its parent's; the depth penalty breaks exact ties parent-first,
   # so the best candidates always form a tree that contains every chosen node's ancestors.
   n_pick = spec.verify_tokens - 1
@@ -282,7 +322,7 @@ def draft_tree(target: Transformer, drafter: Drafter, dcache: KVCache, feature, 
                depth=jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
                                       jnp.take_along_axis(depth_c, sel, 1)], 1),
                parent=parent_node, children=children, draft_probs=None,
-               draft_len=jnp.full((b,), depth, jnp.int32))
+               draft_len=jnp.full((b,), spec.depth, jnp.int32))
 
 
 def tree_attention(draft: Draft, max_depth: int) -> jax.Array:

@@ -130,6 +130,18 @@ class SuffixDraft(NamedTuple):
   match_len: jax.Array  # [B] the suffix length matched by the first branch (0: no draft)
 
 
+class _Occurrences(NamedTuple):
+  """Every end position a row may draft from on one flat axis ``[B, S * L + H]``: the ``S``
+  candidate contexts' ``L`` positions, then the ``H`` history ones."""
+
+  matched: jax.Array  # the suffix length matched there
+  ok: jax.Array  # usable: followed by a token, in a source the row may use, matched >= min_ngram
+  next_tok: jax.Array  # the token after it
+  follow: jax.Array  # the tokens after it, capped at the draft depth
+  source: jax.Array  # its source index (``SOURCES``)
+  score: jax.Array  # its rank (higher first; -1: unusable)
+
+
 def suffix_draft(ctx: jax.Array, ctx_len: jax.Array, prompt_lens: jax.Array, group_ids: jax.Array,
                  history: jax.Array, remaining: jax.Array, root: jax.Array, config: SuffixConfig,
                  spec: SpecConfig) -> SuffixDraft:
@@ -138,7 +150,6 @@ def suffix_draft(ctx: jax.Array, ctx_len: jax.Array, prompt_lens: jax.Array, gro
   b, length = ctx.shape
   h = history.shape[1]
   depth, branches, n_nodes = spec.depth, spec.topk, spec.verify_tokens
-  n_cand = max(config.candidates, branches)
   span = max(length, h) + 1
   if (config.max_ngram + 1) * (depth + 1) * 4 * span >= 2**31:
     raise ValueError(f"suffix_draft: a context of {length} / history of {h} tokens overflows the "
@@ -154,24 +165,58 @@ def suffix_draft(ctx: jax.Array, ctx_len: jax.Array, prompt_lens: jax.Array, gro
 
   # The rows each row drafts from (S of them): itself and its group's, [B, S] row indices.
   cand, cand_ok = _candidate_rows(group_ids, config.max_group)
-  s_rows = cand.shape[1]
   c_ctx = ctx[cand]  # [B, S, L]
   c_len = ctx_len[cand]
-  # Which end positions may be drafted from: [B, S, L] in the contexts, [B, H] in history.
+  ctx_ok, is_self, in_prompt = _context_ends(c_len, prompt_lens, group_ids, live, cand, cand_ok,
+                                             rows, pos)
+  next_h = shift(history, -1)
+  hist_ok = (history >= 0) & (next_h >= 0) & live[:, None]
+  m_ctx, m_hist = _match_lengths(ctx, ctx_len, c_ctx, history, config.max_ngram)
+  follow_ctx, follow_h = _follow_counts(c_len, history, pos, depth)
+  next_ctx = shift(c_ctx, -1)  # [B, S, L]
+  occ = _flat_occurrences((m_ctx, m_hist), (ctx_ok, hist_ok), (next_ctx, next_h),
+                          (follow_ctx, follow_h), is_self, in_prompt, pos, hpos,
+                          config.min_ngram, depth, span)
+  picks, matched, order = _best_distinct(occ, max(config.candidates, branches), branches)
+  found = picks >= 0
+  safe = jnp.maximum(picks, 0)
+
+  levels = jnp.arange(depth, dtype=jnp.int32)
+  tokens = _branch_tokens(safe, levels, c_ctx, history, rows)  # [B, K, D]
+  avail = jnp.take_along_axis(occ.follow, safe, 1)
+  source = jnp.where(found, jnp.take_along_axis(occ.source, safe, 1), NO_DRAFT)
+  lens = _branch_lengths(found, live, avail, remaining, depth, n_nodes)  # [B, K]
+  match_len = jnp.where(lens[:, 0] > 0, matched[jnp.arange(b), order[:, 0]], 0)
+  if branches == 1:  # a chain: node i is level i, as every chain strategy lays it out
+    draft = sd.chain_tree(jnp.where(levels[None] < lens, tokens[:, 0], 0), root, None, lens[:, 0])
+    node_source = jnp.where(jnp.arange(n_nodes)[None] >= 1, source[:, :1], NO_DRAFT)
+    node_source = jnp.where(jnp.arange(n_nodes)[None] <= lens, node_source, NO_DRAFT)
+    return SuffixDraft(draft, node_source.astype(jnp.int32), match_len)
+  draft, node_source = _branches_as_tree(root, tokens, lens, source, n_nodes)
+  return SuffixDraft(draft, node_source, match_len)
+
+
+def _context_ends(c_len, prompt_lens, group_ids, live, cand, cand_ok, rows, pos):
+  """``(usable, is_self, in_prompt)``: the candidate contexts' end positions a row may draft from
+  (its group's, followed by a token, no sibling's prompt), its own context, the prompt positions."""
   same = cand_ok & (group_ids[cand] == group_ids[:, None]) & live[:, None]
   is_self = cand == rows[:, None]  # [B, S]
   followed = pos[None, None, :] + 1 < c_len[:, :, None]
   in_prompt = pos[None, None, :] < prompt_lens[cand][:, :, None]
   ctx_ok = same[:, :, None] & followed & (is_self[:, :, None] | ~in_prompt)
-  next_h = shift(history, -1)
-  hist_ok = (history >= 0) & (next_h >= 0) & live[:, None]
+  return ctx_ok, is_self, in_prompt
 
-  # Matched suffix lengths, growing the suffix one token at a time.
+
+def _match_lengths(ctx, ctx_len, c_ctx, history, max_ngram: int) -> tuple[jax.Array, jax.Array]:
+  """``([B, S, L], [B, H])``: the length of the row's suffix (up to ``max_ngram``) matched at
+  every end position of the candidate contexts and of the history, grown one token at a time."""
+  b, s_rows, length = c_ctx.shape
+  h = history.shape[1]
   m_ctx = jnp.zeros((b, s_rows, length), jnp.int32)
   m_hist = jnp.zeros((b, h), jnp.int32)
   run_ctx = jnp.ones((b, s_rows, length), bool)
   run_hist = jnp.ones((b, h), bool)
-  for k in range(config.max_ngram):
+  for k in range(max_ngram):
     q_idx = ctx_len - 1 - k
     query = jnp.where(q_idx >= 0, jnp.take_along_axis(ctx, jnp.maximum(q_idx, 0)[:, None], 1)[:, 0],
                       _NO_QUERY)
@@ -179,22 +224,34 @@ def suffix_draft(ctx: jax.Array, ctx_len: jax.Array, prompt_lens: jax.Array, gro
     run_hist = run_hist & (shift(history, k) == query[:, None])
     m_ctx = m_ctx + run_ctx
     m_hist = m_hist + run_hist
+  return m_ctx, m_hist
 
-  # Tokens that follow each occurrence (capped at depth), and its next token.
+
+def _follow_counts(c_len, history, pos, depth: int) -> tuple[jax.Array, jax.Array]:
+  """``([B, S, L], [B, H])``: the tokens that follow every end position of the candidate contexts
+  and of the history, capped at ``depth``."""
+  b, h = history.shape
   follow_ctx = jnp.clip(c_len[:, :, None] - 1 - pos[None, None, :], 0, depth)  # [B, S, L]
   follow_h = jnp.zeros((b, h), jnp.int32)
   alive = jnp.ones((b, h), bool)
   for i in range(1, depth + 1):
     alive = alive & (shift(history, -i) >= 0)
     follow_h = follow_h + alive
-  next_ctx = shift(c_ctx, -1)  # [B, S, L]
+  return follow_ctx, follow_h
 
-  # One flat axis of occurrences per row: the S contexts' L positions, then the H history ones.
+
+def _flat_occurrences(matched, usable, next_tok, follow, is_self, in_prompt, pos, hpos,
+                      min_ngram: int, depth: int, span: int) -> _Occurrences:
+  """The occurrences on one flat axis per row, ranked by matched length, following tokens, source
+  and recency. ``matched``, ``usable``, ``next_tok``, ``follow``: ``(contexts, history)`` pairs."""
+  m_ctx, m_hist = matched
+  b, s_rows, length = m_ctx.shape
+  h = m_hist.shape[1]
   flat = s_rows * length
   m_all = jnp.concatenate([m_ctx.reshape(b, flat), m_hist], 1)
-  ok_all = jnp.concatenate([ctx_ok.reshape(b, flat), hist_ok], 1) & (m_all >= config.min_ngram)
-  nxt_all = jnp.concatenate([next_ctx.reshape(b, flat), next_h], 1)
-  follow_all = jnp.concatenate([follow_ctx.reshape(b, flat), follow_h], 1)
+  ok_all = jnp.concatenate([usable[0].reshape(b, flat), usable[1]], 1) & (m_all >= min_ngram)
+  nxt_all = jnp.concatenate([next_tok[0].reshape(b, flat), next_tok[1]], 1)
+  follow_all = jnp.concatenate([follow[0].reshape(b, flat), follow[1]], 1)
   src_ctx = jnp.where(is_self[:, :, None],
                       jnp.where(in_prompt, SOURCES.index("prompt"), SOURCES.index("self")),
                       SOURCES.index("group"))  # [B, S, L]
@@ -205,18 +262,22 @@ def suffix_draft(ctx: jax.Array, ctx_len: jax.Array, prompt_lens: jax.Array, gro
                              jnp.broadcast_to((h - hpos)[None], (b, h))], 1)
   score = ((m_all * (depth + 1) + follow_all) * 4 + priority) * span + recency
   score = jnp.where(ok_all, score, -1)
+  return _Occurrences(m_all, ok_all, nxt_all, follow_all, src_all, score)
 
-  # The best occurrence of each of n_cand distinct next tokens, and each token's support.
+
+def _best_distinct(occ: _Occurrences, n_cand: int, branches: int):
+  """The best occurrence of each of ``n_cand`` distinct next tokens, ranked by matched length,
+  support and score: ``(the first branches [B, K] (-1: none), matched [B, C], order [B, K])``."""
   picks, supports, matched, firsts = [], [], [], []
-  s = score
+  s = occ.score
   for _ in range(n_cand):
     idx = jnp.argmax(s, axis=1).astype(jnp.int32)
     best = jnp.take_along_axis(s, idx[:, None], 1)[:, 0]
-    tok = jnp.take_along_axis(nxt_all, idx[:, None], 1)[:, 0]
-    m = jnp.where(best >= 0, jnp.take_along_axis(m_all, idx[:, None], 1)[:, 0], 0)
-    same_tok = ok_all & (nxt_all == tok[:, None])
-    supports.append(jnp.where(best >= 0, jnp.sum(same_tok & (m_all == m[:, None]), axis=1), -1
-                              ).astype(jnp.int32))
+    tok = jnp.take_along_axis(occ.next_tok, idx[:, None], 1)[:, 0]
+    m = jnp.where(best >= 0, jnp.take_along_axis(occ.matched, idx[:, None], 1)[:, 0], 0)
+    same_tok = occ.ok & (occ.next_tok == tok[:, None])
+    supports.append(jnp.where(best >= 0, jnp.sum(same_tok & (occ.matched == m[:, None]), axis=1),
+                              -1).astype(jnp.int32))
     picks.append(jnp.where(best >= 0, idx, -1))
     matched.append(m)
     firsts.append(best)
@@ -225,38 +286,35 @@ def suffix_draft(ctx: jax.Array, ctx_len: jax.Array, prompt_lens: jax.Array, gro
   supports, matched, firsts = (jnp.stack(x, 1) for x in (supports, matched, firsts))
   # rank: matched length, then support, then the occurrence's own score (all descending)
   order = jnp.lexsort((-firsts, -supports, -matched), axis=-1)[:, :branches]
-  picks = jnp.take_along_axis(picks, order, 1)  # [B, K]
-  found = picks >= 0
-  safe = jnp.maximum(picks, 0)
+  return jnp.take_along_axis(picks, order, 1), matched, order
 
-  # Each branch's tokens and usable length.
-  levels = jnp.arange(depth, dtype=jnp.int32)
+
+def _branch_tokens(safe, levels, c_ctx, history, rows) -> jax.Array:
+  """``[B, K, D]``: the ``D = len(levels)`` tokens after each branch's occurrence ``safe [B, K]``
+  (an index on the flat occurrence axis)."""
+  _, s_rows, length = c_ctx.shape
+  h = history.shape[1]
+  flat = s_rows * length
   in_ctx = safe < flat
   r, e = jnp.clip(safe // length, 0, s_rows - 1), safe % length
   e_h = jnp.clip(safe - flat, 0, h - 1)
   tok_ctx = c_ctx[rows[:, None, None], r[:, :, None],
                   jnp.clip(e[:, :, None] + 1 + levels, 0, length - 1)]  # [B, K, D]
   tok_h = history[rows[:, None, None], jnp.clip(e_h[:, :, None] + 1 + levels, 0, h - 1)]
-  tokens = jnp.where(in_ctx[:, :, None], tok_ctx, tok_h)
-  avail = jnp.take_along_axis(follow_all, safe, 1)
-  source = jnp.where(found, jnp.take_along_axis(src_all, safe, 1), NO_DRAFT)
+  return jnp.where(in_ctx[:, :, None], tok_ctx, tok_h)
+
+
+def _branch_lengths(found, live, avail, remaining, depth: int, n_nodes: int) -> jax.Array:
+  """``[B, K]``: each branch's length within the row's length budget and the ``n_nodes - 1`` draft
+  slots; the first branch takes what it can use, the slots it leaves go to the next in order."""
   budget = jnp.clip(remaining.astype(jnp.int32) - 1, 0, depth)  # the bonus is the last token
   want = jnp.where(found & live[:, None], jnp.minimum(avail, budget[:, None]), 0)  # [B, K]
-  # the first branch takes what it can use; the slots it leaves go to the next ones in order
-  lens, left = [], jnp.full((b,), n_nodes - 1, jnp.int32)
-  for j in range(branches):
+  lens, left = [], jnp.full((found.shape[0],), n_nodes - 1, jnp.int32)
+  for j in range(found.shape[1]):
     lj = jnp.minimum(want[:, j], left)
     lens.append(lj)
     left = left - lj
-  lens = jnp.stack(lens, 1)  # [B, K]
-  match_len = jnp.where(lens[:, 0] > 0, matched[jnp.arange(b), order[:, 0]], 0)
-  if branches == 1:  # a chain: node i is level i, as every chain strategy lays it out
-    draft = sd.chain_tree(jnp.where(levels[None] < lens, tokens[:, 0], 0), root, None, lens[:, 0])
-    node_source = jnp.where(jnp.arange(n_nodes)[None] >= 1, source[:, :1], NO_DRAFT)
-    node_source = jnp.where(jnp.arange(n_nodes)[None] <= lens, node_source, NO_DRAFT)
-    return SuffixDraft(draft, node_source.astype(jnp.int32), match_len)
-  draft, node_source = _branches_as_tree(root, tokens, lens, source, n_nodes)
-  return SuffixDraft(draft, node_source, match_len)
+  return jnp.stack(lens, 1)
 
 
 def _candidate_rows(group_ids: jax.Array, max_group: int) -> tuple[jax.Array, jax.Array]:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tlt_jax.rollout.tuner.base import Decision, Tuner, _BucketStats
+from tlt_jax.rollout.tuner.base import BucketStats, Decision, Tuner
 from tlt_jax.rollout.tuner.config import TunerConfig, fixed_arm
 
 
@@ -49,16 +49,16 @@ class Bandit(Tuner):
     super().__init__(config)
     self._rng = np.random.default_rng(config.seed)
 
-  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> Decision:
+  def _decide(self, bucket: int, stats: BucketStats, names: list[str]) -> Decision:
     """Chooses among ``names`` (>= 2 arms): unpulled arms first, in order, then ``_pick``."""
     unpulled = [n for n in names if stats.arms[n].pulls == 0]
     return Decision(unpulled[0] if unpulled else self._pick(stats, names))
 
-  def _pick(self, stats: _BucketStats, names: list[str]) -> str:
+  def _pick(self, stats: BucketStats, names: list[str]) -> str:
     """Chooses among ``names`` (>= 2 arms, every one pulled at least once)."""
     raise NotImplementedError
 
-  def _best_by_median(self, stats: _BucketStats, names: Sequence[str]) -> str | None:
+  def _best_by_median(self, stats: BucketStats, names: Sequence[str]) -> str | None:
     """The arm of ``names`` with the highest windowed median (first wins ties); ``None`` if none."""
     best, best_value = None, None
     for name in names:
@@ -67,7 +67,7 @@ class Bandit(Tuner):
         best, best_value = name, value
     return best
 
-  def _summary_best(self, bucket: int, stats: _BucketStats) -> str | None:
+  def _summary_best(self, bucket: int, stats: BucketStats) -> str | None:
     return self._best_by_median(stats, list(stats.arms))
 
   def state_dict(self) -> dict:
@@ -91,7 +91,7 @@ class BegMab(Bandit):
       return cfg.epsilon
     return max(cfg.epsilon_min, cfg.epsilon / math.sqrt(1.0 + decisions / n_arms))
 
-  def _pick(self, stats: _BucketStats, names: list[str]) -> str:
+  def _pick(self, stats: BucketStats, names: list[str]) -> str:
     """Explores a random non-greedy arm with probability eps_n, else exploits the best median."""
     greedy = self._best_by_median(stats, names)
     if self._rng.random() < self._epsilon(stats.decisions, len(names)):
@@ -103,7 +103,7 @@ class BegMab(Bandit):
 class Ucb1(Bandit):
   """UCB1 on window means normalized by the bucket's largest reward; deterministic."""
 
-  def _pick(self, stats: _BucketStats, names: list[str]) -> str:
+  def _pick(self, stats: BucketStats, names: list[str]) -> str:
     """The arm maximizing normalized window mean + ucb_c * sqrt(2 ln N / n_i)."""
     total = sum(stats.arms[n].pulls for n in names)
     scale = stats.max_reward if stats.max_reward > 0 else 1.0
@@ -120,7 +120,7 @@ class Ucb1(Bandit):
 class FixedMapping(Bandit):
   """A fixed bucket -> arm mapping from ``TunerConfig.fixed``; rewards are only recorded."""
 
-  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> Decision:
+  def _decide(self, bucket: int, stats: BucketStats, names: list[str]) -> Decision:
     """The arm mapped to ``bucket``; raises if the bucket is unmapped or that arm not offered."""
     return Decision(fixed_arm(self.config.fixed, bucket, names))
 

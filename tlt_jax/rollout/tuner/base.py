@@ -110,7 +110,7 @@ class _ArmStats:
     return float(statistics.median(self.rewards)) if self.rewards else None
 
 
-class _BucketStats:
+class BucketStats:
   """One bucket's record: arms offered so far (in first-offered order), decisions, best reward."""
 
   def __init__(self):
@@ -119,7 +119,7 @@ class _BucketStats:
     self.max_reward = 0.0
 
 
-def _check_bucket(bucket) -> int:
+def check_bucket(bucket) -> int:
   """``bucket`` as an int >= 1, or a ``ValueError`` saying what it was."""
   try:
     value = operator.index(bucket)
@@ -137,7 +137,7 @@ class Tuner:
 
   def __init__(self, config: TunerConfig):
     self.config = config
-    self._buckets: dict[int, _BucketStats] = {}
+    self._buckets: dict[int, BucketStats] = {}
     self._meta: dict[str, Arm] = {}  # every arm offered so far, by name
     self._costs: dict[tuple[int, str], float] = {}  # calibrated seconds per step
     self._overhead = 0.0  # calibrated seconds of one segment boundary
@@ -160,7 +160,7 @@ class Tuner:
       if not seconds > 0 or not math.isfinite(seconds):
         raise ValueError(f"Tuner.set_costs: seconds per step of {arm!r} at bucket {bucket} "
                          f"must be a finite number > 0, got {seconds!r}")
-      self._costs[(_check_bucket(bucket), str(arm))] = float(seconds)
+      self._costs[(check_bucket(bucket), str(arm))] = float(seconds)
     if not overhead_s >= 0 or not math.isfinite(overhead_s):
       raise ValueError(f"Tuner.set_costs: overhead_s must be a finite number >= 0, got "
                        f"{overhead_s!r}")
@@ -207,11 +207,11 @@ class Tuner:
     until now, where known; ``forget``: what its arms measured so far says nothing of it any
     more (a suffix drafter that now has history to draft from), so they are probed afresh. Only
     the ``"cost"`` kind uses it."""
-    _check_drafter(type(self).__name__, quality, source)
+    check_drafter(type(self).__name__, quality, source)
 
-  def _register(self, bucket, arms: Sequence[Arm]) -> tuple[int, list[str], _BucketStats]:
+  def _register(self, bucket, arms: Sequence[Arm]) -> tuple[int, list[str], BucketStats]:
     """Validates a ``plan`` call and makes sure the bucket has a record for every offered arm."""
-    bucket = _check_bucket(bucket)
+    bucket = check_bucket(bucket)
     arms = list(arms)
     if not arms:
       raise ValueError(f"Tuner.plan got no arms for bucket {bucket}; offer at least 'vanilla'")
@@ -222,14 +222,14 @@ class Tuner:
       names.append(arm.name)
     if len(set(names)) != len(names):
       raise ValueError(f"Tuner.plan got repeated arm names for bucket {bucket}: {names}")
-    stats = self._buckets.setdefault(bucket, _BucketStats())
+    stats = self._buckets.setdefault(bucket, BucketStats())
     for arm in arms:
       if arm.name not in stats.arms:
         stats.arms[arm.name] = _ArmStats(self.config.window)
       self._meta[arm.name] = arm
     return bucket, names, stats
 
-  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> Decision:
+  def _decide(self, bucket: int, stats: BucketStats, names: list[str]) -> Decision:
     """Chooses among ``names`` (>= 2 arms offered at ``bucket``), and how long its segment runs."""
     raise NotImplementedError
 
@@ -245,7 +245,7 @@ class Tuner:
     rows that decide when the rollout ends (those still live at the segment's end; see
     ``scheduler.critical_length``). The ``"cost"`` kind learns acceptance from
     ``critical_length`` where given, else from the mean row."""
-    bucket = _check_bucket(bucket)
+    bucket = check_bucket(bucket)
     stats = self._buckets.get(bucket)
     if stats is None or arm not in stats.arms:
       offered = sorted(stats.arms) if stats is not None else []
@@ -311,12 +311,12 @@ class Tuner:
     check_state_version(state)
     buckets = {}
     for key, saved in state["buckets"].items():
-      stats = _BucketStats()
+      stats = BucketStats()
       stats.decisions = int(saved["decisions"])
       stats.max_reward = float(saved["max_reward"])
       for name, pulls, rewards, step_s in saved["arms"]:
         stats.arms[name] = _ArmStats(self.config.window, int(pulls), rewards, step_s)
-      buckets[_check_bucket(int(key))] = stats
+      buckets[check_bucket(int(key))] = stats
     meta = {name: Arm(name, int(depth), int(topk), source)
             for name, depth, topk, source in state["meta"]}
     self._buckets, self._meta = buckets, meta
@@ -334,12 +334,12 @@ class Tuner:
       out[str(bucket)] = entry
     return out
 
-  def _summary_best(self, bucket: int, stats: _BucketStats) -> str | None:
+  def _summary_best(self, bucket: int, stats: BucketStats) -> str | None:
     """The arm ``summary`` calls the bucket's best."""
     raise NotImplementedError
 
 
-def _check_drafter(owner: str, quality, source) -> None:
+def check_drafter(owner: str, quality, source) -> None:
   """Raises ``ValueError`` unless ``observe_drafter``'s ``quality`` is None or a top-1 in [0, 1]
   and ``source`` names a drafter."""
   if quality is not None and (isinstance(quality, bool) or

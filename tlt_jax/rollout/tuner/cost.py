@@ -17,8 +17,8 @@ from __future__ import annotations
 import collections
 import statistics
 
-from tlt_jax.rollout.tuner.base import LONG_SEGMENT, Decision, Tuner, _BucketStats, _check_bucket, \
-    _check_drafter
+from tlt_jax.rollout.tuner.base import (LONG_SEGMENT, BucketStats, Decision, Tuner, check_bucket,
+                                        check_drafter)
 from tlt_jax.rollout.kinds import DrafterKind
 from tlt_jax.rollout.tuner.config import TunerConfig
 
@@ -74,35 +74,14 @@ class _Drafter:
 
 
 class CostModel(Tuner):
-  """Chooses by predicted speed: measured seconds per step times counted accepted lengths.
+  """Chooses by predicted speed, ``accepted length / seconds per step``, per arm and bucket.
 
-  An arm's speed at bucket ``b`` is ``accepted length / seconds per step`` (vanilla: one token
-  per live row per step). Seconds per step come from the engine's calibration (``set_costs``:
-  every executable timed once at ``precompile``) and then from the arm's own segments at ``b``
-  (the median of a window, the segment boundary's overhead taken off). Accepted lengths are
-  counted, not timed: each speculative segment's accepted length gives the drafter's per-token
-  acceptance ``alpha`` (``acceptance_from_length``). That length is the one of the rows the
-  rollout waits for (``critical_length``: the rows still live at the segment's end, whose tokens
-  decide when the rollout ends), not the mean row's (``tokens / row_steps``, used only where the
-  scheduler gives no critical length): short rows that accept much and finish early must not sell
-  an arm to the long rows that accept little. It is pooled over buckets (what one
-  bucket learns, every bucket uses) and, for an arm never run, over the other arms of its
-  drafter (``Arm.source``: a suffix drafter's acceptance says nothing of the learned drafter's);
-  the prediction of an arm is ``accepted_length(alpha, depth, topk)``.
-
-  Exploration is bounded in time. An arm is *probed* (a segment of ``probe_steps`` steps) only
-  while it has no acceptance measured under the current drafter and its optimistic speed
-  (``alpha + probe_margin``; an unknown drafter: every draft accepted) could beat the best arm.
-  So a useless drafter costs one probe: its first measured acceptance makes every arm of it
-  hopeless everywhere. ``observe_drafter(quality, source)`` starts a new version of the drafter
-  ``source`` alone (each drafter counts its own versions): its arms become unmeasured again, and
-  ``quality`` (the held-out top-1 of what drafted since the last call) shifts every older
-  measurement of that drafter's arms by how much its top-1 moved since the measurement's
-  version, so a drafter that improved is re-probed where it could now pay, and a hopeless one is
-  not; the other drafters' measurements stay as they were. A bucket
-  whose best arm is vanilla with no other arm within reach runs to its boundary in one segment
-  (``Decision.max_steps = 0``). No randomness: the choice sequence is a function of what was
-  measured.
+  Seconds per step: the calibration (``set_costs``), then the arm's own segments. Accepted lengths
+  are counted on the rows the rollout waits for (``critical_length``), turned into the drafter's
+  per-token acceptance and pooled over buckets and, for an arm never run, over its drafter's arms.
+  An arm is probed only while unmeasured under its drafter's current version (``observe_drafter``)
+  and able to beat the best, so a useless drafter costs one probe. Deterministic. Details:
+  docs/library.md, "The cost tuner".
   """
 
   CLOSE = 0.85  # an arm predicted within this fraction of the best one's speed is measured
@@ -133,7 +112,7 @@ class CostModel(Tuner):
   # ---- what it is told -------------------------------------------------------------------
   def observe_drafter(self, quality: float | None = None, source: str = DrafterKind.LEARNED,
                       forget: bool = False) -> None:
-    _check_drafter("CostModel", quality, source)
+    check_drafter("CostModel", quality, source)
     self._speeds.clear()
     drafter = self._drafters.setdefault(source, _Drafter())
     if forget:
@@ -195,7 +174,7 @@ class CostModel(Tuner):
     """Per arm offered at ``bucket``: its step's cost relative to vanilla's, its predicted
     accepted length, and its predicted and optimistic speed relative to vanilla's (vanilla: 1;
     None where unknown)."""
-    bucket = _check_bucket(bucket)
+    bucket = check_bucket(bucket)
     stats = self._buckets.get(bucket)
     if stats is None:
       return {}
@@ -216,7 +195,7 @@ class CostModel(Tuner):
     return out
 
   # ---- the choice ----------------------------------------------------------------------------
-  def _decide(self, bucket: int, stats: _BucketStats, names: list[str]) -> Decision:
+  def _decide(self, bucket: int, stats: BucketStats, names: list[str]) -> Decision:
     speeds = {n: v for n, v in self.speeds(bucket).items() if n in names}
     known = [n for n in names if speeds[n]["speed"] is not None]
     if not known:  # no vanilla offered: its first arm, until the others compare to it
@@ -243,7 +222,7 @@ class CostModel(Tuner):
     settled = not self._meta[greedy].speculative and not close
     return Decision(greedy, 0 if settled else None)  # settled: to the bucket's boundary
 
-  def _summary_best(self, bucket: int, stats: _BucketStats) -> str | None:
+  def _summary_best(self, bucket: int, stats: BucketStats) -> str | None:
     speeds = self.speeds(bucket)
     known = [n for n in stats.arms if speeds[n]["speed"] is not None]
     return max(known, key=lambda n: speeds[n]["speed"]) if known else None

@@ -193,6 +193,18 @@ def _parse_state(state) -> tuple[collections.OrderedDict[str, list[np.ndarray]],
     saved = HistoryConfig(max_bytes=state["max_bytes"], per_prompt=state["per_prompt"])
   except ValueError as e:
     raise ValueError(f"{where}: its bounds are not a HistoryConfig: {e}") from None
+  tokens = _state_tokens(state, where)
+  prompts, at, total = _state_prompts(state["prompts"], tokens, saved, where)
+  if at != tokens.size:
+    raise ValueError(f"{where}: 'tokens' holds {tokens.size} token ids but the prompts' "
+                     f"completion lengths add up to {at}")
+  if total > saved.max_bytes:
+    raise ValueError(f"{where} holds {total} bytes, over its own max_bytes={saved.max_bytes}")
+  return prompts, total
+
+
+def _state_tokens(state: dict, where: str) -> np.ndarray:
+  """A state's ``tokens``: base64 of little-endian int32 ids, none negative."""
   if not isinstance(state["tokens"], str):
     raise ValueError(f"{where}: 'tokens' must be a base64 string, got "
                      f"{type(state['tokens']).__name__}")
@@ -206,7 +218,13 @@ def _parse_state(state) -> tuple[collections.OrderedDict[str, list[np.ndarray]],
   tokens = np.frombuffer(data, "<i4")
   if tokens.size and tokens.min() < 0:
     raise ValueError(f"{where}: 'tokens' holds a negative token id ({tokens.min()})")
-  entries = state["prompts"]
+  return tokens
+
+
+def _state_prompts(entries, tokens: np.ndarray, saved: HistoryConfig, where: str
+                   ) -> tuple[collections.OrderedDict[str, list[np.ndarray]], int, int]:
+  """A state's ``prompts`` ([key, completion lengths] pairs) cut from ``tokens`` in order: the
+  prompts, how many tokens they took and their bytes."""
   if not isinstance(entries, list):
     raise ValueError(f"{where}: 'prompts' must be a list of [key, lengths] pairs, got "
                      f"{type(entries).__name__}")
@@ -237,9 +255,4 @@ def _parse_state(state) -> tuple[collections.OrderedDict[str, list[np.ndarray]],
       at += n
     prompts[key] = completions
     total += _prompt_cost(completions)
-  if at != tokens.size:
-    raise ValueError(f"{where}: 'tokens' holds {tokens.size} token ids but the prompts' "
-                     f"completion lengths add up to {at}")
-  if total > saved.max_bytes:
-    raise ValueError(f"{where} holds {total} bytes, over its own max_bytes={saved.max_bytes}")
-  return prompts, total
+  return prompts, at, total

@@ -1,12 +1,12 @@
-"""The step-time model (``tlt_jax.rl.step_time``) through its public API; the fuller checks of
-its closed forms are in tests/test_scale_model.py, against experiments/system/scale_model.py,
-which uses this module."""
+"""The step-time model (``experiments/rl/step_time.py``) through its public API; the fuller
+checks of its closed forms are in tests/test_scale_model.py, against
+experiments/system/scale_model.py, which uses this module."""
 
 from __future__ import annotations
 
 import pytest
 
-from tlt_jax.rl.step_time import Costs, predict_step, rollout_time, shard_sizes
+from experiments.rl.step_time import Costs, predict_step, rollout_time, shard_sizes
 
 
 def test_a_step_is_rollout_update_and_drafter_and_tlt_pays_in_the_tail():
