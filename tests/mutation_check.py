@@ -1157,8 +1157,9 @@ MUTANTS = [
            ("tests/rl/test_train_config.py",),
            "a config lacking a required field fails with a bare KeyError instead of naming it"),
     Mutant("online_flag_case_sensitive", "tlt_jax/job/rollout_config.py",
-           '  online = {"true": True, "false": False}.get(str(online).lower(), online)',
-           '  online = {"true": True, "false": False}.get(str(online), online)',
+           '    online = {"true": True, "false": False}.get(str(self.online).lower(), self.onl'
+           'ine)',
+           '    online = {"true": True, "false": False}.get(str(self.online), self.online)',
            ("tests/test_train_job.py", "-k", "mistakes_are_one_line"),
            "--config.drafter_training.online=True from the command line is refused as not a bool"),
     Mutant("final_step_evaluated_twice", "tlt_jax/job/runner.py",
@@ -1175,9 +1176,9 @@ MUTANTS = [
            ("tests/test_restart_path.py", "-k", "second_signal or during_a_save"),
            "a second Ctrl-C during the RL steps does not stop at once"),
     Mutant("config_error_ignores_the_fields_source", "tlt_jax/job/typed_config.py",
-           '    path = sources.get(error.field) or f"{sections.get(error.owner, where)}.{error.f'
-           'ield}"',
-           '    path = f"{sections.get(error.owner, where)}.{error.field}"',
+           '    path = sources.get(error.field) or (f"{owner}.{error.field}" if owner else error'
+           '.field)',
+           '    path = f"{owner}.{error.field}" if owner else error.field',
            ("tests/test_train_job.py", "-k", "bad_values_are_rejected_before_work and num_prompts"),
            "a bad task.num_prompts is reported as config.trainer.num_prompts, a field no config "
            "has"),

@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from tlt_jax.job.rollout_config import EAGLE_STRATEGIES, DrafterSpec, build_drafter_training, \
-    build_engine_config, build_suffix, parse_drafter
+    build_engine_config, parse_drafter
 from tlt_jax.job.typed_config import ConfigError, check_keys, dataclass_section, flatten, \
     optional_section, section, to_dataclass
 from tlt_jax.drafter.online import DrafterTrainingConfig
@@ -27,6 +27,7 @@ from tlt_jax.models.tokenizer import CharTokenizer, Tokenizer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.sft import SFTConfig
 from tlt_jax.rl.mesh import make_mesh
+from tlt_jax.rl.external_tasks import MathDatasetFields, ReasoningGymFields
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Task, chat_prompt
 from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prompt, eval_problems, \
     step_problems
@@ -34,6 +35,7 @@ from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.history import HistoryConfig
 from tlt_jax.rollout.ngram import NgramConfig
 from tlt_jax.rollout.suffix import SuffixConfig
+from tlt_jax.utils import FieldError
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.py"
 TOP_LEVEL = {"seed", "logdir", "distributed", "distributed_timeout_s", "fsdp", "resume", "checkpoint_every", "drafter",
@@ -74,60 +76,44 @@ class Job:
   rollout_devices: int = 0  # the mesh's devices that roll out, an engine each (0: all)
 
 
-TASK_KINDS = ("arithmetic", "reasoning_gym", "math_dataset")
-# task fields of every kind; num_prompts (TrainerConfig.num_prompts) picks fresh problems every
-# step (0) or epoch mode over a fixed prompt set of that many problems
-_TASK_COMMON = {"kind", "chat_template", "num_prompts"}
+TASK_KINDS = {"arithmetic": ArithmeticTask, "reasoning_gym": ReasoningGymFields,
+              "math_dataset": MathDatasetFields}  # config.task.kind: the class of its fields
 
 
-def build_task(task_cfg: ml_collections.ConfigDict) -> tuple[Task, bool]:
-  """The task of ``config.task`` and whether its prompts are chat-formatted.
+@dataclasses.dataclass(frozen=True)
+class TaskChoice:
+  """``config.task``'s fields of every kind: which task, whether its prompts are chat-formatted,
+  and the prompt set's size (0: fresh problems every step; ``TrainerConfig.num_prompts``)."""
 
-  ``kind`` (default ``"arithmetic"``) picks the task: ``arithmetic`` takes ``ArithmeticTask``'s
-  fields; ``reasoning_gym`` takes ``name`` (a reasoning_gym dataset, e.g. ``gsm_symbolic``),
-  ``size``, ``seed``, ``prompt_template`` and ``options`` (the dataset's own settings);
-  ``math_dataset`` takes ``path`` (a GSM8K-style .jsonl/.json/.parquet file or directory),
-  ``prompt_template``, ``question_key`` and ``answer_key``. Every kind takes ``num_prompts``
-  (``task_num_prompts``).
-  """
-  kind = task_cfg.get("kind", "arithmetic")
-  if kind not in TASK_KINDS:
-    raise ConfigError(f"config.task.kind must be one of {list(TASK_KINDS)}, got {kind!r}")
-  chat = task_cfg.get("chat_template", False)
-  if not isinstance(chat, bool):
-    raise ConfigError(f"config.task.chat_template must be True or False, got {chat!r}")
-  fields = {k: v for k, v in task_cfg.items() if k not in _TASK_COMMON}
-  if kind == "arithmetic":
-    return to_dataclass(ArithmeticTask, fields, "task"), chat
-  # pylint: disable=import-outside-toplevel  (optional packages load only when used)
-  from tlt_jax.rl.external_tasks import (DEFAULT_GYM_TEMPLATE, DEFAULT_MATH_TEMPLATE,
-                                         MathDatasetTask, ReasoningGymTask)
-  if kind == "reasoning_gym":
-    check_keys(fields, {"name", "size", "seed", "prompt_template", "options"}, "task")
-    name = fields.get("name")
-    if not isinstance(name, str) or not name:
-      raise ConfigError(f"config.task.name must name a reasoning_gym dataset (e.g. "
-                        f"'gsm_symbolic', 'chain_sum'), got {name!r}")
-    options = fields.get("options") or {}
-    if not isinstance(options, (dict, ml_collections.ConfigDict)):
-      raise ConfigError(f"config.task.options must be a section of the dataset's settings, "
-                        f"got {options!r}")
-    make = lambda: ReasoningGymTask(
-        name, size=fields.get("size", 500), seed=fields.get("seed", 0),
-        prompt_template=fields.get("prompt_template", DEFAULT_GYM_TEMPLATE), **dict(options))
-  else:
-    check_keys(fields, {"path", "prompt_template", "question_key", "answer_key"}, "task")
-    if not fields.get("path"):
-      raise ConfigError("config.task.path must name a GSM8K-style dataset file or directory "
-                        "(.jsonl, .json or .parquet)")
-    make = lambda: MathDatasetTask(
-        fields["path"], prompt_template=fields.get("prompt_template", DEFAULT_MATH_TEMPLATE),
-        question_key=fields.get("question_key", "question"),
-        answer_key=fields.get("answer_key", "answer"))
+  kind: str = "arithmetic"
+  chat_template: bool = False
+  num_prompts: int = 0  # checked by TrainerConfig, its field
+
+  def __post_init__(self):
+    if self.kind not in TASK_KINDS:
+      raise FieldError("TaskChoice", "kind", f"must be one of {list(TASK_KINDS)}, got "
+                       f"{self.kind!r}")
+    if not isinstance(self.chat_template, bool):
+      raise FieldError("TaskChoice", "chat_template", f"must be True or False, got "
+                       f"{self.chat_template!r}")
+
+
+_TASK_COMMON = tuple(f.name for f in dataclasses.fields(TaskChoice))
+
+
+def build_task(task_cfg) -> tuple[Task, TaskChoice]:
+  """The task of ``config.task`` and its fields of every kind (``TaskChoice``); ``kind`` picks
+  the class whose fields the others are (``TASK_KINDS``)."""
+  choice = to_dataclass(TaskChoice, {k: v for k, v in task_cfg.items() if k in _TASK_COMMON},
+                        "task")
+  fields = to_dataclass(TASK_KINDS[choice.kind],
+                        {k: v for k, v in task_cfg.items() if k not in _TASK_COMMON}, "task")
+  if choice.kind == "arithmetic":
+    return fields, choice
   try:
-    return make(), chat
+    return fields.make(), choice
   except (ValueError, TypeError, ImportError, FileNotFoundError) as e:
-    raise ConfigError(f"config.task ({kind}): {e}") from None
+    raise ConfigError(f"config.task ({choice.kind}): {e}") from None
 
 
 # TrainerConfig fields the job fills from elsewhere in the config (not config.trainer's): where
@@ -138,19 +124,6 @@ def trainer_section(**values) -> ml_collections.ConfigDict:
   """``config.trainer`` for config files: every ``TrainerConfig`` field but ``TRAINER_SOURCES``,
   at its default unless given in ``values`` (``dataclass_section``)."""
   return dataclass_section(TrainerConfig, omit=TRAINER_SOURCES, **values)
-
-
-def task_num_prompts(cfg: ml_collections.ConfigDict) -> int:
-  """``config.task.num_prompts`` (0 when absent): 0 draws fresh problems every step; N > 0 a
-  fixed set of N problems, visited once per epoch in a shuffled order, at least
-  ``config.trainer.prompts_per_step`` of them (fewer would repeat prompts within every step)."""
-  return section(cfg, "task").get("num_prompts", 0)  # checked by TrainerConfig, its field
-
-
-def build_history(cfg: ml_collections.ConfigDict) -> HistoryConfig:
-  """``config.history`` (the defaults when a config lacks it) as a ``HistoryConfig``; bad values
-  name ``config.history.<field>``."""
-  return to_dataclass(HistoryConfig, optional_section(cfg, "history"), "history")
 
 
 def _pretrained_parts(model_cfg: ml_collections.ConfigDict) -> tuple[pathlib.Path, ModelConfig,
@@ -186,58 +159,76 @@ def check_top_level(cfg: ml_collections.ConfigDict) -> None:
                       f"{DEFAULT_CONFIG} and change what you need")
 
 
+@dataclasses.dataclass(frozen=True)
+class RunFields:
+  """The config's top-level fields the ``Job`` reads: where the run lives, its seed, its
+  checkpoints and devices (their fit to the visible devices: ``update_devices``)."""
+
+  logdir: pathlib.Path
+  seed: int
+  resume: bool
+  checkpoint_every: int
+  mesh_devices: int
+  fsdp: int = 1
+  rollout_devices: int = 0
+
+  def __post_init__(self):
+    for name in ("checkpoint_every", "mesh_devices", "seed"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise FieldError("RunFields", name, f"must be an int >= 0, got {value!r}")
+    if not isinstance(self.logdir, (str, pathlib.Path)):
+      raise FieldError("RunFields", "logdir", f"must be a directory's path, got {self.logdir!r}")
+    object.__setattr__(self, "logdir", pathlib.Path(self.logdir))
+    object.__setattr__(self, "resume", bool(self.resume))
+
+
+_RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunFields))
+
+
 def build_job(cfg: ml_collections.ConfigDict, keys_checked: bool = False) -> Job:
-  """Checks every section of ``cfg`` (unknown keys and bad values name the field);
-  ``keys_checked``: ``check_top_level`` has passed already."""
+  """The ``Job`` of ``cfg``: each section converted once to its dataclass (unknown keys and bad
+  values name the field); ``keys_checked``: ``check_top_level`` has passed already."""
   if not keys_checked:
     check_top_level(cfg)
   spec = parse_drafter(cfg.drafter)
-  run_fields = _run_fields(cfg)
-  task, chat = build_task(section(cfg, "task"))
-  model_path, model_config, tokenizer = _model_parts(section(cfg, "model"), task, chat)
+  run = to_dataclass(RunFields, {k: cfg[k] for k in _RUN_FIELDS if k in cfg}, "")
+  task, choice = build_task(section(cfg, "task"))
+  model_path, model_config, tokenizer = _model_parts(section(cfg, "model"), task, choice)
   sft = to_dataclass(SFTConfig, section(cfg, "sft"), "sft")
-  if sft.steps and (chat or tokenizer.bos_token_id is None):
+  if sft.steps and (choice.chat_template or tokenizer.bos_token_id is None):
     raise ConfigError("config.sft.steps must be 0 here: the warm start writes <bos> + prompt + "
                       "solution, without the chat template (and this tokenizer may have no BOS)")
   grpo_config = to_dataclass(grpo.GRPOConfig, section(cfg, "grpo"), "grpo")
-  trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=cfg.seed,
-                                num_prompts=task_num_prompts(cfg), sources=TRAINER_SOURCES)
+  trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=run.seed,
+                                num_prompts=choice.num_prompts, sources=TRAINER_SOURCES)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-  drafter = spec.build(model_config, seed=cfg.seed)
-  suffix = build_suffix(cfg, spec)
-  history = build_history(cfg)
-  training, save_every = build_drafter_training(cfg, spec)
+  drafter = spec.build(model_config, seed=run.seed)
+  suffix = to_dataclass(SuffixConfig, optional_section(cfg, "suffix"), "suffix")
+  history = to_dataclass(HistoryConfig, optional_section(cfg, "history"), "history")
+  training, save_every = build_drafter_training(optional_section(cfg, "drafter_training"), spec)
   rollout = section(cfg, "rollout")
   if spec.fresh and not rollout.strategies:
     # a fresh drafter drafts badly at first: let the tuner decide when SD pays, per bucket
-    rollout = ml_collections.ConfigDict(dict(rollout.to_dict(), strategies=EAGLE_STRATEGIES))
-  engine_config = build_engine_config(rollout, drafter, suffix,
+    rollout = dict(rollout.items(), strategies=EAGLE_STRATEGIES)
+  engine_config = build_engine_config(rollout, drafter, suffix if spec.suffix else None,
                                       max_new_tokens=trainer_config.max_new_tokens,
                                       pad_token_id=pad)
-  check_prompt_lengths(task, tokenizer, chat, trainer_config, engine_config.max_prompt_len)
-  return Job(cfg=cfg, **run_fields, task=task, tokenizer=tokenizer,
+  check_prompt_lengths(task, tokenizer, choice.chat_template, trainer_config,
+                       engine_config.max_prompt_len)
+  return Job(cfg=cfg, **vars(run), task=task, tokenizer=tokenizer,
              model_config=model_config, sft=sft, grpo=grpo_config, trainer=trainer_config,
              engine=engine_config, drafter_spec=spec, drafter=drafter, model_path=model_path,
-             chat_template=chat, drafter_training=training, drafter_save_every=save_every,
-             suffix=suffix, history=history)
+             chat_template=choice.chat_template, drafter_training=training,
+             drafter_save_every=save_every, suffix=suffix if spec.suffix else None,
+             history=history)
 
 
-def _run_fields(cfg: ml_collections.ConfigDict) -> dict:
-  """The ``Job``'s top-level fields of ``cfg`` (where the run lives, its seed, checkpoints and
-  devices), the counts checked to be ints >= 0 (the devices' fit: ``job_devices``)."""
-  for name in ("checkpoint_every", "mesh_devices", "seed"):
-    value = cfg[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-      raise ConfigError(f"config.{name} must be an int >= 0, got {value!r}")
-  return dict(logdir=pathlib.Path(cfg.logdir), seed=cfg.seed, resume=bool(cfg.resume),
-              checkpoint_every=cfg.checkpoint_every, mesh_devices=cfg.mesh_devices,
-              fsdp=cfg.get("fsdp", 1), rollout_devices=cfg.get("rollout_devices", 0))
-
-
-def _model_parts(model_cfg: ml_collections.ConfigDict, task: Task, chat: bool
+def _model_parts(model_cfg: ml_collections.ConfigDict, task: Task, choice: TaskChoice
                  ) -> tuple[pathlib.Path | None, ModelConfig, Tokenizer]:
   """``config.model``: the pretrained policy's path (None: the tiny char-level policy over the
-  task's alphabet), its config and tokenizer, checked to render a chat prompt where ``chat``."""
+  task's alphabet), its config and tokenizer, checked to render a chat prompt where the task's
+  prompts are chat-formatted."""
   model_path = None
   if "path" in model_cfg:  # a pretrained policy with its own tokenizer
     model_path, model_config, tokenizer = _pretrained_parts(model_cfg)
@@ -248,7 +239,7 @@ def _model_parts(model_cfg: ml_collections.ConfigDict, task: Task, chat: bool
         architecture="qwen2", attention_bias=True, tie_word_embeddings=True,
         max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id)
-  if chat:
+  if choice.chat_template:
     try:
       chat_prompt(tokenizer, "2+2?")
     except Exception as e:  # pylint: disable=broad-except  # no template, or one that fails

@@ -10,8 +10,7 @@ import pathlib
 import ml_collections
 from ml_collections import config_dict
 
-from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, dataclass_section, \
-    optional_section, to_dataclass
+from tlt_jax.job.typed_config import ConfigError, config_error, dataclass_section, to_dataclass
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.drafter_io import load_drafter
@@ -124,33 +123,18 @@ def parse_drafter(value) -> DrafterSpec:
 _SECTIONS = {"EngineConfig": "rollout", "TunerConfig": "rollout.tuner"}
 
 
-def _named(error: Exception, where: str) -> ConfigError:
-  """``error`` of a dataclass built from ``config.<where>`` (``config_error``, with the engine's
-  and the tuner's sections)."""
-  return config_error(error, where, _SECTIONS)
-
-
-def build_engine_config(rollout: ml_collections.ConfigDict, drafter,
-                        suffix: SuffixConfig | None = None, **extra) -> EngineConfig:
-  """``config.rollout`` as the resolved ``EngineConfig`` of the job's drafters
-  (``resolve_engine_config``; ``extra``: fields set by the job). The rules are the dataclasses'
-  (``EngineConfig``, ``TunerConfig``, the resolver's); here the section becomes their fields and
-  their errors name ``config.rollout.<field>``. ``suffix``: the suffix drafter drafts too."""
-  fields = rollout.to_dict() if isinstance(rollout, ml_collections.ConfigDict) else dict(rollout)
-  check_keys(fields, {f.name for f in dataclasses.fields(EngineConfig)} - set(extra), "rollout")
-  if isinstance(fields.get("tuner"), dict):
-    check_keys(fields["tuner"], {f.name for f in dataclasses.fields(TunerConfig)}, "rollout.tuner")
-  values = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
-  try:
-    engine = EngineConfig(**values, **extra)
-  except (TypeError, ValueError) as e:
-    raise _named(e, "rollout") from None
+def build_engine_config(rollout, drafter, suffix: SuffixConfig | None = None,
+                        **extra) -> EngineConfig:
+  """``config.rollout`` as the ``EngineConfig`` resolved for the job's drafters
+  (``resolve_engine_config``; ``extra``: fields set by the job; ``suffix``: the suffix drafter
+  drafts too); the errors of either name ``config.rollout.<field>``."""
+  engine = to_dataclass(EngineConfig, rollout, "rollout", sections=_SECTIONS, **extra)
   try:
     return resolve_engine_config(engine, drafter, suffix)
   except ValueError as e:  # the strategies against the drafters config.drafter chose
     hint = (f"; config.drafter picks the drafters: {_DRAFTER_CHOICES}, or {_SUFFIX_CHOICES}"
             if isinstance(e, FieldError) and e.owner == "EngineConfig" else "")
-    raise ConfigError(str(_named(e, "rollout")) + hint) from None
+    raise ConfigError(str(config_error(e, "rollout", _SECTIONS)) + hint) from None
 
 
 # the config.rollout fields of the job, in the order config files list them (the other
@@ -179,62 +163,58 @@ def rollout_section(**values) -> ml_collections.ConfigDict:
   return section_
 
 
-def build_suffix(cfg: ml_collections.ConfigDict, drafter: DrafterSpec) -> SuffixConfig | None:
-  """``config.suffix`` as a ``SuffixConfig`` when ``drafter`` has the suffix drafter, else None;
-  the section is checked in any case, so a mistake shows before it matters (a config without
-  the section takes the defaults)."""
-  suffix = to_dataclass(SuffixConfig, optional_section(cfg, "suffix"), "suffix")
-  return suffix if drafter.suffix else None
-
-
 def suffix_section() -> ml_collections.ConfigDict:
   """``config.suffix`` with every ``SuffixConfig`` field at its default, for config files."""
   return dataclass_section(SuffixConfig)
 
 
-# config.drafter_training's fields of the job's own (the others are DrafterTrainingConfig's):
-# whether the drafter trains online ("auto": when config.drafter is a fresh drafter, "eagle" or
-# "eagle3", alone or with "+suffix"),
-# and the RL steps between selective async saves of the drafter alone (0: none)
-DRAFTER_TRAINING_JOB_FIELDS = {"online": "auto", "save_every": 1}
+@dataclasses.dataclass(frozen=True)
+class OnlineTraining:
+  """``config.drafter_training``'s fields of the job's own (the others are
+  ``DrafterTrainingConfig``'s): whether the drafter trains online and how often it is saved."""
+
+  online: bool | str = "auto"  # "auto": when config.drafter is a fresh drafter (+suffix or not)
+  save_every: int = 1  # RL steps between selective async saves of the drafter alone (0: none)
+
+  def __post_init__(self):
+    # the field's default is the string "auto", so a command line's True/False arrives as text
+    online = {"true": True, "false": False}.get(str(self.online).lower(), self.online)
+    if online not in ("auto", True, False):
+      raise FieldError("OnlineTraining", "online", f"must be 'auto', True or False, got "
+                       f"{online!r}")
+    object.__setattr__(self, "online", online)
+    save_every = self.save_every
+    if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 0:
+      raise FieldError("OnlineTraining", "save_every", f"must be an int >= 0, got {save_every!r}")
+
+
+_ONLINE_FIELDS = tuple(f.name for f in dataclasses.fields(OnlineTraining))
 
 
 def drafter_training_section() -> ml_collections.ConfigDict:
   """``config.drafter_training`` with every field at its default (the job's and
   ``DrafterTrainingConfig``'s), for config files."""
-  return dataclass_section(DrafterTrainingConfig, **DRAFTER_TRAINING_JOB_FIELDS)
+  return dataclass_section(DrafterTrainingConfig, **dataclass_section(OnlineTraining))
 
 
 # a fresh drafter (config.drafter="eagle" or "eagle3") without rollout.strategies: chain d3
 EAGLE_STRATEGIES = ((3, 1, 4),)
 
 
-def build_drafter_training(cfg: ml_collections.ConfigDict, spec: DrafterSpec
+def build_drafter_training(section_, spec: DrafterSpec
                            ) -> tuple[DrafterTrainingConfig | None, int]:
   """``config.drafter_training`` as a ``DrafterTrainingConfig`` when the drafter ``spec`` names
-  trains online (``online="auto"``: when it is a fresh drafter, ``eagle`` or ``eagle3``), and
-  the selective-save interval."""
-  fields = dict(DRAFTER_TRAINING_JOB_FIELDS, **optional_section(cfg, "drafter_training"))
-  online = fields.pop("online")
-  # the field's default is the string "auto", so a command line's True/False arrives as text
-  online = {"true": True, "false": False}.get(str(online).lower(), online)
-  save_every = fields.pop("save_every")
-  if online not in ("auto", True, False):
-    raise ConfigError(f"config.drafter_training.online must be 'auto', True or False, got "
-                      f"{online!r}")
-  if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 0:
-    raise ConfigError(f"config.drafter_training.save_every must be an int >= 0, got "
-                      f"{save_every!r}")
-  try:  # checked even when unused, so a mistake shows before it matters
-    training = DrafterTrainingConfig(**fields)
-  except (TypeError, ValueError) as e:
-    raise config_error(e, "drafter_training") from None
-  online = spec.fresh is not None if online == "auto" else online
+  trains online (``online="auto"``: when it is a fresh drafter), and the save interval; the
+  section is checked in any case, so a mistake shows before it matters."""
+  job = to_dataclass(OnlineTraining, {k: v for k, v in section_.items() if k in _ONLINE_FIELDS},
+                     "drafter_training")
+  training = to_dataclass(DrafterTrainingConfig, section_, "drafter_training",
+                          ignore=_ONLINE_FIELDS)
+  online = spec.fresh is not None if job.online == "auto" else job.online
   if not online:
     return None, 0
   if not spec.learns:
     raise ConfigError(f"config.drafter_training.online=True needs a learned drafter: set "
                       f"config.drafter to {_FRESH_NAMES} or a saved drafter's directory (any may "
                       f"add '+suffix'), not {spec.value!r}")
-  return training, save_every
-
+  return training, job.save_every

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import typing
 from typing import Any, Iterable, TypeVar
 
 import ml_collections
@@ -62,32 +63,52 @@ def config_error(error: Exception, where: str | None, sections: dict[str, str] |
   ``Owner.`` of ``sections`` the message mentions is spelled as its section."""
   sections, sources = sections or {}, sources or {}
   if isinstance(error, FieldError):
-    path = sources.get(error.field) or f"{sections.get(error.owner, where)}.{error.field}"
+    owner = sections.get(error.owner, where)
+    path = sources.get(error.field) or (f"{owner}.{error.field}" if owner else error.field)
     text = f"config.{path} {error.problem}"
   else:
-    text = str(error) if where is None else f"config.{where}: {error}"
+    text = str(error) if where is None else f"config{'.' if where else ''}{where}: {error}"
   for owner, section_ in sections.items():
     text = text.replace(f"{owner}.", f"config.{section_}.")
   return ConfigError(text)
 
 
-def to_dataclass(cls: type[T], section_: ml_collections.ConfigDict, where: str,
-                 ignore: Iterable[str] = (), sources: dict[str, str] | None = None,
+def to_dataclass(cls: type[T], section_, where: str, ignore: Iterable[str] = (),
+                 sources: dict[str, str] | None = None, sections: dict[str, str] | None = None,
                  **extra) -> T:
-  """Builds ``cls`` from ``section_``; unknown keys (except ``ignore``) and bad values raise
-  :class:`ConfigError` naming the field (``config_error``; ``sources``: where the ``extra``
-  fields, filled by the job, come from in the config)."""
+  """Builds ``cls`` from ``config.<where>``, a dataclass-typed field from its sub-section (the
+  same way); unknown keys (but ``ignore``) and bad values raise ``config_error``'s ConfigError.
+
+  ``extra``: fields the job fills, from the config paths ``sources`` names; ``sections``: the
+  sections of owners a message may name (``config_error``)."""
   fields = {f.name for f in dataclasses.fields(cls)}
   check_keys(section_, (fields - set(extra)) | set(ignore), where)
-  values = {k: v for k, v in section_.items() if k in fields}
+  nested = _dataclass_fields(cls)
+  values = {}
+  for key, value in section_.items():
+    if key in nested and isinstance(value, (ml_collections.ConfigDict, dict)):
+      value = to_dataclass(nested[key], value, f"{where}.{key}")
+    values[key] = tuple(value) if isinstance(value, list) else value
+  values = {k: v for k, v in values.items() if k in fields}
   values.update(extra)
-  for key, value in values.items():
-    if isinstance(value, list):
-      values[key] = tuple(value)
   try:
     return cls(**values)
   except (TypeError, ValueError) as e:
-    raise config_error(e, where, sources=sources) from None
+    raise config_error(e, where, sections, sources) from None
+
+
+def _dataclass_fields(cls: type) -> dict[str, type]:
+  """The fields of the dataclass ``cls`` typed as a dataclass (or one or None), by name."""
+  try:
+    hints = typing.get_type_hints(cls)
+  except (NameError, TypeError):  # an annotation that names what the module does not import
+    return {}
+  out = {}
+  for name, hint in hints.items():
+    kinds = [t for t in typing.get_args(hint) or (hint,) if dataclasses.is_dataclass(t)]
+    if len(kinds) == 1 and isinstance(kinds[0], type):
+      out[name] = kinds[0]
+  return out
 
 
 def dataclass_section(cls: type, omit: Iterable[str] = (), **values) -> ml_collections.ConfigDict:

@@ -20,6 +20,7 @@ import numpy as np
 
 from tlt_jax.rl.rewards import extract_boxed, extract_final_answer, math_reward
 from tlt_jax.rl.tasks import Problem
+from tlt_jax.utils import FieldError
 
 logger = logging.getLogger(__name__)
 
@@ -306,3 +307,48 @@ class ReasoningGymTask:
                      answer[:80])
       return 0.0
     return score if np.isfinite(score) else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningGymFields:
+  """The fields of a ``ReasoningGymTask`` as a config gives them (``options``: the dataset's own
+  settings); ``make`` builds the task."""
+
+  name: str | None = None
+  size: int = 500
+  seed: int = 0
+  prompt_template: str = DEFAULT_GYM_TEMPLATE
+  options: Mapping | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise FieldError("ReasoningGymFields", "name", f"must name a reasoning_gym dataset (e.g. "
+                       f"'gsm_symbolic', 'chain_sum'), got {self.name!r}")
+    if not isinstance(self.options or {}, Mapping) and not hasattr(self.options, "to_dict"):
+      raise FieldError("ReasoningGymFields", "options", f"must be a section of the dataset's "
+                       f"settings, got {self.options!r}")
+
+  def make(self) -> ReasoningGymTask:
+    """The task these fields describe."""
+    return ReasoningGymTask(self.name, size=self.size, seed=self.seed,
+                            prompt_template=self.prompt_template, **dict(self.options or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class MathDatasetFields:
+  """The fields of a ``MathDatasetTask`` as a config gives them; ``make`` builds the task."""
+
+  path: str | None = None
+  prompt_template: str = DEFAULT_MATH_TEMPLATE
+  question_key: str = "question"
+  answer_key: str = "answer"
+
+  def __post_init__(self):
+    if not self.path:
+      raise FieldError("MathDatasetFields", "path", "must name a GSM8K-style dataset file or "
+                       "directory (.jsonl, .json or .parquet)")
+
+  def make(self) -> MathDatasetTask:
+    """The task these fields describe."""
+    return MathDatasetTask(self.path, prompt_template=self.prompt_template,
+                           question_key=self.question_key, answer_key=self.answer_key)
