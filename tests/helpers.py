@@ -8,7 +8,7 @@ from flax import nnx
 
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.transformer import Transformer, init_model
-from tlt_jax.rollout.tuner import Decision
+from tlt_jax.rollout.host.tuner import Decision
 
 
 def sharp_random_model(config: ModelConfig, seed: int = 0, scale: float = 8.0) -> Transformer:

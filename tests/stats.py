@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 from scipy import stats
 
-from tlt_jax.rollout.sampling import filtered_logprobs
+from tlt_jax.rollout.decode.sampling import filtered_logprobs
 
 
 def chi_square_pvalue(counts, probs):

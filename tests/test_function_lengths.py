@@ -12,7 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MOST_LINES = 60
-LOOPS = {"tlt_jax/rollout/scheduler.py": ("Scheduler.run_chunk",),
+LOOPS = {"tlt_jax/rollout/host/scheduler.py": ("Scheduler.run_chunk",),
          "tlt_jax/job/runner.py": ("run", "train_steps")}
 
 

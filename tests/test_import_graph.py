@@ -6,6 +6,11 @@ import still ties the two modules together). ``from tlt_jax.x import y`` is an e
 ``tlt_jax.x.y`` when that is a module, else to ``tlt_jax.x``; relative imports resolve against the
 importing module's package. Importing a submodule also runs its packages' ``__init__``, but
 that is no edge: a package importing its own submodules is the normal layout, not a circle.
+
+The rollout is three layers, each importing only the layers below it: ``tlt_jax.rollout.decode``
+(pure jitted decoding: sampling, drafts, their verification, the decode steps),
+``tlt_jax.rollout.host`` (the host scheduler: segments, buckets, the tuner, the stats) and the
+top ``tlt_jax.rollout`` (the rollouts over one device, N devices or N processes).
 """
 
 from __future__ import annotations
@@ -139,6 +144,52 @@ def test_the_package_has_no_import_cycle():
   found = cycles(graph)
   assert not found, "import cycles in tlt_jax (each: a module, what it imports, ... back):\n" + \
       "\n".join("  " + " -> ".join(cycle) for cycle in found)
+
+
+# The rollout's layers, lowest first; a module belongs to the last layer whose name prefixes it.
+ROLLOUT_LAYERS = ("tlt_jax.rollout.decode", "tlt_jax.rollout.host", "tlt_jax.rollout")
+ROLLOUT_TOP = {"tlt_jax.rollout", "tlt_jax.rollout.interface", "tlt_jax.rollout.engine",
+               "tlt_jax.rollout.parallel", "tlt_jax.rollout.processes"}
+
+
+def layer_of(module: str, layers: tuple[str, ...]) -> int | None:
+  """The index in ``layers`` (lowest first) of the layer ``module`` is in; None outside them all.
+  A module is in a layer when it is the layer's package or inside it; a layer nested in another
+  (``rollout.host`` in ``rollout``) takes its modules from the outer one."""
+  found = [i for i, layer in enumerate(layers) if module == layer or module.startswith(layer + ".")]
+  return min(found, key=lambda i: -len(layers[i])) if found else None
+
+
+def layer_violations(graph: dict[str, set[str]], layers: tuple[str, ...]) -> list[str]:
+  """``"a -> b"`` for each import of a module ``a`` of one layer from a higher layer's ``b``."""
+  found = []
+  for module, imported in sorted(graph.items()):
+    own = layer_of(module, layers)
+    for target in sorted(imported):
+      other = layer_of(target, layers)
+      if own is not None and other is not None and other > own:
+        found.append(f"{module} -> {target}")
+  return found
+
+
+def test_the_rollout_layers_import_only_downwards():
+  graph = import_graph()
+  found = layer_violations(graph, ROLLOUT_LAYERS)
+  assert not found, "a rollout layer imports a higher one (decode < host < rollout):\n" + \
+      "\n".join("  " + edge for edge in found)
+  rollout = {m for m in graph if layer_of(m, ROLLOUT_LAYERS) is not None}
+  assert {m for m in rollout if layer_of(m, ROLLOUT_LAYERS) == 2} == ROLLOUT_TOP
+  assert "tlt_jax.rollout.decode.speculative" in graph["tlt_jax.rollout.decode.steps"]
+  assert "tlt_jax.rollout.decode.steps" in graph["tlt_jax.rollout.host.pool"]
+  assert "tlt_jax.rollout.host.scheduler" in graph["tlt_jax.rollout.engine"]
+
+
+def test_a_layer_importing_upwards_is_found(tmp_path):
+  _write(tmp_path, {"pkg/__init__.py": "", "pkg/top.py": "from pkg.low import a\n",
+                    "pkg/low/__init__.py": "", "pkg/low/a.py": "def f():\n  from pkg import top\n",
+                    "pkg/low/b.py": "from pkg.low import a\n"})
+  graph = import_graph(tmp_path, "pkg")
+  assert layer_violations(graph, ("pkg.low", "pkg")) == ["pkg.low.a -> pkg.top"]
 
 
 def test_the_graph_sees_lazy_and_package_imports():

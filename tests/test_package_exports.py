@@ -7,7 +7,9 @@ import pytest
 
 from tlt_jax import models, rollout
 from tlt_jax.models import drafter_io, hf, load, transformer, weights
-from tlt_jax.rollout import engine, ngram, parallel, sampling, speculative, tuner
+from tlt_jax.rollout import engine, parallel
+from tlt_jax.rollout.decode import ngram, sampling, speculative
+from tlt_jax.rollout.host import tuner
 
 
 def test_models_exports_are_the_implementations():
@@ -51,7 +53,8 @@ def test_rl_exports_are_the_implementations():
 @pytest.mark.slow
 def test_each_package_imports_first_in_a_fresh_process():
   """No circular import, whichever package a user imports first."""
-  for first in ("tlt_jax.rollout", "tlt_jax.models", "tlt_jax.drafter", "tlt_jax.rl.trainer",
+  for first in ("tlt_jax.rollout", "tlt_jax.rollout.decode.steps", "tlt_jax.rollout.host.scheduler",
+                "tlt_jax.models", "tlt_jax.drafter", "tlt_jax.rl.trainer",
                 "tlt_jax.train"):
     code = f"import {first}; from tlt_jax.rollout import RolloutEngine; " \
            f"from tlt_jax.models import from_pretrained"

@@ -30,7 +30,7 @@ from tlt_jax.job import runner
 from tlt_jax.job.build import build_job, job_devices
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl.trainer import metric_kind
-from tlt_jax.rollout.tuner import TunerConfig
+from tlt_jax.rollout.host.tuner import TunerConfig
 
 
 def job_trainer(tmp_path, fixed=None, **top):

@@ -31,9 +31,9 @@ from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rl.trainer import TrainerConfig, metric_kind
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.engine import RolloutEngine
-from tlt_jax.rollout.history import HistoryConfig
-from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.suffix import SuffixConfig
+from tlt_jax.rollout.host.history import HistoryConfig
+from tlt_jax.rollout.decode.speculative import SpecConfig
+from tlt_jax.rollout.decode.suffix import SuffixConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(task=dict(max_digits=3), model=dict(hidden_size=32, intermediate_size=64,

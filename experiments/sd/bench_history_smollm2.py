@@ -12,7 +12,7 @@ the measured rollout decodes the prompts (static batches of ``--batches`` rows, 
 no siblings) with each contender, interleaved over ``--repeats`` repeats:
 
 * ``vanilla``;
-* ``suffix d8`` / ``suffix d8 k2 v12``: the suffix drafter (``rollout/suffix.py``) with the
+* ``suffix d8`` / ``suffix d8 k2 v12``: the suffix drafter (``rollout/decode/suffix.py``) with the
   prompt's earlier completions as its history, a chain and a two-branch tree;
 * ``suffix d8, no history``: the same drafter without history (own context only, what the first
   epoch gets);
@@ -35,8 +35,8 @@ import time
 from experiments import harness
 from experiments.harness import (EngineConfig, NgramConfig, RolloutEngine, SamplingParams,
                                  SpecConfig, ints)
-from tlt_jax.rollout.stats import RolloutStats
-from tlt_jax.rollout.suffix import SuffixConfig
+from tlt_jax.rollout.host.stats import RolloutStats
+from tlt_jax.rollout.decode.suffix import SuffixConfig
 
 
 def contenders(target, drafter, base: dict, history_len: int) -> dict[str, tuple]:

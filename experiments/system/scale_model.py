@@ -84,7 +84,7 @@ class Bench:
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from experiments import harness  # pylint: disable=import-outside-toplevel
     from tlt_jax.rollout import parallel  # pylint: disable=import-outside-toplevel
-    from tlt_jax.rollout.tuner import make_tuner  # pylint: disable=import-outside-toplevel
+    from tlt_jax.rollout.host.tuner import make_tuner  # pylint: disable=import-outside-toplevel
     self.jax, self.harness, self.repeats, self.cap = jax, harness, repeats, cap
     self.model_config = harness.bench_config(256, 128, 1, bos_token_id=1, eos_token_id=2)
     self.target = harness.init_model(self.model_config, seed=0)

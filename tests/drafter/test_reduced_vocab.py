@@ -20,8 +20,8 @@ from tlt_jax.models.drafter import (Drafter, most_frequent_ids, spread_to_vocab,
                                     token_frequencies)
 from tlt_jax.models.drafter_io import load_drafter, save_drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.decode.speculative import SpecConfig
 from tlt_jax.utils import compile_count
 
 VOCAB = 32

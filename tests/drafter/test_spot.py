@@ -246,7 +246,7 @@ def test_an_eagle3_drafter_learns_from_the_engines_collected_features():
   and the final hidden state) to the buffer; spot training on them learns without recompiling."""
   from tlt_jax.models.eagle3 import Eagle3Drafter  # pylint: disable=import-outside-toplevel
   from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # pylint: disable=import-outside-toplevel
-  from tlt_jax.rollout.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.decode.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
   target = sharp_random_model(CONFIG.replace(num_layers=3), seed=1)
   drafter = Eagle3Drafter.for_target(target, seed=0, feature_layers=(1, 2))
   engine = RolloutEngine(target, drafter=drafter, config=EngineConfig(

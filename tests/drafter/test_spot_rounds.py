@@ -27,7 +27,7 @@ from tlt_jax.drafter.objective import CE_WEIGHT, batch_loss, split_drafter
 from tlt_jax.drafter.online import DrafterTrainingConfig, OnlineDrafter, step_metrics
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.rollout.stats import DeviceStats, RolloutStats
+from tlt_jax.rollout.host.stats import DeviceStats, RolloutStats
 from tlt_jax.utils import compile_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from tlt_jax.drafter import (evaluate_drafter, make_batch_from_sequences, make_e
                              own_sequences, split_drafter, train_drafter_on_batch,
                              warm_up_drafter, warm_up_on_rollouts)
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.decode.sampling import SamplingParams
 from tlt_jax.utils import compile_count
 from tests.drafter.test_objective import CONFIG, PROMPT_LEN, sample_sequences
 from tests.helpers import sharp_random_model

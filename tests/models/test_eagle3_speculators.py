@@ -29,8 +29,8 @@ from tlt_jax.models.drafter import Drafter  # noqa: E402
 from tlt_jax.models.drafter_io import (drafter_policy_mismatch, load_drafter,  # noqa: E402
                                        save_drafter)
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
-from tlt_jax.rollout.speculative import SpecConfig  # noqa: E402
+from tlt_jax.rollout.decode.sampling import SamplingParams  # noqa: E402
+from tlt_jax.rollout.decode.speculative import SpecConfig  # noqa: E402
 from tlt_jax.models.eagle3 import Eagle3Drafter, ttt_logits  # noqa: E402
 from tlt_jax.models.speculators_format import (SpeculatorsFormatError,  # noqa: E402
                                                export_speculators, load_speculators)

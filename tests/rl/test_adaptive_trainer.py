@@ -16,8 +16,8 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
 from tlt_jax.rollout.engine import EngineConfig
-from tlt_jax.rollout.stats import ArmTally, RolloutStats, arm_line, rollout_metrics, run_sd_summary
-from tlt_jax.rollout.tuner import TunerConfig, make_tuner
+from tlt_jax.rollout.host.stats import ArmTally, RolloutStats, arm_line, rollout_metrics, run_sd_summary
+from tlt_jax.rollout.host.tuner import TunerConfig, make_tuner
 
 STRATEGY = (2, 1, 3)  # a chain of depth 2: arm "chain d2"
 

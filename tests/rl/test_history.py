@@ -1,4 +1,4 @@
-"""The rollout's own history (``rollout/history.py``) and the epochs that make it worth keeping
+"""The rollout's own history (``rollout/host/history.py``) and the epochs that make it worth keeping
 (``tasks.EpochSchedule``): the store's bounds, eviction order and exact state round trip, its
 errors for malformed states; the epoch order's determinism and coverage."""
 
@@ -14,7 +14,7 @@ import pytest
 from tlt_jax.rl.external_tasks import MathDatasetTask, ReasoningGymTask
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Problem, sample_distinct
 from tlt_jax.rl.trainer import TrainerConfig, step_problems
-from tlt_jax.rollout.history import (PROMPT_BYTES, HistoryConfig, HistoryStore, completion_cost,
+from tlt_jax.rollout.host.history import (PROMPT_BYTES, HistoryConfig, HistoryStore, completion_cost,
                                      prompt_key)
 from tlt_jax.utils import FieldError
 

@@ -20,7 +20,7 @@ from tlt_jax.rl.trainer import (EVAL_SEED, GRPOTrainer, TrainerConfig, eval_prob
                                 step_problems)
 from tlt_jax.rl.update import NonFiniteUpdateError, learning_rate_schedule
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.history import HistoryConfig
+from tlt_jax.rollout.host.history import HistoryConfig
 from tlt_jax.utils import compile_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -248,7 +248,7 @@ def test_trainer_runs_with_speculative_rollouts():
   """The n-gram drafter plugs into the RL step (its losslessness is tested in
   tests/rollout/test_speculative.py: sampled SD matches the target's distribution, not its
   individual samples, so the two runs are not compared sample by sample)."""
-  from tlt_jax.rollout.ngram import NgramConfig  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.decode.ngram import NgramConfig  # pylint: disable=import-outside-toplevel
   trainer = make_trainer(drafter=NgramConfig(depth=4))
   assert trainer.engine.spec is not None
   first = trainer.step()
@@ -551,13 +551,13 @@ def test_epoch_mode_steps_revisit_the_prompt_set():
 def test_the_suffix_drafter_drafts_from_the_store():
   """A trainer with the suffix drafter alone keeps the store and its steps draft speculatively
   (an acceptance length); from the second epoch every prompt has history."""
-  from tlt_jax.rollout.suffix import SuffixConfig  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.decode.suffix import SuffixConfig  # pylint: disable=import-outside-toplevel
   trainer = make_trainer(num_prompts=4, history=HistoryConfig(), suffix=SuffixConfig(depth=3))
   assert trainer.engine.uses_history and trainer.history is not None
   trainer.engine.precompile(calibrate=False)  # every permitted arm: the fixed tuner below
   trainer.precompile_update()
   # every segment speculative (the cost tuner may rightly find vanilla faster on this CPU)
-  from tlt_jax.rollout.tuner import TunerConfig, make_tuner  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.host.tuner import TunerConfig, make_tuner  # pylint: disable=import-outside-toplevel
   trainer.engine.set_tuner(make_tuner(TunerConfig(kind="fixed", fixed=((8, "suffix d3"),))))
   first, second = trainer.step(), trainer.step()
   assert first["history_hit_rate"] == 0.0 and second["history_hit_rate"] == 1.0

@@ -20,9 +20,9 @@ from tlt_jax.models.model_config import ModelConfig  # pylint: disable=wrong-imp
 from tlt_jax.models.drafter import Drafter  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.parallel import DataParallelRollout  # pylint: disable=wrong-import-position
-from tlt_jax.rollout.sampling import SamplingParams  # pylint: disable=wrong-import-position
-from tlt_jax.rollout.speculative import SpecConfig  # pylint: disable=wrong-import-position
-from tlt_jax.rollout.suffix import SuffixConfig  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.decode.sampling import SamplingParams  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.decode.speculative import SpecConfig  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.decode.suffix import SuffixConfig  # pylint: disable=wrong-import-position
 from tlt_jax.utils import compile_count  # pylint: disable=wrong-import-position
 
 assert jax.device_count() == 2, jax.devices()
@@ -196,7 +196,7 @@ print(f"spot trainer: {runs[0]['steps']} drafter steps on the idle device, preem
 # The default cost tuner across devices: vanilla's executables on every device first; the SD arms
 # in the background, timed on device 0 (here read from a table where they pay at bucket 1 alone)
 # and compiled and offered on every device at once; then nothing compiles.
-from tlt_jax.rollout.tuner import TunerConfig  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.host.tuner import TunerConfig  # pylint: disable=wrong-import-position
 from tlt_jax.utils import background_compile_count  # pylint: disable=wrong-import-position
 
 cfg = EngineConfig(**base, strategies=(SpecConfig(3, 1, 4),), verify="coupled",

@@ -12,11 +12,11 @@ from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
-from tlt_jax.rollout.scheduler import SETTLED_SEGMENTS, segment_lengths
-from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.tuner import TunerConfig, make_tuner
+from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.decode.sampling import SamplerArgs, SamplingParams
+from tlt_jax.rollout.host.scheduler import SETTLED_SEGMENTS, segment_lengths
+from tlt_jax.rollout.decode.speculative import SpecConfig
+from tlt_jax.rollout.host.tuner import TunerConfig, make_tuner
 
 STOPS = (3, 4, 5, 6)
 # Two trees of verify width 6 share one executable group; the chain is a group of its own.
@@ -399,7 +399,7 @@ def test_every_change_of_arm_is_a_switch_with_the_ngram_drafter_too(models):
 def test_the_tuner_is_charged_the_catch_up_of_its_segment(engines, monkeypatch):
   """A fake clock makes every timed span 1 s: a segment's reward is over 2 s when the drafter
   caught up before it (vanilla -> SD), else 1 s, so dropping switch_s from the reward fails."""
-  from tlt_jax.rollout import scheduler  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.host import scheduler  # pylint: disable=import-outside-toplevel
 
   clock = iter(range(10**9))
   monkeypatch.setattr(scheduler, "time", type("FakeTime", (), {

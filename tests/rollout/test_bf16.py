@@ -14,8 +14,8 @@ from tests.models.random_model import random_model
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.decode.speculative import SpecConfig
 
 VOCAB = 48
 CONFIG = ModelConfig.tiny(vocab_size=VOCAB)  # 2 layers, hidden 32, GQA 4/2, tied embeddings

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from tlt_jax.models.model_config import ModelConfig
-from tlt_jax.rollout.buckets import bucket_for
+from tlt_jax.rollout.host.buckets import bucket_for
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
+from tlt_jax.rollout.decode.sampling import SamplerArgs, SamplingParams
 from tests.helpers import sharp_random_model
 
 STOPS = (3, 4, 5, 6)  # frequent enough that rows of a random model stop at very different times

@@ -12,11 +12,11 @@ import pytest
 from tlt_jax.job.build import build_job
 from tlt_jax.job.rollout_config import ROLLOUT_FIELDS, build_engine_config, rollout_section
 from tlt_jax.job.typed_config import ConfigError, load_config_file
-from tlt_jax.rollout.engine_config import EngineConfig, parse_specs, resolve_engine_config
-from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.suffix import SuffixConfig
-from tlt_jax.rollout.tuner import TunerConfig
+from tlt_jax.rollout.host.engine_config import EngineConfig, parse_specs, resolve_engine_config
+from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.decode.speculative import SpecConfig
+from tlt_jax.rollout.decode.suffix import SuffixConfig
+from tlt_jax.rollout.host.tuner import TunerConfig
 from tlt_jax.utils import FieldError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 from tests import hf_fixtures  # pylint: disable=wrong-import-position
 from tlt_jax.models import hf  # pylint: disable=wrong-import-position
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine  # pylint: disable=wrong-import-position
-from tlt_jax.rollout.sampling import SamplingParams  # pylint: disable=wrong-import-position
+from tlt_jax.rollout.decode.sampling import SamplingParams  # pylint: disable=wrong-import-position
 
 NEW_TOKENS = 32
 

@@ -12,8 +12,8 @@ from tests.helpers import RoundRobin, sharp_random_model
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.decode.speculative import SpecConfig
 
 BASE = dict(max_batch=4, max_prompt_len=16, max_new_tokens=24, prefill_buckets=(16,))
 
@@ -102,7 +102,7 @@ def test_a_collected_fraction_is_drawn_afresh_for_each_seed():
 
 
 def test_mean_accept_len_is_none_without_a_speculative_step(engines):
-  from tlt_jax.rollout.tuner import TunerConfig, make_tuner  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.host.tuner import TunerConfig, make_tuner  # pylint: disable=import-outside-toplevel
   engine = engines["adaptive"]
   engine.set_tuner(make_tuner(TunerConfig(kind="fixed", fixed=((4, "vanilla"),))))
   try:

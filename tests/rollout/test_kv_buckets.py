@@ -12,9 +12,9 @@ from tests.helpers import mirror_drafter, sharp_random_model
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.decode.speculative import SpecConfig
 
 STOPS = {0.0: (3, 4), 1.0: (3,)}  # rows stop at very different lengths, some early
 BASE = dict(max_batch=2, max_prompt_len=16, max_new_tokens=72, prefill_buckets=(16,))

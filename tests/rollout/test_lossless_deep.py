@@ -22,8 +22,8 @@ from tlt_jax.drafter.warmup import warm_up_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.decode.speculative import SpecConfig
 
 VOCAB, PROMPT, HORIZON, SAMPLES = 8, [1, 5, 2], 6, 32768
 WIDTHS = (1, 2, 3)  # windows of adjacent positions tested: 6 + 5 + 4 = 15 per case

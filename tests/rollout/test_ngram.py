@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.rollout.ngram import NgramConfig, ngram_propose
+from tlt_jax.rollout.decode.ngram import NgramConfig, ngram_propose
 from tlt_jax.utils import compile_count
 
 
@@ -130,8 +130,8 @@ def test_the_engine_s_ngram_kind_drafts_from_a_row_s_siblings():
   """``kinds.NgramKind`` (what the engine's n-gram steps call) searches the rows of the decode
   state's prompt group: row 1 has only just started and drafts its sibling's continuation."""
   from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
-  from tlt_jax.rollout.kinds import KINDS, DrafterKind  # pylint: disable=import-outside-toplevel
-  from tlt_jax.rollout.speculative import SpecConfig  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.decode.kinds import KINDS, DrafterKind  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.decode.speculative import SpecConfig  # pylint: disable=import-outside-toplevel
   state = SimpleNamespace(
       prompt_tokens=jnp.array([[5, 6, 0], [5, 6, 0]], jnp.int32),
       prompt_lens=jnp.array([2, 2], jnp.int32),

@@ -12,11 +12,11 @@ import pytest
 from tests.helpers import mirror_drafter, sharp_random_model
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.offers import CHUNK, SdOffers, offered_buckets, paying, pays
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.scheduler import Strategy
-from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.tuner import TunerConfig, accepted_length, make_tuner
+from tlt_jax.rollout.host.offers import CHUNK, SdOffers, offered_buckets, paying, pays
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.host.scheduler import Strategy
+from tlt_jax.rollout.decode.speculative import SpecConfig
+from tlt_jax.rollout.host.tuner import TunerConfig, accepted_length, make_tuner
 from tlt_jax.utils import FieldError, background_compile_count, compile_count
 
 VANILLA = Strategy("vanilla", "vanilla", 0, None)

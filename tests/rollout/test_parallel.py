@@ -24,7 +24,7 @@ def test_one_device_is_the_plain_engine():
   from tlt_jax.models.model_config import ModelConfig
   from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
   from tlt_jax.rollout.parallel import DataParallelRollout
-  from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.decode.sampling import SamplingParams
   target = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=2)
   cfg = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=12, prefill_buckets=(8,))
   params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
@@ -43,7 +43,7 @@ def test_a_fresh_shared_tuner_keeps_the_calibrated_step_costs():
   from tests.helpers import sharp_random_model  # pylint: disable=import-outside-toplevel
   from tlt_jax.models.model_config import ModelConfig  # pylint: disable=import-outside-toplevel
   from tlt_jax.rollout.engine import EngineConfig  # pylint: disable=import-outside-toplevel
-  from tlt_jax.rollout.ngram import NgramConfig  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.decode.ngram import NgramConfig  # pylint: disable=import-outside-toplevel
   from tlt_jax.rollout.parallel import DataParallelRollout  # pylint: disable=import-outside-toplevel
   target = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=2)
   dp = DataParallelRollout(target, NgramConfig(depth=3), EngineConfig(
@@ -74,7 +74,7 @@ def test_the_shared_tuner_reads_under_its_lock_too():
   """Every call through LockedTuner waits for the lock (summary and speeds read what another
   thread's plan/update is writing: in CI a summary once met a bucket's predictions half built)."""
   from tlt_jax.rollout.parallel import LockedTuner  # pylint: disable=import-outside-toplevel
-  from tlt_jax.rollout.tuner import (  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.host.tuner import (  # pylint: disable=import-outside-toplevel
       Arm, TunerConfig, make_tuner)
   shared = LockedTuner(make_tuner(TunerConfig()))
   shared.plan(2, [Arm("vanilla"), Arm("chain d3", 3)])
@@ -110,7 +110,7 @@ def test_every_forwarded_tuner_call_holds_the_lock():
   tuner with the lock held (a forward that skipped it, or a method that reached the tuner some
   other way, fails here)."""
   from tlt_jax.rollout.parallel import LockedTuner  # pylint: disable=import-outside-toplevel
-  from tlt_jax.rollout.tuner import (  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.host.tuner import (  # pylint: disable=import-outside-toplevel
       BegMab, CostModel, FixedMapping, Ucb1)
   public = {name for cls in (CostModel, BegMab, Ucb1, FixedMapping) for name in dir(cls)
             if not name.startswith("_") and callable(getattr(cls, name))}

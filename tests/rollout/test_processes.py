@@ -12,8 +12,8 @@ from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.rollout import processes
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.processes import ProcessShardedRollout, process_rows
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.stats import rollout_metrics
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.host.stats import rollout_metrics
 
 PROMPTS = [[7, 8, 9], [10, 11], [12, 13, 14, 15], [16], [17, 18]]
 

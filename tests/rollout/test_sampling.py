@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams, filtered_logprobs, row_keys, \
+from tlt_jax.rollout.decode.sampling import SamplerArgs, SamplingParams, filtered_logprobs, row_keys, \
     sample_tokens
 
 

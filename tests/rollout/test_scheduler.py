@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tlt_jax.rollout.scheduler import (ChunkResult, ChunkRun, Request, critical_length,
+from tlt_jax.rollout.host.scheduler import (ChunkResult, ChunkRun, Request, critical_length,
                                       prefill_inputs)
-from tlt_jax.rollout.stats import ArmTally
+from tlt_jax.rollout.host.stats import ArmTally
 
 
 def test_prefill_inputs_give_rows_their_request_ids_and_equal_prompts_one_group():

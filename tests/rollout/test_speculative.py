@@ -13,9 +13,9 @@ from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.sampling import SamplingParams, filtered_logprobs
-from tlt_jax.rollout.speculative import Draft, SpecConfig, tree_attention
+from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.decode.sampling import SamplingParams, filtered_logprobs
+from tlt_jax.rollout.decode.speculative import Draft, SpecConfig, tree_attention
 
 STOPS = (3, 4, 5, 6)
 GREEDY_BATCHES = ([5], [3, 12, 7], [9, 2, 14, 5, 7, 1, 11])  # 1, 3 and 7 rows of varied lengths

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tlt_jax.rollout.stats import ArmTally, RolloutStats, rollout_metrics, saved_seconds
+from tlt_jax.rollout.host.stats import ArmTally, RolloutStats, rollout_metrics, saved_seconds
 
 
 def tally(seconds, steps, tokens, row_steps, critical=0) -> ArmTally:
@@ -51,7 +51,7 @@ def test_arm_totals_sum_each_arm_over_its_buckets():
 
 
 def test_last_seconds_count_the_segments_with_at_most_an_eighth_of_the_rows_live():
-  from tlt_jax.rollout.stats import last_seconds, tail_seconds  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.host.stats import last_seconds, tail_seconds  # pylint: disable=import-outside-toplevel
   segments = [(64, 10, 1.0, "vanilla"), (32, 5, 0.5, "vanilla"), (16, 5, 0.25, "vanilla"),
               (8, 5, 0.125, "chain d3"), (4, 5, 0.0625, "vanilla"), (1, 40, 2.0, "chain d3")]
   assert last_seconds(segments) == 0.125 + 0.0625 + 2.0
@@ -60,7 +60,7 @@ def test_last_seconds_count_the_segments_with_at_most_an_eighth_of_the_rows_live
 
 
 def test_the_run_s_arm_shares_weigh_each_step_by_its_decode_steps():
-  from tlt_jax.rollout.stats import run_sd_summary  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout.host.stats import run_sd_summary  # pylint: disable=import-outside-toplevel
   history = [{"sd_switches": 0, "arm_share/vanilla": 1.0, "decode_steps": 300},
              {"sd_switches": 2, "arm_share/vanilla": 0.0, "arm_share/chain_d3": 1.0,
               "decode_steps": 100},

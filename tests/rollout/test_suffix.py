@@ -11,10 +11,10 @@ from tests.helpers import mirror_drafter, sharp_random_model
 from tests.stats import exact_logprobs, exact_sequences, padded, prefix_logits, window_pvalues
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.ngram import contexts
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.suffix import NO_DRAFT, SOURCES, SuffixConfig, pack_history, suffix_draft
+from tlt_jax.rollout.decode.ngram import contexts
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.decode.speculative import SpecConfig
+from tlt_jax.rollout.decode.suffix import NO_DRAFT, SOURCES, SuffixConfig, pack_history, suffix_draft
 from tlt_jax.utils import FieldError
 
 PRIORITY = {"history": 3, "group": 2, "self": 1, "prompt": 0}

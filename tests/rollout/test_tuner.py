@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import choose
-from tlt_jax.rollout.tuner import (Arm, BegMab, CostModel, FixedMapping, TunerConfig, Ucb1,
+from tlt_jax.rollout.host.tuner import (Arm, BegMab, CostModel, FixedMapping, TunerConfig, Ucb1,
                                     LONG_SEGMENT, acceptance_from_length, accepted_length,
                                     make_tuner)
 

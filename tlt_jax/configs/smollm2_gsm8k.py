@@ -18,7 +18,7 @@ from tlt_jax.job.rollout_config import rollout_section, suffix_section
 from tlt_jax.job.typed_config import dataclass_section
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rl.sft import SFTConfig
-from tlt_jax.rollout.history import HistoryConfig
+from tlt_jax.rollout.host.history import HistoryConfig
 
 
 def smollm2_default_path() -> str:

@@ -17,11 +17,11 @@ from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.drafter.online import DrafterTrainingConfig
-from tlt_jax.rollout.engine_config import EngineConfig, resolve_engine_config
-from tlt_jax.rollout.kinds import DrafterKind
-from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.suffix import SuffixConfig
-from tlt_jax.rollout.tuner import TunerConfig
+from tlt_jax.rollout.host.engine_config import EngineConfig, resolve_engine_config
+from tlt_jax.rollout.decode.kinds import DrafterKind
+from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.decode.suffix import SuffixConfig
+from tlt_jax.rollout.host.tuner import TunerConfig
 from tlt_jax.utils import FieldError
 
 

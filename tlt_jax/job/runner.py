@@ -34,8 +34,8 @@ from tlt_jax.rl.sft import warm_start
 from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, check_update_layout
 from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.update import NonFiniteUpdateError
-from tlt_jax.rollout import history as history_lib
-from tlt_jax.rollout.stats import arm_line, run_sd_summary
+from tlt_jax.rollout.host import history as history_lib
+from tlt_jax.rollout.host.stats import arm_line, run_sd_summary
 from tlt_jax.utils import progress_bar
 
 

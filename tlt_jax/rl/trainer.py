@@ -11,7 +11,7 @@ policy-gradient steps per epoch. The rooms it calls on:
   state and ahead-of-time compiled update steps (``PolicyUpdate``);
 * ``drafter/online.py`` is the adaptive drafter's part of the step (its buffer, spot and serial
   training, its checkpoint), present when the drafter trains online;
-* ``rollout/history.py`` keeps the earlier completions of every prompt for a suffix drafter to
+* ``rollout/host/history.py`` keeps the earlier completions of every prompt for a suffix drafter to
   draft from (``Rollout.uses_history``), saved with the checkpoint.
 """
 
@@ -38,12 +38,12 @@ from tlt_jax.rl.packing import UPDATE_BUCKET_MIN, padded_batch
 from tlt_jax.rl.tasks import EpochSchedule, Problem, chat_prompt
 from tlt_jax.rl.update import PolicyUpdate
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.history import HistoryConfig, HistoryStore, prompt_key
+from tlt_jax.rollout.host.history import HistoryConfig, HistoryStore, prompt_key
 from tlt_jax.rollout.parallel import DataParallelRollout
 from tlt_jax.rollout.processes import ProcessShardedRollout
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.stats import rollout_metrics
-from tlt_jax.rollout.suffix import SuffixConfig
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.host.stats import rollout_metrics
+from tlt_jax.rollout.decode.suffix import SuffixConfig
 from tlt_jax.utils import FieldError, require_positive_ints
 
 TUNER_KEY = "tuner"  # checkpoint metadata: the adaptive rollout tuner's state_dict()

@@ -7,11 +7,11 @@ The names most code needs are importable from here::
 """
 
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
-from tlt_jax.rollout.ngram import NgramConfig
+from tlt_jax.rollout.decode.ngram import NgramConfig
 from tlt_jax.rollout.parallel import DataParallelRollout
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.tuner import TunerConfig
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.decode.speculative import SpecConfig
+from tlt_jax.rollout.host.tuner import TunerConfig
 
 __all__ = ["DataParallelRollout", "EngineConfig", "NgramConfig", "RolloutEngine", "RolloutResult",
            "SamplingParams", "SpecConfig", "TunerConfig"]

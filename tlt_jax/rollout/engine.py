@@ -36,20 +36,20 @@ from flax import nnx
 from tlt_jax.aot import SharedPrograms
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
-from tlt_jax.rollout.engine_config import EngineConfig, resolve_engine_config
-from tlt_jax.rollout.kinds import DrafterKind
+from tlt_jax.rollout.host.engine_config import EngineConfig, resolve_engine_config
+from tlt_jax.rollout.decode.kinds import DrafterKind
 from tlt_jax.rollout.interface import Rollout, check_prompts, collect_mask, is_integer, on_device
-from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.offers import SdOffers
-from tlt_jax.rollout.pool import ExecutablePool
-from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
-from tlt_jax.rollout.scheduler import (ChunkResult, Request, Scheduler, Strategy,
+from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.host.offers import SdOffers
+from tlt_jax.rollout.host.pool import ExecutablePool
+from tlt_jax.rollout.decode.sampling import SamplerArgs, SamplingParams
+from tlt_jax.rollout.host.scheduler import (ChunkResult, Request, Scheduler, Strategy,
                                       segment_lengths)
-from tlt_jax.rollout.stats import (RolloutStats, last_seconds, mean_accept_len, saved_seconds,
+from tlt_jax.rollout.host.stats import (RolloutStats, last_seconds, mean_accept_len, saved_seconds,
                                   tail_seconds)
-from tlt_jax.rollout.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
-from tlt_jax.rollout.suffix import SuffixConfig
-from tlt_jax.rollout.tuner import Tuner, make_tuner
+from tlt_jax.rollout.decode.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
+from tlt_jax.rollout.decode.suffix import SuffixConfig
+from tlt_jax.rollout.host.tuner import Tuner, make_tuner
 from tlt_jax.utils import compile_count
 
 __all__ = ["DecodeState", "EngineConfig", "RolloutEngine", "RolloutResult"]

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tlt_jax.rollout.kinds import DrafterKind
-from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.decode.kinds import DrafterKind
+from tlt_jax.rollout.decode.sampling import SamplingParams
 
 
 def on_device(tree, device):

@@ -35,17 +35,17 @@ from flax import nnx
 from tlt_jax.aot import SharedPrograms
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
-from tlt_jax.rollout import buckets as bk
+from tlt_jax.rollout.host import buckets as bk
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
-from tlt_jax.rollout.engine_config import resolve_engine_config
+from tlt_jax.rollout.host.engine_config import resolve_engine_config
 from tlt_jax.rollout.interface import Rollout
-from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.offers import SdOffers
-from tlt_jax.rollout.scheduler import segment_lengths
-from tlt_jax.rollout.suffix import SuffixConfig
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.stats import DeviceStats, RolloutStats
-from tlt_jax.rollout.tuner import Tuner, TunerConfig, make_tuner
+from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.host.offers import SdOffers
+from tlt_jax.rollout.host.scheduler import segment_lengths
+from tlt_jax.rollout.decode.suffix import SuffixConfig
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.host.stats import DeviceStats, RolloutStats
+from tlt_jax.rollout.host.tuner import Tuner, TunerConfig, make_tuner
 from tlt_jax.utils import compile_count, in_background, mark_background
 
 __all__ = ["DataParallelRollout", "LockedTuner", "shard_config", "shard_ranges"]

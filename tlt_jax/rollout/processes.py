@@ -26,8 +26,8 @@ from tlt_jax import hosts
 from tlt_jax.rollout.engine import RolloutResult
 from tlt_jax.rollout.interface import Rollout
 from tlt_jax.rollout.parallel import shard_ranges
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.stats import DeviceStats, RolloutStats
+from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout.host.stats import DeviceStats, RolloutStats
 
 __all__ = ["ProcessShardedRollout", "process_rows"]
 

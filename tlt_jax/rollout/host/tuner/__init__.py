@@ -16,10 +16,10 @@ speedup. The rooms:
 
 from __future__ import annotations
 
-from tlt_jax.rollout.tuner.bandits import BegMab, FixedMapping, Ucb1
-from tlt_jax.rollout.tuner.base import LONG_SEGMENT, STATE_VERSION, Arm, Decision, Tuner
-from tlt_jax.rollout.tuner.config import KINDS, TunerConfig, fixed_arm
-from tlt_jax.rollout.tuner.cost import CostModel, acceptance_from_length, accepted_length
+from tlt_jax.rollout.host.tuner.bandits import BegMab, FixedMapping, Ucb1
+from tlt_jax.rollout.host.tuner.base import LONG_SEGMENT, STATE_VERSION, Arm, Decision, Tuner
+from tlt_jax.rollout.host.tuner.config import KINDS, TunerConfig, fixed_arm
+from tlt_jax.rollout.host.tuner.cost import CostModel, acceptance_from_length, accepted_length
 
 __all__ = ["Arm", "BegMab", "CostModel", "Decision", "FixedMapping", "KINDS", "LONG_SEGMENT",
            "STATE_VERSION", "Tuner", "TunerConfig", "Ucb1", "acceptance_from_length",

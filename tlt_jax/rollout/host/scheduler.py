@@ -21,13 +21,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from tlt_jax.rollout import buckets as bk
-from tlt_jax.rollout.kinds import DrafterKind
-from tlt_jax.rollout.pool import ExecutablePool
-from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.stats import RolloutStats
-from tlt_jax.rollout.suffix import pack_history
-from tlt_jax.rollout.tuner import Arm, Tuner
+from tlt_jax.rollout.host import buckets as bk
+from tlt_jax.rollout.decode.kinds import DrafterKind
+from tlt_jax.rollout.host.pool import ExecutablePool
+from tlt_jax.rollout.decode.speculative import SpecConfig
+from tlt_jax.rollout.host.stats import RolloutStats
+from tlt_jax.rollout.decode.suffix import pack_history
+from tlt_jax.rollout.host.tuner import Arm, Tuner
 
 
 SETTLED_SEGMENTS = 8  # a settled bucket's segments: this many times EngineConfig.segment_steps

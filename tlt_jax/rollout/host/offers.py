@@ -27,7 +27,7 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
-from tlt_jax.rollout.tuner.cost import accepted_length
+from tlt_jax.rollout.host.tuner.cost import accepted_length
 from tlt_jax.utils import mark_background
 
 

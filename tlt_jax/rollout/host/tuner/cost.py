@@ -17,10 +17,10 @@ from __future__ import annotations
 import collections
 import statistics
 
-from tlt_jax.rollout.tuner.base import (LONG_SEGMENT, BucketStats, Decision, Tuner, check_bucket,
+from tlt_jax.rollout.host.tuner.base import (LONG_SEGMENT, BucketStats, Decision, Tuner, check_bucket,
                                         check_drafter)
-from tlt_jax.rollout.kinds import DrafterKind
-from tlt_jax.rollout.tuner.config import TunerConfig
+from tlt_jax.rollout.decode.kinds import DrafterKind
+from tlt_jax.rollout.host.tuner.config import TunerConfig
 
 
 def accepted_length(alpha: float, depth: int, topk: int = 1) -> float:

@@ -27,13 +27,12 @@ from flax import nnx
 from jax import lax
 
 from tlt_jax.models.transformer import KVCache
-from tlt_jax.rollout import speculative as sd
-from tlt_jax.rollout.kinds import KINDS, DrafterKind, kind_of
-from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.sampling import SamplerArgs, filtered_logprobs, row_keys, sample_tokens
-from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.stats import DRAFT_SOURCES
-from tlt_jax.rollout.suffix import SuffixConfig
+from tlt_jax.rollout.decode import speculative as sd
+from tlt_jax.rollout.decode.kinds import KINDS, DrafterKind, kind_of
+from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.decode.sampling import SamplerArgs, filtered_logprobs, row_keys, sample_tokens
+from tlt_jax.rollout.decode.speculative import DRAFT_SOURCES, SpecConfig
+from tlt_jax.rollout.decode.suffix import SuffixConfig
 
 
 @jax.tree_util.register_dataclass

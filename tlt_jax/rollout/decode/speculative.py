@@ -58,8 +58,14 @@ from jax import lax
 
 from tlt_jax.models.drafter import Drafter, spread_to_vocab
 from tlt_jax.models.transformer import KVCache, Transformer
-from tlt_jax.rollout.sampling import SamplerArgs, filtered_logprobs, gumbel_noise, row_keys
+from tlt_jax.rollout.decode.sampling import SamplerArgs, filtered_logprobs, gumbel_noise, row_keys
 from tlt_jax.utils import require_positive_ints
+
+# Where the tokens a speculative step emitted were drafted from (the engine's counters
+# ``source_steps`` / ``source_tokens`` are indexed like this): the suffix drafter's four sources
+# and its "none" (nothing matched: the step emitted the bonus alone), the learned drafter, the
+# n-gram drafter.
+DRAFT_SOURCES = ("history", "group", "prompt", "self", "none", "learned", "ngram")
 
 # Tags folded into a row's position key, one independent stream per use.
 _DRAFT, _ACCEPT, _BONUS = 1, 2, 3

@@ -16,13 +16,13 @@ from typing import Callable
 
 import numpy as np
 
-from tlt_jax.rollout import buckets as bk
-from tlt_jax.rollout.kinds import DrafterKind
-from tlt_jax.rollout.ngram import NgramConfig
-from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.steps import strategy_name
-from tlt_jax.rollout.suffix import SuffixConfig, check_suffix_spec
-from tlt_jax.rollout.tuner import TunerConfig, fixed_arm
+from tlt_jax.rollout.host import buckets as bk
+from tlt_jax.rollout.decode.kinds import DrafterKind
+from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.decode.speculative import SpecConfig
+from tlt_jax.rollout.decode.steps import strategy_name
+from tlt_jax.rollout.decode.suffix import SuffixConfig, check_suffix_spec
+from tlt_jax.rollout.host.tuner import TunerConfig, fixed_arm
 from tlt_jax.utils import FieldError, require_positive_ints
 
 __all__ = ["EngineConfig", "VERIFY_MODES", "parse_spec", "parse_specs", "resolve_engine_config"]

@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tlt_jax.rollout import speculative as sd
-from tlt_jax.rollout import suffix as sfx
-from tlt_jax.rollout.ngram import contexts, ngram_propose
-from tlt_jax.rollout.speculative import SpecConfig
-from tlt_jax.rollout.stats import DRAFT_SOURCES
+from tlt_jax.rollout.decode import speculative as sd
+from tlt_jax.rollout.decode import suffix as sfx
+from tlt_jax.rollout.decode.ngram import contexts, ngram_propose
+from tlt_jax.rollout.decode.speculative import DRAFT_SOURCES, SpecConfig
 
 
 class DrafterKind(enum.StrEnum):

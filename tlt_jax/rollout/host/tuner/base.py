@@ -30,8 +30,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tlt_jax.rollout.kinds import DrafterKind
-from tlt_jax.rollout.tuner.config import TunerConfig
+from tlt_jax.rollout.decode.kinds import DrafterKind
+from tlt_jax.rollout.host.tuner.config import TunerConfig
 from tlt_jax.utils import require_positive_ints
 
 _SUMMARY_BEST = "best"  # the summary's per-bucket key for the best arm; no arm may use this name

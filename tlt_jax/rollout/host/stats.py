@@ -17,11 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-# Where the tokens a speculative step emitted were drafted from (the engine's counters
-# ``source_steps`` / ``source_tokens`` are indexed like this): the suffix drafter's four sources
-# and its "none" (nothing matched: the step emitted the bonus alone), the learned drafter, the
-# n-gram drafter.
-DRAFT_SOURCES = ("history", "group", "prompt", "self", "none", "learned", "ngram")
+from tlt_jax.rollout.decode.speculative import DRAFT_SOURCES
 
 
 @dataclasses.dataclass
@@ -114,7 +110,7 @@ class RolloutStats:
   last_s: float = 0.0  # ``last_seconds``: while at most an eighth of the rows were live
   accept_hist: Any = None  # a counter array while decoding, a list once finished
   mean_accept_len: float | None = None
-  # per draft source (``steps.DRAFT_SOURCES``: history, group, prompt, self, none, learned,
+  # per draft source (``speculative.DRAFT_SOURCES``: history, group, prompt, self, none, learned,
   # ngram): speculative row-steps whose accepted path it drafted, and the tokens they emitted
   source_steps: dict[str, int] = dataclasses.field(default_factory=dict)
   source_tokens: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.aot import AotCache, SharedPrograms
-from tlt_jax.rollout import buckets as bk
-from tlt_jax.rollout.sampling import SamplerArgs, SamplingParams
-from tlt_jax.rollout.steps import StepFunctions
+from tlt_jax.rollout.host import buckets as bk
+from tlt_jax.rollout.decode.sampling import SamplerArgs, SamplingParams
+from tlt_jax.rollout.decode.steps import StepFunctions
 
 
 class ExecutablePool:

@@ -26,8 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
-from tlt_jax.rollout.tuner.base import BucketStats, Decision, Tuner
-from tlt_jax.rollout.tuner.config import TunerConfig, fixed_arm
+from tlt_jax.rollout.host.tuner.base import BucketStats, Decision, Tuner
+from tlt_jax.rollout.host.tuner.config import TunerConfig, fixed_arm
 
 
 def _jsonable(value):

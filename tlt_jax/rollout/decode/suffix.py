@@ -49,10 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.rollout import speculative as sd
-from tlt_jax.rollout.ngram import shift
-from tlt_jax.rollout.speculative import Draft, SpecConfig
-from tlt_jax.rollout.stats import DRAFT_SOURCES
+from tlt_jax.rollout.decode import speculative as sd
+from tlt_jax.rollout.decode.ngram import shift
+from tlt_jax.rollout.decode.speculative import DRAFT_SOURCES, Draft, SpecConfig
 from tlt_jax.utils import require_positive_ints
 
 SOURCES = DRAFT_SOURCES[:4]  # where a suffix draft was copied from: history, group, prompt, self
