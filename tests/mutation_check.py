@@ -300,21 +300,21 @@ MUTANTS = [
            ("tests/drafter/test_spot_rounds.py", "-k", "four_devices"),
            "a round of several devices updates the params but not the step count"),
     Mutant("spot_idle_devices_never_join_a_round", "tlt_jax/drafter/online.py",
-           "team = [idle_now[leader[0]]] + [idle_now[j] for j in sorted(idle_now) "
-           "if j != leader[0]]",
-           "team = [idle_now[leader[0]]]",
+           "team = [self.idle_now[leader]] + [self.idle_now[j] for j in sorted(self.idle_now)\n"
+           "                                        if j != leader]",
+           "team = [self.idle_now[leader]]",
            ("tests/drafter/test_spot_rounds.py", "-k", "four_devices"),
-           "only the first idle device trains; the others' hooks wait (one device at a time)"),
+           "only the first idle device trains; the others' idle waits (one device at a time)"),
     Mutant("spot_rounds_not_precompiled", "tlt_jax/drafter/online.py",
            "slots=len(engine.devices) if spot else None)",
            "slots=None)",
            ("tests/drafter/test_spot_rounds.py", "-k", "four_devices"),
            "precompile_on compiles no gradient/apply step: the first round compiles in the tail"),
     Mutant("spot_full_rounds_keep_devices_waiting", "tlt_jax/drafter/online.py",
-           "          return None  # the rounds are full: this device can never take part",
-           "          pass",
+           "        return None  # the rounds are full: this device can never take part",
+           "        pass",
            ("tests/drafter/test_spot_rounds.py", "-k", "four_devices"),
-           "with spot_devices reached, a device going idle still waits in its hook (its idle "
+           "with spot_devices reached, a device going idle still waits in its idle (its idle "
            "time counted as used)"),
     # the first hour of a user: resume, signals, checks before work, loading (issue 19)
     Mutant("drafter_saves_kept_on_resume", "tlt_jax/job/runner.py",
@@ -909,9 +909,10 @@ MUTANTS = [
            "vanilla's segments past its own reach are compiled for the smaller buckets only: a "
            "switch back to vanilla there compiles mid-rollout"),
     Mutant("process_shard_done_gets_local_rows", "tlt_jax/rollout/processes.py",
-           "shard_done(k, rows.start + first, r)", "shard_done(k, first, r)",
+           "self.work.shard_done(device_index, self.start + first_row, result)",
+           "self.work.shard_done(device_index, first_row, result)",
            ("tests/rollout/test_processes.py",),
-           "shard_done on process 1 gets its shard's local first row, not the request's"),
+           "idle_work.shard_done on process 1 gets its shard's local first row, not the request's"),
     Mutant("top_p_zero_accepted", "tlt_jax/rollout/decode/sampling.py",
            "if not 0 < self.top_p <= 1:", "if not 0 <= self.top_p <= 1:",
            ("tests/rollout/test_sampling.py",),
@@ -970,7 +971,8 @@ MUTANTS = [
            "a resumed cost tuner forgets the top-1 of its measurements' versions: they are no "
            "longer shifted by how much the drafter improved"),
     Mutant("engine_shard_done_reports_row_offset", "tlt_jax/rollout/engine.py",
-           "      shard_done(0, 0, result)  #", "      shard_done(0, int(row_offset), result)  #",
+           "      idle_work.shard_done(0, 0, result)  #",
+           "      idle_work.shard_done(0, int(row_offset), result)  #",
            ("tests/rollout/test_processes.py", "-k", "shard_done"),
            "a one-device engine reports its row_offset as the shard's first row, so a process "
            "adds its offset twice (the bug this audit found)"),

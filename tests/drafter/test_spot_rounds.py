@@ -134,16 +134,16 @@ def online_drafter(target, samples) -> OnlineDrafter:
 
 
 def tail(online, engine, late: tuple[int, ...], rounds_before: int, rounds_after: int):
-  """A rollout's tail played out on the hooks: device 0 goes idle first, the ``late`` devices
+  """A rollout's tail played out on the drafter's ``idle_work``: device 0 goes idle first, the ``late`` devices
   after ``rounds_before`` rounds, and the last busy device finishes ``rounds_after`` rounds
   later (the stop)."""
-  _, idle = online.hooks(1, [], engine)
+  work = online.idle_work(1, [], engine)
   stop, returned = threading.Event(), {}
 
   waited = {}
 
   def device(k):
-    returned[k] = idle(k, stop)
+    returned[k] = work.idle(k, stop)
     waited[k] = stop.is_set()  # returned only once the rollout was done
 
   def wait_for(steps):

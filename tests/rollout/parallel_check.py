@@ -114,6 +114,11 @@ def idle(k, stop):
 busy_done = threading.Event()  # set by the idle device after 5 steps
 
 
+class Work:  # an ``IdleWork`` (rollout/interface.py) made of two functions
+  def __init__(self, shard_done, idle):
+    self.shard_done, self.idle = shard_done, idle
+
+
 def shard_done(k, first, result):
   # holds device 0's shard open until the idle device has worked (the rollout itself takes a few
   # milliseconds here): the idle hook must have been running while a shard was still open
@@ -122,7 +127,7 @@ def shard_done(k, first, result):
 
 
 compiles = compile_count()
-out = dp.generate(prompts[:1], params, idle=idle, shard_done=shard_done)
+out = dp.generate(prompts[:1], params, idle_work=Work(shard_done, idle))
 assert compile_count() == compiles, "warmed up: the rollout compiled nothing"
 assert shard_seen == [(0, 0, 1)], shard_seen
 assert steps_during.get(1, 0) >= 5 and 0 not in steps_during, steps_during
@@ -147,13 +152,13 @@ def idle_until(k, stop):
   stopped.set()
 
 try:
-  dp.generate(prompts[:1], params, idle=idle_until, shard_done=bad_shard_done)
+  dp.generate(prompts[:1], params, idle_work=Work(bad_shard_done, idle_until))
   raise AssertionError("the shard's error was swallowed")
 except RuntimeError as e:
   assert "failed" in str(e), e
 assert stopped.is_set()
 # The spot trainer end to end: device 1 has no rows, so it trains the drafter (the trainer's
-# hooks, a real SpotTrainer) while device 0 decodes; device 0's shard is held open until the
+# ``idle_work``, a real SpotTrainer) while device 0 decodes; device 0's shard is held open until the
 # drafter has taken 3 steps there, then the stop preempts the run at a step boundary.
 import time  # pylint: disable=wrong-import-position,wrong-import-order
 from flax import nnx  # pylint: disable=wrong-import-position,wrong-import-order
@@ -164,17 +169,18 @@ dp = dps["adaptive coupled sampled"]
 online = OnlineDrafter(drafter, nnx.split(target)[0], DrafterTrainingConfig(rows=2, seq_len=16))
 params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=7, stop_token_ids=())
 online.add(0, prompts, dp.generate(prompts, params, collect_hidden=True))  # the previous step
-shard_done, idle = online.hooks(1, prompts[:1], dp)
+spot_work = online.idle_work(1, prompts[:1], dp)
 
 
 def held_open(k, first_row, result):
-  shard_done(k, first_row, result)
+  spot_work.shard_done(k, first_row, result)
   deadline = time.time() + 120
   while online.spot.steps < 3 and time.time() < deadline:
     time.sleep(0.01)
 
 
-out = dp.generate(prompts[:1], params, collect_hidden=True, shard_done=held_open, idle=idle)
+out = dp.generate(prompts[:1], params, collect_hidden=True,
+                  idle_work=Work(held_open, spot_work.idle))
 runs = online.spot_runs()
 assert len(runs) == 1 and runs[0]["device"] == 1 and runs[0]["preempted"], runs
 assert runs[0]["steps"] >= 3 and online.spot.steps == runs[0]["steps"], runs
@@ -258,8 +264,8 @@ def slow_idle(k, stop):
 
 params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=9, stop_token_ids=())
 try:
-  dp.generate(prompts[:1], params, interrupt_on_first_segment, idle=slow_idle,
-              shard_done=lambda *a: completed.append(a))
+  dp.generate(prompts[:1], params, interrupt_on_first_segment,
+              idle_work=Work(lambda *a: completed.append(a), slow_idle))
   raise AssertionError("the interrupt was swallowed")
 except KeyboardInterrupt:
   alive = [t for t in threading.enumerate() if t is not threading.main_thread()]

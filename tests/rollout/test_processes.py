@@ -64,15 +64,22 @@ def test_process_1_decodes_its_rows_with_their_keys_and_gets_every_row(engine, m
 
 
 def test_shard_done_gets_the_shard_s_first_row_in_the_whole_request(engine, monkeypatch):
-  """Process 1 of 2 decodes rows 3 and 4 on its one device: its hook is told row 3 (the drafter's
+  """Process 1 of 2 decodes rows 3 and 4 on its one device: its ``idle_work.shard_done`` is told row 3 (the drafter's
   buffer looks the rows' prompts up by it), not its shard's local 0 nor 3 counted twice."""
   params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)
   part = engine.generate(PROMPTS[:3], params)
   as_process(monkeypatch, 1, 2, {"rollout": {0: (part.tokens, part.logprobs,
                                                  part.finish_reasons, part.stats)}})
   done = []
-  out = ProcessShardedRollout(engine).generate(
-      PROMPTS, params, shard_done=lambda k, first, result: done.append((k, first, result.tokens)))
+
+  class Recorded:  # an IdleWork that records each finished shard
+    def shard_done(self, k, first, result):
+      done.append((k, first, result.tokens))
+
+    def idle(self, k, stop):
+      raise AssertionError("one device is never idle while another decodes")
+
+  out = ProcessShardedRollout(engine).generate(PROMPTS, params, idle_work=Recorded())
   assert [(k, first) for k, first, _ in done] == [(0, 3)]
   assert done[0][2] == out.tokens[3:]
 

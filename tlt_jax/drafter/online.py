@@ -113,7 +113,7 @@ class DrafterTrainingConfig:
 
 
 class OnlineDrafter:
-  """Owns the drafter's buffer and spot trainer, and the hooks the rollout calls."""
+  """Owns the drafter's buffer and spot trainer, and the ``IdleWork`` the rollout runs."""
 
   def __init__(self, drafter: Drafter, target_graphdef: nnx.GraphDef,
                config: DrafterTrainingConfig = DrafterTrainingConfig()):
@@ -140,7 +140,7 @@ class OnlineDrafter:
     self._copy_s = 0.0  # seconds of the latest copy of the weights to the engines
     self._saved_steps: int | None = None  # optimizer steps at the latest selective save
 
-  # ---- the rollout's hooks -----------------------------------------------------------------------
+  # ---- the rollout's idle work -------------------------------------------------------------------
   def collect_fraction(self) -> float | bool:
     return True if self.config.collect >= 1.0 else float(self.config.collect)
 
@@ -162,47 +162,12 @@ class OnlineDrafter:
                       [prompt_lens[i] for i in order])
     return len(tokens)
 
-  def hooks(self, step: int, prompts, engine):
-    """``shard_done`` and ``idle`` for a ``DataParallelRollout.generate`` of RL step ``step``.
-
-    The first device to go idle leads: it runs ``SpotTrainer.run_rounds`` homed on itself until
-    the rollout's ``stop``; every device idle at a round's start (at most ``spot_devices`` of
-    them, the leader first) takes part in it. The others' hooks wait for ``stop`` (their device
-    is handed to the rounds meanwhile) and return None; once ``spot_devices`` devices are idle,
-    a device going idle later returns at once."""
-    self._spot_runs = []
-    lock = threading.Lock()
-    idle_now: dict[int, tuple] = {}  # device index -> (index, device, target params)
-    leader: list[int] = []
-
-    def shard_done(k, first_row, result):
-      self.add(step, prompts, result, first_row)
-
-    def members():
-      with lock:
-        team = [idle_now[leader[0]]] + [idle_now[j] for j in sorted(idle_now) if j != leader[0]]
-      return team[:self.spot_devices] if self.spot_devices is not None else team
-
-    def idle(k, stop):
-      if not self.config.spot or self.buffer.num_samples == 0:
-        return None
-      with lock:
-        if leader and self.spot_devices is not None and len(idle_now) >= self.spot_devices:
-          return None  # the rounds are full: this device can never take part
-        idle_now[k] = (k, engine.devices[k], engine.target_params(k))
-        leads = not leader
-        if leads:
-          leader.append(k)
-      if not leads:
-        stop.wait()  # this device trains in the leader's rounds until the rollout is done
-        return None
-      out = self.spot.run_rounds(members, device=engine.devices[k], slots=len(engine.devices),
-                                 stop=stop)
-      out["device"] = k
-      self._spot_runs.append(out)
-      return out
-
-    return shard_done, idle
+  def idle_work(self, step: int, prompts, engine) -> SpotWork:
+    """The ``IdleWork`` (``rollout.interface``) of RL step ``step``'s rollout on ``engine``: each
+    finished shard goes into the buffer, and the idle devices train the drafter (``SpotWork``)."""
+    work = SpotWork(self, step, prompts, engine)
+    self._spot_runs = work.runs
+    return work
 
   def serial(self, target_params, device=None, saved_s: float | None = None) -> dict:
     """Drafter steps between rollout and update on ``device`` (where ``target_params`` live),
@@ -280,13 +245,13 @@ class OnlineDrafter:
     """The extra ``engine.generate`` arguments of RL step ``step``: keep hidden states (unless
     the ledger has nothing left to grant: no bootstrap and no savings, or the engine offers none
     of the drafter's arms: ``cannot_pay``) and, with spot training,
-    the hooks that take each finished shard into the buffer and train on idle devices."""
+    the ``idle_work`` that takes each finished shard into the buffer and trains on idle devices."""
     options = {"collect_hidden": self.collect_fraction()}
     if not self.spot_trains(engine) and ((self.ledger is not None and not self.ledger.can_grant())
                                          or self.cannot_pay(engine)):
       options["collect_hidden"] = False  # nothing will train on them: keeping them is waste
     if self.spot_trains(engine):
-      options["shard_done"], options["idle"] = self.hooks(step, prompts, engine)
+      options["idle_work"] = self.idle_work(step, prompts, engine)
     return options
 
   def after_rollout(self, step: int, prompts, result, engine) -> dict[str, float]:
@@ -544,3 +509,55 @@ def step_metrics(stats: RolloutStats, spot_runs: list[dict], serial: dict | None
     out["drafter_train_loss"] = float(np.average([r["loss"] for r in trained], weights=weights))
     out["drafter_train_top1"] = float(np.average([r["top1"] for r in trained], weights=weights))
   return out
+
+
+class SpotWork:
+  """The ``IdleWork`` of one rollout (``OnlineDrafter.idle_work``): ``shard_done`` adds a finished
+  shard's rows to the drafter's buffer; ``idle`` trains the drafter on the idle devices.
+
+  The first device to go idle leads: it runs ``SpotTrainer.run_rounds`` homed on itself until
+  the rollout's ``stop``; every device idle at a round's start (at most ``spot_devices`` of
+  them, the leader first) takes part in it. The others' ``idle`` waits for ``stop`` (their device
+  is handed to the rounds meanwhile) and returns None; once ``spot_devices`` devices are idle,
+  a device going idle later returns at once. ``runs``: the leader's ``run_rounds`` output."""
+
+  def __init__(self, online: OnlineDrafter, step: int, prompts, engine):
+    self.online, self.step, self.prompts, self.engine = online, step, prompts, engine
+    self.runs: list[dict] = []
+    self.lock = threading.Lock()
+    self.idle_now: dict[int, tuple] = {}  # device index -> (index, device, target params)
+    self.leader: list[int] = []
+
+  def shard_done(self, device_index: int, first_row: int, result) -> None:
+    del device_index  # the rows are the same data whichever device decoded them
+    self.online.add(self.step, self.prompts, result, first_row)
+
+  def members(self) -> list[tuple]:
+    """The devices of the next round: the leader, then the others idle now (by index)."""
+    with self.lock:
+      leader = self.leader[0]
+      team = [self.idle_now[leader]] + [self.idle_now[j] for j in sorted(self.idle_now)
+                                        if j != leader]
+    limit = self.online.spot_devices
+    return team[:limit] if limit is not None else team
+
+  def idle(self, device_index: int, stop: threading.Event) -> dict | None:
+    online, engine, k = self.online, self.engine, device_index
+    if not online.config.spot or online.buffer.num_samples == 0:
+      return None
+    with self.lock:
+      if self.leader and online.spot_devices is not None and \
+          len(self.idle_now) >= online.spot_devices:
+        return None  # the rounds are full: this device can never take part
+      self.idle_now[k] = (k, engine.devices[k], engine.target_params(k))
+      leads = not self.leader
+      if leads:
+        self.leader.append(k)
+    if not leads:
+      stop.wait()  # this device trains in the leader's rounds until the rollout is done
+      return None
+    out = online.spot.run_rounds(self.members, device=engine.devices[k],
+                                 slots=len(engine.devices), stop=stop)
+    out["device"] = k
+    self.runs.append(out)
+    return out

@@ -38,7 +38,7 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.host.engine_config import EngineConfig, resolve_engine_config
 from tlt_jax.rollout.decode.kinds import DrafterKind
-from tlt_jax.rollout.interface import Rollout, check_prompts, collect_mask, is_integer, on_device
+from tlt_jax.rollout.interface import IdleWork, Rollout, check_prompts, collect_mask, is_integer, on_device
 from tlt_jax.rollout.decode.ngram import NgramConfig
 from tlt_jax.rollout.host.offers import SdOffers
 from tlt_jax.rollout.host.pool import ExecutablePool
@@ -413,18 +413,17 @@ class RolloutEngine(Rollout):
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
                progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
                collect_hidden: bool | float | Sequence[bool] = False,
-               shard_done: Callable[[int, int, RolloutResult], Any] | None = None,
-               idle: Callable[[int, Any], Any] | None = None,
+               idle_work: IdleWork | None = None,
                history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
     """Completes every prompt; rows finish on a stop id or at ``params.max_new_tokens``.
 
     ``progress(rows_done, rows_total)`` is called after every decode segment. Row ``i`` samples
     with the keys of row ``i + row_offset``. ``collect_hidden`` (needs a learned drafter) fills
     ``RolloutResult.hidden`` for all rows (True), a seeded fraction (float) or one bool per prompt.
-    ``shard_done``/``idle``: ``DataParallelRollout.generate``'s hooks, on one device
-    (docs/library.md, "RolloutEngine").
+    ``idle_work``: ``DataParallelRollout.generate``'s, on one device: its ``shard_done`` once,
+    its ``idle`` never (one device is never idle while another decodes; docs/library.md,
+    "RolloutEngine").
     """
-    del idle  # one device: never idle while another decodes
     prompts = self.check_prompts(prompts)
     history = self.check_history(history, len(prompts), observe=self.observes_history)
     if not is_integer(row_offset) or int(row_offset) < 0:
@@ -453,8 +452,8 @@ class RolloutEngine(Rollout):
     self._finish_stats(stats, rows.tokens, compiles0, compile_s0, t_start)
     result = RolloutResult(rows.tokens, rows.logprobs, rows.reasons, stats,
                            None if collect is None else rows.hidden)
-    if shard_done is not None:
-      shard_done(0, 0, result)  # within this call's prompts (a caller adds its offset)
+    if idle_work is not None:
+      idle_work.shard_done(0, 0, result)  # within this call's prompts (a caller adds its offset)
     return result
 
   def _finish_stats(self, stats: RolloutStats, tokens: list[list[int]], compiles0: int,

@@ -3,7 +3,7 @@ one device (``RolloutEngine``) or data-parallel over several (``DataParallelRoll
 
 A caller never needs to know which one it holds: both take the trainer's params as they are (for
 example replicated over a mesh) and place them on their own device(s), both accept the
-data-parallel hooks of ``generate``, and both save and restore their tuner the same way. The
+``IdleWork`` of ``generate`` (work on the devices the tail leaves idle), and both save and restore their tuner the same way. The
 request checks both run at the edge (``check_prompts``, ``collect_mask``) live here too.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,21 @@ def on_device(tree, device):
   return jax.tree.map(put, tree)
 
 
+class IdleWork(Protocol):
+  """Work a rollout runs on the devices its tail leaves idle (drafter training is one user:
+  ``OnlineDrafter.idle_work``). A rollout over several devices calls ``shard_done`` in a
+  device's thread once that device's shard is complete, then ``idle`` there while other devices
+  still decode; a rollout on one device calls ``shard_done(0, 0, result)`` and never ``idle``."""
+
+  def shard_done(self, device_index: int, first_row: int, result: Any) -> None:
+    """Device ``device_index`` completed its shard, whose first row is ``first_row`` of the
+    request (of every process's rows, over processes); ``result`` its ``RolloutResult``."""
+
+  def idle(self, device_index: int, stop: threading.Event) -> Any:
+    """Runs on the idle device ``device_index`` and returns soon after ``stop`` is set (when the
+    last shard completes); what it returns goes to ``stats.idle[device_index]``."""
+
+
 class Rollout(abc.ABC):
   """A rollout: ``generate`` completions for a list of prompts with the weights it was last given.
 
@@ -54,12 +69,11 @@ class Rollout(abc.ABC):
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
                progress: Callable[[int, int], Any] | None = None, *,
                collect_hidden: bool | float | Sequence[bool] = False,
-               shard_done: Callable[[int, int, Any], Any] | None = None,
-               idle: Callable[[int, threading.Event], Any] | None = None,
+               idle_work: IdleWork | None = None,
                history: Sequence[Sequence[Sequence[int]]] | None = None):
-    """Completes every prompt; returns a ``RolloutResult``. ``shard_done(device_index,
-    first_row, result)`` is called once per device's finished shard; ``idle(device_index, stop)``
-    while other devices still decode (never on one device). ``history``: per prompt, earlier
+    """Completes every prompt; returns a ``RolloutResult``. ``idle_work.shard_done`` is called
+    once per device's finished shard, ``idle_work.idle`` while other devices still decode (never
+    on one device; ``IdleWork``). ``history``: per prompt, earlier
     completions of it (newest first) that a suffix drafter may draft from (``uses_history``);
     ignored by a rollout without one."""
 

@@ -4,8 +4,8 @@ A request's rows are split into contiguous shards, one per device. Every device 
 ``RolloutEngine`` (executables compiled for that device, weights committed there) and decodes its
 shard with its own batch buckets, compaction and cache growth, so a device whose rows finish early
 is free while the others still decode: that is the tail the spot trainer uses
-(``idle(device_index, stop)`` is called in the freed device's thread and must return when
-``stop`` is set, which happens as soon as the last shard finishes).
+(``interface.IdleWork``: its ``idle(device_index, stop)`` is called in the freed device's thread
+and must return when ``stop`` is set, which happens as soon as the last shard finishes).
 
 Why threads over one program per device rather than one SPMD program: an SPMD (``shard_map``)
 decode loop keeps every device in lockstep at each host round trip, so the batch bucket, the
@@ -38,7 +38,7 @@ from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.host import buckets as bk
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
 from tlt_jax.rollout.host.engine_config import resolve_engine_config
-from tlt_jax.rollout.interface import Rollout
+from tlt_jax.rollout.interface import IdleWork, Rollout
 from tlt_jax.rollout.decode.ngram import NgramConfig
 from tlt_jax.rollout.host.offers import SdOffers
 from tlt_jax.rollout.host.scheduler import segment_lengths
@@ -128,7 +128,7 @@ class DataParallelRollout(Rollout):
   that device's own engine in a host thread of its own (see the module docstring).
 
   It implements the ``Rollout`` interface (``interface.py``) as ``RolloutEngine`` does, plus
-  per-device stats and the ``shard_done``/``idle`` hooks of ``generate`` in earnest.
+  per-device stats and the ``idle_work`` of ``generate`` in earnest.
   """
 
   def __init__(self, model: Transformer, drafter: Drafter | NgramConfig | None = None,
@@ -308,16 +308,15 @@ class DataParallelRollout(Rollout):
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
                progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
                collect_hidden: bool | float | Sequence[bool] = False,
-               shard_done: Callable[[int, int, RolloutResult], Any] | None = None,
-               idle: Callable[[int, threading.Event], Any] | None = None,
+               idle_work: IdleWork | None = None,
                history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
     """Completes every prompt over the devices, with one engine's result (row ``i``'s tokens do not
     depend on the split); ``row_offset``: the first prompt's row in a larger request.
 
-    ``shard_done(device_index, first_row, result)`` runs in a device's thread once its shard is
-    complete; ``idle(device_index, stop)`` then runs there while other devices decode, and must
-    return soon after ``stop`` is set (when the last shard completes); its return value goes to
-    ``stats.idle``. The merged stats: docs/library.md, "Data-parallel stats".
+    ``idle_work.shard_done(device_index, first_row, result)`` runs in a device's thread once its
+    shard is complete; ``idle_work.idle(device_index, stop)`` then runs there while other devices
+    decode, and must return soon after ``stop`` is set (when the last shard completes); its
+    return value goes to ``stats.idle``. The merged stats: docs/library.md, "Data-parallel stats".
     """
     lead = self.engines[0]
     prompts = lead.check_prompts(prompts)
@@ -326,7 +325,7 @@ class DataParallelRollout(Rollout):
       lead.observe_history(history)
     collect = lead.collect_mask(collect_hidden, len(prompts), params.seed)
     run = _ShardRun(self.engines, prompts, params, progress, row_offset, collect, history,
-                    shard_done, idle)
+                    idle_work)
     t0, compiles0 = time.perf_counter(), compile_count()
     try:
       self._run_threads(lambda k: run.work(k, t0), range(len(run.shards)), run.interrupt)
@@ -346,10 +345,10 @@ class _ShardRun:
   thread (``work``), then its idle hook until the last shard is done; ``result`` merges them."""
 
   def __init__(self, engines, prompts, params, progress, row_offset, collect, history,
-               shard_done, idle):
+               idle_work):
     self.engines, self.prompts, self.params = engines, prompts, params
     self.progress, self.row_offset, self.collect = progress, row_offset, collect
-    self.history, self.shard_done, self.idle = history, shard_done, idle
+    self.history, self.idle_work = history, idle_work
     self.shards = shard_ranges(len(prompts), len(engines))
     n = len(self.shards)
     self.results: list[RolloutResult | None] = [None] * n
@@ -380,7 +379,7 @@ class _ShardRun:
     return cb
 
   def work(self, k: int, t0: float) -> None:
-    """Device ``k``'s thread: its shard, its ``shard_done`` hook, then its idle hook."""
+    """Device ``k``'s thread: its shard, ``idle_work.shard_done``, then ``idle_work.idle``."""
     rows = self.shards[k]
     try:
       if len(rows):
@@ -389,8 +388,8 @@ class _ShardRun:
             row_offset=self.row_offset + rows.start,
             collect_hidden=False if self.collect is None else self.collect[rows.start:rows.stop],
             history=None if self.history is None else self.history[rows.start:rows.stop])
-        if self.shard_done is not None:
-          self.shard_done(k, rows.start, self.results[k])
+        if self.idle_work is not None:
+          self.idle_work.shard_done(k, rows.start, self.results[k])
         self.busy[k] = time.perf_counter() - t0  # complete once its hook returned
     finally:
       with self.lock:
@@ -399,9 +398,9 @@ class _ShardRun:
         last = self.remaining == 0
       if last:
         self.stop.set()
-    if self.idle is not None and not self.stop.is_set():
+    if self.idle_work is not None and not self.stop.is_set():
       t1 = time.perf_counter() - t0
-      self.idle_out[k] = self.idle(k, self.stop)
+      self.idle_out[k] = self.idle_work.idle(k, self.stop)
       self.hook_span[k] = (t1, time.perf_counter() - t0)
 
   def result(self, wall: float) -> RolloutResult:

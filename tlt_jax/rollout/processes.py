@@ -11,12 +11,14 @@ verification; see ``parallel.py``). The finished rows are then exchanged through
 advantages are computed everywhere alike and no group is ever split.
 
 What stays local: hidden states for the drafter (a process's drafter data are its own rows'), the
-``shard_done``/``idle`` hooks (run on the process's own devices) and the tuner (one per process,
+``idle_work`` (run on the process's own devices) and the tuner (one per process,
 each learning from its own devices; saved per process, see ``tuner_state``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -24,7 +26,7 @@ import numpy as np
 
 from tlt_jax import hosts
 from tlt_jax.rollout.engine import RolloutResult
-from tlt_jax.rollout.interface import Rollout
+from tlt_jax.rollout.interface import IdleWork, Rollout
 from tlt_jax.rollout.parallel import shard_ranges
 from tlt_jax.rollout.decode.sampling import SamplingParams
 from tlt_jax.rollout.host.stats import DeviceStats, RolloutStats
@@ -40,6 +42,21 @@ def process_rows(n: int, processes: int, local_devices: int, index: int) -> rang
   shards = shard_ranges(n, processes * local_devices)
   mine = shards[index * local_devices:(index + 1) * local_devices]
   return range(mine[0].start, mine[-1].stop)
+
+
+@dataclasses.dataclass
+class GlobalRows:
+  """``work`` as seen by this process's local rollout, whose rows start at row ``start`` of the
+  request: a shard's first row reaches ``work`` counted in the whole request."""
+
+  work: IdleWork
+  start: int
+
+  def shard_done(self, device_index: int, first_row: int, result: Any) -> None:
+    self.work.shard_done(device_index, self.start + first_row, result)
+
+  def idle(self, device_index: int, stop: threading.Event) -> Any:
+    return self.work.idle(device_index, stop)
 
 
 class ProcessShardedRollout(Rollout):
@@ -96,11 +113,10 @@ class ProcessShardedRollout(Rollout):
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
                progress: Callable[[int, int], Any] | None = None, *,
                collect_hidden: bool | float | Sequence[bool] = False,
-               shard_done: Callable[[int, int, Any], Any] | None = None,
-               idle: Callable[[int, Any], Any] | None = None,
+               idle_work: IdleWork | None = None,
                history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
-    """Every row's completion on every process (module docstring); ``shard_done`` gets the
-    global index of a shard's first row, ``idle`` the local device index. Stats: the
+    """Every row's completion on every process (module docstring); ``idle_work.shard_done``
+    gets the global index of a shard's first row, both its methods the local device index. Stats: the
     processes' merged (``RolloutStats.merge``), ``devices`` every process's devices in order (a
     device's ``idle_s`` counts until the slowest process finished), and ``processes``: per
     process its ``rows``, ``rollout_s`` (its own rows' wall time) and ``wait_s`` (how long it
@@ -116,10 +132,8 @@ class ProcessShardedRollout(Rollout):
     local = _empty_result()
     if len(rows):
       options = {} if history is None else {"history": history[rows.start:rows.stop]}
-      if shard_done is not None:
-        options["shard_done"] = lambda k, first, r: shard_done(k, rows.start + first, r)
-      if idle is not None:
-        options["idle"] = idle
+      if idle_work is not None:
+        options["idle_work"] = GlobalRows(idle_work, rows.start)
       if progress is not None:  # this process's share, as a share of all rows
         options["progress"] = lambda done, _: progress(done * len(prompts) // len(rows),
                                                        len(prompts))
