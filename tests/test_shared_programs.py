@@ -61,7 +61,48 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_a_program_compiled_on_one_device_runs_rebound_on_the_others():
-  proc = subprocess.run([sys.executable, "-c", SCRIPT], env=subprocess_env(devices=3),
-                        capture_output=True, text=True, timeout=300)
+  env = subprocess_env(devices=3)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # compiled here, not loaded from the session cache
+  proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                        timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert "shared programs ok" in proc.stdout
+
+
+CACHED = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    from tlt_jax.aot import AotCache, SharedPrograms
+
+    def step(w, s):
+      return s + jnp.tanh(s @ w) ** 3, -(s ** 2.5).sum()
+
+    w0 = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
+    s0 = np.abs(np.random.default_rng(1).normal(size=(4, 8))).astype(np.float32)
+    shared = SharedPrograms()
+    totals = []
+    for d in jax.devices():
+      spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                            sharding=jax.sharding.SingleDeviceSharding(d))
+      compiled = AotCache(shared, d).get("step", lambda: jax.jit(step).lower(spec(w0), spec(s0)))
+      totals.append(float(compiled(jax.device_put(w0, d), jax.device_put(s0, d))[1]))
+    assert len(set(totals)) == 1, totals
+    print("rebinds", shared.rebinds)
+""")
+
+
+def test_an_executable_from_the_persistent_cache_is_not_rebound(tmp_path):
+  """XLA:CPU serializes an executable it loaded from the compilation cache without its kernels: a
+  rebound copy fails when run ("Function ... not found"). The second run loads device 0's from
+  the cache, so device 1 compiles its own and device 2 is rebound from that."""
+  runs = []
+  for _ in range(2):
+    proc = subprocess.run([sys.executable, "-c", CACHED, str(tmp_path / "cache")],
+                          env=subprocess_env(devices=3), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs.append(proc.stdout.split()[-1])
+  assert runs == ["2", "1"], runs

@@ -29,7 +29,7 @@ import jax.extend.backend
 import numpy as np
 from jax.experimental import serialize_executable
 
-from tlt_jax.utils import in_background, mark_background
+from tlt_jax.utils import in_background, mark_background, thread_cache_hits
 
 
 def default_workers() -> int:
@@ -80,7 +80,9 @@ class SharedPrograms:
 
   The first device to ask for a key compiles it; every other device gets that executable rebound
   to itself (``rebind``). A program over several devices, or one the backend cannot rebind, is
-  compiled for each device that asks."""
+  compiled for each device that asks. An executable loaded from the persistent compilation cache
+  is not rebound (XLA:CPU serializes such an executable without its kernels): the next device
+  compiles its own, and the first fresh compile is the one rebound."""
 
   def __init__(self):
     self._compiled: dict[Hashable, jax.stages.Compiled] = {}
@@ -115,17 +117,18 @@ class SharedPrograms:
             if len(self.rebind_errors) == 1:
               warnings.warn(f"executables cannot be shared across devices here ({type(e).__name__}: "
                             f"{e}); each device compiles its own", RuntimeWarning)
+      hits = thread_cache_hits()
       compiled = lower().compile()
-      with self._lock:
-        self.compiles += 1
-        self._compiled.setdefault(key, compiled)
+      self.add(key, compiled, fresh=thread_cache_hits() == hits)
       return compiled
 
-  def add(self, key: Hashable, compiled: jax.stages.Compiled) -> None:
-    """Keeps ``compiled`` (compiled elsewhere) for the other devices to rebind."""
+  def add(self, key: Hashable, compiled: jax.stages.Compiled, fresh: bool) -> None:
+    """Keeps ``compiled`` for the other devices to rebind if it was ``fresh`` (compiled, not
+    loaded from the persistent cache)."""
     with self._lock:
       self.compiles += 1
-      self._compiled.setdefault(key, compiled)
+      if fresh:
+        self._compiled.setdefault(key, compiled)
 
 
 class AotCache:
@@ -213,8 +216,9 @@ class AotCache:
       item[1].release()
 
     def compile_timed(lowered, lower_s):
-      t0 = time.perf_counter()
-      return lowered.compile(), lower_s + time.perf_counter() - t0
+      t0, hits = time.perf_counter(), thread_cache_hits()
+      compiled = lowered.compile()
+      return compiled, lower_s + time.perf_counter() - t0, thread_cache_hits() == hits
 
     try:
       # compile threads count as the caller's (a background caller's compiles stay background)
@@ -228,9 +232,9 @@ class AotCache:
             lowered = lower_of(key)
             futures.append(pool.submit(compile_timed, lowered, time.perf_counter() - t0))
           for done, ((key, _), future) in enumerate(zip(held, futures), 1):
-            compiled, seconds = future.result()  # in keys' order
+            compiled, seconds, fresh = future.result()  # in keys' order
             if self.shared is not None:
-              self.shared.add(key, compiled)
+              self.shared.add(key, compiled, fresh)
             with self._lock:
               self._executables[key] = compiled
               self.seconds_by_key[key] = seconds

@@ -26,6 +26,7 @@ from tlt_jax.rollout.decode.suffix import SuffixConfig  # pylint: disable=wrong-
 from tlt_jax.utils import compile_count  # pylint: disable=wrong-import-position
 
 assert jax.device_count() == 2, jax.devices()
+CACHED = bool(os.environ.get("JAX_COMPILATION_CACHE_DIR"))  # the tests' session cache
 devices = jax.devices()
 target = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=2)
 drafter = Drafter.create(target.config, seed=3)
@@ -60,11 +61,13 @@ for name, d, cfg, temperature in cases:
     for leaf in jax.tree.leaves(engine.params):
       assert leaf.devices() == {devices[k]}, (name, k, leaf.devices())
   # one compile per program: what the second device ran was rebound from the first's compile
+  # (with a persistent cache, an executable loaded from it is not rebound: its device loads its own)
   programs = set().union(*(e.pool.executables.keys() for e in dp.engines))
   held = sum(len(e.pool.executables) for e in dp.engines)
   assert not dp.programs.rebind_errors, dp.programs.rebind_errors
-  assert dp.programs.compiles == len(programs), (name, dp.programs.compiles, len(programs))
-  assert dp.programs.rebinds == held - len(programs) > 0, (name, dp.programs.rebinds, held)
+  assert dp.programs.compiles + dp.programs.rebinds == held, (name, dp.programs.compiles, held)
+  if not CACHED:
+    assert dp.programs.compiles == len(programs), (name, dp.programs.compiles, len(programs))
   if d is not None:
     assert len(many.hidden) == len(prompts) and all(h is not None for h in many.hidden)
     for p, c, h in zip(prompts, many.tokens, many.hidden):
@@ -234,8 +237,9 @@ for engine in dp_cost.engines:
   assert ("catchup", 1, engine.pool.kv_lengths_used()[0]) in engine.pool.executables
   assert not any(k[0] == "catchup" and k[1] > 1 for k in engine.pool.executables)
 programs = set().union(*(e.pool.executables.keys() for e in dp_cost.engines))
-assert dp_cost.programs.compiles == len(programs) and not dp_cost.programs.rebind_errors
-assert dp_cost.programs.rebinds == len(programs)  # the second device compiled none of them
+assert not dp_cost.programs.rebind_errors, dp_cost.programs.rebind_errors
+if not CACHED:  # the second device compiled none of them
+  assert dp_cost.programs.compiles == dp_cost.programs.rebinds == len(programs)
 print("cost tuner over devices: SD offered where the table pays, on every device, compiled in "
       "the background")
 
