@@ -29,7 +29,7 @@ import jax.extend.backend
 import numpy as np
 from jax.experimental import serialize_executable
 
-from tlt_jax.utils import in_background, mark_background, thread_cache_hits
+from tlt_jax.utils import in_background, mark_background
 
 
 def default_workers() -> int:
@@ -67,9 +67,17 @@ def one_device(compiled: jax.stages.Compiled) -> jax.Device | None:
   return devices.pop() if len(devices) == 1 else None
 
 
+class NotRebindable(Exception):
+  """The executable's serialized form lacks its kernels: it cannot be loaded elsewhere."""
+
+
 def rebind(compiled: jax.stages.Compiled, device: jax.Device) -> jax.stages.Compiled:
   """``compiled``, a one-device executable, loaded to run on ``device`` (no compile)."""
   payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+  if device.platform == "cpu" and b"\x7fELF" not in payload:
+    # XLA:CPU re-serializes an executable it loaded from the persistent cache without its
+    # object code: a copy loaded from that fails when run ("Function ... not found")
+    raise NotRebindable("an XLA:CPU executable loaded from the compilation cache")
   unloaded, args_info, no_kwargs = _OnDevice(payload, device).load()
   return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info), out_tree,
                              no_kwargs=no_kwargs)
@@ -80,9 +88,9 @@ class SharedPrograms:
 
   The first device to ask for a key compiles it; every other device gets that executable rebound
   to itself (``rebind``). A program over several devices, or one the backend cannot rebind, is
-  compiled for each device that asks. An executable loaded from the persistent compilation cache
-  is not rebound (XLA:CPU serializes such an executable without its kernels): the next device
-  compiles its own, and the first fresh compile is the one rebound."""
+  compiled for each device that asks. An executable XLA:CPU loaded from the persistent compilation
+  cache is not rebound (``NotRebindable``): the next device compiles (or loads) its own, and
+  that one is kept for the others."""
 
   def __init__(self):
     self._compiled: dict[Hashable, jax.stages.Compiled] = {}
@@ -111,24 +119,24 @@ class SharedPrograms:
           with self._lock:
             self.rebinds += 1
           return compiled
+        except NotRebindable:
+          with self._lock:
+            del self._compiled[key]  # this device's own executable takes its place
         except Exception as e:  # pylint: disable=broad-except  # a compile still gives it
           with self._lock:
             self.rebind_errors.append(f"{key}: {type(e).__name__}: {e}")
             if len(self.rebind_errors) == 1:
               warnings.warn(f"executables cannot be shared across devices here ({type(e).__name__}: "
                             f"{e}); each device compiles its own", RuntimeWarning)
-      hits = thread_cache_hits()
       compiled = lower().compile()
-      self.add(key, compiled, fresh=thread_cache_hits() == hits)
+      self.add(key, compiled)
       return compiled
 
-  def add(self, key: Hashable, compiled: jax.stages.Compiled, fresh: bool) -> None:
-    """Keeps ``compiled`` for the other devices to rebind if it was ``fresh`` (compiled, not
-    loaded from the persistent cache)."""
+  def add(self, key: Hashable, compiled: jax.stages.Compiled) -> None:
+    """Keeps ``compiled`` (compiled here or elsewhere) for the other devices to rebind."""
     with self._lock:
       self.compiles += 1
-      if fresh:
-        self._compiled.setdefault(key, compiled)
+      self._compiled.setdefault(key, compiled)
 
 
 class AotCache:
@@ -216,9 +224,8 @@ class AotCache:
       item[1].release()
 
     def compile_timed(lowered, lower_s):
-      t0, hits = time.perf_counter(), thread_cache_hits()
-      compiled = lowered.compile()
-      return compiled, lower_s + time.perf_counter() - t0, thread_cache_hits() == hits
+      t0 = time.perf_counter()
+      return lowered.compile(), lower_s + time.perf_counter() - t0
 
     try:
       # compile threads count as the caller's (a background caller's compiles stay background)
@@ -232,9 +239,9 @@ class AotCache:
             lowered = lower_of(key)
             futures.append(pool.submit(compile_timed, lowered, time.perf_counter() - t0))
           for done, ((key, _), future) in enumerate(zip(held, futures), 1):
-            compiled, seconds, fresh = future.result()  # in keys' order
+            compiled, seconds = future.result()  # in keys' order
             if self.shared is not None:
-              self.shared.add(key, compiled, fresh)
+              self.shared.add(key, compiled)
             with self._lock:
               self._executables[key] = compiled
               self.seconds_by_key[key] = seconds

@@ -14,8 +14,7 @@ import numpy as np
 from jax import monitoring
 from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in Jupyter
 
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a cache hit too
-_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Exponent bits of the 2-byte floats: all set means Inf or NaN (checked on the raw bits, which
 # is several times faster than np.isfinite on these dtypes).
 _EXPONENT_BITS = {np.dtype(ml_dtypes.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
@@ -24,11 +23,6 @@ _compiles = 0
 _background_compiles = 0
 _registered = False
 _thread = threading.local()  # .background: this thread compiles off the critical path
-
-
-def _on_cache_hit(name: str, **kwargs) -> None:
-  if name == _CACHE_HIT_EVENT:
-    _thread.cache_hits = getattr(_thread, "cache_hits", 0) + 1
 
 
 def _on_event(name: str, duration: float, **kwargs) -> None:
@@ -59,12 +53,6 @@ def background_compile_count() -> int:
     return _background_compiles
 
 
-def thread_cache_hits() -> int:
-  """Executables this thread loaded from the persistent compilation cache."""
-  compile_count()  # installs the listeners
-  return getattr(_thread, "cache_hits", 0)
-
-
 def compile_count() -> int:
   """Number of XLA backend compilations in this process since the counter was installed, but
   those of background threads (``mark_background``)."""
@@ -72,7 +60,6 @@ def compile_count() -> int:
   with _lock:
     if not _registered:
       monitoring.register_event_duration_secs_listener(_on_event)
-      monitoring.register_event_listener(_on_cache_hit)
       _registered = True
     return _compiles
 
