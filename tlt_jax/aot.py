@@ -126,8 +126,9 @@ class SharedPrograms:
           with self._lock:
             self.rebind_errors.append(f"{key}: {type(e).__name__}: {e}")
             if len(self.rebind_errors) == 1:
-              warnings.warn(f"executables cannot be shared across devices here ({type(e).__name__}: "
-                            f"{e}); each device compiles its own", RuntimeWarning)
+              warnings.warn(f"executables cannot be shared across devices here "
+                            f"({type(e).__name__}: {e}); each device compiles its own",
+                            RuntimeWarning)
       compiled = lower().compile()
       self.add(key, compiled)
       return compiled

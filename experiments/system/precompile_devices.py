@@ -1,12 +1,13 @@
-"""The main job's precompile on 1 and N simulated CPU devices: seconds and the process's memory maps.
+"""The main job's precompile on 1 and N simulated CPU devices: seconds and memory maps.
 
   python -m experiments.system.precompile_devices [--config tlt_jax/configs/tiny_longtail.py]
       [--devices 1,4] [--steps 1] [--timeout 1800] [--out FILE.json] [--set key=value ...]
 
 Each device count runs the job as a subprocess (``XLA_FLAGS`` sets the simulated device count,
 ``--config.rollout_devices`` the rollout's devices) for ``--steps`` RL steps, with no persistent
-compile cache (``--root``: the checkout that runs, e.g. a worktree of an older commit), while this process reads ``/proc/PID/maps`` every half second. Reported per
-count: the job's own precompile line (rollout executables and seconds), seconds from launch to
+compile cache, while this process reads ``/proc/PID/maps`` every half second (``--root``: the
+checkout that runs, e.g. a worktree of an older commit). Reported per count: the job's own
+precompile line (rollout executables and seconds), seconds from launch to
 the first step line, the peak and final count of memory maps (the kernel refuses more than
 ``vm.max_map_count``, 65530 by default), and whether the job finished within ``--timeout``.
 """
