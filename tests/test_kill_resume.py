@@ -138,6 +138,19 @@ def final_params(logdir) -> list[np.ndarray]:
   model, _ = hf.from_pretrained(pathlib.Path(logdir) / "final_model")
   return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
 
+def assert_same_rows(want: list[dict], got: list[dict], why: str) -> None:
+  """The same steps, each row equal key by key (a failure names the keys that differ)."""
+  assert [r["step"] for r in got] == [r["step"] for r in want], why
+  for a, b in zip(want, got):
+    assert a == b, (why, {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
+                          if a.get(k) != b.get(k)})
+
+
+def assert_same_params(reference, logdir, why: str) -> None:
+  """The two runs ended with the same policy weights, bit for bit."""
+  for a, b in zip(final_params(reference), final_params(logdir)):
+    np.testing.assert_array_equal(a, b, err_msg=why)
+
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
@@ -178,13 +191,9 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_one(references, tmp_path, ca
   why = stop_and_resume(logdir, case, sig)
   reference = references(case)
   want, got = step_rows(reference), step_rows(logdir)
-  assert [r["step"] for r in got] == [r["step"] for r in want], why
+  assert_same_rows(want, got, why)
   assert [r["step"] for r in got if "eval_accuracy" in r] == [0, 2, 4, STEPS], why
-  for a, b in zip(want, got):
-    assert a == b, (why, {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
-                          if a.get(k) != b.get(k)})
-  for a, b in zip(final_params(reference), final_params(logdir)):
-    np.testing.assert_array_equal(a, b, err_msg=why)
+  assert_same_params(reference, logdir, why)
   if case.startswith("eagle"):
     assert (logdir / "final_drafter").is_dir() and any(
         k.startswith("drafter_loss") for k in got[1]), why
@@ -221,13 +230,8 @@ def test_a_killed_eagle3_run_with_the_default_tuner_follows_the_uninterrupted_po
   logdir = tmp_path / "run"
   why = stop_and_resume(logdir, "eagle3_default_tuner", signal.SIGKILL)
   reference = references("eagle3_default_tuner")
-  want, got = policy_rows(reference), policy_rows(logdir)
-  assert [r["step"] for r in got] == [r["step"] for r in want], why
-  for a, b in zip(want, got):
-    assert a == b, (why, {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
-                          if a.get(k) != b.get(k)})
-  for a, b in zip(final_params(reference), final_params(logdir)):
-    np.testing.assert_array_equal(a, b, err_msg=why)
+  assert_same_rows(policy_rows(reference), policy_rows(logdir), why)
+  assert_same_params(reference, logdir, why)
   steps = [json.loads(line) for line in (reference / "metrics.jsonl").open()]
   assert sum(r.get("drafter_serial_steps", 0) for r in steps) > 0, why
   for run in (reference, logdir):

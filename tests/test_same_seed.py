@@ -23,7 +23,8 @@ import jax
 import numpy as np
 import pytest
 
-from tests.test_kill_resume import (CASES, final_params, policy_rows, references,  # pylint: disable=unused-import
+from tests.test_kill_resume import (CASES, assert_same_params, assert_same_rows,
+                                    policy_rows, references,  # pylint: disable=unused-import
                                     stop_and_resume)
 from tests.test_train_job import tiny_config
 from tlt_jax.job import runner
@@ -121,14 +122,8 @@ def test_with_the_default_tuner_a_stopped_and_resumed_run_follows_the_uninterrup
   stopped = tmp_path / "stopped"
   why = stop_and_resume(stopped, case, sig)
   reference = references(case)
-  want = policy_rows(reference)
-  got = policy_rows(stopped)
-  assert [r["step"] for r in got] == [r["step"] for r in want], why
-  for a, b in zip(want, got):
-    assert a == b, (why, {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
-                          if a.get(k) != b.get(k)})
-  for a, b in zip(final_params(reference), final_params(stopped)):
-    np.testing.assert_array_equal(a, b, err_msg=why)
+  assert_same_rows(policy_rows(reference), policy_rows(stopped), why)
+  assert_same_params(reference, stopped, why)
   # there were timed decisions to make: the tuner chose an arm per segment, and the drafter
   # trained on what the ledger granted or the idle device's tail allowed. (At these sizes the cost
   # tuner mostly keeps vanilla; with the suffix drafter's history it took SD in some segments of

@@ -1074,7 +1074,8 @@ def test_a_killed_suffix_drafter_run_resumes_to_the_uninterrupted_one(tmp_path):
   first one's completions, starts at step 3), SIGKILLed after a random step and resumed: the same
   per-step metrics, history store and final weights as the uninterrupted run (the store decides
   the drafts, and with rejection sampling the drafts decide the tokens)."""
-  from tests.test_kill_resume import STEPS, final_params, run_job, step_rows  # pylint: disable=import-outside-toplevel
+  from tests.test_kill_resume import (  # pylint: disable=import-outside-toplevel
+      STEPS, assert_same_params, assert_same_rows, run_job, step_rows)
   # a fixed tuner: speculative in every bucket that offers a choice (timing-free, so the resumed
   # run must match exactly; the cost tuner's state is resumed in its own tests)
   flags = {"drafter": "suffix", "task.num_prompts": 8, "trainer.prompts_per_step": 4,
@@ -1095,11 +1096,7 @@ def test_a_killed_suffix_drafter_run_resumes_to_the_uninterrupted_one(tmp_path):
   steps = [r for r in want if "reward" in r]
   assert [r["history_hit_rate"] for r in steps] == [0.0, 0.0] + [1.0] * (STEPS - 2), steps
   assert all(r.get("mean_accept_len", 0) >= 1.0 for r in steps), steps
-  assert [r["step"] for r in got] == [r["step"] for r in want], why
-  for a, b in zip(want, got):
-    assert a == b, (why, {k: (a.get(k), b.get(k)) for k in set(a) | set(b)
-                          if a.get(k) != b.get(k)})
+  assert_same_rows(want, got, why)
   assert (checkpoint_metadata(logdir, STEPS)["history"] ==
           checkpoint_metadata(reference, STEPS)["history"]), why
-  for a, b in zip(final_params(reference), final_params(logdir)):
-    np.testing.assert_array_equal(a, b, err_msg=why)
+  assert_same_params(reference, logdir, why)
