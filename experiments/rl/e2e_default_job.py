@@ -103,13 +103,18 @@ def make_trainer(job, policy_dir: pathlib.Path) -> harness.GRPOTrainer:
 
 def calibration(trainer) -> dict | None:
   """The engine's measured decode-step seconds per (batch bucket, strategy) and its segment
-  boundary's seconds, where its cost tuner calibrated (JSON keys ``"<bucket>/<strategy>"``)."""
+  boundary's seconds, where its cost tuner calibrated (JSON keys ``"<bucket>/<strategy>"``), and
+  the SD arms its offers loop offered per bucket it visited (measured is not offered: an arm
+  whose step costs more than its drafts can save is left out)."""
   measured = getattr(trainer.engine, "calibration", None)
   if not measured:
     return None
   costs, boundary = measured
+  offers = [o for e in pool_engines(trainer.engine)[:1] if (o := getattr(e, "offers", None))]
   return dict(step_s={f"{b}/{name}": s for (b, name), s in sorted(costs.items())},
-              boundary_s=boundary)
+              boundary_s=boundary,
+              offered=({str(v.bucket): list(v.offered) for v in offers[0].visited}
+                       if offers else None))
 
 
 def pool_engines(engine) -> list:
