@@ -1301,6 +1301,13 @@ MUTANTS = [
            "  from jax._src import distributed as multihost  # pylint: disable=import-outside-toplevel",
            ("tests/test_private_names.py",),
            "the host exchange reads JAX's private distributed module again"),
+    Mutant("rollout_logprobs_from_bf16_logits", "tlt_jax/rollout/decode/sampling.py",
+           "  logits = logits.astype(jnp.float32)\n  temp = jnp.where(temperature > 0, temperature, 1.0)",
+           "  logits = logits.astype(jnp.bfloat16).astype(jnp.float32)\n"
+           "  temp = jnp.where(temperature > 0, temperature, 1.0)",
+           ("tests/rl/test_logprob_agreement.py",),
+           "the rollout records log-probs of bf16-rounded logits, another numerics path than the "
+           "update's fp32 one"),
 ]
 
 

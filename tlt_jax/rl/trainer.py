@@ -347,6 +347,12 @@ class GRPOTrainer:
     return padded_batch(prompts, completions, logprobs, advantages, self.seq_len,
                         self.engine.config.pad_token_id)
 
+  def sampling_for(self, step: int) -> SamplingParams:
+    """How RL step ``step`` samples: the trainer's temperature, a seed of (seed, step)."""
+    cfg = self.config
+    return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                          seed=(cfg.seed * 1_000_003 + step) % 2**32)
+
   # ---- one RL step ---------------------------------------------------------------------------
   def step(self) -> dict[str, Any]:
     """Rollout, reward, advantages and policy updates for one step; returns its metrics."""
@@ -356,8 +362,7 @@ class GRPOTrainer:
     rows = [p for p in problems for _ in range(g)]  # group by group
     prompts = [self.encode_prompt(p) for p in rows]
     self._sync_engine()  # (cheap) in case the params were replaced from outside
-    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              seed=(cfg.seed * 1_000_003 + self.step_count) % 2**32)
+    sampling = self.sampling_for(self.step_count)
     options = {} if online is None else online.rollout_options(self.step_count, prompts,
                                                                 self.engine)
     earlier = None
