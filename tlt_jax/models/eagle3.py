@@ -65,9 +65,10 @@ def check_feature_layers(layers: Sequence[int], num_layers: int) -> tuple[int, .
 
 
 def draft_layer_config(target_config: ModelConfig) -> ModelConfig:
-  """The drafter's decoder layer: the target's sizes, RoPE and eps, Llama-style (no biases)."""
+  """The drafter's decoder layer: the target's sizes, RoPE and eps, Llama-style (no biases, no
+  query/key norms, whatever the target has)."""
   return target_config.replace(num_layers=1, attention_bias=False, architecture="llama",
-                               tie_word_embeddings=False)
+                               qk_norm=False, tie_word_embeddings=False)
 
 
 class Eagle3Layer(nnx.Module):

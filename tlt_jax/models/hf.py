@@ -1,6 +1,6 @@
 """Hugging Face checkpoint I/O: ``config.json`` <-> ``ModelConfig`` and safetensors <-> NNX params.
 
-Reads local Qwen2 / Llama directories (one ``model.safetensors`` or shards listed in
+Reads local Qwen2 / Qwen3 (dense) / Llama directories (one ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``) and writes directories that ``transformers`` loads (``.gguf``
 files are read by ``tlt_jax.models.gguf``; ``tlt_jax.models.load`` picks the reader by the path).
 Torch is never needed: tensors go through ``safetensors`` with numpy (bf16 via ``ml_dtypes``).
@@ -35,6 +35,8 @@ _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16"
                 "float16": "float16", "half": "float16"}
 # Buffers some exporters write next to the weights; they carry nothing we need.
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+# HF Qwen3Config's head_dim when config.json omits it (not hidden_size / num_attention_heads).
+QWEN3_DEFAULT_HEAD_DIM = 128
 
 
 # ----------------------------------------------------------------------------- config
@@ -45,15 +47,19 @@ def _supported_architectures() -> str:
 
 
 def _architecture_from_hf(hf_config: dict) -> str:
-  """Our architecture name ('qwen2' / 'llama') from HF ``architectures`` or ``model_type``."""
+  """Our architecture name ('qwen2' / 'qwen3' / 'llama') from HF ``architectures`` or
+  ``model_type``."""
   classes = hf_config.get("architectures") or []
+  model_type = hf_config.get("model_type")
+  found = classes[0] if classes else model_type
+  if "moe" in str(found).lower() or hf_config.get("num_experts"):
+    raise ValueError(f"Mixture-of-experts model {found!r} is not supported (only dense layers); "
+                     f"use a dense model: {_supported_architectures()}")
   for hf_class in classes:
     if hf_class in _ARCHITECTURE_BY_CLASS:
       return _ARCHITECTURE_BY_CLASS[hf_class]
-  model_type = hf_config.get("model_type")
   if not classes and model_type in ARCHITECTURES:
     return model_type
-  found = classes[0] if classes else model_type
   raise ValueError(f"Unsupported architecture {found!r}; supported: {_supported_architectures()}")
 
 
@@ -117,6 +123,9 @@ def config_from_hf(hf_config: dict, dtype: str | None = None) -> ModelConfig:
     attention_bias = True  # HF Qwen2 always has q/k/v biases
   else:
     attention_bias = bool(hf_config.get("attention_bias", False))
+  head_dim = hf_config.get("head_dim")
+  if head_dim is None and architecture == "qwen3":
+    head_dim = QWEN3_DEFAULT_HEAD_DIM
   return ModelConfig(
       vocab_size=hf_config["vocab_size"],
       hidden_size=hf_config["hidden_size"],
@@ -124,7 +133,7 @@ def config_from_hf(hf_config: dict, dtype: str | None = None) -> ModelConfig:
       num_layers=hf_config["num_hidden_layers"],
       num_heads=num_heads,
       num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
-      head_dim=hf_config.get("head_dim"),
+      head_dim=head_dim,
       rope_theta=rope_theta,
       rope_scaling=rope_scaling,
       rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
@@ -182,6 +191,8 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     hf_config.update(attention_bias=config.attention_bias, mlp_bias=False)
   else:
     hf_config.update(use_sliding_window=False, sliding_window=None)
+  if config.architecture == "qwen3":
+    hf_config.update(attention_bias=config.attention_bias)
   return hf_config
 
 
@@ -285,7 +296,7 @@ def _check_tensor_names(path: Path, tensor_files: dict[str, Path], config: Model
 
 def from_pretrained(path: str | Path, dtype: str | None = None, *,
                     strict: bool = True) -> tuple[Transformer, ModelConfig]:
-  """Loads a local HF Qwen2/Llama directory as a ``Transformer``; ``dtype`` overrides the config's.
+  """Loads a local HF Qwen2/Qwen3/Llama directory as a ``Transformer``; ``dtype`` overrides the config's.
 
   (:func:`tlt_jax.models.load.from_pretrained` also takes a ``.gguf`` file.)
   Every param is set from the checkpoint; ``strict`` rejects unknown (non-harmless) tensors.

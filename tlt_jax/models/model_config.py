@@ -1,4 +1,5 @@
-"""Model configuration (`ModelConfig`) of the decoder-only transformers (Qwen2 / Llama families)."""
+"""Model configuration (`ModelConfig`) of the decoder-only transformers (Qwen2 / Qwen3 / Llama
+families)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from tlt_jax.utils import require_positive_ints
 
 ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
 }
+# Architectures whose queries and keys are RMS-normed per head (before RoPE).
+QK_NORM_ARCHITECTURES = ("qwen3",)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -43,6 +47,8 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False
   attention_bias: bool = False
+  # per-head RMSNorm of queries and keys before RoPE; None: what the architecture has (qwen3 only)
+  qk_norm: bool | None = None
   max_position_embeddings: int = 4096
   dtype: str = "float32"
   architecture: str = "llama"
@@ -70,12 +76,32 @@ class ModelConfig:
       raise ValueError(
           f"ModelConfig.architecture must be one of {sorted(ARCHITECTURES)}, got "
           f"{self.architecture!r}")
+    self._check_qk_norm()
     if self.rope_scaling is not None and self.rope_scaling.rope_type not in ("llama3", "linear"):
       raise ValueError(
           f"ModelConfig.rope_scaling.rope_type {self.rope_scaling.rope_type!r} is not supported "
           "(supported: 'llama3', 'linear')")
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+  def _check_qk_norm(self) -> None:
+    """Resolves ``qk_norm=None`` to the architecture's; an explicit value must agree with it."""
+    has_qk_norm = self.architecture in QK_NORM_ARCHITECTURES
+    if self.qk_norm is None:
+      object.__setattr__(self, "qk_norm", has_qk_norm)
+    elif not isinstance(self.qk_norm, bool):
+      raise ValueError(f"ModelConfig.qk_norm must be True, False or None, got {self.qk_norm!r}")
+    elif self.qk_norm != has_qk_norm:
+      raise ValueError(
+          f"ModelConfig.qk_norm={self.qk_norm} does not fit architecture={self.architecture!r}: "
+          f"only {', '.join(map(repr, QK_NORM_ARCHITECTURES))} normalizes queries and keys per "
+          f"head; leave qk_norm unset or pick architecture='qwen3' for a model with the norms")
+
+  @property
+  def o_proj_bias(self) -> bool:
+    """Whether the attention output projection has a bias: HF Llama's and Qwen3's
+    ``attention_bias`` covers q/k/v and o; Qwen2's biases q/k/v only."""
+    return self.attention_bias and self.architecture != "qwen2"
 
   @property
   def jnp_dtype(self) -> Any:

@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Qwen2 / Llama families) in Flax NNX.
+"""Decoder-only transformer (Qwen2 / Qwen3 / Llama families) in Flax NNX.
 
 One forward serves prefill, single-token decode and multi-token (chain or tree) verify:
 new tokens are written into a KV cache at per-row offsets ``cache.lengths[b] + t`` and
@@ -120,9 +120,11 @@ class Attention(nnx.Module):
     self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.attention_bias, c, rngs)
     self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, c, rngs)
     self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, c, rngs)
-    # HF Llama's attention_bias also biases the output projection; Qwen2's never does.
-    o_bias = c.attention_bias and c.architecture == "llama"
-    self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, o_bias, c, rngs)
+    self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, c.o_proj_bias, c, rngs)
+    if c.qk_norm:  # Qwen3: each head's query and key RMS-normed over head_dim, before RoPE
+      self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.jnp_dtype)
+      self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.jnp_dtype)
+    self.qk_norm = c.qk_norm
 
   def __call__(self, x, positions, inv_freq, mask, cache_kv, cache_lengths):
     """``mask [B, T, S]`` says which keys each query sees; returns (out, (k, v) to attend)."""
@@ -130,6 +132,8 @@ class Attention(nnx.Module):
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     if cache_kv is not None:
@@ -214,7 +218,7 @@ def positions_and_mask(shape: tuple[int, int], cache: KVCache | None, positions,
 
 
 class Transformer(nnx.Module):
-  """Qwen2/Llama-family causal LM. ``model(ids)`` gives logits; ``model.forward`` does the rest."""
+  """Qwen2/Qwen3/Llama-family causal LM. ``model(ids)`` gives logits; ``model.forward`` does the rest."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config

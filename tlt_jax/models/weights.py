@@ -40,8 +40,12 @@ def hf_tensor_names(config: ModelConfig) -> dict[ParamPath, tuple[str, bool]]:
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
       names[("layers", i, "self_attn", proj, "kernel")] = (
           f"{prefix}.self_attn.{proj}.weight", True)
-      if config.attention_bias and (proj != "o_proj" or config.architecture == "llama"):
+      if config.attention_bias and (proj != "o_proj" or config.o_proj_bias):
         names[("layers", i, "self_attn", proj, "bias")] = (f"{prefix}.self_attn.{proj}.bias", False)
+    if config.qk_norm:
+      for norm in ("q_norm", "k_norm"):
+        names[("layers", i, "self_attn", norm, "weight")] = (f"{prefix}.self_attn.{norm}.weight",
+                                                             False)
     for proj in ("gate_proj", "up_proj", "down_proj"):
       names[("layers", i, "mlp", proj, "kernel")] = (f"{prefix}.mlp.{proj}.weight", True)
   if not config.tie_word_embeddings:
