@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face checkpoints (Qwen2 / Llama) written with transformers + torch.
+"""Tiny random Hugging Face checkpoints (Qwen2 / Qwen3 / Llama) written with transformers + torch.
 
 Every parameter, norms and biases included, is drawn at random so that a wrong mapping or a
 missing transpose shows up in the logits. Import only from tests that have already done
@@ -70,3 +70,18 @@ def make_llama_checkpoint(path: str | Path, seed: int = 0, rope_scaling: dict | 
       rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, bos_token_id=1,
       eos_token_id=[2, 3], dtype="float32")
   return _save(transformers.LlamaForCausalLM(config), path, seed, max_shard_size)
+
+
+def make_qwen3_checkpoint(path: str | Path, seed: int = 0, num_layers: int = 2,
+                          num_kv_heads: int = 2, head_dim: int = 16, tie: bool = True,
+                          attention_bias: bool = False) -> torch.nn.Module:
+  """A fp32 dense Qwen3 (4 heads of ``head_dim``, q/k norms) saved to ``path``."""
+  torch.manual_seed(seed)
+  config = transformers.Qwen3Config(
+      vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=128,
+      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=num_kv_heads,
+      head_dim=head_dim, max_position_embeddings=256, rope_parameters={
+          "rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
+      tie_word_embeddings=tie, attention_bias=attention_bias, bos_token_id=1, eos_token_id=2,
+      dtype="float32")
+  return _save(transformers.Qwen3ForCausalLM(config), path, seed, None)
