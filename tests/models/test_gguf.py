@@ -1,8 +1,9 @@
 """GGUF checkpoints: logits / greedy / tokenizer / chat-template parity with transformers' GGUF
 loader, llama.cpp's Q/K permutation, conversion to an HF directory, errors, the SmolLM2 file.
 
-The files are written with the ``gguf`` package's own writer: tiny random Llama and Qwen2 models
-(2 layers, hidden 64) in several tensor types, with a byte-level BPE tokenizer and a chat template.
+The files are written with the ``gguf`` package's own writer: tiny random Llama, Qwen2 and Qwen3
+models (2 layers, hidden 64) in several tensor types, with a byte-level BPE tokenizer and a chat
+template.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ LLAMA_TYPES = {"token_embd": Q.F16, "attn": Q.Q8_0, "ffn_gate": Q.Q4_0, "ffn_up"
                "ffn_down": Q.Q4_K, "output": Q.F32}
 QWEN2_TYPES = {"token_embd": Q.F32, "attn": Q.F16, "ffn_gate": Q.Q8_0, "ffn_up": Q.BF16,
                "ffn_down": Q.Q4_0}
+QWEN3_TYPES = {"token_embd": Q.F16, "attn": Q.Q8_0, "ffn_gate": Q.BF16, "ffn_up": Q.Q4_1,
+               "ffn_down": Q.F16, "output": Q.Q8_0}
+QWEN3_HEAD_DIM = 128  # Qwen3's (not hidden / heads); transformers' GGUF loader assumes it
 
 
 # ----------------------------------------------------------------------------- writing GGUF files
@@ -105,22 +109,27 @@ def permute_like_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def write_gguf(path, arch: str = "llama", types: dict | None = None, seed: int = 0, *,
                drop: tuple[str, ...] = (), extra_tensors: dict | None = None,
                metadata: dict | None = None, tokenizer: bool = True,
-               eot: int | None = None) -> dict[str, np.ndarray]:
+               eot: int | None = None, head_dim: int = HEAD_DIM) -> dict[str, np.ndarray]:
   """Writes a tiny random GGUF file; returns its tensors as HF-layout float32 (Q/K unpermuted).
 
   ``types`` maps a tensor kind (token_embd, attn, ffn_gate, ffn_up, ffn_down, output) to a
   GGML type (default F32); ``drop`` leaves tensors out; ``metadata`` overrides
-  ``{arch}.<key>`` values; ``eot`` writes an end-of-turn id beside the EOS id 2.
+  ``{arch}.<key>`` values; ``eot`` writes an end-of-turn id beside the EOS id 2. A qwen3 file
+  has per-head q/k norms and an untied output; ``head_dim`` other than hidden / heads is written
+  as ``attention.key_length`` / ``value_length``.
   """
   types = types or {}
   rng = np.random.RandomState(seed)
-  tok = train_tokenizer("qwen2" if arch == "qwen2" else "smollm") if tokenizer else None
+  pre = "qwen2" if arch in ("qwen2", "qwen3") else "smollm"
+  tok = train_tokenizer(pre) if tokenizer else None
   vocab = len(tok["tokens"]) if tok else 300
   writer = gguf.GGUFWriter(str(path), arch)
   meta = {"block_count": LAYERS, "context_length": 256, "embedding_length": HIDDEN,
           "feed_forward_length": INTERMEDIATE, "attention.head_count": HEADS,
           "attention.head_count_kv": KV_HEADS, "rope.freq_base": 10000.0,
           "attention.layer_norm_rms_epsilon": 1e-6}
+  if head_dim != HIDDEN // HEADS:
+    meta.update({"attention.key_length": head_dim, "attention.value_length": head_dim})
   meta.update(metadata or {})
   for key, value in meta.items():
     full = f"{arch}.{key}"
@@ -132,7 +141,7 @@ def write_gguf(path, arch: str = "llama", types: dict | None = None, seed: int =
       writer.add_uint32(full, value)
   if tok:
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tok["tokens"])
     writer.add_token_types([3 if t.startswith("<|") else 4 if t == "<think>" else 1
                             for t in tok["tokens"]])
@@ -168,8 +177,8 @@ def write_gguf(path, arch: str = "llama", types: dict | None = None, seed: int =
   for i in range(LAYERS):
     add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
     add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
-    for proj, rows in (("q", HEADS * HEAD_DIM), ("k", KV_HEADS * HEAD_DIM),
-                       ("v", KV_HEADS * HEAD_DIM)):
+    for proj, rows in (("q", HEADS * head_dim), ("k", KV_HEADS * head_dim),
+                       ("v", KV_HEADS * head_dim)):
       weight = linear(rows, HIDDEN)
       if arch == "llama" and proj in "qk":  # stored as llama.cpp's converter stores it
         heads = HEADS if proj == "q" else KV_HEADS
@@ -179,12 +188,14 @@ def write_gguf(path, arch: str = "llama", types: dict | None = None, seed: int =
         add(f"blk.{i}.attn_{proj}.weight", weight, "attn")
       if arch == "qwen2":
         add(f"blk.{i}.attn_{proj}.bias", 0.1 * rng.standard_normal(rows))
-    add(f"blk.{i}.attn_output.weight", linear(HIDDEN, HEADS * HEAD_DIM), "attn")
+      if arch == "qwen3" and proj in "qk":
+        add(f"blk.{i}.attn_{proj}_norm.weight", 1 + 0.1 * rng.standard_normal(head_dim))
+    add(f"blk.{i}.attn_output.weight", linear(HIDDEN, HEADS * head_dim), "attn")
     add(f"blk.{i}.ffn_gate.weight", linear(INTERMEDIATE, HIDDEN), "ffn_gate")
     add(f"blk.{i}.ffn_up.weight", linear(INTERMEDIATE, HIDDEN), "ffn_up")
     add(f"blk.{i}.ffn_down.weight", linear(HIDDEN, INTERMEDIATE), "ffn_down")
   add("output_norm.weight", 1 + 0.1 * rng.standard_normal(HIDDEN))
-  if arch == "llama":
+  if arch in ("llama", "qwen3"):
     add("output.weight", linear(vocab, HIDDEN), "output")
   for name, value in (extra_tensors or {}).items():
     add(name, value)
@@ -280,6 +291,24 @@ def test_logits_and_greedy_tokens_match_transformers(gguf_dir, transformers_lib,
   prompt = ids[0, :6].tolist()
   expected = torch_greedy(transformers_lib, reference_model, prompt, 10)
   assert our_greedy(model, prompt, 10) == expected
+
+
+def test_qwen3_logits_and_greedy_tokens_match_transformers(tmp_path, transformers_lib):
+  """Per-head q/k norms (attn_q_norm / attn_k_norm), head_dim 128 from key_length, Q/K rows
+  unpermuted, untied output, quantized tensors."""
+  write_gguf(tmp_path / "qwen3.gguf", "qwen3", QWEN3_TYPES, seed=2, head_dim=QWEN3_HEAD_DIM)
+  model, config = from_pretrained(tmp_path / "qwen3.gguf")
+  reference_model = load_reference(transformers_lib, tmp_path, "qwen3.gguf")
+  assert (config.architecture, config.qk_norm, config.attention_bias) == ("qwen3", True, False)
+  assert (config.num_heads, config.num_kv_heads, config.head_dim) == (HEADS, KV_HEADS, 128)
+  assert not config.tie_word_embeddings
+  ids = np.random.RandomState(2).randint(0, config.vocab_size, (2, 12)).astype(np.int32)
+  reference = torch_logits(transformers_lib, reference_model, ids)
+  assert relative_diff(our_logits(model, ids), reference) < RELATIVE_TOLERANCE
+  assert np.abs(reference).max() > 1.0
+  prompt = ids[0, :6].tolist()
+  assert our_greedy(model, prompt, 10) == torch_greedy(transformers_lib, reference_model, prompt,
+                                                       10)
 
 
 def test_llama_qk_rows_are_unpermuted(tmp_path):

@@ -1,4 +1,4 @@
-"""GGUF checkpoints (llama.cpp's single-file format) of the Llama and Qwen2 families.
+"""GGUF checkpoints (llama.cpp's single-file format) of the Llama, Qwen2 and Qwen3 (dense) families.
 
   model, config = load_gguf("model.gguf")             # dequantized, float32 unless dtype=...
   tokenizer = tokenizer_from_gguf("model.gguf")       # byte-level BPE + chat template
@@ -10,7 +10,8 @@ and ``convert`` writes its HF directory through ``tlt_jax.models.hf``). Every te
 dequantized on load with the ``gguf`` package (F32, F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the
 K-quants...: whatever it can dequantize), so the model runs in a float dtype, never quantized.
 llama.cpp's converter permutes the rows of Llama's Q and K projections (its rotary layout
-pairs interleaved dims, ours the two halves); that is undone here. Qwen2 is stored unpermuted.
+pairs interleaved dims, ours the two halves); that is undone here. Qwen2 and Qwen3 are stored
+unpermuted.
 Torch and transformers are never imported.
 """
 
@@ -36,7 +37,7 @@ from tlt_jax.models.transformer import Transformer, rope_inv_freq
 from tlt_jax.models.weights import ParamPath, WeightsError, abstract_params, check_finite
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ROPE_FREQS_TENSOR = "rope_freqs.weight"  # Llama-3 RoPE scaling, as per-frequency divisors
 
@@ -47,6 +48,7 @@ _HF_TO_GGUF = (
     (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".ffn_norm."),
     (".self_attn.q_proj.", ".attn_q."), (".self_attn.k_proj.", ".attn_k."),
     (".self_attn.v_proj.", ".attn_v."), (".self_attn.o_proj.", ".attn_output."),
+    (".self_attn.q_norm.", ".attn_q_norm."), (".self_attn.k_norm.", ".attn_k_norm."),
     (".mlp.gate_proj.", ".ffn_gate."), (".mlp.up_proj.", ".ffn_up."),
     (".mlp.down_proj.", ".ffn_down."),
 )
@@ -257,7 +259,7 @@ def gguf_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
 
 
 def gguf_tensor_name(hf_name: str) -> str:
-  """llama.cpp's tensor name for an HF Llama/Qwen2 tensor name (``model.norm.weight`` ->
+  """llama.cpp's tensor name for an HF Llama/Qwen2/Qwen3 tensor name (``model.norm.weight`` ->
   ``output_norm.weight``)."""
   name = hf_name
   for hf_piece, gguf_piece in _HF_TO_GGUF:
@@ -296,8 +298,8 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def load_gguf(path: str | Path, dtype: str | None = None, *,
               strict: bool = True) -> tuple[Transformer, ModelConfig]:
-  """Loads a Llama / Qwen2 GGUF file as a ``Transformer``, every tensor dequantized to ``dtype``
-  (default float32).
+  """Loads a Llama / Qwen2 / Qwen3 GGUF file as a ``Transformer``, every tensor dequantized to
+  ``dtype`` (default float32).
 
   Every param is set exactly once from the file; ``strict`` rejects tensors the model does not
   use. Llama's Q/K rows are unpermuted (see :func:`unpermute_rotary_rows`). A missing,
