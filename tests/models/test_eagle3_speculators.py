@@ -215,3 +215,42 @@ def test_mismatched_and_malformed_checkpoints_give_one_line(verifier, tmp_path):
   (out / "config.json").write_text(json.dumps(config))
   (out / "model.safetensors").write_bytes(b"garbage")
   check(r"model.safetensors")
+
+
+@pytest.fixture
+def one_torch_thread():
+  """Torch on one thread: its tiny forwards are many times slower when two threads share CPUs."""
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)
+  yield
+  torch.set_num_threads(threads)
+
+
+def test_a_qwen3_verifier(tmp_path, one_torch_thread):  # pylint: disable=unused-argument
+  """A Qwen3 target (q/k norms, untied, head_dim 24 != hidden / heads): the drafter's layer is
+  still a Llama layer, the package loads the export, names the verifier and computes our
+  logits; the checkpoint reads back as the same drafter."""
+  verifier_dir = tmp_path / "qwen3"
+  hf_fixtures.make_qwen3_checkpoint(verifier_dir, seed=5, num_layers=NUM_LAYERS, head_dim=24,
+                                    tie=False)
+  target, target_config = hf.from_pretrained(verifier_dir)
+  assert (target_config.architecture, target_config.head_dim) == ("qwen3", 24)
+  drafter = Eagle3Drafter.create(target_config, seed=1)
+  drafter.set_draft_vocab(target, np.random.default_rng(7).permutation(128)[:40])
+  randomize(drafter, seed=3)
+  assert not hasattr(drafter.layer.self_attn, "q_norm")
+  out = export_speculators(drafter, verifier_dir, tmp_path / "spec")
+  config = json.loads((out / "config.json").read_text())
+  assert config["speculators_config"]["verifier"]["architectures"] == ["Qwen3ForCausalLM"]
+  layer = config["transformer_layer_config"]
+  assert (layer["model_type"], layer["head_dim"]) == ("llama", 24)
+  assert compare_with_package(drafter, target, out, seed=1) < REL_TOL
+  back = load_speculators(out, target_config)
+  assert back.vocab_ids == tuple(sorted(drafter.vocab_ids))
+  ours = dict(nnx.to_flat_state(nnx.state(drafter, nnx.Param)))
+  order = np.argsort(drafter.vocab_ids)  # the head comes back in increasing target-id order
+  for path, var in nnx.to_flat_state(nnx.state(back, nnx.Param)):
+    expected = np.asarray(ours[path].get_value())
+    if path[0] == "head":
+      expected = expected[:, order]
+    assert np.array_equal(np.asarray(var.get_value()), expected), path
