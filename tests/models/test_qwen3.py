@@ -192,6 +192,6 @@ def test_unsupported_qwen3_variants_are_named():
   with pytest.raises(ValueError, match=r"qk_norm=False does not fit architecture='qwen3'"):
     ModelConfig.tiny(architecture="qwen3", qk_norm=False)
   with pytest.raises(ValueError, match=r"qk_norm=True does not fit architecture='llama'.*"
-                                       r"pick architecture='qwen3'"):
+                                       r"pass qk_norm=False"):
     ModelConfig.tiny(architecture="llama", qk_norm=True)
   assert not ModelConfig.tiny().qk_norm and ModelConfig.tiny(architecture="qwen3").qk_norm

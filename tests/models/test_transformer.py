@@ -175,7 +175,7 @@ def test_config_size_fields_must_be_positive_ints(field, value):
     (dict(dtype="float64"),
      r"dtype must be one of \['bfloat16', 'float16', 'float32'\], got 'float64'"),
     (dict(architecture="mistral"),
-     r"architecture must be one of \['llama', 'qwen2'\], got 'mistral'"),
+     r"architecture must be one of \['llama', 'qwen2', 'qwen3'\], got 'mistral'"),
     (dict(rope_scaling=RopeScaling(rope_type="yarn")), r"rope_type 'yarn' is not supported"),
 ])
 def test_config_rejects_inconsistent_settings(overrides, message):

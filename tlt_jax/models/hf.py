@@ -296,7 +296,8 @@ def _check_tensor_names(path: Path, tensor_files: dict[str, Path], config: Model
 
 def from_pretrained(path: str | Path, dtype: str | None = None, *,
                     strict: bool = True) -> tuple[Transformer, ModelConfig]:
-  """Loads a local HF Qwen2/Qwen3/Llama directory as a ``Transformer``; ``dtype`` overrides the config's.
+  """Loads a local HF Qwen2/Qwen3/Llama directory as a ``Transformer``; ``dtype`` overrides the
+  config's.
 
   (:func:`tlt_jax.models.load.from_pretrained` also takes a ``.gguf`` file.)
   Every param is set from the checkpoint; ``strict`` rejects unknown (non-harmless) tensors.

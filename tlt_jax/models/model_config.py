@@ -95,7 +95,8 @@ class ModelConfig:
       raise ValueError(
           f"ModelConfig.qk_norm={self.qk_norm} does not fit architecture={self.architecture!r}: "
           f"only {', '.join(map(repr, QK_NORM_ARCHITECTURES))} normalizes queries and keys per "
-          f"head; leave qk_norm unset or pick architecture='qwen3' for a model with the norms")
+          f"head; pass qk_norm={not self.qk_norm} (or None: the architecture's), or another "
+          "architecture")
 
   @property
   def o_proj_bias(self) -> bool:

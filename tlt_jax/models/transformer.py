@@ -218,7 +218,7 @@ def positions_and_mask(shape: tuple[int, int], cache: KVCache | None, positions,
 
 
 class Transformer(nnx.Module):
-  """Qwen2/Qwen3/Llama-family causal LM. ``model(ids)`` gives logits; ``model.forward`` does the rest."""
+  """Qwen2/Qwen3/Llama-family causal LM: ``model(ids)`` gives logits, ``model.forward`` the rest."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config
