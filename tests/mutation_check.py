@@ -1308,6 +1308,40 @@ MUTANTS = [
            ("tests/rl/test_logprob_agreement.py",),
            "the rollout records log-probs of bf16-rounded logits, another numerics path than the "
            "update's fp32 one"),
+    # --- Qwen3 (dense): per-head q/k norms, head_dim, o_proj bias, GGUF names, EAGLE-3 layer ---
+    Mutant("qwen3_qk_norm_after_rope", "tlt_jax/models/transformer.py",
+           "    if self.qk_norm:\n      q, k = self.q_norm(q), self.k_norm(k)\n"
+           "    q = apply_rope(q, positions, inv_freq)\n"
+           "    k = apply_rope(k, positions, inv_freq)\n",
+           "    q = apply_rope(q, positions, inv_freq)\n"
+           "    k = apply_rope(k, positions, inv_freq)\n"
+           "    if self.qk_norm:\n      q, k = self.q_norm(q), self.k_norm(k)\n",
+           ("tests/models/test_qwen3.py", "-k", "match_transformers"),
+           "Qwen3's query/key norms applied after RoPE (their per-dim weights mix the rotation)"),
+    Mutant("qwen3_k_norm_skipped", "tlt_jax/models/transformer.py",
+           "      q, k = self.q_norm(q), self.k_norm(k)", "      q = self.q_norm(q)",
+           ("tests/models/test_qwen3.py", "-k", "match_transformers"),
+           "Qwen3's keys are not normalized"),
+    Mutant("qwen3_o_proj_unbiased", "tlt_jax/models/model_config.py",
+           'return self.attention_bias and self.architecture != "qwen2"',
+           'return self.attention_bias and self.architecture == "llama"',
+           ("tests/models/test_qwen3.py", "-k", "match_transformers and bias"),
+           "a Qwen3 with attention_bias has no o_proj bias (HF Qwen3 biases o as Llama does)"),
+    Mutant("qwen3_head_dim_from_heads", "tlt_jax/models/hf.py",
+           '  if head_dim is None and architecture == "qwen3":',
+           '  if head_dim is None and architecture == "qwen":',
+           ("tests/models/test_qwen3.py", "-k", "released"),
+           "a Qwen3 config.json without head_dim reads hidden / heads (HF Qwen3's default is 128)"),
+    Mutant("gguf_qwen3_qk_norms_swapped", "tlt_jax/models/gguf.py",
+           '(".self_attn.q_norm.", ".attn_q_norm."), (".self_attn.k_norm.", ".attn_k_norm."),',
+           '(".self_attn.q_norm.", ".attn_k_norm."), (".self_attn.k_norm.", ".attn_q_norm."),',
+           ("tests/models/test_gguf.py", "-k", "qwen3"),
+           "a qwen3 GGUF's attn_q_norm is read as the key norm and attn_k_norm as the query norm"),
+    Mutant("eagle3_layer_keeps_qwen3_qk_norm", "tlt_jax/models/eagle3.py",
+           'architecture="llama",\n                               qk_norm=False, ',
+           'architecture="qwen3",\n                               qk_norm=True, ',
+           ("tests/models/test_eagle3_speculators.py", "-k", "qwen3"),
+           "a Qwen3 target's EAGLE-3 draft layer gets q/k norms that no speculators Llama layer has"),
 ]
 
 
