@@ -1038,12 +1038,15 @@ def test_the_final_exports_write_an_eagle3_drafter_for_vllm_too(tmp_path, monkey
                                                           "final_model"]
 
 
-def test_an_eagle3_job_trains_its_drafter_and_writes_it_for_vllm(tmp_path, capsys):
-  """The tiny default job with config.drafter='eagle3' (one RL step): the drafter trains online,
-  final_drafter/ loads as an Eagle3Drafter, final_drafter_speculators/ loads back to the same
-  params, and the final line names both."""
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_an_eagle3_job_trains_its_drafter_and_writes_it_for_vllm(tmp_path, capsys, architecture):
+  """The tiny default job with config.drafter='eagle3' (one RL step), its policy a Qwen2 or a
+  Qwen3 one: the drafter trains online, final_drafter/ loads as an Eagle3Drafter,
+  final_drafter_speculators/ loads back to the same params and in the speculators package, and
+  the final line names both."""
   logdir = tmp_path / "eagle3"
   cfg = tiny_config(logdir, drafter="eagle3")
+  cfg.model.architecture = architecture
   cfg.trainer.steps = 1
   cfg.drafter_training.update(rows=2, seq_len=32, serial_steps=1, serial_budget="fixed")
   train.run(cfg)
@@ -1067,6 +1070,8 @@ def test_an_eagle3_job_trains_its_drafter_and_writes_it_for_vllm(tmp_path, capsy
   from tests.models.test_eagle3_speculators import compare_with_package  # pylint: disable=import-outside-toplevel
   from tlt_jax.models import hf  # pylint: disable=import-outside-toplevel
   policy, _ = hf.from_pretrained(logdir / "final_model")
+  assert policy.config.architecture == architecture and policy.config.qk_norm == (
+      architecture == "qwen3")
   assert compare_with_package(drafter, policy, logdir / "final_drafter_speculators") < 2e-5
 
 

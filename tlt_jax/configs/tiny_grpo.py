@@ -47,9 +47,11 @@ def get_config() -> ml_collections.ConfigDict:
   # problems (at least trainer.prompts_per_step) drawn once from the seed and visited once per
   # epoch in a shuffled order, so that RL revisits its prompts as on a dataset
   c.task = ml_collections.ConfigDict(dict(max_digits=8, digit_exponent=1.5, num_prompts=0))
-  # ModelConfig of the char-level Qwen2-style policy
+  # ModelConfig of the char-level policy: a Qwen2 one ("qwen3": per-head q/k norms, no qkv bias;
+  # "llama")
   c.model = ml_collections.ConfigDict(dict(
-      hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2))
+      architecture="qwen2", hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
+      num_kv_heads=2))
   # supervised warm start on correct traces (steps=0: none)
   c.sft = dataclass_section(SFTConfig)  # every field at SFTConfig's default
   # GRPOConfig: samples per prompt, PPO clip range (DAPO clip-higher), KL to the warm start

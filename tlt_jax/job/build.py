@@ -251,11 +251,14 @@ def _model_parts(model_cfg: ml_collections.ConfigDict, task: Task, choice: TaskC
     model_config, tokenizer = pretrained.load()
   else:  # the tiny char-level policy over the task's alphabet
     tokenizer = CharTokenizer(task.alphabet)
+    architecture = model_cfg.get("architecture", "qwen2")
+    # a Qwen2 layer unless config.model says otherwise; Qwen2's q/k/v projections have biases
+    unset = {k: v for k, v in dict(architecture="qwen2", attention_bias=architecture == "qwen2",
+                                   tie_word_embeddings=True).items() if k not in model_cfg}
     model_config = to_dataclass(
         ModelConfig, model_cfg, "model", vocab_size=tokenizer.vocab_size,
-        architecture="qwen2", attention_bias=True, tie_word_embeddings=True,
         max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id)
+        eos_token_id=tokenizer.eos_token_id, **unset)
   if choice.chat_template:
     try:
       chat_prompt(tokenizer, "2+2?")
