@@ -1342,6 +1342,18 @@ MUTANTS = [
            'architecture="qwen3",\n                               qk_norm=True, ',
            ("tests/models/test_eagle3_speculators.py", "-k", "qwen3"),
            "a Qwen3 target's EAGLE-3 draft layer gets q/k norms that no speculators Llama layer has"),
+    # --- mixed precision: float32 params, bf16 arithmetic and KV cache ---
+    Mutant("kv_cache_in_the_params_dtype", "tlt_jax/models/transformer.py",
+           "    dtype = dtype or config.jnp_compute_dtype",
+           "    dtype = dtype or config.jnp_dtype",
+           ("tests/models/test_mixed_precision.py", "tests/rollout/test_bf16.py"),
+           "under mixed precision the KV cache is kept in float32, not the compute dtype"),
+    Mutant("linear_params_in_the_compute_dtype", "tlt_jax/models/transformer.py",
+           "                    param_dtype=config.jnp_dtype, kernel_init=kernel_init, rngs=rngs)",
+           "                    param_dtype=config.jnp_compute_dtype, kernel_init=kernel_init,"
+           " rngs=rngs)",
+           ("tests/models/test_mixed_precision.py",),
+           "dense layers keep bf16 params under mixed precision: AdamW's small updates round away"),
 ]
 
 

@@ -8,7 +8,8 @@
 (the shell script sets the XLA flags and a timeout, then runs this driver; running the driver
 directly works too.) What it measures:
 
-1. parity: the model's log-probs in ``--dtype`` (bf16) against the same weights in float32
+1. parity: the model's log-probs computed in ``--dtype`` (bf16; its params stay float32: mixed
+   precision) against the same weights computed in float32
    (matmuls at full precision), teacher-forced on the benchmark prompts: the largest and mean
    absolute log-prob difference, the KL divergence, and how often the two greedy tokens agree.
    Where ``torch`` and ``transformers`` import, the float32 logits are also compared with the
@@ -62,7 +63,7 @@ from experiments.harness import (CharTokenizer, Drafter, DrafterTrainingConfig, 
                                  TrainerConfig, Transformer, TunerConfig, load_drafter,
                                  load_tokenizer)
 # pylint: disable=unused-import  # logits_of, divergence_gaps, gsm_style_problems: for the tests
-from tlt_jax.models.instances import copy_module, random_model, with_dtype
+from tlt_jax.models.instances import copy_module, random_model, with_compute_dtype
 from tlt_jax.models.parity import (divergence_gaps, first_divergence, hf_reference_parity,
                                    logits_of, logprob_parity, teacher_forced_batch)
 from tlt_jax.rl.external_tasks import MathDatasetTask
@@ -188,7 +189,8 @@ def prepare(a, report: dict, write, t_start: float) -> Check:
   """Loads the target (float32 and --dtype) and the drafter, and writes the chat-formatted
   GSM8K-style prompts; fills the report's ``model``, ``drafter`` and ``prompts``."""
   model32, tokenizer, source = load_target(a)
-  target = with_dtype(model32, a.dtype) if a.dtype != "float32" else model32
+  # float32 params (what the update and checkpoints hold), arithmetic and KV cache in --dtype
+  target = copy_module(with_compute_dtype(model32, a.dtype)) if a.dtype != "float32" else model32
   cfg = target.config
   report["model"] = dict(source, config=dict(
       vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
@@ -454,9 +456,10 @@ def rl_stage(a, target: Transformer, tokenizer, drafter: Drafter | None, report:
                rows_per_step=rows_per_step, max_new_tokens=size["max_new"],
                max_prompt_len=prompt_len, batch_buckets=list(buckets),
                sd_max_batch=a.rl_sd_max_batch, strategies=[dataclasses.asdict(s) for s in chains],
-               verify="coupled", tuner=a.rl_tuner, dtype=cfg.dtype, policy_lr=a.rl_lr,
-               note="params and AdamW state in the policy's dtype: in bf16, updates smaller than "
-                    "half a weight's ulp round away; the stage measures time, not learning"),
+               verify="coupled", tuner=a.rl_tuner, dtype=cfg.dtype,
+               compute_dtype=cfg.compute_dtype or cfg.dtype, policy_lr=a.rl_lr,
+               note="params and AdamW state in float32, arithmetic in compute_dtype; the stage "
+                    "measures time, not learning"),
       build_s={}, steps={arm: [] for arm in arms})
   report["rl"] = rl
 
@@ -590,7 +593,8 @@ def parse_args(argv=None):
   parser.add_argument("--tiny", action="store_true",
                       help="a tiny random model and drafter built here, small batches, few "
                            "tokens: for CI on a CPU")
-  parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+  parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                      help="the arithmetic's and the KV cache's dtype (the params stay float32)")
   parser.add_argument("--batches", type=harness.positive_ints, default=None,
                       help="default 1,8,32 (--tiny: 2; every batch size compiles its own "
                            "executables, which is most of a CPU run)")

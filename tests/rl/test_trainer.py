@@ -26,11 +26,12 @@ from tlt_jax.utils import compile_count
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def make_trainer(mesh=None, kl_coef=0.0, drafter=None, history=None, suffix=None, **trainer_kw):
+def make_trainer(mesh=None, kl_coef=0.0, drafter=None, history=None, suffix=None,
+                 compute_dtype=None, **trainer_kw):
   task = ArithmeticTask(max_digits=3)
   tokenizer = CharTokenizer(task.alphabet)
   config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,
-                            bos_token_id=tokenizer.bos_token_id)
+                            bos_token_id=tokenizer.bos_token_id, compute_dtype=compute_dtype)
   kw = dict(steps=2, prompts_per_step=4, max_new_tokens=24, minibatches=2, eval_problems=8)
   kw.update(trainer_kw)
   return GRPOTrainer(init_model(config, seed=0), tokenizer, task,

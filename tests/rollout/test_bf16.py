@@ -1,6 +1,7 @@
-"""The bfloat16 serving path: a bf16 model decodes through ``RolloutEngine.generate``, vanilla and
-speculative (random EAGLE drafter, chain and tree), without dtype errors; greedy SD is token for
-token the vanilla greedy output in bf16 too; and bf16 logits stay close to fp32 logits."""
+"""The bfloat16 serving path, with bf16 params or with float32 params computing in bf16 (mixed
+precision): the model decodes through ``RolloutEngine.generate``, vanilla and speculative (random
+EAGLE drafter, chain and tree), without dtype errors; greedy SD is token for token the vanilla
+greedy output computed the same way; and bf16 logits stay close to fp32 logits."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from flax import nnx
 from tests.models.random_model import random_model
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
+from tlt_jax.models.instances import with_compute_dtype
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.decode.sampling import SamplingParams
 from tlt_jax.rollout.decode.speculative import SpecConfig
@@ -38,11 +40,14 @@ def prompts():
   return [rng.integers(3, VOCAB, n).tolist() for n in (5, 9, 16, 3)]
 
 
-@pytest.fixture(scope="module")
-def target():
-  """A bf16 model with large weights: peaked next-token distributions, so greedy paths vary and
-  near-ties (which bf16 rounding may flip between batch shapes) are rare."""
-  return random_model(CONFIG.replace(dtype="bfloat16"), seed=0, scale=0.5)
+@pytest.fixture(scope="module", params=["bf16", "mixed"])
+def target(request):
+  """A model with large weights (peaked next-token distributions, so greedy paths vary and
+  near-ties, which bf16 rounding may flip between batch shapes, are rare): bf16 params, or
+  float32 params computing in bf16."""
+  if request.param == "bf16":
+    return random_model(CONFIG.replace(dtype="bfloat16"), seed=0, scale=0.5)
+  return with_compute_dtype(random_model(CONFIG, seed=0, scale=0.5), "bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +65,13 @@ def vanilla_greedy(engines):
 
 
 def test_bf16_model_and_caches_really_are_bf16(target, engines):
+  """Params in the model's dtype (bf16, or float32 under mixed precision); caches, features and
+  activations in bf16 either way."""
+  want = jnp.dtype(target.config.dtype)
   params = jax.tree.leaves(engines["vanilla"].params)
-  assert params and all(p.dtype == jnp.bfloat16 for p in params)
+  assert params and all(p.dtype == want for p in params)
   drafter_params = jax.tree.leaves(engines["chain"].drafter_params)
-  assert drafter_params and all(p.dtype == jnp.bfloat16 for p in drafter_params)
+  assert drafter_params and all(p.dtype == want for p in drafter_params)
   state = engines["tree"].pool.state_spec(4, engines["tree"].config.cache_len)
   assert state.cache.k[0].dtype == jnp.bfloat16 and state.dcache.k[0].dtype == jnp.bfloat16
   assert state.feats.dtype == jnp.bfloat16  # target features the drafter reads
@@ -123,13 +131,15 @@ def test_bf16_logits_close_to_fp32():
   """
   ids = np.random.default_rng(1).integers(0, VOCAB, (4, 32))
   m32 = random_model(CONFIG, seed=0)
-  m16 = random_model(CONFIG.replace(dtype="bfloat16"), seed=0)
   with jax.default_matmul_precision("highest"):
     lp32 = np.asarray(jax.nn.log_softmax(logits(m32, ids), -1))
-  lp16 = np.asarray(jax.nn.log_softmax(logits(m16, ids), -1))
-  diff = np.abs(lp32 - lp16)
-  assert np.all(np.isfinite(lp16))
-  assert diff.max() > 0  # the bf16 model really computes in bf16
-  assert diff[np.exp(lp32) >= 1e-3].max() < 0.3
-  assert diff.mean() < 0.03
-  assert (lp32.argmax(-1) == lp16.argmax(-1)).mean() >= 0.95
+  # bf16 params, and (mixed precision) float32 params computing in bf16
+  for m16 in (random_model(CONFIG.replace(dtype="bfloat16"), seed=0),
+              with_compute_dtype(m32, "bfloat16")):
+    lp16 = np.asarray(jax.nn.log_softmax(logits(m16, ids), -1))
+    diff = np.abs(lp32 - lp16)
+    assert np.all(np.isfinite(lp16))
+    assert diff.max() > 0  # the model really computes in bf16
+    assert diff[np.exp(lp32) >= 1e-3].max() < 0.3
+    assert diff.mean() < 0.03
+    assert (lp32.argmax(-1) == lp16.argmax(-1)).mean() >= 0.95

@@ -20,6 +20,7 @@ from tests.stats import (exact_logprobs, exact_sequences, padded, prefix_logits,
                          sampled_logprobs_error, window_pvalues)
 from tlt_jax.drafter.warmup import warm_up_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
+from tlt_jax.models.instances import with_compute_dtype
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.decode.sampling import SamplingParams
@@ -86,6 +87,14 @@ def trained_eagle3(target, steps: int = 40):
                                steps=steps, row_len=16, batch_rows=16, learning_rate=3e-3,
                                drafter=Eagle3Drafter.for_target(target), evaluate=False)
   return drafter
+
+
+@pytest.fixture(scope="module")
+def setup_bf16(setup):
+  """``setup``'s target computing in bfloat16 (its params stay float32), the exact law of its
+  own bf16 logits, and its engines."""
+  target = with_compute_dtype(setup[0], "bfloat16")
+  return target, prefix_logits(target, PROMPT, HORIZON), {}
 
 
 def engine_for(setup, strategy):
@@ -176,6 +185,24 @@ def test_every_draft_level_and_bonus_keep_the_target_law(setup, case):
       assert result.tokens[row] == tokens[:end], row
       assert result.finish_reasons[row] == ("stop" if STOP in tokens else "length"), row
       np.testing.assert_allclose(result.logprobs[row], logprobs[:end], atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["chain-plain", pytest.param("tree-topk-topp-stop",
+                                                               marks=pytest.mark.slow)])
+def test_bf16_compute_keeps_the_target_law(setup_bf16, case):
+  """Mixed precision (float32 params, bf16 arithmetic and KV cache): the sampled law is the bf16
+  target's at every draft level and the bonus, and the log-probs reported are its own."""
+  strategy, kw = CASES[case]
+  engine = engine_for(setup_bf16, strategy)
+  assert engine.pool.state_spec(512, engine.config.cache_len).cache.k[0].dtype == "bfloat16"
+  result = engine.generate([PROMPT] * SAMPLES, SamplingParams(max_new_tokens=HORIZON, seed=11,
+                                                              **kw))
+  logp, seqs, probs, symbols = exact_case(setup_bf16, case)
+  pvalues = family_pvalues(padded(result.tokens, HORIZON, VOCAB), seqs, probs, symbols)
+  assert not rejects(pvalues), pvalues
+  assert sampled_logprobs_error(result.tokens, result.logprobs, logp) < 1e-2
+  hist = np.asarray(result.stats.accept_hist, np.float64)
+  assert hist[-1] / hist.sum() > 0.1, hist
 
 
 @pytest.mark.parametrize("case", ["chain-plain", "tree-topk-topp-stop"])

@@ -34,7 +34,7 @@ from tlt_jax.configs import tiny_longtail
 
 # pass_cost.py's size_config("1024x12"): heads of 64, 4 KV heads, MLP 3x hidden
 MODEL = dict(hidden_size=1024, intermediate_size=3072, num_layers=12, num_heads=16,
-             num_kv_heads=4)
+             num_kv_heads=4, compute_dtype="auto")  # bf16 arithmetic on a GPU or TPU
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -51,9 +51,10 @@ def get_config() -> ml_collections.ConfigDict:
       kind="reasoning_gym", name="gsm_symbolic", size=5000, seed=0, chat_template=True,
       prompt_template="{question}\nGive your final answer inside <answer></answer> tags.",
       options=ml_collections.ConfigDict(), num_prompts=0))
-  # a pretrained policy: an HF directory or a .gguf file, in float32 (AdamW on bf16 params
-  # loses small updates)
-  c.model = ml_collections.ConfigDict(dict(path=smollm2_default_path(), dtype="float32"))
+  # a pretrained policy: an HF directory or a .gguf file, its params in float32 (AdamW on bf16
+  # params loses small updates), computing in bfloat16 on a GPU or TPU ("auto"; float32 on a CPU)
+  c.model = ml_collections.ConfigDict(dict(path=smollm2_default_path(), dtype="float32",
+                                           compute_dtype="auto"))
   c.sft = dataclass_section(SFTConfig, steps=0)
   c.grpo = dataclass_section(GRPOConfig, group_size=8, clip_eps_high=0.28)
   c.trainer = trainer_section(steps=200, prompts_per_step=16, learning_rate=2e-6, warmup_steps=5,

@@ -4,6 +4,7 @@
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 from tlt_jax.job.build import trainer_section
 from tlt_jax.job.rollout_config import drafter_training_section, rollout_section, \
@@ -48,10 +49,11 @@ def get_config() -> ml_collections.ConfigDict:
   # epoch in a shuffled order, so that RL revisits its prompts as on a dataset
   c.task = ml_collections.ConfigDict(dict(max_digits=8, digit_exponent=1.5, num_prompts=0))
   # ModelConfig of the char-level policy: a Qwen2 one ("qwen3": per-head q/k norms, no qkv bias;
-  # "llama")
+  # "llama"); float32 params, computing in compute_dtype (None: float32; "bfloat16"; "auto":
+  # bfloat16 on a GPU or TPU)
   c.model = ml_collections.ConfigDict(dict(
       architecture="qwen2", hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
-      num_kv_heads=2))
+      num_kv_heads=2, compute_dtype=config_dict.placeholder(str)))
   # supervised warm start on correct traces (steps=0: none)
   c.sft = dataclass_section(SFTConfig)  # every field at SFTConfig's default
   # GRPOConfig: samples per prompt, PPO clip range (DAPO clip-higher), KL to the warm start

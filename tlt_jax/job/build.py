@@ -128,13 +128,28 @@ def trainer_section(**values) -> ml_collections.ConfigDict:
   return dataclass_section(TrainerConfig, omit=TRAINER_SOURCES, **values)
 
 
+COMPUTE_DTYPES = (None, "auto", "float32", "bfloat16", "float16")
+
+
+def resolve_compute_dtype(value) -> str | None:
+  """``config.model.compute_dtype``: None (the params' dtype), a dtype, or "auto": bfloat16 on a
+  GPU or TPU, the params' dtype on a CPU (where bf16 arithmetic is emulated, and slow)."""
+  if value not in COMPUTE_DTYPES:
+    raise ConfigError(f"config.model.compute_dtype must be one of {list(COMPUTE_DTYPES)}, got "
+                      f"{value!r}")
+  if value == "auto":
+    return None if jax.default_backend() == "cpu" else "bfloat16"
+  return value
+
+
 @dataclasses.dataclass(frozen=True)
 class PretrainedModel:
-  """``config.model`` with a ``path``: an HF model directory or a .gguf file, and the dtype of
-  its parameters (None: the checkpoint's)."""
+  """``config.model`` with a ``path``: an HF model directory or a .gguf file, the dtype of its
+  parameters (None: the checkpoint's) and of its arithmetic (``resolve_compute_dtype``)."""
 
   path: pathlib.Path | str
   dtype: str | None = None
+  compute_dtype: str | None = None
 
   def __post_init__(self):
     if not self.path:
@@ -151,6 +166,7 @@ class PretrainedModel:
     """The checkpoint's model config and its tokenizer, which must pad with a pad or EOS token."""
     try:
       model_config = pretrained_config(self.path, self.dtype or None)
+      model_config = model_config.replace(compute_dtype=resolve_compute_dtype(self.compute_dtype))
       tokenizer = load_tokenizer(self.path)
     except (OSError, ValueError, KeyError, ImportError) as e:
       raise ConfigError(f"config.model.path {self.path}: {e}") from None
@@ -245,6 +261,9 @@ def _model_parts(model_cfg: ml_collections.ConfigDict, task: Task, choice: TaskC
   task's alphabet), its config and tokenizer, checked to render a chat prompt where the task's
   prompts are chat-formatted."""
   model_path = None
+  model_cfg = dict(model_cfg.items())
+  if "compute_dtype" in model_cfg:
+    model_cfg["compute_dtype"] = resolve_compute_dtype(model_cfg["compute_dtype"])
   if "path" in model_cfg:  # a pretrained policy with its own tokenizer
     pretrained = to_dataclass(PretrainedModel, model_cfg, "model")
     model_path = pretrained.path

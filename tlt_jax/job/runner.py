@@ -28,6 +28,7 @@ from tlt_jax.job.run_dir import CHECKPOINTS, DRAFTER_CHECKPOINTS, FINAL_MODEL, M
 from tlt_jax.job.signals import Interrupted, StopSignals
 from tlt_jax.job.typed_config import ConfigError, config_error
 from tlt_jax.models.load import from_pretrained
+from tlt_jax.models.instances import with_compute_dtype
 from tlt_jax.models.drafter_io import drafter_policy_mismatch
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl.sft import warm_start
@@ -221,7 +222,7 @@ def initial_model(job: Job, seed: int) -> Transformer:
   if job.model_path is None:
     return init_model(job.model_config, seed=seed)
   model, _ = from_pretrained(job.model_path, dtype=job.model_config.dtype)
-  return model
+  return with_compute_dtype(model, job.model_config.compute_dtype)
 
 
 def _warm_start(model, job: Job):

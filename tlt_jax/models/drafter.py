@@ -24,8 +24,8 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.models.model_config import ModelConfig
-from tlt_jax.models.transformer import (DecoderLayer, KVCache, Transformer, positions_and_mask,
-                                        rope_inv_freq)
+from tlt_jax.models.transformer import (DecoderLayer, KVCache, Transformer, linear,
+                                        positions_and_mask, rope_inv_freq)
 
 
 class DrafterOutput(NamedTuple):
@@ -42,9 +42,8 @@ class Drafter(nnx.Module):
   def __init__(self, target_config: ModelConfig, *, rngs: nnx.Rngs,
                draft_vocab_size: int | None = None):
     self.config = target_config
-    h, dt = target_config.hidden_size, target_config.jnp_dtype
-    self.fc = nnx.Linear(2 * h, h, use_bias=True, dtype=dt, param_dtype=dt,
-                         kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+    h = target_config.hidden_size
+    self.fc = linear(2 * h, h, True, target_config, rngs)
     self.layer = DecoderLayer(target_config, rngs)
     self.head = nnx.data(None)
     # The reduced vocabulary's target ids: static (part of the graph definition, a compile-time
@@ -55,8 +54,7 @@ class Drafter(nnx.Module):
       if not 1 <= k <= target_config.vocab_size:
         raise ValueError(f"draft_vocab_size must be in [1, {target_config.vocab_size}] (the "
                          f"target's vocabulary), got {draft_vocab_size}")
-      self.head = nnx.Linear(h, k, use_bias=False, dtype=dt, param_dtype=dt,
-                             kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+      self.head = linear(h, k, False, target_config, rngs)
       self.vocab_ids = tuple(range(k))
 
   @classmethod
@@ -91,10 +89,8 @@ class Drafter(nnx.Module):
                        f"{ids.size} ids (distinct: {len(np.unique(ids))}, range "
                        f"{ids.min() if ids.size else None}..{ids.max() if ids.size else None})")
     rows = target_head_rows(target, jnp.asarray(ids, jnp.int32))  # [K, H]
-    dt = self.config.jnp_dtype
-    self.head = nnx.Linear(self.config.hidden_size, ids.size, use_bias=False, dtype=dt,
-                           param_dtype=dt, rngs=nnx.Rngs(0))
-    self.head.kernel.set_value(jnp.asarray(rows.T, dt))
+    self.head = linear(self.config.hidden_size, ids.size, False, self.config, nnx.Rngs(0))
+    self.head.kernel.set_value(jnp.asarray(rows.T, self.config.jnp_dtype))
     self.vocab_ids = tuple(int(i) for i in ids)
 
   def to_target_ids(self, index: jax.Array) -> jax.Array:
@@ -109,7 +105,8 @@ class Drafter(nnx.Module):
     if self.vocab_ids is None:
       return target.lm_logits(hidden)
     rows = target_head_rows(target, jnp.asarray(self.vocab_ids, jnp.int32))  # [K, H]
-    return jnp.einsum("...h,kh->...k", hidden.astype(rows.dtype), rows,
+    dt = self.config.jnp_compute_dtype
+    return jnp.einsum("...h,kh->...k", hidden.astype(dt), rows.astype(dt),
                       preferred_element_type=jnp.float32)
 
   @classmethod
@@ -134,7 +131,7 @@ class Drafter(nnx.Module):
     ``cache.lengths + t`` and ``lengths`` is left for the caller to advance.
     """
     positions, mask = positions_and_mask(tokens.shape, cache, positions, attn_mask, cache_mask)
-    x = self.fc(jnp.concatenate([target.embed(tokens), features.astype(self.config.jnp_dtype)],
+    x = self.fc(jnp.concatenate([target.embed(tokens), features.astype(self.config.jnp_compute_dtype)],
                                 axis=-1))
     lengths = cache.lengths if cache is not None else None
     kv = (cache.k[0], cache.v[0]) if cache is not None else None
@@ -143,7 +140,8 @@ class Drafter(nnx.Module):
     if self.head is None:
       logits = target.lm_logits(x)
     else:  # accumulated in float32, like the target's head
-      logits = jnp.einsum("...h,hk->...k", x, self.head.kernel.get_value(),
+      logits = jnp.einsum("...h,hk->...k", x,
+                          self.head.kernel.get_value().astype(self.config.jnp_compute_dtype),
                           preferred_element_type=jnp.float32)
     return DrafterOutput(logits, x, new_cache)
 

@@ -36,7 +36,7 @@ from flax import nnx
 
 from tlt_jax.models.drafter import Drafter, DrafterOutput
 from tlt_jax.models.model_config import ModelConfig
-from tlt_jax.models.transformer import (MLP, Attention, KVCache, RMSNorm, Transformer,
+from tlt_jax.models.transformer import (MLP, Attention, KVCache, RMSNorm, Transformer, linear,
                                         positions_and_mask, rope_inv_freq)
 
 DEFAULT_TTT_STEPS = 3
@@ -81,9 +81,7 @@ class Eagle3Layer(nnx.Module):
     self.self_attn = Attention(config, rngs)
     for name, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads),
                         ("v_proj", config.num_kv_heads)):
-      setattr(self.self_attn, name,
-              nnx.Linear(2 * h, heads * config.head_dim, use_bias=False, dtype=dt, param_dtype=dt,
-                         kernel_init=nnx.initializers.normal(0.02), rngs=rngs))
+      setattr(self.self_attn, name, linear(2 * h, heads * config.head_dim, False, config, rngs))
     self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dt)
     self.mlp = MLP(config, rngs)
 
@@ -118,12 +116,10 @@ class Eagle3Drafter(Drafter):
     if not 1 <= k <= target_config.vocab_size:
       raise ValueError(f"draft_vocab_size must be in [1, {target_config.vocab_size}] (the "
                        f"target's vocabulary), got {draft_vocab_size}")
-    self.fc = nnx.Linear(len(self.feature_layers) * h, h, use_bias=False, dtype=dt,
-                         param_dtype=dt, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.fc = linear(len(self.feature_layers) * h, h, False, target_config, rngs)
     self.layer = Eagle3Layer(draft_layer_config(target_config), rngs)
     self.norm = RMSNorm(h, target_config.rms_norm_eps, dt)
-    self.head = nnx.Linear(h, k, use_bias=False, dtype=dt, param_dtype=dt,
-                           kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.head = linear(h, k, False, target_config, rngs)
     self.vocab_ids = None if draft_vocab_size is None else tuple(range(k))
 
   @classmethod
@@ -168,12 +164,12 @@ class Eagle3Drafter(Drafter):
     h = self.config.hidden_size
     width = features.shape[-1]
     if width == h:
-      return features.astype(self.config.jnp_dtype)
+      return features.astype(self.config.jnp_compute_dtype)
     if width != self.feature_size:
       raise ValueError(f"eagle3 drafter reads target features of width {self.feature_size} "
                        f"(layers {list(self.feature_layers)} and the final hidden state) or its "
                        f"own hidden of width {h}, got {width}")
-    aux = features[..., :len(self.feature_layers) * h].astype(self.config.jnp_dtype)
+    aux = features[..., :len(self.feature_layers) * h].astype(self.config.jnp_compute_dtype)
     return self.fc(aux)
 
   def forward(self, target: Transformer, tokens: jax.Array, features: jax.Array,
@@ -189,7 +185,8 @@ class Eagle3Drafter(Drafter):
     x, (k, v) = self.layer(target.embed(tokens), hidden, positions, rope_inv_freq(self.config),
                            mask, kv, lengths)
     new_cache = KVCache((k,), (v,), cache.lengths) if cache is not None else None
-    logits = jnp.einsum("...h,hk->...k", self.norm(x), self.head.kernel.get_value(),
+    logits = jnp.einsum("...h,hk->...k", self.norm(x),
+                        self.head.kernel.get_value().astype(self.config.jnp_compute_dtype),
                         preferred_element_type=jnp.float32)
     return DrafterOutput(logits, x, new_cache)
 

@@ -43,6 +43,16 @@ def with_dtype(model: Transformer, dtype: str) -> Transformer:
   return nnx.merge(graphdef, cast)
 
 
+def with_compute_dtype(model: Transformer, compute_dtype: str | None) -> Transformer:
+  """``model``'s params (the same arrays) in a model that computes in ``compute_dtype`` (None:
+  the params' dtype); ``model`` itself where that is its own already."""
+  config = model.config.replace(compute_dtype=compute_dtype)
+  if config == model.config:
+    return model
+  graphdef, _ = _abstract(config)
+  return nnx.merge(graphdef, nnx.state(model))
+
+
 def copy_module(module: nnx.Module) -> nnx.Module:
   """``module`` with its own copy of every array. Steps that donate their buffers (the policy
   update, the drafter's train step) would otherwise invalidate the arrays of every module that

@@ -50,7 +50,10 @@ class ModelConfig:
   # per-head RMSNorm of queries and keys before RoPE; None: what the architecture has (qwen3 only)
   qk_norm: bool | None = None
   max_position_embeddings: int = 4096
-  dtype: str = "float32"
+  dtype: str = "float32"  # of the params: what the optimizer updates and checkpoints hold
+  # of the arithmetic and the KV cache (None: dtype): "bfloat16" over float32 params is mixed
+  # precision (float32 master weights, bf16 matmuls)
+  compute_dtype: str | None = None
   architecture: str = "llama"
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
@@ -72,6 +75,9 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
     if self.dtype not in _DTYPES:
       raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+    if self.compute_dtype is not None and self.compute_dtype not in _DTYPES:
+      raise ValueError(f"ModelConfig.compute_dtype must be None (the params' dtype) or one of "
+                       f"{sorted(_DTYPES)}, got {self.compute_dtype!r}")
     if self.architecture not in ARCHITECTURES:
       raise ValueError(
           f"ModelConfig.architecture must be one of {sorted(ARCHITECTURES)}, got "
@@ -106,8 +112,13 @@ class ModelConfig:
 
   @property
   def jnp_dtype(self) -> Any:
-    """The jnp dtype of params and activations."""
+    """The jnp dtype of the params."""
     return _DTYPES[self.dtype]
+
+  @property
+  def jnp_compute_dtype(self) -> Any:
+    """The jnp dtype of activations, matmul inputs and the KV cache."""
+    return _DTYPES[self.compute_dtype or self.dtype]
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:

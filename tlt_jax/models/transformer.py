@@ -34,7 +34,7 @@ class KVCache:
   @classmethod
   def create(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
     """An empty cache of ``max_len`` slots for ``batch`` rows."""
-    dtype = dtype or config.jnp_dtype
+    dtype = dtype or config.jnp_compute_dtype
     shape = (batch, max_len, config.num_kv_heads, config.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return cls(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
@@ -102,13 +102,15 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     xf = x.astype(jnp.float32)
     xf = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return self.weight[...] * xf.astype(x.dtype)
+    return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
 
 
-def _linear(din, dout, bias, config, rngs):
-  dt = config.jnp_dtype
-  return nnx.Linear(din, dout, use_bias=bias, dtype=dt, param_dtype=dt,
-                    kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+def linear(din: int, dout: int, bias: bool, config: ModelConfig, rngs: nnx.Rngs,
+           kernel_init=nnx.initializers.normal(0.02)) -> nnx.Linear:
+  """A dense layer whose params are in ``config.dtype`` and whose matmul runs in
+  ``config.compute_dtype``."""
+  return nnx.Linear(din, dout, use_bias=bias, dtype=config.jnp_compute_dtype,
+                    param_dtype=config.jnp_dtype, kernel_init=kernel_init, rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -117,10 +119,10 @@ class Attention(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     c = config
     self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-    self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.attention_bias, c, rngs)
-    self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, c, rngs)
-    self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, c, rngs)
-    self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, c.o_proj_bias, c, rngs)
+    self.q_proj = linear(c.hidden_size, c.num_heads * c.head_dim, c.attention_bias, c, rngs)
+    self.k_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, c, rngs)
+    self.v_proj = linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, c, rngs)
+    self.o_proj = linear(c.num_heads * c.head_dim, c.hidden_size, c.o_proj_bias, c, rngs)
     if c.qk_norm:  # Qwen3: each head's query and key RMS-normed over head_dim, before RoPE
       self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.jnp_dtype)
       self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.jnp_dtype)
@@ -155,9 +157,9 @@ class MLP(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     c = config
-    self.gate_proj = _linear(c.hidden_size, c.intermediate_size, False, c, rngs)
-    self.up_proj = _linear(c.hidden_size, c.intermediate_size, False, c, rngs)
-    self.down_proj = _linear(c.intermediate_size, c.hidden_size, False, c, rngs)
+    self.gate_proj = linear(c.hidden_size, c.intermediate_size, False, c, rngs)
+    self.up_proj = linear(c.hidden_size, c.intermediate_size, False, c, rngs)
+    self.down_proj = linear(c.intermediate_size, c.hidden_size, False, c, rngs)
 
   def __call__(self, x):
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -223,12 +225,13 @@ class Transformer(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config
     dt = config.jnp_dtype
-    self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dt, param_dtype=dt,
+    self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size,
+                                  dtype=config.jnp_compute_dtype, param_dtype=dt,
                                   embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
     self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
     self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt)
     if not config.tie_word_embeddings:
-      self.lm_head = _linear(config.hidden_size, config.vocab_size, False, config, rngs)
+      self.lm_head = linear(config.hidden_size, config.vocab_size, False, config, rngs)
 
   def __call__(self, input_ids: jax.Array) -> jax.Array:
     """Causal logits ``[B, T, V]`` (float32) for ``input_ids [B, T]`` without a cache."""
@@ -241,10 +244,12 @@ class Transformer(nnx.Module):
   def lm_logits(self, hidden: jax.Array) -> jax.Array:
     """The LM head on final-normed hidden states, accumulated and returned in float32 (a bf16
     model would otherwise round its logits to bf16, whose ties can flip a greedy argmax)."""
+    dt = self.config.jnp_compute_dtype
+    hidden = hidden.astype(dt)
     if self.config.tie_word_embeddings:
-      return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens.embedding.get_value(),
+      return jnp.einsum("...h,vh->...v", hidden, self.embed_tokens.embedding.get_value().astype(dt),
                         preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel.get_value(),
+    return jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel.get_value().astype(dt),
                       preferred_element_type=jnp.float32)
 
   def forward(self, input_ids: jax.Array, positions: jax.Array | None = None, *,
@@ -290,3 +295,4 @@ class Transformer(nnx.Module):
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
   """A randomly initialised model (normal(0.02) weights, unit norms)."""
   return Transformer(config, rngs=nnx.Rngs(seed))
+
