@@ -28,13 +28,20 @@ BASE = dict(max_batch=2, max_prompt_len=16, max_new_tokens=40, prefill_buckets=(
 def targets():
   """(target, drafter) pairs: a 2-layer target with a random drafter (low acceptance), a
   1-layer target with a drafter mirroring its layer (high acceptance), and a 3-layer target with
-  a random EAGLE-3 drafter reading two of its layers (its head starting as the target's)."""
+  a random EAGLE-3 drafter reading two of its layers (its head starting as the target's); and
+  Qwen3 targets (per-head q/k norms) with a mirroring and an EAGLE-3 drafter."""
   deep = sharp_random_model(ModelConfig.tiny(vocab_size=32), seed=1)
   shallow = sharp_random_model(ModelConfig.tiny(vocab_size=32, num_layers=1), seed=1)
   three = sharp_random_model(ModelConfig.tiny(vocab_size=32, num_layers=3), seed=1)
+  qwen3 = ModelConfig.tiny(vocab_size=32, architecture="qwen3", attention_bias=False)
+  shallow3 = sharp_random_model(qwen3.replace(num_layers=1), seed=1)
+  three3 = sharp_random_model(qwen3.replace(num_layers=3), seed=1)
   return {"random": (deep, Drafter.create(deep.config, seed=5)),
           "mirror": (shallow, mirror_drafter(shallow)),
-          "eagle3": (three, Eagle3Drafter.for_target(three, seed=5, feature_layers=(1, 2)))}
+          "eagle3": (three, Eagle3Drafter.for_target(three, seed=5, feature_layers=(1, 2))),
+          "qwen3-mirror": (shallow3, mirror_drafter(shallow3)),
+          "qwen3-eagle3": (three3, Eagle3Drafter.for_target(three3, seed=5,
+                                                            feature_layers=(1, 2)))}
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +89,15 @@ def test_tree_attention_lets_each_node_see_itself_and_every_ancestor():
 
 # the fast tier: a chain and the widest tree with a random drafter (the mirror drafter's sampled
 # and adaptive cases run in the fast tier elsewhere)
-GREEDY_FAST = {("random", "chain"), ("random", "tree-3"), ("eagle3", "chain"), ("eagle3", "tree-3")}
+GREEDY_FAST = {("random", "chain"), ("random", "tree-3"), ("eagle3", "chain"), ("eagle3", "tree-3"),
+               ("qwen3-eagle3", "tree-3")}
 
 
 @pytest.mark.parametrize("drafter_kind, strategy", [
     pytest.param(kind, strategy, id=f"{kind}-{strategy}",
                  marks=() if (kind, strategy) in GREEDY_FAST else pytest.mark.slow)
-    for kind in ("random", "mirror", "eagle3") for strategy in STRATEGIES])
+    for kind in ("random", "mirror", "eagle3", "qwen3-mirror", "qwen3-eagle3")
+    for strategy in STRATEGIES])
 def test_greedy_speculative_equals_vanilla(spec_engines, vanilla_results, drafter_kind, strategy):
   spec = spec_engines(drafter_kind, strategy)
   params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=STOPS)
@@ -100,7 +109,7 @@ def test_greedy_speculative_equals_vanilla(spec_engines, vanilla_results, drafte
       np.testing.assert_allclose(a, b, atol=1e-4)
   stats_ = got.stats
   assert sum(stats_.accept_hist) > 0 and stats_.mean_accept_len >= 1.0
-  if drafter_kind == "mirror":
+  if drafter_kind.endswith("mirror"):
     # most drafts accepted, so stop ids were necessarily met inside accepted drafts
     assert stats_.mean_accept_len > 2.5, stats_
     assert "stop" in got.finish_reasons
@@ -127,9 +136,12 @@ VOCAB, PROMPT, HORIZON, SAMPLES = 8, [1, 5, 2], 3, 32768
 @pytest.fixture(scope="module")
 def small_vocab():
   target = sharp_random_model(ModelConfig.tiny(vocab_size=VOCAB, num_layers=1), seed=2, scale=3.0)
+  qwen3 = sharp_random_model(ModelConfig.tiny(vocab_size=VOCAB, num_layers=1, architecture="qwen3",
+                                               attention_bias=False), seed=2, scale=3.0)
   return {"random": (target, Drafter.create(target.config, seed=3)),
           "mirror": (target, mirror_drafter(target)),
-          "ngram": (target, NgramConfig(max_ngram=2, min_ngram=1, depth=3))}
+          "ngram": (target, NgramConfig(max_ngram=2, min_ngram=1, depth=3)),
+          "qwen3-mirror": (qwen3, mirror_drafter(qwen3))}
 
 
 def exact_joint(target, temperature, top_k, top_p):
@@ -149,8 +161,9 @@ def exact_joint(target, temperature, top_k, top_p):
     ("random", SpecConfig(3, 2, 6), 1.0, 0, 0.8),  # the fast tier's tree case
     pytest.param("mirror", SpecConfig(3, 3, 8), 0.7, 5, 0.9, marks=pytest.mark.slow),
     pytest.param("ngram", None, 0.8, 6, 1.0, marks=pytest.mark.slow),
+    ("qwen3-mirror", SpecConfig(3, 2, 6), 0.8, 0, 1.0),  # a Qwen3 target: q/k norms
 ], ids=["chain-random", "chain-mirror-topk-topp", "tree-random-topp", "tree-mirror-topk-topp",
-        "ngram-topk"])
+        "ngram-topk", "tree-qwen3-mirror"])
 def test_sampled_speculative_matches_target_distribution(small_vocab, drafter_kind, strategy,
                                                           temperature, top_k, top_p):
   target, drafter = small_vocab[drafter_kind]
