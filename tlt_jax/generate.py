@@ -19,7 +19,9 @@ import sys
 
 import numpy as np
 
+from tlt_jax.job.build import resolve_compute_dtype
 from tlt_jax.job.typed_config import ConfigError, check_keys, section, to_dataclass
+from tlt_jax.models.instances import with_compute_dtype
 from tlt_jax.models.load import from_pretrained, is_gguf_path, load_tokenizer
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer
@@ -36,7 +38,8 @@ DEMO_ALPHABET = "0123456789+-*=() ?"
 def build_model(cfg):
   """The model and tokenizer named by ``cfg.model``."""
   model_cfg = section(cfg, "model")
-  check_keys(model_cfg, {"path", "dtype", "tiny"}, "model")
+  check_keys(model_cfg, {"path", "dtype", "compute_dtype", "tiny"}, "model")
+  compute = resolve_compute_dtype(model_cfg.get("compute_dtype"))
   if model_cfg.path:
     path = pathlib.Path(model_cfg.path)
     if not (path.is_dir() or (is_gguf_path(path) and path.is_file())):
@@ -44,6 +47,7 @@ def build_model(cfg):
                         "a checkpoint directory with config.json and *.safetensors, or a GGUF "
                         "file)")
     model, _ = from_pretrained(path, dtype=model_cfg.dtype)
+    model = with_compute_dtype(model, compute)
     try:
       tokenizer = load_tokenizer(path)
     except FileNotFoundError:
@@ -53,6 +57,7 @@ def build_model(cfg):
   tokenizer = CharTokenizer(DEMO_ALPHABET)
   model_config = to_dataclass(ModelConfig, section(model_cfg, "tiny"), "model.tiny",
                               vocab_size=tokenizer.vocab_size, dtype=model_cfg.dtype,
+                              compute_dtype=compute,
                               eos_token_id=tokenizer.eos_token_id, architecture="qwen2",
                               tie_word_embeddings=True, attention_bias=True)
   return init_model(model_config, seed=cfg.seed), tokenizer

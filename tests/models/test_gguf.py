@@ -12,6 +12,7 @@ import json
 import math
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -451,6 +452,21 @@ def test_generate_runs_a_gguf_file_with_chat(gguf_dir):
   tokenizer = load_tokenizer(gguf_dir / "qwen2.gguf")
   ids = generate.encode_prompts(tokenizer, ["hi"], chat=True)[0]
   assert tokenizer.decode(ids) == tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_generate_runs_a_qwen3_gguf_file_with_chat_in_bf16_compute(tmp_path):
+  """A Qwen3 .gguf through generate, computing in bf16 over float32 params."""
+  write_gguf(tmp_path / "qwen3.gguf", "qwen3", QWEN3_TYPES, seed=2, head_dim=QWEN3_HEAD_DIM)
+  cfg = load_config_file(generate.DEFAULT_CONFIG)
+  cfg.model.path = str(tmp_path / "qwen3.gguf")
+  cfg.model.compute_dtype = "bfloat16"
+  cfg.rollout.update(max_batch=2, max_prompt_len=64, max_new_tokens=4, precompile=False)
+  cfg.sampling.update(max_new_tokens=4, temperature=0.0)
+  model, _ = generate.build_model(cfg)
+  assert model.config.architecture == "qwen3" and model.config.compute_dtype == "bfloat16"
+  assert {str(x.dtype) for x in jax.tree.leaves(nnx.state(model))} == {"float32"}
+  out = generate.run(cfg, prompts=["What is 2+2?", "hi"], chat=True)
+  assert len(out["texts"]) == 2 and 2 <= out["tokens"] <= 8
 
 
 # ----------------------------------------------------------------------------- config details

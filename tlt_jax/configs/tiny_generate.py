@@ -4,6 +4,7 @@
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -14,6 +15,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.path = ""  # a local HF directory (config.json + *.safetensors); "" = the tiny preset
   c.model.dtype = "float32"
+  # the arithmetic's and KV cache's dtype: None (the params'), a dtype, or "auto" (bf16 on an
+  # accelerator)
+  c.model.compute_dtype = config_dict.placeholder(str)
   c.model.tiny = ml_collections.ConfigDict(dict(
       hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2))
 
