@@ -25,7 +25,6 @@ from tlt_jax.configs import tiny_grpo
 
 def get_config() -> ml_collections.ConfigDict:
   c = tiny_grpo.get_config()
-  c.model.compute_dtype = "auto"  # bf16 arithmetic on a GPU or TPU, where this job is judged
   c.drafter = "suffix"  # TLT on: history, siblings and the prompt draft; the tuner chooses
   c.task.update(max_digits=32, digit_exponent=1.5, num_prompts=64)
   c.sft.update(row_len=448)  # the longest trace (32 digits) is ~390 tokens with its prompt
