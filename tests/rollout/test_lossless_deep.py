@@ -187,8 +187,8 @@ def test_every_draft_level_and_bonus_keep_the_target_law(setup, case):
       np.testing.assert_allclose(result.logprobs[row], logprobs[:end], atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["chain-plain", pytest.param("tree-topk-topp-stop",
-                                                               marks=pytest.mark.slow)])
+@pytest.mark.slow  # 32k samples per case: the full tier (fast-tier bf16 checks: test_bf16.py)
+@pytest.mark.parametrize("case", ["chain-plain", "tree-topk-topp-stop"])
 def test_bf16_compute_keeps_the_target_law(setup_bf16, case):
   """Mixed precision (float32 params, bf16 arithmetic and KV cache): the sampled law is the bf16
   target's at every draft level and the bonus, and the log-probs reported are its own."""

@@ -161,7 +161,8 @@ def exact_joint(target, temperature, top_k, top_p):
     ("random", SpecConfig(3, 2, 6), 1.0, 0, 0.8),  # the fast tier's tree case
     pytest.param("mirror", SpecConfig(3, 3, 8), 0.7, 5, 0.9, marks=pytest.mark.slow),
     pytest.param("ngram", None, 0.8, 6, 1.0, marks=pytest.mark.slow),
-    ("qwen3-mirror", SpecConfig(3, 2, 6), 0.8, 0, 1.0),  # a Qwen3 target: q/k norms
+    pytest.param("qwen3-mirror", SpecConfig(3, 2, 6), 0.8, 0, 1.0,  # a Qwen3 target: q/k norms
+                 marks=pytest.mark.slow),
 ], ids=["chain-random", "chain-mirror-topk-topp", "tree-random-topp", "tree-mirror-topk-topp",
         "ngram-topk", "tree-qwen3-mirror"])
 def test_sampled_speculative_matches_target_distribution(small_vocab, drafter_kind, strategy,
