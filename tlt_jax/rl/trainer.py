@@ -508,13 +508,22 @@ class GRPOTrainer:
     return float(np.mean(self.held_out(n, seed, temperature, progress)[2]))
 
   def held_out(self, n: int | None = None, seed: int = EVAL_SEED, temperature: float = 0.0,
-               progress=None) -> tuple[list[Problem], list[str], list[float]]:
+               progress=None, samples: int = 1) -> tuple[list[Problem], list[str], list[float]]:
     """What ``evaluate`` averages, problem by problem: the held-out problems, the policy's
-    completions (decoded) and their rewards."""
+    completions (decoded) and their rewards; ``samples`` > 1: that many completions of each
+    problem, in a row (each row draws its own tokens)."""
     problems = eval_problems(self.task, n or self.config.eval_problems, seed)
+    rows = [p for p in problems for _ in range(samples)]
     self._sync_engine()
-    result = self.engine.generate([self.encode_prompt(p) for p in problems], SamplingParams(
+    result = self.engine.generate([self.encode_prompt(p) for p in rows], SamplingParams(
         max_new_tokens=self.config.max_new_tokens, temperature=temperature, seed=seed),
         progress=progress)
     texts = self.completion_texts(result.tokens)
-    return problems, texts, [self.task.reward(p, t) for p, t in zip(problems, texts)]
+    return rows, texts, [self.task.reward(p, t) for p, t in zip(rows, texts)]
+
+  def pass_at(self, k: int, n: int | None = None, seed: int = EVAL_SEED,
+              progress=None) -> np.ndarray:
+    """Per held-out problem, whether any of ``k`` completions sampled at the trainer's
+    temperature earns the full reward (pass@k)."""
+    _, _, rewards = self.held_out(n, seed, self.config.temperature, progress, samples=k)
+    return np.asarray(rewards).reshape(-1, k).max(axis=1) >= 1.0
