@@ -61,6 +61,13 @@ def run_arm(cfg, update: bool) -> dict:
       len_p50=float(np.percentile(summary["lengths"], 50)),
       len_p99=float(np.percentile(summary["lengths"], 99)),
       len_max=int(max(summary["lengths"])))
+  for key in [k for k in summary if k.startswith("pass_at_")]:  # trainer.eval_pass_k > 0
+    out[key] = summary[key]
+    name = "eval_" + key.rsplit("_", 1)[0]  # eval_pass_at_<k>
+    out[key.rsplit("_", 1)[0] + "_curve"] = (
+        [(0, summary[key.rsplit("_", 1)[0] + "_start"])] +
+        [(m["step"], m[name]) for m in history if name in m] +
+        [(summary["step"], summary[key.rsplit("_", 1)[0] + "_end"])])
   return out
 
 
@@ -140,6 +147,9 @@ def main() -> None:
       arms[arm] = {k: spread([r[k] for r in rows]) for k in KEYS + ("tail_over_rollout",)}
       arms[arm]["accuracy_gain"] = spread([r["accuracy_end"] - r["accuracy_start"] for r in rows])
       arms[arm]["sampled_gain"] = spread([r["sampled_end"] - r["sampled_start"] for r in rows])
+      for key in sorted({k[:-len("_end")] for r in rows for k in r
+                         if k.startswith("pass_at_") and k.endswith("_end")}):
+        arms[arm][key + "_gain"] = spread([r[key + "_end"] - r[key + "_start"] for r in rows])
   cfg = job_config(a.seeds[0], a.set, "")
   result = dict(
       date=datetime.date.today().isoformat(),
