@@ -40,7 +40,7 @@ TINY = dict(task=dict(max_digits=3), model=dict(hidden_size=32, intermediate_siz
                                                  num_layers=1),
             sft=dict(steps=3, rows=2, row_len=64),
             trainer=dict(steps=2, prompts_per_step=4, minibatches=2, max_new_tokens=16,
-                         eval_problems=4, learning_rate=1e-3),
+                         eval_problems=4, learning_rate=1e-3, eval_pass_k=2),
             grpo=dict(group_size=2), rollout=dict(max_batch=8, max_prompt_len=16))
 
 
