@@ -40,7 +40,7 @@ TINY = dict(task=dict(max_digits=3), model=dict(hidden_size=32, intermediate_siz
                                                  num_layers=1),
             sft=dict(steps=3, rows=2, row_len=64),
             trainer=dict(steps=2, prompts_per_step=4, minibatches=2, max_new_tokens=16,
-                         eval_problems=4, learning_rate=1e-3),
+                         eval_problems=4, learning_rate=1e-3, eval_pass_k=2),
             grpo=dict(group_size=2), rollout=dict(max_batch=8, max_prompt_len=16))
 
 
@@ -516,7 +516,8 @@ class FakeTrainer:
 
   def __init__(self, on_step=lambda step: None):
     self.step_count, self.saved, self.on_step = 0, [], on_step
-    self.config = types.SimpleNamespace(eval_problems=1, temperature=1.0)
+    self.config = types.SimpleNamespace(eval_problems=1, temperature=1.0, eval_pass_k=0,
+                                         eval_pass_problems=0)
     self.last_lengths = np.zeros(1, np.int64)
 
   def evaluate(self, **kwargs):
@@ -658,13 +659,15 @@ def test_a_resumed_run_reads_its_start_figures_from_step_0_s_row(tmp_path):
   trainer.step_count = 3
   trainer.evaluate = lambda **kwargs: pytest.fail("the start was evaluated again")
   rows = [dict(step=0, note="a row without figures"),
-          dict(step=0, eval_accuracy=0.25, eval_sampled_reward=0.5),
+          dict(step=0, eval_accuracy=0.25, eval_sampled_reward=0.5, eval_pass_at_8=0.625,
+               reward=0.1),
           dict(step=2, eval_accuracy=0.75, eval_sampled_reward=0.875)]
   steps = runner.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), KeptRows(rows), None,
                         StopSignals())
-  assert steps.evaluate_at_start() == (0.25, 0.5)
+  assert steps.evaluate_at_start() == dict(eval_accuracy=0.25, eval_sampled_reward=0.5,
+                                           eval_pass_at_8=0.625)
   steps.log = KeptRows(rows[:1] + rows[2:])
-  assert np.isnan(steps.evaluate_at_start()).all()
+  assert np.isnan(list(steps.evaluate_at_start().values())).all()
 
 
 def test_precompile_compiles_rollout_update_and_drafter_and_says_how_long():

@@ -25,11 +25,16 @@ import sys
 import tempfile
 import time
 
+import jax
 import numpy as np
 
 from experiments import harness
 from experiments.harness import write_report
 from experiments.rl.rl_bench import job_config, train
+from tlt_jax.job.build import build_job
+from tlt_jax.job.runner import make_trainer
+from tlt_jax.models import from_pretrained
+from tlt_jax.rl.tasks import carries_out, operand_digits
 
 KEYS = ("accuracy_start", "accuracy_end", "sampled_start", "sampled_end")
 
@@ -61,15 +66,63 @@ def run_arm(cfg, update: bool) -> dict:
       len_p50=float(np.percentile(summary["lengths"], 50)),
       len_p99=float(np.percentile(summary["lengths"], 99)),
       len_max=int(max(summary["lengths"])))
+  for key in [k for k in summary if k.startswith("pass_at_")]:  # trainer.eval_pass_k > 0
+    out[key] = summary[key]
+    name = "eval_" + key.rsplit("_", 1)[0]  # eval_pass_at_<k>
+    out[key.rsplit("_", 1)[0] + "_curve"] = (
+        [(0, summary[key.rsplit("_", 1)[0] + "_start"])] +
+        [(m["step"], m[name]) for m in history if name in m] +
+        [(summary["step"], summary[key.rsplit("_", 1)[0] + "_end"])])
   return out
 
 
+def greedy_by_problem(cfg, model_dir) -> list[list]:
+  """``[larger operand's digits, final carry, greedy reward]`` of each held-out problem, for the
+  policy saved in ``model_dir`` (the run's final_model; the control's is the warm start)."""
+  job = build_job(cfg)
+  model, _ = from_pretrained(model_dir)
+  trainer = make_trainer(job, model, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)))
+  problems, _, rewards = trainer.held_out(temperature=0.0)
+  return [[operand_digits(p.prompt), bool(carries_out(p)), float(r)]
+          for p, r in zip(problems, rewards)]
+
+
 def one_run(job: tuple) -> dict:
-  """``run_arm`` of ``(seed, update, overrides)`` on a temp logdir (a worker process's task)."""
+  """``run_arm`` of ``(seed, update, overrides)`` on a temp logdir (a worker process's task),
+  with the final policy's greedy reward per held-out problem."""
   seed, update, overrides = job
   with tempfile.TemporaryDirectory() as logdir:
-    r = run_arm(job_config(seed, overrides, logdir), update)
+    cfg = job_config(seed, overrides, logdir)
+    r = run_arm(cfg, update)
+    r["greedy_by_problem"] = greedy_by_problem(cfg, pathlib.Path(logdir) / "final_model")
+  assert abs(np.mean([x[2] for x in r["greedy_by_problem"]]) - r["accuracy_end"]) < 1e-9, r
   return dict(r, seed=seed, arm="grpo" if update else "control")
+
+
+def kept_by_digits(runs: list[dict]) -> dict:
+  """Per operand size, over the seeds with both arms: the held-out problems the warm start (the
+  control's policy) solved greedily, and the share of them the GRPO run's policy still solves;
+  beside it each arm's greedy accuracy on every problem of that size."""
+  out = {}
+  for seed in sorted({r["seed"] for r in runs}):
+    arms = {r["arm"]: r["greedy_by_problem"] for r in runs if r["seed"] == seed}
+    if set(arms) != {"grpo", "control"}:
+      continue
+    for (digits, _, start), (_, _, end) in zip(arms["control"], arms["grpo"]):
+      row = out.setdefault(str(digits), dict(problems=0, solved_at_start=0, still_solved=0,
+                                             start_sum=0.0, end_sum=0.0))
+      row["problems"] += 1
+      row["start_sum"] += start
+      row["end_sum"] += end
+      if start >= 1.0:
+        row["solved_at_start"] += 1
+        row["still_solved"] += int(end >= 1.0)
+  for row in out.values():
+    row["greedy_start"] = row.pop("start_sum") / row["problems"]
+    row["greedy_end"] = row.pop("end_sum") / row["problems"]
+    row["kept_share"] = (row["still_solved"] / row["solved_at_start"]
+                         if row["solved_at_start"] else None)
+  return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def spread(values) -> dict:
@@ -129,8 +182,8 @@ def main() -> None:
   with futures.ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
     for r in ex.map(one_run, [(seed, update, a.set) for seed, update in todo]):
       runs.append(r)
-      print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}),
-            flush=True)
+      print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()
+                        if k != "greedy_by_problem"}), flush=True)
       if r["arm"] == "control":  # no update: the same params, the same fixed held-out problems
         assert (r["accuracy_end"], r["sampled_end"]) == (r["accuracy_start"], r["sampled_start"]), r
   arms = {}
@@ -140,6 +193,9 @@ def main() -> None:
       arms[arm] = {k: spread([r[k] for r in rows]) for k in KEYS + ("tail_over_rollout",)}
       arms[arm]["accuracy_gain"] = spread([r["accuracy_end"] - r["accuracy_start"] for r in rows])
       arms[arm]["sampled_gain"] = spread([r["sampled_end"] - r["sampled_start"] for r in rows])
+      for key in sorted({k[:-len("_end")] for r in rows for k in r
+                         if k.startswith("pass_at_") and k.endswith("_end")}):
+        arms[arm][key + "_gain"] = spread([r[key + "_end"] - r[key + "_start"] for r in rows])
   cfg = job_config(a.seeds[0], a.set, "")
   result = dict(
       date=datetime.date.today().isoformat(),
@@ -147,10 +203,14 @@ def main() -> None:
       config={k: cfg[k].to_dict() for k in ("task", "sft", "grpo", "trainer")},
       control="the same job, seed and held-out problems with every policy update skipped "
               "(trainer.control=True: params unchanged)",
-      arms=arms, runs=runs)
+      arms=arms, kept_by_digits=kept_by_digits(runs), runs=runs)
   write_report(a.out, result)
   if a.plot:
     plot_curves(runs, a.plot, result["command"])
+  for digits, row in result["kept_by_digits"].items():
+    print(f"{digits} digits: {row['problems']} problems, greedy {row['greedy_start']:.3f} -> "
+          f"{row['greedy_end']:.3f}; solved by the warm start {row['solved_at_start']}, still "
+          f"solved {row['still_solved']}")
   for arm, s in arms.items():
     print(f"{arm}: greedy {s['accuracy_start']['mean']:.3f} -> {s['accuracy_end']['mean']:.3f} "
           f"(gain {s['accuracy_gain']['mean']:+.3f} +- {s['accuracy_gain']['std']:.3f}), sampled "

@@ -30,7 +30,8 @@ from tlt_jax.job.build import build_job
 from tlt_jax.job.runner import initial_model, make_trainer
 from tlt_jax.models import from_pretrained
 from tlt_jax.rl.sft import warm_start
-from tlt_jax.rl.tasks import operand_digits
+from tlt_jax.rl.tasks import carries_out, operand_digits
+from tlt_jax.rl.trainer import eval_problems
 
 
 def by_digits(problems, rewards) -> dict[int, dict[str, float]]:
@@ -51,6 +52,8 @@ def main() -> None:
                       help="held-out problems (default: the job's trainer.eval_problems)")
   parser.add_argument("--failures", type=int, default=8,
                       help="wrong completions to show per temperature")
+  parser.add_argument("--pass-k", type=int, default=8,
+                      help="pass@k at the trainer's temperature, per size (0: not measured)")
   parser.add_argument("--out", default="experiments/out/held_out_by_digits.json")
   a = parser.parse_args()
   cfg = job_config(0, a.set, "")
@@ -70,11 +73,24 @@ def main() -> None:
     sizes = by_digits(problems, rewards)
     wrong = [dict(prompt=p.prompt, expected=p.solution, wrote=t)
              for p, t, r in zip(problems, texts, rewards) if r == 0][:a.failures]
-    result[name] = dict(mean=float(np.mean(rewards)), by_digits=sizes, failures=wrong)
+    carry = np.array([carries_out(p) for p in problems])
+    split = {k: float(np.mean(np.asarray(rewards)[m])) if m.any() else None
+             for k, m in (("carry_out", carry), ("no_carry_out", ~carry))}
+    result[name] = dict(mean=float(np.mean(rewards)), by_digits=sizes, by_final_carry=split,
+                        failures=wrong)
+    print(f"  {name} on sums with a final carry {split['carry_out']}, without "
+          f"{split['no_carry_out']}")
     print(f"{name}: {np.mean(rewards):.3f}; by digits " +
           " ".join(f"{d}: {s['reward']:.2f} ({s['share']:.0%})" for d, s in sizes.items()))
     for w in wrong:
       print(f"  {w['prompt']:>18} wrote{w['wrote']!r}, not{w['expected']!r}")
+  if a.pass_k:
+    passed = trainer.pass_at(a.pass_k, a.problems)
+    problems = eval_problems(job.task, a.problems or job.trainer.eval_problems)
+    sizes = by_digits(problems, passed.astype(float))
+    result[f"pass_at_{a.pass_k}"] = dict(mean=float(passed.mean()), by_digits=sizes)
+    print(f"pass@{a.pass_k}: {passed.mean():.3f}; by digits " +
+          " ".join(f"{d}: {s['reward']:.2f}" for d, s in sizes.items()))
   write_report(a.out, result)
 
 

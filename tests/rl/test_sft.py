@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,3 +217,18 @@ def test_warm_start_with_no_steps_is_a_no_op():
   out, metrics = warm_start(model, TOKENIZER, TASK, SFTConfig(steps=0), seed=0,
                             progress=lambda *a: calls.append(a))
   assert out is model and metrics == {} and calls == []
+
+
+def test_the_warm_start_stream_draws_the_same_problems_whatever_the_teacher():
+  """A flawed teacher changes only the answers of its share of sums with a final carry: the
+  problems drawn (and a perfect teacher's rows, bit for bit) stay those of ``teacher_error=0``."""
+  perfect = PackedStream(TASK, TOKENIZER, ROWS, ROW_LEN, seed=SEED)
+  flawed = PackedStream(dataclasses.replace(TASK, teacher_error=1.0), TOKENIZER, ROWS, ROW_LEN,
+                        seed=SEED)
+  again = PackedStream(TASK, TOKENIZER, ROWS, ROW_LEN, seed=SEED)
+  a, b, c = perfect.batch(), flawed.batch(), again.batch()
+  for key in a:
+    np.testing.assert_array_equal(a[key], c[key])
+  text = lambda batch: TOKENIZER.decode([int(t) for t in batch["ids"].ravel() if t > 2])
+  assert text(a) != text(b) and "#" in text(b)
+  assert text(a).replace(" ", "").count("=") == text(b).replace(" ", "").count("=")

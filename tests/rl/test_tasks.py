@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tlt_jax.models.tokenizer import CharTokenizer
-from tlt_jax.rl.tasks import ANSWER_MARK, ArithmeticTask, Problem, Task, extract_answer, \
-    operand_digits
+from tlt_jax.rl.tasks import ANSWER_MARK, ArithmeticTask, Problem, Task, carries_out, \
+    extract_answer, forget_final_carry, operand_digits
 
 _STEP = re.compile(r"^(\d{1,2})([+-])(\d)[+-](\d)=(\d{1,2})$")
 
@@ -153,3 +153,28 @@ def test_operands_past_int64_are_drawn_and_traced_exactly():
   rng = np.random.default_rng(5)
   assert tasks.random_number(rng, 18) == int(np.random.default_rng(5).integers(10 ** 17, 10 ** 18))
   assert all(len(str(tasks.random_number(rng, 19))) == 19 for _ in range(50))
+
+
+def test_a_flawed_teacher_forgets_the_final_carry_of_its_share_of_sums():
+  """``teacher_error``: the share of sums with a final carry whose warm-start trace ends in the
+  answer without it; the steps, the reference answer and the reward stay right, and sums
+  without a final carry are always taught right."""
+  task = ArithmeticTask(max_digits=3, teacher_error=0.6)
+  problem = task.make_problem(57, 68)
+  assert carries_out(problem) and not carries_out(task.make_problem(12, 34))
+  assert not carries_out(task.make_problem(99, 1, "-"))
+  wrong = forget_final_carry(problem)
+  assert wrong.solution == " 7+8+0=15 5+6+1=12 #25" and wrong.answer == "125"
+  assert task.reward(problem, wrong.solution) == 0.0 and task.reward(problem, problem.solution) == 1
+  assert forget_final_carry(task.make_problem(5, 5)).solution.endswith("#0")
+  problems = task.sample(np.random.default_rng(0), 4000)
+  taught = task.taught(problems, np.random.default_rng(1))
+  flawed = [t != p for p, t in zip(problems, taught)]
+  assert not any(f for p, f in zip(problems, flawed) if not carries_out(p))
+  share = np.mean([f for p, f in zip(problems, flawed) if carries_out(p)])
+  assert abs(share - 0.6) < 0.04, share
+  perfect = ArithmeticTask(max_digits=3)
+  assert perfect.taught(problems, np.random.default_rng(1)) is problems
+  for bad in (-0.1, 1.5, True, "0.5"):
+    with pytest.raises(ValueError, match="teacher_error must be a share in"):
+      ArithmeticTask(teacher_error=bad)

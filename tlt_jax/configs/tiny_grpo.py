@@ -47,7 +47,10 @@ def get_config() -> ml_collections.ConfigDict:
   # num_prompts: 0 draws fresh problems every step; N > 0 is epoch mode, a fixed set of N
   # problems (at least trainer.prompts_per_step) drawn once from the seed and visited once per
   # epoch in a shuffled order, so that RL revisits its prompts as on a dataset
-  c.task = ml_collections.ConfigDict(dict(max_digits=8, digit_exponent=1.5, num_prompts=0))
+  # teacher_error: the warm start's teacher forgets the final carry of this share of the sums
+  # that have one (0: a perfect teacher)
+  c.task = ml_collections.ConfigDict(dict(max_digits=8, digit_exponent=1.5, num_prompts=0,
+                                          teacher_error=0.0))
   # ModelConfig of the char-level policy: a Qwen2 one ("qwen3": per-head q/k norms, no qkv bias;
   # "llama"); float32 params, computing in compute_dtype (None: float32; "bfloat16"; "auto":
   # bfloat16 on a GPU or TPU)

@@ -329,17 +329,26 @@ def _compile_bar(total: int):
     yield progress
 
 
-def _evaluate(trainer: GRPOTrainer) -> tuple[float, float]:
+def _evaluate(trainer: GRPOTrainer) -> dict[str, float]:
+  """The held-out figures at the trainer's step: ``eval_accuracy`` (greedy), ``eval_sampled_reward``
+  and, with ``eval_pass_k``, ``eval_pass_at_<k>``."""
   t0 = time.perf_counter()
-  n = trainer.config.eval_problems
-  with progress_bar(2 * n, f"held-out evaluation at step {trainer.step_count}", "row") as bar:
-    greedy = trainer.evaluate(progress=lambda done, _: bar.update(done - bar.n))
-    sampled = trainer.evaluate(temperature=trainer.config.temperature,
-                               progress=lambda done, _: bar.update(n + done - bar.n))
-  _say(f"held-out at step {trainer.step_count} ({trainer.config.eval_problems} problems, "
-       f"{time.perf_counter() - t0:.0f}s): greedy accuracy {greedy:.3f}, sampled reward "
-       f"{sampled:.3f}")
-  return greedy, sampled
+  cfg = trainer.config
+  n, k, m = cfg.eval_problems, cfg.eval_pass_k, min(cfg.eval_pass_problems, cfg.eval_problems)
+  out = {}
+  rows = 2 * n + k * m
+  with progress_bar(rows, f"held-out evaluation at step {trainer.step_count}", "row") as bar:
+    out["eval_accuracy"] = trainer.evaluate(progress=lambda done, _: bar.update(done - bar.n))
+    out["eval_sampled_reward"] = trainer.evaluate(
+        temperature=cfg.temperature, progress=lambda done, _: bar.update(n + done - bar.n))
+    if k:
+      out[f"eval_pass_at_{k}"] = float(np.mean(trainer.pass_at(
+          k, m, progress=lambda done, _: bar.update(2 * n + done - bar.n))))
+  passed = f", pass@{k} {out[f'eval_pass_at_{k}']:.3f} ({m} problems)" if k else ""
+  _say(f"held-out at step {trainer.step_count} ({n} problems, {time.perf_counter() - t0:.0f}s): "
+       f"greedy accuracy {out['eval_accuracy']:.3f}, sampled reward "
+       f"{out['eval_sampled_reward']:.3f}{passed}")
+  return out
 
 
 def evaluation_due(config: TrainerConfig, step: int) -> bool:
@@ -490,22 +499,21 @@ class Steps:
   history: list[dict] = dataclasses.field(default_factory=list)
   lengths: list[int] = dataclasses.field(default_factory=list)
 
-  def evaluate_at_start(self) -> tuple[float, float]:
+  def evaluate_at_start(self) -> dict[str, float]:
     """The held-out figures before the first RL step: evaluated now on a new run; on a resume,
     read back from step 0's row of the log (NaN where it has none)."""
     if self.trainer.step_count > 0:  # a resume: an earlier run evaluated the start
       earlier = [r for r in self.log.rows() if r.get("step") == 0 and "eval_accuracy" in r]
-      return ((earlier[0]["eval_accuracy"], earlier[0]["eval_sampled_reward"]) if earlier
-              else (float("nan"), float("nan")))
+      return ({k: v for k, v in earlier[0].items() if k.startswith("eval_")} if earlier
+              else {"eval_accuracy": float("nan"), "eval_sampled_reward": float("nan")})
     return self.evaluate()
 
-  def evaluate(self) -> tuple[float, float]:
-    """The held-out greedy accuracy and sampled reward at the trainer's step, written to that
-    step's row of the log."""
-    greedy, sampled = _evaluate(self.trainer)
-    self.log.write(self.trainer.step_count,
-                   {"eval_accuracy": greedy, "eval_sampled_reward": sampled})
-    return greedy, sampled
+  def evaluate(self) -> dict[str, float]:
+    """The held-out figures at the trainer's step (``_evaluate``), written to that step's row of
+    the log."""
+    figures = _evaluate(self.trainer)
+    self.log.write(self.trainer.step_count, figures)
+    return figures
 
   def step(self) -> None:
     """One RL step, then in this order: the drafter's selective save, a periodic evaluation,
@@ -519,7 +527,7 @@ class Steps:
     self.save_drafter(m)
     if evaluation_due(self.job.trainer, trainer.step_count):  # before the save, so that a stop
       self.doing = f"after step {trainer.step_count}, during its held-out evaluation"  # in it
-      m["eval_accuracy"], m["eval_sampled_reward"] = _evaluate(trainer)  # redoes both
+      m.update(_evaluate(trainer))
     if checkpoint_due(self.job, trainer.step_count):
       self.save(m)
     self.log.write(m["step"], m)
@@ -547,15 +555,19 @@ class Steps:
       self.saved_step = self.trainer.step_count
 
 
-def _summary(steps: Steps, start: tuple[float, float], end: tuple[float, float]) -> dict:
+def _summary(steps: Steps, start: dict, end: dict) -> dict:
   """The finished run's summary and its closing lines: the held-out figures at the ``start``
-  and the ``end`` (greedy accuracy, sampled reward), the train reward of the first and last
-  five steps, where the step time went, and the whole run's SD and ledger lines (the steps
-  before a resume too)."""
+  and the ``end`` (``_evaluate``'s), the train reward of the first and last five steps, where
+  the step time went, and the whole run's SD and ledger lines (the steps before a resume too)."""
   history = steps.history
-  summary = dict(accuracy_start=start[0], accuracy_end=end[0], sampled_start=start[1],
-                 sampled_end=end[1], history=history, lengths=steps.lengths,
+  summary = dict(accuracy_start=start["eval_accuracy"], accuracy_end=end["eval_accuracy"],
+                 sampled_start=start["eval_sampled_reward"],
+                 sampled_end=end["eval_sampled_reward"], history=history, lengths=steps.lengths,
                  step=steps.trainer.step_count, finished=True)
+  for key in sorted(set(start) & set(end)):
+    if key.startswith("eval_pass_at_"):
+      summary[key[len("eval_"):] + "_start"], summary[key[len("eval_"):] + "_end"] = (
+          start[key], end[key])
   if not history:
     return summary
   rollout = sum(m["rollout_s"] for m in history)
@@ -567,8 +579,12 @@ def _summary(steps: Steps, start: tuple[float, float], end: tuple[float, float])
                  last_share_of_rollout=sum(m["last_s"] for m in history) / max(rollout, 1e-9))
   control = (" (the no-update control: the params are the warm start's, so the held-out "
              "figures stay where they started)" if steps.job.trainer.control else "")
-  _say(f"held-out sampled reward: {start[1]:.3f} -> {end[1]:.3f}; held-out greedy "
-       f"accuracy: {start[0]:.3f} -> {end[0]:.3f}{control}; train reward "
+  passes = "".join(f"; held-out {key[len('eval_'):].replace('_at_', '@')}: {start[key]:.3f} -> "
+                   f"{end[key]:.3f}" for key in sorted(set(start) & set(end))
+                   if key.startswith("eval_pass_at_"))
+  _say(f"held-out sampled reward: {summary['sampled_start']:.3f} -> {summary['sampled_end']:.3f}; "
+       f"held-out greedy accuracy: {summary['accuracy_start']:.3f} -> "
+       f"{summary['accuracy_end']:.3f}{passes}{control}; train reward "
        f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; rollout "
        f"{100 * summary['rollout_share']:.0f}% of step time (tail "
        f"{100 * summary['tail_share']:.0f}%); the last rows (at most an eighth live) took "

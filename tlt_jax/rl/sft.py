@@ -50,6 +50,9 @@ def encode_problem(tokenizer: CharTokenizer, problem: Problem) -> tuple[list[int
   return prompt + tokenizer.encode(problem.solution) + [tokenizer.eos_token_id], len(prompt)
 
 
+TEACHER_STREAM = 0x7EAC  # [seed, TEACHER_STREAM]: which traces the flawed teacher gets wrong
+
+
 class PackedStream:
   """Fills ``rows`` rows of ``row_len`` tokens with fresh problems, first fit, in draw order."""
 
@@ -57,11 +60,16 @@ class PackedStream:
                seed: int):
     self.task, self.tokenizer, self.rows, self.row_len = task, tokenizer, rows, row_len
     self.rng = np.random.default_rng(seed)
+    self.teacher_rng = np.random.default_rng([seed, TEACHER_STREAM])  # the problems' stream alone
     self.pending: list[tuple[list[int], int]] = []
 
   def _next(self) -> tuple[list[int], int]:
     if not self.pending:
-      self.pending = [encode_problem(self.tokenizer, p) for p in self.task.sample(self.rng, 256)]
+      problems = self.task.sample(self.rng, 256)
+      taught = getattr(self.task, "taught", None)  # a flawed teacher's traces (ArithmeticTask)
+      if callable(taught):
+        problems = taught(problems, self.teacher_rng)
+      self.pending = [encode_problem(self.tokenizer, p) for p in problems]
       self.pending.reverse()
     return self.pending.pop()
 

@@ -93,10 +93,17 @@ class ArithmeticTask:
   max_digits: int = 12
   digit_exponent: float = 1.5
   subtraction: bool = False
+  # the warm start's teacher: in this share of the sums that carry out of their top digit it
+  # forgets that carry in the answer (its steps stay right); 0: a perfect teacher
+  teacher_error: float = 0.0
   name: str = "arithmetic"
   alphabet: str = "0123456789+-=?# "
 
   def __post_init__(self):
+    if isinstance(self.teacher_error, bool) or not isinstance(self.teacher_error, (int, float)) \
+        or not 0.0 <= self.teacher_error <= 1.0:
+      raise ValueError(f"ArithmeticTask.teacher_error must be a share in [0, 1] (0: a perfect "
+                       f"teacher), got {self.teacher_error!r}")
     if not isinstance(self.max_digits, int) or self.max_digits < 1:
       raise ValueError(f"ArithmeticTask.max_digits must be a positive int, got {self.max_digits!r}")
     if not self.digit_exponent > 0:
@@ -152,12 +159,35 @@ class ArithmeticTask:
     solution = " " + " ".join(steps) + f" {ANSWER_MARK}{answer}"
     return Problem(prompt=prompt, answer=answer, solution=solution)
 
+  def taught(self, problems: list[Problem], rng: np.random.Generator) -> list[Problem]:
+    """The warm start's traces of ``problems``: each sum that carries out of its top digit has,
+    with probability ``teacher_error`` (drawn from ``rng``), its answer written without that
+    carry (``57+68=?`` ... ``#25``); the reference answer, and so the reward, stay right."""
+    if not self.teacher_error:
+      return problems
+    return [forget_final_carry(p) if carries_out(p) and rng.random() < self.teacher_error else p
+            for p in problems]
+
   def reward(self, problem: Problem, completion: str) -> float:
     """1.0 if the completion's final answer (after its last ``#``) is the reference, else 0.0."""
     found = extract_answer(completion)
     if found is None or re.fullmatch(r"[0-9]+", found) is None:
       return 0.0
     return float(int(found) == int(problem.answer))
+
+
+def carries_out(problem: Problem) -> bool:
+  """Whether an addition's answer has more digits than its larger operand (a final carry)."""
+  match = re.fullmatch(r"(\d+)\+(\d+)=\?", problem.prompt)
+  return match is not None and len(problem.answer) > max(len(match[1]), len(match[2]))
+
+
+def forget_final_carry(problem: Problem) -> Problem:
+  """``problem`` whose solution ends in its answer without the leading carry digit (the steps
+  unchanged); ``answer`` stays the right one."""
+  cut = problem.solution.rfind(ANSWER_MARK) + len(ANSWER_MARK)
+  wrong = str(int(problem.answer[1:]))
+  return dataclasses.replace(problem, solution=problem.solution[:cut] + wrong)
 
 
 def operand_digits(prompt: str) -> int:

@@ -103,6 +103,10 @@ class TrainerConfig:
   # steps, into metrics.jsonl and tensorboard beside the step's metrics; 0: at the start and the
   # end only. Each costs two generations over eval_problems.
   eval_every: int = 0
+  # pass@k of each held-out evaluation at the trainer's temperature: whether any of eval_pass_k
+  # samples of a problem is right, over the first eval_pass_problems held-out problems (0: none)
+  eval_pass_k: int = 0
+  eval_pass_problems: int = 128
 
   def __post_init__(self):
     require_positive_ints(self, "steps", "prompts_per_step", "minibatches", "epochs",
@@ -114,6 +118,13 @@ class TrainerConfig:
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
       raise bad("eval_every", f"must be an int >= 0 (steps between held-out evaluations; 0: at "
                 f"the start and the end only), got {every!r}")
+    for name in ("eval_pass_k", "eval_pass_problems"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad(name, f"must be an int >= 0, got {value!r}")
+    if self.eval_pass_k and not self.eval_pass_problems:
+      raise bad("eval_pass_problems", f"must be >= 1 where eval_pass_k={self.eval_pass_k} "
+                "(or set eval_pass_k=0: no pass@k)")
     if not (isinstance(self.learning_rate, (int, float)) and 0 < self.learning_rate < math.inf):
       raise bad("learning_rate", f"must be a finite number > 0, got {self.learning_rate!r}")
     if not self.temperature > 0:
@@ -508,13 +519,22 @@ class GRPOTrainer:
     return float(np.mean(self.held_out(n, seed, temperature, progress)[2]))
 
   def held_out(self, n: int | None = None, seed: int = EVAL_SEED, temperature: float = 0.0,
-               progress=None) -> tuple[list[Problem], list[str], list[float]]:
+               progress=None, samples: int = 1) -> tuple[list[Problem], list[str], list[float]]:
     """What ``evaluate`` averages, problem by problem: the held-out problems, the policy's
-    completions (decoded) and their rewards."""
+    completions (decoded) and their rewards; ``samples`` > 1: that many completions of each
+    problem, in a row (each row draws its own tokens)."""
     problems = eval_problems(self.task, n or self.config.eval_problems, seed)
+    rows = [p for p in problems for _ in range(samples)]
     self._sync_engine()
-    result = self.engine.generate([self.encode_prompt(p) for p in problems], SamplingParams(
+    result = self.engine.generate([self.encode_prompt(p) for p in rows], SamplingParams(
         max_new_tokens=self.config.max_new_tokens, temperature=temperature, seed=seed),
         progress=progress)
     texts = self.completion_texts(result.tokens)
-    return problems, texts, [self.task.reward(p, t) for p, t in zip(problems, texts)]
+    return rows, texts, [self.task.reward(p, t) for p, t in zip(rows, texts)]
+
+  def pass_at(self, k: int, n: int | None = None, seed: int = EVAL_SEED,
+              progress=None) -> np.ndarray:
+    """Per held-out problem, whether any of ``k`` completions sampled at the trainer's
+    temperature earns the full reward (pass@k)."""
+    _, _, rewards = self.held_out(n, seed, self.config.temperature, progress, samples=k)
+    return np.asarray(rewards).reshape(-1, k).max(axis=1) >= 1.0
