@@ -1355,6 +1355,22 @@ MUTANTS = [
            " rngs=rngs)",
            ("tests/models/test_mixed_precision.py",),
            "dense layers keep bf16 params under mixed precision: AdamW's small updates round away"),
+    # --- issue 56: a flawed warm-start teacher, pass@k ---
+    Mutant("teacher_flaw_drawn_from_the_problem_stream", "tlt_jax/rl/sft.py",
+           "        problems = taught(problems, self.teacher_rng)",
+           "        problems = taught(problems, self.rng)",
+           ("tests/rl/test_sft.py", "-k", "whatever_the_teacher"),
+           "the flawed teacher's draws shift the warm start's problem stream"),
+    Mutant("teacher_flaw_on_every_sum", "tlt_jax/rl/tasks.py",
+           "    return [forget_final_carry(p) if carries_out(p) and rng.random() < self.teacher_error",
+           "    return [forget_final_carry(p) if rng.random() < self.teacher_error",
+           ("tests/rl/test_tasks.py", "-k", "flawed_teacher"),
+           "the teacher's flaw also strikes sums without a final carry"),
+    Mutant("pass_at_k_counts_a_single_sample", "tlt_jax/rl/trainer.py",
+           "    return np.asarray(rewards).reshape(-1, k).max(axis=1) >= 1.0",
+           "    return np.asarray(rewards).reshape(-1, k)[:, 0] >= 1.0",
+           ("tests/rl/test_trainer.py", "-k", "pass_at"),
+           "pass@k is the first sample's reward: pass@1"),
 ]
 
 

@@ -84,6 +84,10 @@ def test_held_out_evaluations_are_logged_every_eval_every_steps(finished_run):
   assert evals == [(0, False), (1, True), (2, False)], evals
   assert rows[0]["eval_accuracy"] == summary["accuracy_start"]
   assert rows[-1]["eval_sampled_reward"] == summary["sampled_end"]
+  # pass@2 beside them (TINY sets trainer.eval_pass_k=2), in the summary too
+  assert all(0.0 <= r["eval_pass_at_2"] <= 1.0 for r in rows if "eval_accuracy" in r)
+  assert rows[-1]["eval_pass_at_2"] == summary["pass_at_2_end"]
+  assert rows[0]["eval_pass_at_2"] == summary["pass_at_2_start"]
 
 
 def test_a_run_saves_its_config_metrics_and_a_usable_final_model(finished_run):

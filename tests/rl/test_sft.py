@@ -221,14 +221,25 @@ def test_warm_start_with_no_steps_is_a_no_op():
 
 def test_the_warm_start_stream_draws_the_same_problems_whatever_the_teacher():
   """A flawed teacher changes only the answers of its share of sums with a final carry: the
-  problems drawn (and a perfect teacher's rows, bit for bit) stay those of ``teacher_error=0``."""
-  perfect = PackedStream(TASK, TOKENIZER, ROWS, ROW_LEN, seed=SEED)
-  flawed = PackedStream(dataclasses.replace(TASK, teacher_error=1.0), TOKENIZER, ROWS, ROW_LEN,
-                        seed=SEED)
-  again = PackedStream(TASK, TOKENIZER, ROWS, ROW_LEN, seed=SEED)
-  a, b, c = perfect.batch(), flawed.batch(), again.batch()
-  for key in a:
-    np.testing.assert_array_equal(a[key], c[key])
-  text = lambda batch: TOKENIZER.decode([int(t) for t in batch["ids"].ravel() if t > 2])
-  assert text(a) != text(b) and "#" in text(b)
-  assert text(a).replace(" ", "").count("=") == text(b).replace(" ", "").count("=")
+  problems drawn, past the stream's first refill of 256, stay those of ``teacher_error=0``, and
+  a perfect teacher's rows are bit for bit the same again."""
+  import collections  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  def drawn(teacher_error):
+    stream = PackedStream(dataclasses.replace(TASK, teacher_error=teacher_error), TOKENIZER, 8,
+                          256, seed=SEED)
+    batches = [stream.batch() for _ in range(5)]
+    text = "".join(TOKENIZER.decode([int(t)]) if t > 2 else " "  # specials split problems
+                   for b in batches for t in b["ids"].ravel())
+    return batches, re.findall(r"\d+\+\d+=\?", text), re.findall(r"#\d+", text)
+  (perfect, prompts, answers), (again, *_) = drawn(0.0), drawn(0.0)
+  for a, b in zip(perfect, again):
+    for key in a:
+      np.testing.assert_array_equal(a[key], b[key])
+  _, flawed_prompts, flawed_answers = drawn(0.5)
+  # first-fit packing may move a problem to the next batch (shorter answers fit otherwise), so
+  # the problems are compared as a multiset, past the first refill of 256
+  n = min(len(prompts), len(flawed_prompts))
+  common = sum((collections.Counter(prompts[:n]) & collections.Counter(flawed_prompts[:n])).values())
+  assert n > 256 and common >= n - 8, (n, common)
+  assert flawed_answers[:n] != answers[:n]

@@ -577,3 +577,19 @@ def test_the_update_layout_rule_names_the_fields():
                                        r"8 rows must split into TrainerConfig.minibatches=3 "):
     check_update_layout(config, grpo.GRPOConfig(group_size=2), 1)
   check_update_layout(TrainerConfig(prompts_per_step=4, minibatches=2), grpo.GRPOConfig(2), 2)
+
+
+def test_pass_at_k_is_any_of_k_samples_of_each_held_out_problem():
+  """``pass_at(k)``: per held-out problem, whether one of its k samples (rows of their own, at the
+  trainer's temperature) earns the reward; k = 1 is the sampled reward itself."""
+  trainer = make_trainer(temperature=1.0, eval_problems=8)
+  varied_rewards(trainer)  # 0/1 rewards that differ between samples
+  problems, _, rewards = trainer.held_out(8, temperature=1.0, samples=4)
+  assert len(problems) == 32 and problems[0] == problems[3] != problems[4]
+  per_problem = np.asarray(rewards).reshape(8, 4)
+  assert 0 < per_problem.mean() < 1
+  passed = trainer.pass_at(4, 8)
+  np.testing.assert_array_equal(passed, per_problem.max(axis=1) >= 1.0)
+  assert passed.mean() > per_problem[:, 0].mean()
+  np.testing.assert_array_equal(trainer.pass_at(1, 8),
+                                np.asarray(trainer.held_out(8, temperature=1.0)[2]) >= 1.0)
