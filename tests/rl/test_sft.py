@@ -240,6 +240,7 @@ def test_the_warm_start_stream_draws_the_same_problems_whatever_the_teacher():
   # first-fit packing may move a problem to the next batch (shorter answers fit otherwise), so
   # the problems are compared as a multiset, past the first refill of 256
   n = min(len(prompts), len(flawed_prompts))
-  common = sum((collections.Counter(prompts[:n]) & collections.Counter(flawed_prompts[:n])).values())
+  both = collections.Counter(prompts[:n]) & collections.Counter(flawed_prompts[:n])
+  common = sum(both.values())
   assert n > 256 and common >= n - 8, (n, common)
   assert flawed_answers[:n] != answers[:n]
