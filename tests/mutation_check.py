@@ -370,11 +370,11 @@ MUTANTS = [
            "batch = self.make_batch(prompts, result.tokens, result.logprobs, advantages)",
            "batch = self.make_batch(prompts, result.tokens, result.logprobs, "
            "np.ones_like(advantages))",
-           ("tests/rl/test_trainer.py::test_rl_steps_learn_a_dense_reward",),
+           ("tests/rl/test_trainer.py", "-k", "learn_a_dense_reward or flawed_warm_start"),
            "every sample is pushed up alike: the policy moves but does not learn the reward"),
     Mutant("policy_gradient_sign_flipped", "tlt_jax/rl/grpo.py",
            "  pg = -jnp.minimum(unclipped, clipped)", "  pg = jnp.minimum(unclipped, clipped)",
-           ("tests/rl/test_trainer.py::test_rl_steps_learn_a_dense_reward",),
+           ("tests/rl/test_trainer.py", "-k", "learn_a_dense_reward or flawed_warm_start"),
            "GRPO descends the reward"),
     Mutant("cache_skips_quick_compiles", "tlt_jax/compile_cache.py",
            '    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)',
@@ -1371,6 +1371,11 @@ MUTANTS = [
            "    return np.asarray(rewards).reshape(-1, k)[:, 0] >= 1.0",
            ("tests/rl/test_trainer.py", "-k", "pass_at"),
            "pass@k is the first sample's reward: pass@1"),
+    Mutant("rewards_dropped", "tlt_jax/rl/trainer.py",
+           "    rewards = np.array([self.task.reward(p, t) for p, t in zip(rows, texts)], np.float32)",
+           "    rewards = np.zeros(len(rows), np.float32)",
+           ("tests/rl/test_trainer.py", "-k", "flawed_warm_start"),
+           "the step's rewards never reach the advantages: GRPO has nothing to learn from"),
 ]
 
 

@@ -593,3 +593,31 @@ def test_pass_at_k_is_any_of_k_samples_of_each_held_out_problem():
   assert passed.mean() > per_problem[:, 0].mean()
   np.testing.assert_array_equal(trainer.pass_at(1, 8),
                                 np.asarray(trainer.held_out(8, temperature=1.0)[2]) >= 1.0)
+
+
+def test_grpo_makes_a_flawed_warm_starts_sampled_habit_its_greedy_answer():
+  """RL's regime (issue 56): a warm start taught by a teacher that forgets the final carry in 70%
+  of the sums with one answers those greedily without it, while its samples often keep it. A few
+  GRPO steps make the right answer the greedy one: held-out greedy accuracy rises well above the
+  warm start's, where the no-update control stays (the params are its, bit for bit)."""
+  from tlt_jax.rl.sft import SFTConfig, warm_start  # pylint: disable=import-outside-toplevel
+  task = ArithmeticTask(max_digits=1, teacher_error=0.7)
+  tokenizer = CharTokenizer(task.alphabet)
+  config = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,
+                            bos_token_id=tokenizer.bos_token_id, hidden_size=32,
+                            intermediate_size=64, num_layers=1)
+  model, _ = warm_start(init_model(config, seed=0), tokenizer, task,
+                        SFTConfig(steps=200, rows=8, row_len=128, learning_rate=1e-2), 0)
+  trainer = GRPOTrainer(model, tokenizer, task,
+                        EngineConfig(max_batch=64, max_prompt_len=8, max_new_tokens=24,
+                                     prefill_buckets=(8,)),
+                        grpo.GRPOConfig(group_size=8),
+                        TrainerConfig(steps=6, prompts_per_step=8, max_new_tokens=24,
+                                      eval_problems=32, learning_rate=3e-4, warmup_steps=0,
+                                      update_tokens=0))
+  start = held_out(trainer)
+  assert trainer.pass_at(8).mean() > start[1] + 0.2  # samples reach what greedy misses
+  for _ in range(6):
+    trainer.step()
+  after = held_out(trainer)
+  assert after[0] > start[0] + 0.15, (start, after)
