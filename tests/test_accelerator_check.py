@@ -79,7 +79,8 @@ def check_rl_stage(r: dict) -> None:
   assert rl["arms"] == ["vanilla", "tlt"] and set(rl["steps"]) == {"vanilla", "tlt"}
   assert rl["task"]["kind"] == "gsm_style" and rl["task"]["problems"] == 256
   assert pathlib.Path(rl["task"]["path"]).is_file()
-  assert rl["job"]["verify"] == "coupled" and rl["job"]["dtype"] == "bfloat16"
+  assert rl["job"]["verify"] == "coupled" and rl["job"]["compute_dtype"] == "bfloat16"
+  assert rl["job"]["dtype"] == "float32"  # mixed precision: float32 params, bf16 arithmetic
   assert rl["job"]["rows_per_step"] == 8 and rl["job"]["strategies"]
   for name, steps in rl["steps"].items():
     assert [s["step"] for s in steps] == [1, 2, 3], name
