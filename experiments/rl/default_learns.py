@@ -66,13 +66,13 @@ def run_arm(cfg, update: bool) -> dict:
       len_p50=float(np.percentile(summary["lengths"], 50)),
       len_p99=float(np.percentile(summary["lengths"], 99)),
       len_max=int(max(summary["lengths"])))
-  for key in [k for k in summary if k.startswith("pass_at_")]:  # trainer.eval_pass_k > 0
-    out[key] = summary[key]
-    name = "eval_" + key.rsplit("_", 1)[0]  # eval_pass_at_<k>
-    out[key.rsplit("_", 1)[0] + "_curve"] = (
-        [(0, summary[key.rsplit("_", 1)[0] + "_start"])] +
-        [(m["step"], m[name]) for m in history if name in m] +
-        [(summary["step"], summary[key.rsplit("_", 1)[0] + "_end"])])
+  # trainer.eval_pass_k > 0: pass_at_<k>_start / _end, and the curve between
+  ends = [k for k in summary if k.startswith("pass_at_") and k.endswith("_end")]
+  for base in [k[:-len("_end")] for k in ends]:
+    start, end = summary[base + "_start"], summary[base + "_end"]
+    out.update({base + "_start": start, base + "_end": end, base + "_curve": (
+        [(0, start)] + [(m["step"], m["eval_" + base]) for m in history if "eval_" + base in m] +
+        [(summary["step"], end)])})
   return out
 
 

@@ -166,7 +166,7 @@ class PretrainedModel:
     """The checkpoint's model config and its tokenizer, which must pad with a pad or EOS token."""
     try:
       model_config = pretrained_config(self.path, self.dtype or None)
-      model_config = model_config.replace(compute_dtype=resolve_compute_dtype(self.compute_dtype))
+      model_config = model_config.replace(compute_dtype=self.compute_dtype)  # resolved already
       tokenizer = load_tokenizer(self.path)
     except (OSError, ValueError, KeyError, ImportError) as e:
       raise ConfigError(f"config.model.path {self.path}: {e}") from None

@@ -564,10 +564,10 @@ def _summary(steps: Steps, start: dict, end: dict) -> dict:
                  sampled_start=start["eval_sampled_reward"],
                  sampled_end=end["eval_sampled_reward"], history=history, lengths=steps.lengths,
                  step=steps.trainer.step_count, finished=True)
-  for key in sorted(set(start) & set(end)):
-    if key.startswith("eval_pass_at_"):
-      summary[key[len("eval_"):] + "_start"], summary[key[len("eval_"):] + "_end"] = (
-          start[key], end[key])
+  passes = sorted(k for k in set(start) & set(end) if k.startswith("eval_pass_at_"))
+  for key in passes:
+    summary[key[len("eval_"):] + "_start"], summary[key[len("eval_"):] + "_end"] = (
+        start[key], end[key])
   if not history:
     return summary
   rollout = sum(m["rollout_s"] for m in history)
@@ -579,12 +579,11 @@ def _summary(steps: Steps, start: dict, end: dict) -> dict:
                  last_share_of_rollout=sum(m["last_s"] for m in history) / max(rollout, 1e-9))
   control = (" (the no-update control: the params are the warm start's, so the held-out "
              "figures stay where they started)" if steps.job.trainer.control else "")
-  passes = "".join(f"; held-out {key[len('eval_'):].replace('_at_', '@')}: {start[key]:.3f} -> "
-                   f"{end[key]:.3f}" for key in sorted(set(start) & set(end))
-                   if key.startswith("eval_pass_at_"))
+  passed = "".join(f"; held-out {key[len('eval_'):].replace('_at_', '@')}: {start[key]:.3f} -> "
+                   f"{end[key]:.3f}" for key in passes)
   _say(f"held-out sampled reward: {summary['sampled_start']:.3f} -> {summary['sampled_end']:.3f}; "
        f"held-out greedy accuracy: {summary['accuracy_start']:.3f} -> "
-       f"{summary['accuracy_end']:.3f}{passes}{control}; train reward "
+       f"{summary['accuracy_end']:.3f}{passed}{control}; train reward "
        f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; rollout "
        f"{100 * summary['rollout_share']:.0f}% of step time (tail "
        f"{100 * summary['tail_share']:.0f}%); the last rows (at most an eighth live) took "
