@@ -2,15 +2,18 @@
 
   python -m experiments.rl.default_learns [--seeds 0 1 2] [--set trainer.learning_rate=1e-4 ...]
       [--control-seeds 0] [--jobs 4] [--no-control] [--out docs/results/default_learns.json]
+      [--plot docs/results/default_job_curve.png]
 
 Each seed runs the default job (configs/tiny_grpo.py through ``tlt_jax.train.run`` on a temp
 logdir) twice: with GRPO updates, and as the control, the same job with every update skipped
 (``--config.trainer.control=True``: the params stay bit for bit the warm start's). Both arms
 share the warm start (same seed) and are evaluated on the same fixed held-out problems; the
-control's end evaluation must equal its step-0 one (checked). Writes held-out greedy accuracy
-and sampled reward, start and end (and the curve, with ``--set trainer.eval_every=N``), per arm
-and seed, with their mean and spread, the rollout's tail share and the command.
-"""
+control's end evaluation must equal its step-0 one (checked). Writes held-out greedy accuracy,
+sampled reward and pass@k (``trainer.eval_pass_k``), start, end and the curve every
+``trainer.eval_every`` steps, per arm and seed, with their mean and spread; each seed's GRPO
+figures minus its control's (``over_control``); per operand size, the held-out problems the warm
+start solved greedily and how many of them the GRPO run still solves (``kept_by_digits``); the
+rollout's tail share and the command."""
 
 from __future__ import annotations
 
@@ -102,7 +105,9 @@ def one_run(job: tuple) -> dict:
 def kept_by_digits(runs: list[dict]) -> dict:
   """Per operand size, over the seeds with both arms: the held-out problems the warm start (the
   control's policy) solved greedily, and the share of them the GRPO run's policy still solves;
-  beside it each arm's greedy accuracy on every problem of that size."""
+  beside it each arm's greedy accuracy on every problem of that size, the problems newly solved,
+  and the noise the change is read against: the binomial standard error of a greedy accuracy
+  over that many problems."""
   out = {}
   for seed in sorted({r["seed"] for r in runs}):
     arms = {r["arm"]: r["greedy_by_problem"] for r in runs if r["seed"] == seed}
@@ -110,19 +115,35 @@ def kept_by_digits(runs: list[dict]) -> dict:
       continue
     for (digits, _, start), (_, _, end) in zip(arms["control"], arms["grpo"]):
       row = out.setdefault(str(digits), dict(problems=0, solved_at_start=0, still_solved=0,
-                                             start_sum=0.0, end_sum=0.0))
+                                             newly_solved=0, start_sum=0.0, end_sum=0.0))
       row["problems"] += 1
       row["start_sum"] += start
       row["end_sum"] += end
       if start >= 1.0:
         row["solved_at_start"] += 1
         row["still_solved"] += int(end >= 1.0)
+      else:
+        row["newly_solved"] += int(end >= 1.0)
   for row in out.values():
     row["greedy_start"] = row.pop("start_sum") / row["problems"]
     row["greedy_end"] = row.pop("end_sum") / row["problems"]
     row["kept_share"] = (row["still_solved"] / row["solved_at_start"]
                          if row["solved_at_start"] else None)
+    p = row["greedy_start"]
+    row["stderr"] = float(np.sqrt(max(p * (1 - p), 1e-12) / row["problems"]))
   return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def over_control(runs: list[dict]) -> dict:
+  """Per seed with both arms: the GRPO run's end figures minus its control's, on the same
+  held-out problems (greedy accuracy, sampled reward, pass@k)."""
+  out = {}
+  for seed in sorted({r["seed"] for r in runs}):
+    arms = {r["arm"]: r for r in runs if r["seed"] == seed}
+    if set(arms) == {"grpo", "control"}:
+      ends = [k for k in arms["grpo"] if k.endswith("_end") and k in arms["control"]]
+      out[str(seed)] = {k[:-len("_end")]: arms["grpo"][k] - arms["control"][k] for k in ends}
+  return out
 
 
 def spread(values) -> dict:
@@ -133,25 +154,32 @@ def spread(values) -> dict:
 
 
 def plot_curves(runs: list[dict], path: str, command: str) -> None:
-  """Held-out greedy accuracy and sampled reward against the RL step: each seed's GRPO run
-  (solid) and its no-update control (dashed, flat by construction), one panel per figure."""
+  """Held-out greedy accuracy, sampled reward and (with ``trainer.eval_pass_k``) pass@k against
+  the RL step: each seed's GRPO run (solid) and its no-update control (dashed, flat by
+  construction), one panel per figure."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+  pass_keys = sorted({k for r in runs for k in r if k.startswith("pass_at_")
+                      and k.endswith("_curve")})
+  panels = [("curve", 1, "held-out greedy accuracy"), ("curve", 2, "held-out sampled reward (T=1)")]
+  panels += [(k, 1, f"held-out pass@{k[len('pass_at_'):-len('_curve')]} (T=1)")
+             for k in pass_keys]
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), sharex=True)
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   seeds = sorted({r["seed"] for r in runs})
   for r in runs:
-    steps, greedy, sampled = np.array(r["curve"], float).T
     color = colors[seeds.index(r["seed"]) % len(colors)]
     style = dict(color=color, marker="o", ms=3) if r["arm"] == "grpo" else \
         dict(color=color, ls="--", alpha=0.7)
     label = f"seed {r['seed']}, " + ("GRPO" if r["arm"] == "grpo" else "no-update control")
-    axes[0].plot(steps, greedy, label=label, **style)
-    axes[1].plot(steps, sampled, label=label, **style)
-  axes[0].set(xlabel="RL step", ylabel="held-out greedy accuracy")
-  axes[1].set(xlabel="RL step", ylabel="held-out sampled reward (T=1)")
-  axes[1].legend(fontsize=7)
+    for ax, (key, column, _) in zip(axes, panels):
+      if key in r:
+        points = np.array(r[key], float)
+        ax.plot(points[:, 0], points[:, column], label=label, **style)
+  for ax, (_, _, name) in zip(axes, panels):
+    ax.set(xlabel="RL step", ylabel=name)
+  axes[-1].legend(fontsize=7)
   fig.suptitle("the default job (python -m tlt_jax.train) against its no-update control",
                fontsize=10)
   fig.text(0.01, 0.01, command, fontsize=6, color="gray")
@@ -203,14 +231,19 @@ def main() -> None:
       config={k: cfg[k].to_dict() for k in ("task", "sft", "grpo", "trainer")},
       control="the same job, seed and held-out problems with every policy update skipped "
               "(trainer.control=True: params unchanged)",
-      arms=arms, kept_by_digits=kept_by_digits(runs), runs=runs)
+      arms=arms, over_control=over_control(runs), kept_by_digits=kept_by_digits(runs),
+      runs=runs)
   write_report(a.out, result)
   if a.plot:
     plot_curves(runs, a.plot, result["command"])
   for digits, row in result["kept_by_digits"].items():
     print(f"{digits} digits: {row['problems']} problems, greedy {row['greedy_start']:.3f} -> "
-          f"{row['greedy_end']:.3f}; solved by the warm start {row['solved_at_start']}, still "
-          f"solved {row['still_solved']}")
+          f"{row['greedy_end']:.3f} (+- {row['stderr']:.3f}); solved by the warm start "
+          f"{row['solved_at_start']}, still solved {row['still_solved']}, newly solved "
+          f"{row['newly_solved']}")
+  for seed, row in result["over_control"].items():
+    print(f"seed {seed} over its control: " +
+          ", ".join(f"{k} {v:+.3f}" for k, v in row.items()))
   for arm, s in arms.items():
     print(f"{arm}: greedy {s['accuracy_start']['mean']:.3f} -> {s['accuracy_end']['mean']:.3f} "
           f"(gain {s['accuracy_gain']['mean']:+.3f} +- {s['accuracy_gain']['std']:.3f}), sampled "

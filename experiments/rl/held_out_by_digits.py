@@ -54,6 +54,10 @@ def main() -> None:
                       help="wrong completions to show per temperature")
   parser.add_argument("--pass-k", type=int, default=8,
                       help="pass@k at the trainer's temperature, per size (0: not measured)")
+  parser.add_argument("--solvable-k", type=int, default=0,
+                      help="also draw this many samples of each problem: the problems with a "
+                      "right one are those the policy can solve at all, and pass@--pass-k is "
+                      "estimated on them from those samples (0: not measured)")
   parser.add_argument("--out", default="experiments/out/held_out_by_digits.json")
   a = parser.parse_args()
   cfg = job_config(0, a.set, "")
@@ -91,7 +95,31 @@ def main() -> None:
     result[f"pass_at_{a.pass_k}"] = dict(mean=float(passed.mean()), by_digits=sizes)
     print(f"pass@{a.pass_k}: {passed.mean():.3f}; by digits " +
           " ".join(f"{d}: {s['reward']:.2f}" for d, s in sizes.items()))
+  if a.solvable_k:
+    k = a.pass_k or 8
+    _, _, rewards = trainer.held_out(a.problems, temperature=job.trainer.temperature,
+                                     samples=a.solvable_k)
+    right = (np.asarray(rewards).reshape(-1, a.solvable_k) >= 1.0).sum(axis=1)
+    problems = eval_problems(job.task, a.problems or job.trainer.eval_problems)
+    estimate = np.array([pass_at_k_estimate(a.solvable_k, int(c), k) for c in right])
+    solvable = right > 0
+    sizes = by_digits([p for p, s in zip(problems, solvable) if s], estimate[solvable])
+    result["solvable"] = dict(
+        samples=a.solvable_k, k=k, share=float(solvable.mean()),
+        share_by_digits=by_digits(problems, solvable.astype(float)),
+        pass_at_k=float(estimate[solvable].mean()), pass_at_k_by_digits=sizes)
+    print(f"solvable (a right answer in {a.solvable_k} samples): {solvable.mean():.3f} of the "
+          f"problems; pass@{k} on them {estimate[solvable].mean():.3f}; by digits " +
+          " ".join(f"{d}: {s['reward']:.2f}" for d, s in sizes.items()))
   write_report(a.out, result)
+
+
+def pass_at_k_estimate(n: int, c: int, k: int) -> float:
+  """The unbiased estimate of pass@k from ``n`` samples of which ``c`` are right (Chen et al.,
+  2021): one minus the chance that ``k`` drawn without replacement are all wrong."""
+  if n - c < k:
+    return 1.0
+  return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
 if __name__ == "__main__":
