@@ -26,13 +26,16 @@ from tlt_jax.configs import tiny_grpo
 def get_config() -> ml_collections.ConfigDict:
   c = tiny_grpo.get_config()
   c.drafter = "suffix"  # TLT on: history, siblings and the prompt draft; the tuner chooses
-  c.task.update(max_digits=32, digit_exponent=1.5, num_prompts=64)
-  c.sft.update(row_len=448)  # the longest trace (32 digits) is ~390 tokens with its prompt
+  # a perfect teacher: this job measures speed, and its figures are those of the perfect warm start
+  c.task.update(max_digits=32, digit_exponent=1.5, num_prompts=64, teacher_error=0.0)
+  # 300 steps (the default job's 450 sharpen its flawed warm start); rows of 448 tokens: the
+  # longest trace (32 digits) is ~390 tokens with its prompt
+  c.sft.update(steps=300, row_len=448)
   # one policy update per step, in micro-batches of ~1024 tokens: a minibatch holding a 300-token
   # row packs into rows of 300-430 tokens, and a bigger micro-batch is mostly padding
   # (docs/benchmarks.md, "The long-tail job")
   c.trainer.update(steps=16, prompts_per_step=16, max_new_tokens=352, eval_problems=64,
-                   minibatches=1, update_tokens=1024)
+                   minibatches=1, update_tokens=1024, eval_pass_k=0, eval_every=0)
   c.grpo.update(group_size=4)
   c.rollout.max_prompt_len = 80
   return c
