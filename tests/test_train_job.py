@@ -1045,7 +1045,8 @@ def test_the_final_exports_write_an_eagle3_drafter_for_vllm_too(tmp_path, monkey
                                                           "final_model"]
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+# the full tier also runs the job with a Qwen3 policy (the fast tier has Qwen3 SD and export tests)
+@pytest.mark.parametrize("architecture", ["qwen2", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_an_eagle3_job_trains_its_drafter_and_writes_it_for_vllm(tmp_path, capsys, architecture):
   """The tiny default job with config.drafter='eagle3' (one RL step), its policy a Qwen2 or a
   Qwen3 one: the drafter trains online, final_drafter/ loads as an Eagle3Drafter,

@@ -49,7 +49,8 @@ def randomize(drafter: nnx.Module, seed: int) -> None:
     var.set_value(jnp.asarray(value, var.dtype))
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+# a Llama verifier in the full tier (the export is the same but for the architecture's name)
+@pytest.fixture(scope="module", params=["qwen2", pytest.param("llama", marks=pytest.mark.slow)])
 def verifier(request, tmp_path_factory):
   """(HF directory, our target) of a random 6-layer Qwen2 or Llama."""
   path = tmp_path_factory.mktemp(request.param)

@@ -295,7 +295,9 @@ def test_a_correct_answer_ended_by_eos_scores_in_held_out_evaluation(monkeypatch
       problems[0].solution]
 
 
-@pytest.mark.parametrize("compute_dtype", [None, "bfloat16"], ids=["fp32", "bf16-compute"])
+# the fast tier learns in fp32; the bf16-compute variant (issue 55) runs in the full tier
+@pytest.mark.parametrize("compute_dtype", [
+    None, pytest.param("bfloat16", marks=pytest.mark.slow)], ids=["fp32", "bf16-compute"])
 def test_rl_steps_learn_a_dense_reward(compute_dtype):
   """GRPO learns, measured against a no-update control: after 8 steps the held-out greedy and
   sampled rewards (one fixed problem set and sampling seed) are clearly above the initial
