@@ -117,6 +117,7 @@ def test_enable_takes_effect_after_compiles(tmp_path):
   assert len(entries(first)) == 1 and len(entries(second)) == 1
 
 
+@pytest.mark.slow  # two CLI processes: the full tier
 def test_off_and_an_unwritable_directory_run_without_cache(tmp_path):
   unused = tmp_path / "unused"
   off, stderr = run_generate(ONE_PROMPT + ["--compile_cache=off"], TLT_COMPILE_CACHE=str(unused),

@@ -68,6 +68,7 @@ def test_a_silent_peer_is_named_after_the_timeout():
   assert waited < 30
 
 
+@pytest.mark.slow  # a test of several processes: the full tier
 def test_a_dead_peer_ends_the_others_by_its_missing_heartbeats():
   """Process 1 of 3 dies: JAX ends both others, naming process 1 alone as the one that stopped
   sending heartbeats."""
@@ -95,6 +96,7 @@ def _alone(index: int) -> tuple[subprocess.CompletedProcess, float]:
   return done, time.monotonic() - t0
 
 
+@pytest.mark.slow  # a test of several processes: the full tier
 def test_a_process_that_cannot_reach_the_coordinator_says_so_within_the_timeout():
   done, waited = _alone(1)  # process 0 (which hosts the coordinator) never started
   assert done.returncode == 1, done.stderr[-2000:]
@@ -112,6 +114,7 @@ def test_process_0_whose_peers_never_come_says_why_before_jax_ends_it():
   assert waited < 60
 
 
+@pytest.mark.slow  # a test of several processes: the full tier
 def test_the_launcher_stops_the_others_when_one_dies_and_names_it(capfd):
   t0 = time.monotonic()
   code = launch.launch(["die"], processes=2, module="tests.hosts_worker", grace_s=5,
@@ -123,6 +126,7 @@ def test_the_launcher_stops_the_others_when_one_dies_and_names_it(capfd):
   assert waited < 45  # process 0 was stopped, not left to its 60 s heartbeat
 
 
+@pytest.mark.slow  # a test of several processes: the full tier
 def test_the_launcher_runs_a_job_that_succeeds(capfd):
   assert launch.launch(["gather"], processes=2, module="tests.hosts_worker", env=_env()) == 0
   out = capfd.readouterr().out
@@ -144,6 +148,7 @@ def _gradient_bits(env: dict) -> str:
   return done.stdout.strip()
 
 
+@pytest.mark.slow  # a test of several processes: the full tier
 def test_a_launched_process_rounds_as_one_process_with_every_device():
   """XLA:CPU splits a long contraction by the size of its thread pool, which grows with the
   simulated devices: the launcher gives each of 2 x 2 processes the pool of 1 x 4, so their

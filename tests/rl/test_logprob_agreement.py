@@ -15,7 +15,8 @@ from tlt_jax.rollout.decode.ngram import NgramConfig
 GAP = {None: 1e-5, "bfloat16": 2e-3}
 
 
-@pytest.mark.parametrize("compute_dtype", [None, "bfloat16"], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("compute_dtype", [
+    None, pytest.param("bfloat16", marks=pytest.mark.slow)], ids=["fp32", "bf16"])  # bf16: full tier
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_vanilla_rollout_logprobs_are_the_updates(layout, compute_dtype):
   kw = dict(update_tokens=64) if layout == "packed" else {}

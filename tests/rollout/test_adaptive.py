@@ -171,6 +171,7 @@ def test_coupled_speculative_emits_vanillas_sampled_tokens(engines, sampling, mo
   assert got.stats.mean_accept_len > 1.5  # drafts were really accepted, not just bonuses
 
 
+@pytest.mark.slow  # the coupled tokens do not depend on the drafter (tested below, fast)
 def test_eagle3_adaptive_coupled_emits_vanillas_sampled_tokens(engines):
   """An EAGLE-3 drafter in the adaptive engine (switching vanilla, chain and trees every
   segment) with coupled verification: exactly vanilla's sampled tokens."""
