@@ -102,6 +102,16 @@ def one_run(job: tuple) -> dict:
   return dict(r, seed=seed, arm="grpo" if update else "control")
 
 
+def paired(runs: list[dict]) -> dict[int, dict[str, dict]]:
+  """``{seed: {"grpo": run, "control": run}}`` for the seeds that ran both arms, ascending."""
+  out = {}
+  for seed in sorted({r["seed"] for r in runs}):
+    arms = {r["arm"]: r for r in runs if r["seed"] == seed}
+    if set(arms) == {"grpo", "control"}:
+      out[seed] = arms
+  return out
+
+
 def kept_by_digits(runs: list[dict]) -> dict:
   """Per operand size, over the seeds with both arms: the held-out problems the warm start (the
   control's policy) solved greedily, and the share of them the GRPO run's policy still solves;
@@ -109,11 +119,9 @@ def kept_by_digits(runs: list[dict]) -> dict:
   and the noise the change is read against: the binomial standard error of a greedy accuracy
   over that many problems."""
   out = {}
-  for seed in sorted({r["seed"] for r in runs}):
-    arms = {r["arm"]: r["greedy_by_problem"] for r in runs if r["seed"] == seed}
-    if set(arms) != {"grpo", "control"}:
-      continue
-    for (digits, _, start), (_, _, end) in zip(arms["control"], arms["grpo"]):
+  for arms in paired(runs).values():
+    for (digits, _, start), (_, _, end) in zip(arms["control"]["greedy_by_problem"],
+                                               arms["grpo"]["greedy_by_problem"]):
       row = out.setdefault(str(digits), dict(problems=0, solved_at_start=0, still_solved=0,
                                              newly_solved=0, start_sum=0.0, end_sum=0.0))
       row["problems"] += 1
@@ -138,11 +146,9 @@ def over_control(runs: list[dict]) -> dict:
   """Per seed with both arms: the GRPO run's end figures minus its control's, on the same
   held-out problems (greedy accuracy, sampled reward, pass@k)."""
   out = {}
-  for seed in sorted({r["seed"] for r in runs}):
-    arms = {r["arm"]: r for r in runs if r["seed"] == seed}
-    if set(arms) == {"grpo", "control"}:
-      ends = [k for k in arms["grpo"] if k.endswith("_end") and k in arms["control"]]
-      out[str(seed)] = {k[:-len("_end")]: arms["grpo"][k] - arms["control"][k] for k in ends}
+  for seed, arms in paired(runs).items():
+    ends = [k for k in arms["grpo"] if k.endswith("_end") and k in arms["control"]]
+    out[str(seed)] = {k[:-len("_end")]: arms["grpo"][k] - arms["control"][k] for k in ends}
   return out
 
 

@@ -97,10 +97,10 @@ def main() -> None:
           " ".join(f"{d}: {s['reward']:.2f}" for d, s in sizes.items()))
   if a.solvable_k:
     k = a.pass_k or 8
-    _, _, rewards = trainer.held_out(a.problems, temperature=job.trainer.temperature,
-                                     samples=a.solvable_k)
+    rows, _, rewards = trainer.held_out(a.problems, temperature=job.trainer.temperature,
+                                        samples=a.solvable_k)
     right = (np.asarray(rewards).reshape(-1, a.solvable_k) >= 1.0).sum(axis=1)
-    problems = eval_problems(job.task, a.problems or job.trainer.eval_problems)
+    problems = rows[::a.solvable_k]  # each problem's samples are consecutive rows
     estimate = np.array([pass_at_k_estimate(a.solvable_k, int(c), k) for c in right])
     solvable = right > 0
     sizes = by_digits([p for p, s in zip(problems, solvable) if s], estimate[solvable])
