@@ -1380,6 +1380,26 @@ MUTANTS = [
            "    rewards = np.zeros(len(rows), np.float32)",
            ("tests/rl/test_trainer.py", "-k", "flawed_warm_start"),
            "the step's rewards never reach the advantages: GRPO has nothing to learn from"),
+    # --- issue 62: behaviours no test pinned (an outside audit changed each, both tiers passed) ---
+    Mutant("auto_compute_dtype_float32_on_a_tpu", "tlt_jax/job/build.py",
+           '    return None if jax.default_backend() == "cpu" else "bfloat16"',
+           '    return "bfloat16" if jax.default_backend() == "gpu" else None',
+           ("tests/rl/test_train_config.py", "-k", "auto_compute_dtype"),
+           'compute_dtype="auto" computes in float32 on a TPU (in bfloat16 on a GPU only)'),
+    Mutant("pass_at_k_over_every_held_out_problem", "tlt_jax/job/runner.py",
+           "min(cfg.eval_pass_problems, cfg.eval_problems)", "cfg.eval_problems",
+           ("tests/test_train_job.py", "-k", "first_eval_pass_problems"),
+           "pass@k samples all eval_problems, not the first eval_pass_problems (k x the rows)"),
+    Mutant("delete_after_deletes_the_step_itself", "tlt_jax/checkpoint/checkpointer.py",
+           "newer = [s for s in self.all_steps() if s > step]",
+           "newer = [s for s in self.all_steps() if s >= step]",
+           ("tests/test_checkpoint.py", "-k", "delete_after"),
+           "delete_after(step) also deletes step, the checkpoint a resumed run continues from"),
+    Mutant("foreground_compile_threads_count_as_background", "tlt_jax/aot.py",
+           "initargs=(in_background(),)) as pool:", "initargs=(True,)) as pool:",
+           ("tests/test_aot.py", "-k", "callers_compiles"),
+           "a foreground compile_all's compile threads count as background: compile_count (the "
+           "no-recompile checks) misses them"),
 ]
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.aot import AotCache
-from tlt_jax.utils import compile_count
+from tlt_jax.utils import background_compile_count, compile_count, mark_background
 
 
 def _lowering(calls: list, n: int):
@@ -120,7 +120,6 @@ def test_compile_all_in_a_background_thread_counts_as_background():
   """A background caller's compiles (the rollout's SD arms, compiled while the first step runs)
   are background keys on either path, serial or in compile threads: their seconds are not the
   foreground's, which the console reports as time the steps waited."""
-  from tlt_jax.utils import mark_background  # pylint: disable=import-outside-toplevel
   cache, calls = AotCache(), []
   lower_of = lambda n: _lowering(calls, n)()
 
@@ -135,3 +134,23 @@ def test_compile_all_in_a_background_thread_counts_as_background():
   cache.compile_all([14], lower_of, workers=1)  # this (foreground) thread
   assert cache.background_keys == {11, 12, 13}
   assert cache.foreground_seconds == cache.seconds_by_key[14] < cache.seconds
+
+
+def test_compile_threads_count_as_their_callers_compiles():
+  """A foreground ``compile_all``'s compiles, run in its compile threads, are in ``compile_count``
+  (what the checks that nothing recompiles read); a background caller's are background ones."""
+  cache, calls = AotCache(), []
+  lower_of = lambda n: _lowering(calls, n)()
+  before, background = compile_count(), background_compile_count()
+  assert cache.compile_all([21, 22], lower_of, workers=2) == 2
+  assert (compile_count() - before, background_compile_count() - background) == (2, 0)
+
+  def compile_in_background():
+    mark_background()
+    cache.compile_all([23, 24], lower_of, workers=2)
+
+  thread = threading.Thread(target=compile_in_background)
+  thread.start()
+  thread.join()
+  assert (compile_count() - before, background_compile_count() - background) == (2, 2)
+  assert calls == [21, 22, 23, 24]

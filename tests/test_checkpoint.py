@@ -146,6 +146,21 @@ def test_keep_and_latest_step(tmp_path):
     reopened.restore(1, like={"a": jnp.zeros(2, jnp.int32)})
 
 
+def test_delete_after_keeps_the_step_itself(tmp_path):
+  """``delete_after(step)`` (a resumed run's drafter saves of the steps it redoes) deletes only
+  the newer steps: ``step`` itself, the one the run resumes from, stays and restores."""
+  ckpt = Checkpointer(tmp_path, keep=None)
+  for step in (1, 2, 3):
+    ckpt.save(step, {"a": jnp.full((2,), step, jnp.int32)}, {"step": step})
+  assert ckpt.delete_after(2) == [3] and ckpt.all_steps() == [1, 2] and ckpt.latest_step() == 2
+  assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+  kept, meta = ckpt.restore(2, like={"a": jnp.zeros(2, jnp.int32)})
+  assert meta == {"step": 2} and np.array_equal(kept["a"], [2, 2])
+  assert ckpt.delete_after(2) == []
+  ckpt.save(3, {"a": jnp.zeros(2, jnp.int32)}, {})  # the redone step saves anew
+  ckpt.close()
+
+
 def test_mismatched_shape_or_structure_raises_clear_error(tmp_path):
   ckpt = Checkpointer(tmp_path)
   ckpt.save(1, _train_state(width=8), {})

@@ -28,7 +28,7 @@ from tlt_jax.job.typed_config import ConfigError, load_config_file, read_json_co
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.drafter_io import load_drafter, save_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
-from tlt_jax.rl.trainer import TrainerConfig, metric_kind
+from tlt_jax.rl.trainer import EVAL_SEED, TrainerConfig, eval_problems, metric_kind
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.host.history import HistoryConfig
@@ -672,6 +672,29 @@ def test_a_resumed_run_reads_its_start_figures_from_step_0_s_row(tmp_path):
                                            eval_pass_at_8=0.625)
   steps.log = KeptRows(rows[:1] + rows[2:])
   assert np.isnan(list(steps.evaluate_at_start().values())).all()
+
+
+def test_pass_at_k_takes_the_first_eval_pass_problems_of_the_larger_held_out_set(tmp_path,
+                                                                                monkeypatch):
+  """eval_problems=4, eval_pass_problems=2: greedy and sampled evaluation decode the 4 held-out
+  problems, pass@3 three samples of each of the first 2 (a real trainer, its engine faked)."""
+  from tests.rl.test_trainer import make_trainer  # pylint: disable=import-outside-toplevel
+  trainer = make_trainer(temperature=1.0, eval_problems=4, eval_pass_k=3, eval_pass_problems=2)
+  calls = []
+
+  def generate(prompts, sampling, **_):
+    calls.append(([tuple(p) for p in prompts], sampling.temperature))
+    return types.SimpleNamespace(tokens=[[] for _ in prompts], logprobs=[[] for _ in prompts])
+
+  monkeypatch.setattr(trainer.engine, "generate", generate)
+  log = FakeLog()
+  figures = runner.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), log, None,
+                         StopSignals()).evaluate()
+  held = [tuple(trainer.encode_prompt(p)) for p in eval_problems(trainer.task, 4, EVAL_SEED)]
+  assert len(set(held)) == 4
+  assert calls == [(held, 0.0), (held, 1.0), ([p for p in held[:2] for _ in range(3)], 1.0)]
+  assert set(figures) == {"eval_accuracy", "eval_sampled_reward", "eval_pass_at_3"}
+  assert log.rows == [(0, figures)]
 
 
 def test_precompile_compiles_rollout_update_and_drafter_and_says_how_long():

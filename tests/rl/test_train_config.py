@@ -3,9 +3,11 @@
 import pathlib
 import types
 
+import jax
 import pytest
 
 from tlt_jax import train
+from tlt_jax.job.build import resolve_compute_dtype
 from tlt_jax.job.typed_config import load_config_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -55,6 +57,17 @@ def test_a_config_without_a_required_field_names_it(tmp_path):
   with pytest.raises(ValueError, match=r"^config lacks the fields \['checkpoint_every'\]; start "
                                        r"from .*tiny_grpo.py"):
     train.run(cfg)
+
+
+@pytest.mark.parametrize("backend, want", [("cpu", None), ("gpu", "bfloat16"), ("tpu", "bfloat16")])
+def test_auto_compute_dtype_is_bfloat16_on_an_accelerator_and_the_params_dtype_on_a_cpu(
+    monkeypatch, backend, want):
+  """``compute_dtype="auto"`` (the real-model configs'): None (the params' dtype) on a CPU, where
+  bf16 is emulated, bfloat16 on a GPU or TPU (``jax.default_backend`` faked: this runs on a CPU)."""
+  assert load_config_file(ROOT / "configs" / "smollm2_gsm8k.py").model.compute_dtype == "auto"
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  assert resolve_compute_dtype("auto") == want
+  assert resolve_compute_dtype(None) is None and resolve_compute_dtype("float32") == "float32"
 
 
 def test_the_last_step_is_evaluated_once_and_always_checkpointed():
