@@ -43,6 +43,10 @@ def test_extract_boxed(text, expected):
     ("I think the answer is 2.\nWait, no: the answer is 3.", "3"),  # the last phrase wins
     ("#### 8\nWait, I dropped a carry.\n#### 7", "7"),  # a revised GSM8K answer: the last one
     ("<answer>8</answer> on reflection <answer>7</answer>", "7"),  # the last tag
+    ("The final answer to this arithmetic problem is 12.", "12"),  # SmolLM2's own phrasing
+    ("The answer to the given problem is -5.", "-5"),
+    ("The final answer to this problem is 6300 - 3680 = 2620.", "2620"),  # the result of the line
+    ("The answer, as computed, is 4.", None),  # "answer" must run into "is" by to/of/for
     ("I have no idea.", None),
     ("", None),
 ])

@@ -22,7 +22,10 @@ _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOX_SPACE = re.compile(r"\\boxed\s+([^\s${}]+)")  # ``\boxed 42`` (no braces), rare but seen
 _GSM8K = re.compile(r"####\s*((?:(?!####)[^\n])*)")  # up to the line's end or the next ####
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_ANSWER_IS = re.compile(r"answer\s*(?:is\s*:?|:)[ \t]*([^\n]+)", re.IGNORECASE)
+# "the answer is X", "Answer: X", and the wordier "the answer to this problem is X"
+_ANSWER_IS = re.compile(r"answer(?:\s+(?:to|of|for)\b[^.\n:]{0,60}?)?(?:\s+is\b\s*:?|\s*:)[ \t]*"
+                        r"([^\n]+)", re.IGNORECASE)
+_LAST_EQUALS = re.compile(r"\s=\s")
 _SENTENCE_END = re.compile(r"\.(?:\s|$)")
 
 
@@ -76,6 +79,9 @@ def _trim_phrase(answer: str) -> str:
   end = _SENTENCE_END.search(answer)
   if end is not None:
     answer = answer[:end.start()]
+  equals = list(_LAST_EQUALS.finditer(answer))
+  if equals:  # "is 7 - 4 = 3": the result after the last " = "
+    answer = answer[equals[-1].end():]
   return answer.strip().strip("*_").strip().rstrip(".").strip()
 
 
@@ -83,7 +89,8 @@ def extract_final_answer(text: str) -> str | None:
   """The final answer of a completion, or None if it states none.
 
   Tried in order: the last ``\\boxed{}``; GSM8K's ``#### 42``; the last ``<answer>...</answer>``;
-  the last "the answer is X" / "Answer: X" phrase (up to the end of its sentence).
+  the last "the answer is X" / "Answer: X" / "the answer to ... is X" phrase (up to the end of its
+  sentence; when it is a worked line such as "7 - 4 = 3", what follows its last " = ").
   """
   boxed = extract_boxed(text)
   if boxed is not None:
