@@ -1400,6 +1400,44 @@ MUTANTS = [
            ("tests/test_aot.py", "-k", "callers_compiles"),
            "a foreground compile_all's compile threads count as background: compile_count (the "
            "no-recompile checks) misses them"),
+    # --- issue 62: the first step in minutes (what it starts with compiles first, the rest behind)
+    Mutant("compaction_into_a_bucket_not_compiled_yet", "tlt_jax/rollout/host/scheduler.py",
+           "                    and self.pool.compact_ready(run.batch, b, run.kv_len)), run.batch)",
+           "                    ), run.batch)",
+           ("tests/rollout/test_offers.py", "-k", "deferred"),
+           "rows compact into a bucket the background has not compiled: the rollout compiles it "
+           "on the critical path"),
+    Mutant("prefill_in_a_bucket_not_compiled_yet", "tlt_jax/rollout/host/scheduler.py",
+           "    for b, p in pairs:\n      if not pool.waiting",
+           "    for b, p in pairs[:0]:\n      if not pool.waiting",
+           ("tests/rollout/test_offers.py", "-k", "deferred"),
+           "a chunk is prefilled in its own buckets even while their compile is deferred: the "
+           "rollout waits for it"),
+    Mutant("first_step_scope_compiles_the_whole_pool", "tlt_jax/rollout/engine.py",
+           "    if scoped:\n", "    if False:\n",
+           ("tests/rollout/test_offers.py", "-k", "first_step"),
+           'precompile_scope="first_step" compiles every vanilla executable before the first '
+           "step"),
+    Mutant("first_keys_without_the_growths", "tlt_jax/rollout/host/pool.py",
+           "      keys += [(\"grow\", b, n, m) for n, m in zip(lengths, lengths[1:])]\n    return keys",
+           "    return keys",
+           ("tests/rollout/test_offers.py", "-k", "first_step or deferred"),
+           "the first requests' keys leave out the cache growths: a long row waits for one"),
+    Mutant("background_compiles_at_normal_priority", "tlt_jax/utils.py",
+           "      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)",
+           "      pass",
+           ("tests/test_utils.py", "-k", "lowest_priority"),
+           "background compiles take a core at the steps' priority (issue 62: TLT's steps 0.59x)"),
+    Mutant("progress_in_a_log_file_as_a_bar", "tlt_jax/utils.py",
+           "  if not sys.stderr.isatty():\n    return ProgressLines(",
+           "  if False:\n    return ProgressLines(",
+           ("tests/test_utils.py", "-k", "log_file"),
+           "a log file gets a bar's carriage returns instead of lines"),
+    Mutant("answer_phrase_without_words_between", "tlt_jax/rl/rewards.py",
+           r'_ANSWER_IS = re.compile(r"answer(?:\s+(?:to|of|for)\b[^.\n:]{0,60}?)?(?:\s+is',
+           r'_ANSWER_IS = re.compile(r"answer(?:(?:to|of|for)\b[^.\n:]{0,60}?)?(?:\s+is',
+           ("tests/rl/test_rewards.py", "-k", "extract_final_answer"),
+           "\"the answer to this problem is 3\" reads no answer: SmolLM2's every reward is 0"),
 ]
 
 

@@ -4,10 +4,12 @@ JSON files."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import sys
 import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -35,10 +37,22 @@ def _on_event(name: str, duration: float, **kwargs) -> None:
         _compiles += 1
 
 
+BACKGROUND_NICE = 19  # a background thread's niceness: the lowest priority, so its compiles
+# take the cores only when the steps leave them idle
+
+
 def mark_background(on: bool = True) -> None:
   """Counts this thread's compiles as background ones (``background_compile_count``), not in
-  ``compile_count``: a thread that compiles executables before anything waits for them."""
+  ``compile_count``: a thread that compiles executables before anything waits for them. ``on``
+  also lowers the thread's scheduling priority to ``BACKGROUND_NICE`` where the OS allows it
+  (Linux: per thread), so background compiles never take a core the steps want."""
   _thread.background = on
+  if on and not getattr(_thread, "niced", False):
+    try:
+      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+      _thread.niced = True
+    except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
+      pass
 
 
 def in_background() -> bool:
@@ -83,14 +97,61 @@ def require_positive_ints(obj, *names: str) -> None:
       raise FieldError(type(obj).__name__, name, f"must be a positive int, got {value!r}")
 
 
+class ProgressLines:
+  """Progress as whole lines on a stream, at most one per ``every`` seconds, with the time
+  left; what ``progress_bar`` gives where stderr is not a terminal (a log file): a bar's carriage
+  returns would make one endless line there. The same methods as the tqdm bar the job uses."""
+
+  def __init__(self, total: int, desc: str, unit: str, stream=None, every: float = 10.0,
+               disable: bool = False):
+    self.total, self.desc, self.unit, self.every = total, desc, unit, every
+    self.stream = sys.stderr if stream is None else stream
+    self.disable = disable
+    self.n = 0
+    self._postfix = ""
+    self._t0 = self._last = time.perf_counter()
+
+  def update(self, n: int = 1) -> None:
+    """Advances by ``n``; writes a line when ``every`` seconds have passed since the last."""
+    self.n += n
+    now = time.perf_counter()
+    if now - self._last >= self.every:
+      self._last = now
+      self._write(now)
+
+  def set_postfix(self, **values) -> None:
+    self._postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+  def _write(self, now: float) -> None:
+    if self.disable:
+      return
+    elapsed = now - self._t0
+    left = ""
+    if self.total and 0 < self.n < self.total:
+      left = f", ~{elapsed * (self.total - self.n) / self.n:.0f}s left"
+    extra = f", {self._postfix}" if self._postfix else ""
+    print(f"{self.desc}: {self.n}/{self.total} {self.unit} ({elapsed:.0f}s{left}{extra})",
+          file=self.stream, flush=True)
+
+  def close(self) -> None:
+    pass
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
 def progress_bar(total: int, desc: str, unit: str):
-  """A tqdm bar on stderr, cleared when done (sparse updates when stderr is not a terminal; none
-  on the processes other than process 0 of a multi-process job)."""
+  """A tqdm bar on stderr, cleared when done; where stderr is not a terminal (a log file), lines
+  every 10 s instead (``ProgressLines``); nothing on the processes other than process 0 of a
+  multi-process job."""
   import jax  # pylint: disable=import-outside-toplevel
-  interactive = sys.stderr.isatty()
+  if not sys.stderr.isatty():
+    return ProgressLines(total, desc, unit, disable=jax.process_index() != 0)
   return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False,
-              mininterval=0.5 if interactive else 10.0, dynamic_ncols=True,
-              disable=jax.process_index() != 0)
+              mininterval=0.5, dynamic_ncols=True, disable=jax.process_index() != 0)
 
 
 def write_report(path, report: dict) -> pathlib.Path:

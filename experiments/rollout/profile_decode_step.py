@@ -378,7 +378,7 @@ def main():
     st = fresh_state()
     jax.block_until_ready(st)
     t0 = time.perf_counter()
-    out = segment(weights, st, args, np.int32(0), np.int32(0))
+    out = segment(weights, st, args, np.int32(0), np.int32(0), np.int32(0))
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / int(out.counters["steps"])
 
@@ -413,7 +413,7 @@ def main():
   print(f"compiled {len(runners)} variants in {time.perf_counter() - t0:.1f}s", flush=True)
 
   # sanity: the fori_loop step is the engine's step (same tokens as its segment)
-  ref = segment(weights, fresh_state(), args, np.int32(0), np.int32(0))
+  ref = segment(weights, fresh_state(), args, np.int32(0), np.int32(0), np.int32(0))
   mine = state_fns["step"](weights, fresh_state())
   got = np.asarray(mine.tokens)[:, :a.steps + 1]
   want = np.asarray(ref.tokens)[:, :a.steps + 1]
@@ -451,7 +451,7 @@ def main():
                  **harness.machine("backend", "jax", "cpu_count", "loadavg_end"))
   if a.trace:
     tr_out = trace_segment(
-        segment, lambda: segment(weights, fresh_state(), args, np.int32(0), np.int32(0)),
+        segment, lambda: segment(weights, fresh_state(), args, np.int32(0), np.int32(0), np.int32(0)),
         lambda out: int(out.counters["steps"]), top=20)
     summary["trace"] = tr_out
     if "error" in tr_out:

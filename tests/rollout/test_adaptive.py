@@ -118,7 +118,8 @@ def test_catch_up_rebuilds_the_drafter_state_of_a_full_pass(models, engines, kin
                                             pool.no_history(4), args)
   vanilla = pool.get(("segment", 4, kv_len, pool.stop_at(4), "vanilla"))
   for _ in range(4):  # 4 segments of segment_steps=3 vanilla steps
-    state = vanilla(weights, state, args, np.int32(0), np.int32(cfg.segment_steps))
+    state = vanilla(weights, state, args, np.int32(0), np.int32(cfg.segment_steps),
+                    np.int32(pool.stop_at(4)))
   lag = np.asarray(state.cache.lengths - state.dcache.lengths)[:3]
   assert (lag > cfg.pending_width).all(), lag  # far behind after 12 vanilla steps
   state = pool.get(("catchup", 4, kv_len))(weights, state)

@@ -110,7 +110,7 @@ def test_prefill_and_a_segment_run_one_at_a_time_decode_as_generate_does(engines
   assert state.cache.max_len == engine.config.prefill_kv_len(8)
   segment = engine.executable(("segment", 4, state.cache.max_len, engine.pool.stop_at(4),
                                "vanilla"))
-  state = segment(engine.weights(), state, args, np.int32(0), np.int32(0))
+  state = segment(engine.weights(), state, args, np.int32(0), np.int32(0), np.int32(0))
   ran = np.asarray(state.num_generated)
   assert int(state.counters["steps"]) >= 1 and (ran == ran[0]).all() and ran[0] > 1
   result = engine.generate(prompts, params)

@@ -315,3 +315,70 @@ def test_the_cache_lengths_only_sd_reaches_compile_with_the_sd_arms(model):
   assert cap in out.stats.segment_kv_lens, out.stats.segment_kv_lens  # SD rows grew into it
   assert out.stats.compiles == 0 and any(n != "vanilla" for *_, n in out.stats.segments)
   assert engine.generate([[8]] * 2, params).stats.compiles == 0  # bucket 2: vanilla's pool
+
+
+# ---- precompile_scope="first_step": the first request's executables first, the rest behind ------
+FIRST_STEP = dict(max_batch=4, max_prompt_len=16, max_new_tokens=40, prefill_buckets=(8, 16),
+                  kv_buckets=(24, 40), strategies=((4, 1, 5),), segment_steps=3,
+                  precompile_scope="first_step")  # cache lengths 24, 40, 56: rows grow twice
+
+
+def vanilla_stops():
+  """Sampling whose rows stop at very different times (they compact, where they can)."""
+  return SamplingParams(max_new_tokens=40, temperature=1.0, seed=4, stop_token_ids=(3,))
+
+
+def test_first_step_scope_compiles_what_the_first_requests_start_with_and_defers_the_rest(model):
+  """The foreground compiles ``first_keys`` alone (the batch bucket each first request starts in,
+  the largest prompt bucket, vanilla's lengths from there); the rest of vanilla's pool compiles
+  in the background thread, before the SD arms are timed; once it is in, nothing compiles."""
+  from tests.rollout.test_adaptive import with_cost_table  # pylint: disable=import-outside-toplevel
+  target, drafter = model
+  engine = with_cost_table(RolloutEngine(target, drafter=drafter, tuner=make_tuner(TunerConfig()),
+                                         config=EngineConfig(**FIRST_STEP)),
+                           {1: 9.0, 2: 9.0, 4: 9.0})  # no arm pays: the loop stops at bucket 1
+  first = engine.pool.first_keys([4, 3])
+  assert {k[1] for k in first} == {4} and {k[2] for k in first if k[0] == "prefill"} == {16}
+  n, bg = compile_count(), background_compile_count()
+  assert engine.precompile(background=True, first_rows=[4, 3]) == len(first)
+  assert set(first) <= set(engine.pool.executables.keys())
+  assert compile_count() - n == len(first)  # nothing else in the foreground
+  assert engine.offers.wait(300)
+  order = engine.pool.executables.keys()  # in the order they were compiled
+  assert set(engine.pool.base_keys()) <= set(order)
+  assert background_compile_count() - bg >= len(set(engine.pool.base_keys()) - set(first))
+  sd = [i for i, k in enumerate(order) if k[0] == "segment" and k[4] != "vanilla"]
+  assert sd and min(sd) > max(order.index(k) for k in engine.pool.base_keys())
+  n = compile_count()
+  result = engine.generate([[7, 9, 11], [8], [12, 13, 14, 15]], vanilla_stops())
+  assert compile_count() == n and result.stats.compiles == 0
+  with pytest.raises(FieldError, match=r"EngineConfig\.precompile_scope must be one of"):
+    EngineConfig(precompile_scope="first")
+
+
+def test_a_rollout_decodes_on_compiled_buckets_while_the_rest_is_deferred(model):
+  """With every key but ``first_keys`` deferred to a background compile that has not run, a
+  rollout compiles nothing: its prompts go to the largest prompt bucket, its rows stay in the
+  batch bucket they started in (no compaction into a bucket not compiled yet), and its tokens
+  are those of an engine with the whole pool (padding changes no token)."""
+  target, _ = model
+  # segments of 8 steps at most: some end with rows live, where compaction is considered
+  config = EngineConfig(**dict(FIRST_STEP, strategies=(), segment_steps=1))
+  prompts = [[7, 9, 11], [8], [12, 13, 14, 15], [9, 9]]
+  reference = RolloutEngine(target, config=config).generate(prompts, vanilla_stops())
+  assert {b for b, *_ in reference.stats.segments} > {4}  # it compacts: rows end apart
+  assert reference.stats.grows >= 2  # and its caches grow twice
+  engine = RolloutEngine(target, config=config)
+  first = engine.pool.first_keys([4])
+  engine.pool.compile(first)
+  engine.pool.defer([k for k in engine.pool.keys() if k not in set(first)])
+  n = compile_count()
+  result = engine.generate(prompts, vanilla_stops())
+  assert compile_count() == n and set(engine.pool.executables.keys()) == set(first)
+  assert {b for b, *_ in result.stats.segments} == {4}
+  assert result.tokens == reference.tokens
+  # once the smaller bucket is in, the rows compact into it (bucket 1 stays deferred)
+  engine.pool.compile([k for k in engine.pool.keys() if 1 not in k[1:2] and
+                       not (k[0] == "compact" and k[2] == 1)])
+  again = engine.generate(prompts, vanilla_stops())
+  assert {b for b, *_ in again.stats.segments} == {4, 2} and again.tokens == reference.tokens

@@ -141,7 +141,7 @@ def build_engine_config(rollout, drafter, suffix: SuffixConfig | None = None,
 # EngineConfig fields are the job's to set, or kept at their defaults)
 ROLLOUT_FIELDS = ("max_batch", "max_prompt_len", "strategies", "sd_max_batch",
                   "sd_prior_acceptance", "sd_offers", "verify_budget", "segment_steps",
-                  "verify", "suffix_strategies")
+                  "verify", "suffix_strategies", "precompile_scope")
 
 
 def rollout_section(**values) -> ml_collections.ConfigDict:

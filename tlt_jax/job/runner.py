@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import pathlib
 import signal
+import threading
 import time
 from typing import Iterable
 
@@ -37,7 +38,7 @@ from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.host import history as history_lib
 from tlt_jax.rollout.host.stats import arm_line, run_sd_summary
-from tlt_jax.utils import progress_bar
+from tlt_jax.utils import mark_background, progress_bar
 
 
 def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) -> dict:
@@ -125,7 +126,12 @@ def set_up_trainer(job: Job, latest: int | None, mesh: jax.sharding.Mesh) -> GRP
   made for another policy than the one RL starts from, and a fresh EAGLE-3 drafter's head
   started from that policy's (``Job.drafter_from_policy``)."""
   with _outside_the_steps(job, latest, "while loading the policy"):
+    t0 = time.perf_counter()
+    if job.model_path is not None:
+      _say(f"loading the policy from {job.model_path} ...")
     model = initial_model(job, job.seed)
+    if job.model_path is not None:
+      _say(f"loaded the policy in {time.perf_counter() - t0:.0f}s")
   if not job.resume or job.drafter_from_policy:
     with _outside_the_steps(job, latest, "during the warm start"):
       model = _warm_start(model, job)
@@ -305,22 +311,50 @@ def precompile(trainer: GRPOTrainer, progress: bool = False) -> Precompiled:
   # the update's and the drafter's first: the rollout's SD arms then compile in a background
   # thread that competes with nothing else that the first step waits for
   t0 = time.perf_counter()
-  update = trainer.precompile_update()
+  if getattr(trainer.engine.config, "precompile_scope", "all") == "first_step":
+    # the update runs after the first held-out evaluation and rollout: it compiles meanwhile, in a
+    # background thread of the lowest priority (an update that comes first compiles what is left)
+    update = 0
+    threading.Thread(target=_compile_in_background, args=(trainer.precompile_update,),
+                     name="update-precompile").start()
+    if progress:
+      _say(f"the policy update's {len(trainer.policy.executable_keys())} executables compile "
+           "in the background (rollout.precompile_scope=first_step)")
+  else:
+    with (_progress_of(len(trainer.policy.executable_keys()), "compiling the policy update")
+          if progress else contextlib.nullcontext()) as advance:
+      update = trainer.precompile_update(advance)
   t1 = time.perf_counter()
+  if progress and trainer.online is not None:
+    _say("compiling the online drafter's train and eval steps ...")
   devices = trainer.precompile_drafter()
   t2 = time.perf_counter()
   bar = (_compile_bar(len(trainer.engine.executable_keys())) if progress
          else contextlib.nullcontext())
   with bar as advance:  # the SD arms compile in the background, offered once they exist
-    rollout = trainer.engine.precompile(progress=advance, background=True)
+    rollout = trainer.engine.precompile(progress=advance, background=True,
+                                        first_rows=trainer.first_request_rows())
   return Precompiled(rollout, update, devices, time.perf_counter() - t2, t1 - t0, t2 - t1)
 
 
-@contextlib.contextmanager
+def _compile_in_background(compile_all) -> None:
+  """Runs ``compile_all()`` as background work (its compiles counted as such, at the lowest
+  thread priority)."""
+  mark_background()
+  compile_all()
+
+
 def _compile_bar(total: int):
   """A progress bar of the rollout's ``total`` executables as they compile (cleared at the end);
   yields the ``progress(done, total)`` that moves it."""
-  with progress_bar(total, "compiling rollout executables", "exe") as bar:
+  return _progress_of(total, "compiling rollout executables")
+
+
+@contextlib.contextmanager
+def _progress_of(total: int, what: str):
+  """A progress bar of ``total`` executables as ``what`` compiles them (cleared at the end; in a
+  log file, lines); yields the ``progress(done, total)`` that moves it."""
+  with progress_bar(total, what, "exe") as bar:
 
     def progress(done, total):
       bar.total = total
@@ -520,7 +554,8 @@ class Steps:
     the checkpoint, the metrics row and the console line."""
     trainer = self.trainer
     self.doing = f"during step {trainer.step_count + 1}"
-    m = trainer.step()
+    with _step_progress(trainer):
+      m = trainer.step()
     self.doing = f"after step {trainer.step_count}, before it was logged"
     self.history.append(m)
     self.lengths.extend(trainer.last_lengths.tolist())
@@ -553,6 +588,32 @@ class Steps:
       if m is not None:
         m["checkpoint_save_ms"] = 1e3 * (time.perf_counter() - t0)
       self.saved_step = self.trainer.step_count
+
+
+SLOW_STEP_S = 10.0  # a step that has run this long says when its policy update begins
+
+
+@contextlib.contextmanager
+def _step_progress(trainer: GRPOTrainer):
+  """Progress of the step in flight: a bar (lines in a log file) of its rollout's rows, and a
+  line when the policy update begins, where the step has run ``SLOW_STEP_S`` by then (a real
+  model's step takes minutes on a CPU; the tiny jobs' say nothing more)."""
+  step, t0 = trainer.step_count + 1, time.perf_counter()
+  total = trainer.config.prompts_per_step * trainer.grpo_config.group_size
+  with progress_bar(total, f"step {step}: rollout", "row") as bar:
+
+    def tell(phase: str, done: int, _total: int) -> None:
+      if phase == "rollout":
+        bar.update(done - bar.n)
+      elif time.perf_counter() - t0 > SLOW_STEP_S:
+        _say(f"step {step}: rollout done in {time.perf_counter() - t0:.0f}s, updating the "
+             "policy ...")
+
+    trainer.step_progress = tell
+    try:
+      yield
+    finally:
+      trainer.step_progress = None
 
 
 def _summary(steps: Steps, start: dict, end: dict) -> dict:

@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -269,6 +269,9 @@ class GRPOTrainer:
       self.engine = ProcessShardedRollout(self.engine)
     self.history_config = history
     self.history = None  # HistoryStore: the prompts' earlier completions (a suffix drafter's)
+    # step_progress(phase, done, total): how far a step is ("rollout": rows done; "update": the
+    # policy update begins), for a job's progress lines; None: silent
+    self.step_progress: Callable[[str, int, int], Any] | None = None
     if history is not None and self.engine.uses_history:
       self.history = HistoryStore(history)
     self._schedule = None  # EpochSchedule (epoch mode), made when first needed
@@ -320,10 +323,21 @@ class GRPOTrainer:
     many devices (0 without online drafter training)."""
     return 0 if self.online is None else self.online.precompile_on(self.engine)
 
-  def precompile_update(self) -> int:
-    """Compiles every executable the policy updates use (``PolicyUpdate.precompile``); returns
+  def first_request_rows(self) -> list[int]:
+    """The row counts of the rollout requests a run starts with: the held-out evaluation's
+    (greedy and sampled; pass@k's) and an RL step's (``RolloutEngine.precompile``'s
+    ``first_rows``)."""
+    cfg = self.config
+    rows = [cfg.eval_problems, cfg.prompts_per_step * self.grpo_config.group_size]
+    if cfg.eval_pass_k:
+      rows.append(min(cfg.eval_pass_problems, cfg.eval_problems) * cfg.eval_pass_k)
+    return rows
+
+  def precompile_update(self, progress=None) -> int:
+    """Compiles every executable the policy updates use (``PolicyUpdate.precompile``;
+    ``progress(done, total)`` after each); returns
     how many it compiled now (0 once done)."""
-    return self.policy.precompile()
+    return self.policy.precompile(progress)
 
   def update_temp_bytes(self) -> dict[str, int | None]:
     """XLA's scratch memory of each update executable compiled so far (``PolicyUpdate``)."""
@@ -380,7 +394,10 @@ class GRPOTrainer:
     if self.history is not None:  # per row, the earlier completions of its prompt
       earlier = self.history.lookup(prompts[::g], arrays=True)
       options = dict(options, history=[h for h in earlier for _ in range(g)])
-    result = self.engine.generate(prompts, sampling, **options)
+    tell = self.step_progress
+    result = self.engine.generate(
+        prompts, sampling, progress=None if tell is None else
+        (lambda done, total: tell("rollout", done, total)), **options)
     t_rollout = time.perf_counter() - t0
     drafter_metrics = {}
     if online is not None:
@@ -396,6 +413,8 @@ class GRPOTrainer:
                                        self.grpo_config.eps)  # numpy: nothing compiles
     batch = self.make_batch(prompts, result.tokens, result.logprobs, advantages)
     t1 = time.perf_counter()
+    if tell is not None and not cfg.control:
+      tell("update", 0, 1)
     out = {"control": True} if cfg.control else self.policy_update(batch)  # control: params kept
     t_update = time.perf_counter() - t1
     self.step_count += 1

@@ -408,10 +408,11 @@ class PolicyUpdate:
     return (keys + ([("copy",)] if self._keeps_copy() else [])
             + ([("gather",)] if self.layout.sharded else []))
 
-  def precompile(self) -> int:
+  def precompile(self, progress=None) -> int:
     """Compiles, ahead of time, every executable the policy updates use, so that no update
-    compiles whatever the completion lengths. Returns how many it compiled now (0 once done)."""
-    return self.executables.compile_all(self.executable_keys(), self._lower)
+    compiles whatever the completion lengths. Returns how many it compiled now (0 once done);
+    ``progress(done, total)`` after each."""
+    return self.executables.compile_all(self.executable_keys(), self._lower, progress)
 
   def temp_bytes(self) -> dict[str, int | None]:
     """XLA's scratch memory (beyond arguments and outputs) of each update executable compiled so

@@ -205,18 +205,28 @@ class RolloutEngine(Rollout):
     return self.pool.stats()
 
   def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
-                 calibrate: bool = True, background: bool = False) -> int:
+                 calibrate: bool = True, background: bool = False,
+                 first_rows: Sequence[int] | None = None) -> int:
     """Compiles the executables the rollout may run; returns how many were compiled now.
 
     ``progress(done, total)`` is called after each compile (``total``: that stage's count). With a
     cost tuner and ``calibrate``, SD arms are compiled only where the calibration says they pay
     (``offers.py``); ``background``: those compile in a thread while the rollout decodes, and the
     count is vanilla's (``offers.wait()`` waits for the rest). Otherwise every permitted executable
-    is compiled. Details: docs/library.md, "RolloutEngine".
+    is compiled. ``first_rows`` (with ``background``, ``config.precompile_scope="first_step"``
+    and the calibrated offers or no SD arm at all): the row counts of the first requests; only
+    the vanilla executables they start with compile now
+    (``ExecutablePool.first_keys``), the rest of vanilla's in the background thread before the SD
+    arms, and until each is in, rollouts decode on the buckets that are compiled. Details:
+    docs/library.md, "RolloutEngine".
     """
     # the tuner's own kind (one handed to the engine or set_tuner may differ from config.tuner)
     cost = getattr(getattr(self.tuner, "config", None), "kind", None) == "cost"
-    if not (calibrate and cost and self.config.sd_offers == "calibrated"):
+    scoped = (first_rows is not None and background
+              and self.config.precompile_scope == "first_step")
+    vanilla_only = all(len(c) == 1 for c in self._strategies.values())
+    if not (calibrate and cost and self.config.sd_offers == "calibrated") and not (
+        scoped and vanilla_only):
       compiled = self.pool.precompile(progress)
       if calibrate and cost:  # sd_offers="all": every arm, timed for the tuner
         self._set_calibration(self.calibrate())
@@ -225,21 +235,34 @@ class RolloutEngine(Rollout):
       self.offers.wait()
       return 0
     offers = SdOffers(self._strategies, self.config.sd_prior_acceptance, self.publish_costs)
-    compiled = self.pool.compile(self.pool.base_keys(), progress)
-    vanilla = {b: self._strategies[b][:1] for b in offers.buckets}
-    self._set_calibration(self.calibrate(strategies=vanilla))
+    if scoped:
+      first = self.pool.first_keys(first_rows)
+      compiled = self.pool.compile(first, progress)
+      # the rest of vanilla's, the largest buckets first (the order a rollout compacts through)
+      offers.prelude = sorted((k for k in self.pool.base_keys() if k not in set(first)),
+                              key=lambda k: -k[1])
+      self.pool.defer(offers.prelude)
+      # no vanilla calibration up front (it compiles every bucket): the offers loop times
+      # vanilla beside the SD arms at each bucket it visits, and publishes both
+      self._set_calibration(({}, 0.0))
+    else:
+      compiled = self.pool.compile(self.pool.base_keys(), progress)
+      vanilla = {b: self._strategies[b][:1] for b in offers.buckets}
+      self._set_calibration(self.calibrate(strategies=vanilla))
     self.offers = offers
     # a loop in the background times a copy of the weights, made here: the engine's own may be
     # replaced and their buffers donated (by the policy update) while it runs
-    self._calibration_weights = self._copy_weights() if background else None
+    self._calibration_weights = (self._copy_weights() if background and offers.buckets
+                                 else None)
     offers.on_done = self.drop_calibration_weights
     return compiled + offers.launch(background, self.pool.compile, self.offer_keys,
                                     self.calibrate_bucket)
 
   def _set_calibration(self, calibration: tuple[dict, float]) -> None:
-    """Keeps the measured step costs and hands them to the tuner and the scheduler."""
+    """Keeps the measured step costs and hands them to the tuner (if any) and the scheduler."""
     self.calibration = calibration
-    self.tuner.set_costs(*calibration)
+    if self.tuner is not None:
+      self.tuner.set_costs(*calibration)
     self.scheduler.segment_lengths = segment_lengths(*calibration, self.config.segment_steps)
 
   def publish_costs(self, costs: dict) -> None:
@@ -308,7 +331,8 @@ class RolloutEngine(Rollout):
           for n in (1, 1 + steps):
             state = jax.block_until_ready(self.prefill(ids, lens, args, weights))
             t0 = time.perf_counter()
-            state = segment(weights, state, args, np.int32(strategy.choice), np.int32(n))
+            state = segment(weights, state, args, np.int32(strategy.choice), np.int32(n),
+                            np.int32(pool.stop_at(b)))
             ran = int(jax.device_get(state.counters["steps"]))
             fastest[ran] = min(fastest.get(ran, np.inf), time.perf_counter() - t0)
         if len(fastest) < 2:  # the rows could not run more than one step (a tiny cache)
@@ -330,8 +354,9 @@ class RolloutEngine(Rollout):
     first use and the very one ``generate`` then runs. ``("prefill", batch, prompt bucket)`` is
     called as ``(weights(), ids, prompt_lens, row_id, group_id, history, args)`` and returns
     ``(state, hidden)``; ``("segment", batch, kv_len, stop_at, group)`` as ``(weights(), state,
-    args, choice, max_steps)`` (``choice``: the strategy's index in its group; ``max_steps`` 0:
-    until a boundary) and returns the state, which it donates. Outside ``generate`` a segment
+    args, choice, max_steps, stop_at)`` (``choice``: the strategy's index in its group;
+    ``max_steps`` 0: until a boundary; ``stop_at``: live rows at which it ends, 0: none) and
+    returns the state, which it donates. Outside ``generate`` a segment
     ends where ``generate`` would stop it (compaction, growth, all rows done), and nothing is
     compacted or grown: the caller reads ``state.counters["steps"]``."""
     return self.pool.get(key)

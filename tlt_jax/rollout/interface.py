@@ -101,9 +101,11 @@ class Rollout(abc.ABC):
 
   @abc.abstractmethod
   def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
-                 background: bool = False) -> int:
+                 background: bool = False, first_rows: Sequence[int] | None = None) -> int:
     """Compiles the executables the rollout may run; returns how many were compiled now
-    (``background``: the speculative arms' compile in a thread, offered once they exist)."""
+    (``background``: the speculative arms' compile in a thread, offered once they exist;
+    ``first_rows``: the row counts of the first requests, where only what they start with
+    compiles now and the rest in that thread, if the rollout supports it)."""
 
   def learned_sd_possible(self) -> bool:
     """Whether a speculative arm that the learned drafter drafts is offered somewhere, or may

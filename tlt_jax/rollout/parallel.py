@@ -200,13 +200,15 @@ class DataParallelRollout(Rollout):
     return [(k, key) for k, e in enumerate(self.engines) for key in e.executable_keys()]
 
   def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
-                 background: bool = False) -> int:
+                 background: bool = False, first_rows: Sequence[int] | None = None) -> int:
     """Compiles every device's pool (one thread per device); returns how many were compiled.
+    ``first_rows`` is not used here: every device compiles vanilla's whole set first.
     With a cost tuner, as ``RolloutEngine.precompile`` does on one device: vanilla's executables
     on every device, then the SD arms where the calibration says they pay (``background``: in a
     thread, while the rollout decodes), one bucket at a time on every device, timed on the
     first (the devices are alike; timing every device at once would measure them competing for
     the host) and offered to all at once."""
+    del first_rows
     first = self.engines[0]
     cost = getattr(getattr(self.shared_tuner, "config", None), "kind", None) == "cost"
     calibrated = cost and self.config.sd_offers == "calibrated"

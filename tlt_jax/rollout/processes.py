@@ -104,8 +104,8 @@ class ProcessShardedRollout(Rollout):
     return self.local.learned_sd_possible()
 
   def precompile(self, progress: Callable[[int, int], Any] | None = None, *,
-                 background: bool = False) -> int:
-    return self.local.precompile(progress, background=background)
+                 background: bool = False, first_rows: Sequence[int] | None = None) -> int:
+    return self.local.precompile(progress, background=background, first_rows=first_rows)
 
   def _lead(self):
     return getattr(self.local, "engines", [self.local])[0]

@@ -335,11 +335,12 @@ class StepFunctions:
 
   # ---- segments and the switch -------------------------------------------------------------
   def segment(self, weights, state: DecodeState, args: SamplerArgs, choice: jax.Array,
-              max_steps: jax.Array, *, group: str, stop_at: int) -> DecodeState:
+              max_steps: jax.Array, stop_at: jax.Array, *, group: str) -> DecodeState:
     """Decodes with ``group`` (member ``choice``) until at most ``stop_at`` rows are live (0:
-    until all rows finish), after ``max_steps`` steps (an int32 scalar, so a short probe and a
-    long settled segment share one executable; <= 0: no limit), or, below the largest length
-    bucket, until a live row could write past the cache in its next step."""
+    until all rows finish), after ``max_steps`` steps (``max_steps`` and ``stop_at`` are int32
+    scalars, so a short probe, a long settled segment and a segment that cannot compact yet share
+    one executable; ``max_steps`` <= 0: no limit), or, below the largest length bucket, until a
+    live row could write past the cache in its next step."""
     target, drafter = self.merge(weights)
     g = self.groups[group]
     if g.is_vanilla:

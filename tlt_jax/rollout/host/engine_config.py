@@ -29,6 +29,7 @@ __all__ = ["EngineConfig", "VERIFY_MODES", "parse_spec", "parse_specs", "resolve
 
 VERIFY_MODES = ("rejection", "coupled")
 SD_OFFERS = ("calibrated", "all")
+PRECOMPILE_SCOPES = ("all", "first_step")
 SPECS_HINT = "a list of [depth, topk, verify_tokens] triples, e.g. ((4, 1, 5), (4, 2, 8))"
 
 
@@ -106,6 +107,13 @@ class EngineConfig:
   # "calibrated": the SD arms a bucket offers are the ones its calibration says pay (above);
   # "all": every arm the other fields permit, and the tuner alone decides (e.g. to study it)
   sd_offers: str = "calibrated"
+  # What the job compiles before its first RL step. "all": every vanilla executable (then the SD
+  # arms in the background). "first_step": only what its first requests start with (the batch
+  # bucket each begins in, at every prompt and cache length); the rest of vanilla's compiles in a
+  # background thread of the lowest priority, and until it is in, the rollout decodes on in the
+  # buckets that are compiled (padded: the same tokens, more work). For real models, whose pool
+  # takes minutes to compile on a CPU.
+  precompile_scope: str = "all"
   verify_budget: int = 0  # > 0: a strategy serves bucket b only if b * verify_tokens <= this
   segment_steps: int | None = None  # most steps per segment (0: unbounded; None: 32 if adaptive)
   tuner: TunerConfig | None = None  # None: TunerConfig() (the cost tuner)
@@ -154,6 +162,9 @@ class EngineConfig:
     require_positive_ints(self, "max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids")
     if self.sd_max_batch is not None:
       require_positive_ints(self, "sd_max_batch")
+    if self.precompile_scope not in PRECOMPILE_SCOPES:
+      raise FieldError("EngineConfig", "precompile_scope", f"must be one of {PRECOMPILE_SCOPES}, "
+                       f"got {self.precompile_scope!r}")
     if self.sd_offers not in SD_OFFERS:
       raise FieldError("EngineConfig", "sd_offers", f"must be one of {SD_OFFERS}, got "
                        f"{self.sd_offers!r}")

@@ -98,6 +98,8 @@ class SdOffers:
     self.visited: list[BucketOffer] = []  # in visiting order
     self.compiled = 0  # executables the loop compiled
     self.on_done: Callable[[], Any] | None = None  # called once the loop has stopped
+    self.prelude: Sequence[Any] = ()  # keys the loop compiles before its first bucket (the
+    # vanilla executables the first requests do not start with: ``RolloutEngine.precompile``)
 
   def offered(self, bucket: int) -> list[Any]:
     """The strategies ``bucket`` offers now (vanilla first); takes in what the loop published
@@ -126,12 +128,15 @@ class SdOffers:
 
   def run(self, compile_keys: Callable[[list], int], keys_of: Callable[[int, list, bool], list],
           calibrate: Callable[[int, list], dict]) -> None:
-    """Visits the buckets smallest first: compiles the executables that time a bucket's
+    """Compiles the ``prelude`` keys; then visits the buckets smallest first: compiles the
+    executables that time a bucket's
     candidates (``keys_of(b, strategies, True)``), times them (``calibrate(b, strategies)``:
     ``{(b, name): seconds per step}``, vanilla's included), compiles the rest of the paying
     arms' executables (``keys_of(b, paying, False)``) and publishes them; stops at the first
     bucket where none pays, or when ``cancel`` is called."""
     try:
+      if not self._compile(compile_keys, list(self.prelude)):
+        return
       for b in self.buckets:
         if self._cancel.is_set():
           return

@@ -5,7 +5,9 @@ Keys are tuples whose first entry is the kind:
 * ``("prefill", batch, prompt bucket)``
 * ``("segment", batch, kv length, stop_at, group)``: a decode segment of one strategy group
   (vanilla, a chain, or the trees of one verify width, which share the verify pass); compiled
-  only for the batch buckets the group may serve
+  only for the batch buckets the group may serve. ``stop_at`` names the bucket's compaction
+  boundary (``stop_at(batch)``); the executable takes the live-row count it stops at as an
+  operand, so a rollout whose smaller bucket is not compiled yet decodes on past it
 * ``("catchup", batch, kv length)``: the drafter's catch-up at a vanilla -> SD switch
 * ``("compact", batch, smaller batch, kv length)`` and ``("grow", batch, kv length, next)``
 
@@ -44,6 +46,7 @@ class ExecutablePool:
     self.needs_catchup = needs_catchup
     self.executables = AotCache(shared, device)
     self._state_specs: dict[tuple[int, int], Any] = {}
+    self.deferred: set[tuple] = set()  # keys a background thread compiles (``defer``)
 
   @property
   def compile_seconds(self) -> float:
@@ -100,6 +103,56 @@ class ExecutablePool:
     """The compiled executable for ``key`` (compiled on first use, then reused)."""
     return self.executables.get(key, lambda: self.lower(key))
 
+  def defer(self, keys: Sequence[tuple]) -> None:
+    """Marks ``keys`` as compiled by a background thread: until each is in, ``waiting`` says so
+    and the scheduler decodes on compiled buckets instead of compiling it on the critical
+    path."""
+    self.deferred.update(keys)
+
+  def waiting(self, key: tuple) -> bool:
+    """Whether ``key`` is deferred to a background compile that has not finished it yet (a key
+    that is neither compiled nor deferred compiles on first use, as ever)."""
+    return key in self.deferred and key not in self.executables
+
+  def ready(self, batch: int, kv_len: int) -> bool:
+    """Whether vanilla can decode a ``batch`` bucket from cache length ``kv_len`` on without
+    waiting for a background compile: its segments there and at every longer length vanilla
+    reaches, and the growths between them."""
+    lengths = [n for n in self.kv_lengths_used()
+               if n == kv_len or kv_len < n <= self.vanilla_lengths()[-1]]
+    keys = [("segment", batch, n, self.stop_at(batch), "vanilla") for n in lengths]
+    keys += [("grow", batch, n, m) for n, m in zip(lengths, lengths[1:])]
+    return not any(self.waiting(k) for k in keys)
+
+  def compact_ready(self, batch: int, smaller: int, kv_len: int) -> bool:
+    """Whether a ``batch`` bucket at ``kv_len`` can compact into ``smaller`` and decode on there
+    without waiting for a background compile."""
+    return (not self.waiting(("compact", batch, smaller, kv_len))
+            and self.ready(smaller, kv_len))
+
+  def first_keys(self, rows: Sequence[int]) -> list[tuple]:
+    """The vanilla keys the first requests need, for requests of ``rows`` rows each: at the
+    batch bucket each starts in (a chunk of ``max_batch`` rows, or its remainder's), prefill at
+    the largest prompt bucket (it holds every prompt), the segments at every length vanilla
+    reaches from there and the growths between. Compiled first, they let the first rollout start
+    while the rest of the pool compiles in the background (``defer``): until it is in, prompts
+    are padded to the largest bucket and rows decode on past the smaller batch buckets."""
+    cfg = self.config
+    batches = set()
+    for n in rows:
+      if n >= cfg.max_batch:
+        batches.add(cfg.batch_buckets[-1])
+      if n % cfg.max_batch:
+        batches.add(bk.bucket_for(n % cfg.max_batch, cfg.batch_buckets))
+    plen = cfg.prefill_buckets[-1]
+    lengths = [n for n in self.vanilla_lengths() if n >= cfg.prefill_kv_len(plen)]
+    keys = []
+    for b in sorted(batches, reverse=True):
+      keys.append(("prefill", b, plen))
+      keys += [("segment", b, n, self.stop_at(b), "vanilla") for n in lengths]
+      keys += [("grow", b, n, m) for n, m in zip(lengths, lengths[1:])]
+    return keys
+
   def lower(self, key: tuple) -> jax.stages.Lowered:
     """The executable of ``key`` lowered for the weights' shapes and device."""
     kind, batch = key[0], key[1]
@@ -112,11 +165,11 @@ class ExecutablePool:
       return jax.jit(fn).lower(self.weights_spec(), ids, vec, vec, vec, self.history_spec(batch),
                                args)
     if kind == "segment":
-      fn = functools.partial(steps.segment, stop_at=key[3], group=key[4])
+      fn = functools.partial(steps.segment, group=key[4])
       scalar = jax.ShapeDtypeStruct((), jnp.int32)
       return jax.jit(fn, donate_argnums=1).lower(self.weights_spec(),
                                                  self.state_spec(batch, key[2]), args, scalar,
-                                                 scalar)
+                                                 scalar, scalar)
     if kind == "catchup":
       return jax.jit(steps.catch_up, donate_argnums=1).lower(self.weights_spec(),
                                                              self.state_spec(batch, key[2]))

@@ -298,12 +298,26 @@ class Scheduler:
         return run.out
       self.compact(run, live, end.cache_lens, stats)
 
+  def _start_buckets(self, rows: int, longest: int) -> tuple[int, int]:
+    """The (batch, prompt) buckets a chunk of ``rows`` prompts, the longest ``longest`` tokens,
+    is prefilled in: the smallest that hold it, or, while a background compile has not finished
+    them, the smallest larger pair whose prefill and vanilla decode are compiled (padded: the same
+    tokens, at more cost); the smallest pair if none is (it compiles now)."""
+    cfg, pool = self.config, self.pool
+    batch = bk.bucket_for(rows, cfg.batch_buckets)
+    plen = bk.bucket_for(longest, cfg.prefill_buckets)
+    pairs = sorted(((b, p) for b in cfg.batch_buckets if b >= batch
+                    for p in cfg.prefill_buckets if p >= plen), key=lambda bp: (bp[0] * bp[1], bp))
+    for b, p in pairs:
+      if not pool.waiting(("prefill", b, p)) and pool.ready(b, cfg.prefill_kv_len(p)):
+        return b, p
+    return batch, plen
+
   def _prefill(self, request: Request, chunk: range, stats: RolloutStats) -> ChunkRun:
-    """Prefills the chunk in the smallest buckets that hold it; keeps the prompts' hidden states
-    of the rows that collect them (until they finish)."""
+    """Prefills the chunk in the smallest buckets that hold it (``_start_buckets``); keeps the
+    prompts' hidden states of the rows that collect them (until they finish)."""
     cfg = self.config
-    batch = bk.bucket_for(len(chunk), cfg.batch_buckets)
-    plen = bk.bucket_for(max(len(request.prompts[i]) for i in chunk), cfg.prefill_buckets)
+    batch, plen = self._start_buckets(len(chunk), max(len(request.prompts[i]) for i in chunk))
     ids, lens, row_id, group_id, history = prefill_inputs(
         request, chunk, batch, plen, cfg.pad_token_id, self.pool.no_history(batch))
     (state, prompt_hidden), _ = self._run_timed(stats, "prefill_s", ("prefill", batch, plen),
@@ -358,7 +372,7 @@ class Scheduler:
                              strategy.group))
     t0 = time.perf_counter()
     run.state = state = segment(self.weights(), run.state, args, np.int32(strategy.choice),
-                                np.int32(max_steps))
+                                np.int32(max_steps), np.int32(self._stop_at(run)))
     read = jax.device_get((state.done, state.num_generated, state.row_id, state.counters,
                            state.cache.lengths, state.tokens, state.logprobs))
     seconds = time.perf_counter() - t0
@@ -419,12 +433,24 @@ class Scheduler:
           counters["accept_hist"]
       stats.add_sources(counters["source_steps"], counters["source_tokens"])
 
+  def _stop_at(self, run: ChunkRun) -> int:
+    """Live rows at which the chunk's next segment ends to compact: the largest smaller bucket
+    it can compact into now (the next smaller one, unless a background compile has not finished
+    it); 0 (decode on) where there is none, or compaction is off."""
+    if not self.pool.stop_at(run.batch):
+      return 0
+    smaller = [b for b in self.config.batch_buckets if b < run.batch]
+    return next((b for b in reversed(smaller)
+                 if self.pool.compact_ready(run.batch, b, run.kv_len)), 0)
+
   def compact(self, run: ChunkRun, live: np.ndarray, cache_lens: np.ndarray,
               stats: RolloutStats) -> None:
-    """Gathers the ``live`` slots into the smallest batch bucket that holds them (with
-    compaction on and where that bucket is smaller), and notes their longest committed
-    length."""
-    smaller = bk.bucket_for(live.size, self.config.batch_buckets)
+    """Gathers the ``live`` slots into the smallest batch bucket that holds them and that it can
+    decode in now (with compaction on and where that bucket is smaller; a bucket a background
+    compile has not finished is passed over), and notes their longest committed length."""
+    buckets = self.config.batch_buckets
+    smaller = next((b for b in buckets if live.size <= b < run.batch
+                    and self.pool.compact_ready(run.batch, b, run.kv_len)), run.batch)
     if self.config.compaction and smaller < run.batch:
       index = np.full((smaller,), -1, np.int32)
       index[:live.size] = live

@@ -1,0 +1,45 @@
+"""Shared utilities: background threads' priority, progress lines in a log file."""
+
+import io
+import os
+import threading
+
+import pytest
+
+from tlt_jax import utils
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority") or not hasattr(threading, "get_native_id"),
+                    reason="per-thread priorities are a Linux feature")
+def test_a_background_thread_runs_at_the_lowest_priority_and_the_caller_keeps_its_own():
+  """``mark_background`` lowers only its own thread's priority: background compiles take a core
+  only when the steps leave it idle."""
+  seen = {}
+
+  def work():
+    utils.mark_background()
+    seen["niceness"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen["background"] = utils.in_background()
+
+  mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+  thread = threading.Thread(target=work)
+  thread.start()
+  thread.join()
+  assert seen == {"niceness": utils.BACKGROUND_NICE, "background": True}
+  assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+def test_progress_in_a_log_file_is_whole_lines_with_the_time_left(monkeypatch):
+  """Where stderr is not a terminal, progress is lines (no carriage returns), each with the
+  count, the seconds so far and an estimate of what is left."""
+  stream = io.StringIO()
+  monkeypatch.setattr(utils.sys, "stderr", stream)
+  bar = utils.progress_bar(4, "compiling rollout executables", "exe")
+  assert isinstance(bar, utils.ProgressLines)
+  bar.every = 0.0  # a line at every update
+  with bar:
+    bar.update(1)
+    bar.update(1)
+  lines = stream.getvalue().splitlines()
+  assert "\r" not in stream.getvalue() and len(lines) == 2
+  assert lines[0].startswith("compiling rollout executables: 1/4 exe (") and "s left)" in lines[0]
