@@ -61,7 +61,9 @@ def get_config() -> ml_collections.ConfigDict:
                               minibatches=4, max_new_tokens=512, eval_problems=128,
                               update_tokens=16384)
   # chat-formatted gsm_symbolic prompts are 60-200 SmolLM2 tokens
-  c.rollout = rollout_section(max_batch=128, max_prompt_len=256)
+  # precompile_scope="first_step": the first step waits only for the executables it starts with;
+  # the rest of the pool compiles in the background (a real model's whole pool takes minutes)
+  c.rollout = rollout_section(max_batch=128, max_prompt_len=256, precompile_scope="first_step")
   # the suffix drafter and the store of earlier completions it drafts from (configs/tiny_grpo.py
   # says what the fields do)
   c.suffix = suffix_section()
