@@ -41,4 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.trainer.update_tokens = 4096
   c.rollout.max_batch = 64
   c.rollout.max_prompt_len = 64  # chat-formatted prompts are 46 SmolLM2 tokens
+  # with a drafter (--config.drafter=suffix or eagle), SD emits exactly vanilla's tokens for the
+  # seed: TLT changes the run's time, not its numbers
+  c.rollout.verify = "coupled"
   return c

@@ -654,6 +654,13 @@ def _summary(steps: Steps, start: dict, end: dict) -> dict:
     _say(sd)
   if ledger := ledger_lines.run_line(steps.log.rows()):
     _say(ledger)
+  if (stats := getattr(steps.trainer.engine, "pool_stats", None)) is not None:
+    pools = stats()
+    pools = pools if isinstance(pools, list) else [pools]
+    summary["rollout_executables"] = dict(compiled=sum(p["executables"] for p in pools),
+                                          used=sum(p["used"] for p in pools))
+    _say(f"rollout executables: {summary['rollout_executables']['used']} of the "
+         f"{summary['rollout_executables']['compiled']} compiled were run")
   return summary
 
 

@@ -47,6 +47,7 @@ class ExecutablePool:
     self.executables = AotCache(shared, device)
     self._state_specs: dict[tuple[int, int], Any] = {}
     self.deferred: set[tuple] = set()  # keys a background thread compiles (``defer``)
+    self.used: set[tuple] = set()  # keys a rollout (or ``calibrate``) has run
 
   @property
   def compile_seconds(self) -> float:
@@ -101,6 +102,7 @@ class ExecutablePool:
 
   def get(self, key: tuple):
     """The compiled executable for ``key`` (compiled on first use, then reused)."""
+    self.used.add(key)
     return self.executables.get(key, lambda: self.lower(key))
 
   def defer(self, keys: Sequence[tuple]) -> None:
@@ -282,7 +284,8 @@ class ExecutablePool:
                           - m.alias_size_in_bytes)
       except Exception:  # pylint: disable=broad-except  # not every backend reports it
         pass
-    return dict(executables=len(self.executables), by_kind=kinds, segments_by_group=groups,
+    return dict(executables=len(self.executables), used=len(self.used), by_kind=kinds,
+                segments_by_group=groups,
                 compile_s=self.compile_seconds, kv_lengths=list(self.kv_lengths_used()),
                 memory_bytes_max=max(memory.values(), default=None),
                 memory_bytes_total=int(np.sum(list(memory.values()))) if memory else None,
