@@ -33,6 +33,10 @@ import tempfile
 from tests.xla_env import FAST_COMPILE_FLAGS
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Background compiles on, whatever the host's cores (tlt_jax.utils.background_compiles_allowed
+# turns them off below 4): the tests exercise the background loops; tests/test_utils.py and
+# tests/rollout/test_offers.py check the small-host default with the variable unset or "auto".
+os.environ.setdefault("TLT_BACKGROUND_COMPILE", "1")
 
 SESSION_CACHE = "TLT_TEST_COMPILE_CACHE"
 

@@ -43,3 +43,20 @@ def test_progress_in_a_log_file_is_whole_lines_with_the_time_left(monkeypatch):
   lines = stream.getvalue().splitlines()
   assert "\r" not in stream.getvalue() and len(lines) == 2
   assert lines[0].startswith("compiling rollout executables: 1/4 exe (") and "s left)" in lines[0]
+
+
+def test_background_compiles_need_four_cores_unless_the_environment_says(monkeypatch):
+  """``$TLT_BACKGROUND_COMPILE``: on/off force it; auto (or unset) allows background compiles on
+  hosts of ``MIN_BACKGROUND_CORES`` cores or more; anything else is an error naming the choices."""
+  monkeypatch.setattr(utils.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+  monkeypatch.delenv(utils.BACKGROUND_ENV, raising=False)
+  assert not utils.background_compiles_allowed()
+  monkeypatch.setattr(utils.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+  assert utils.background_compiles_allowed()
+  for value, allowed in (("0", False), ("off", False), ("1", True), ("ON", True),
+                         ("auto", True)):
+    monkeypatch.setenv(utils.BACKGROUND_ENV, value)
+    assert utils.background_compiles_allowed() == allowed, value
+  monkeypatch.setenv(utils.BACKGROUND_ENV, "sometimes")
+  with pytest.raises(ValueError, match="TLT_BACKGROUND_COMPILE='sometimes'"):
+    utils.background_compiles_allowed()

@@ -37,8 +37,32 @@ def _on_event(name: str, duration: float, **kwargs) -> None:
         _compiles += 1
 
 
+MIN_BACKGROUND_CORES = 4  # fewer cores: no background compile beside the steps
+BACKGROUND_ENV = "TLT_BACKGROUND_COMPILE"  # "1"/"on" or "0"/"off" overrides the core count
 BACKGROUND_NICE = 19  # a background thread's niceness: the lowest priority, so its compiles
 # take the cores only when the steps leave them idle
+
+
+def background_compiles_allowed() -> bool:
+  """Whether compiles may run in a background thread beside the RL steps: on a host with at least
+  ``MIN_BACKGROUND_CORES`` cores, unless ``$TLT_BACKGROUND_COMPILE`` says "1"/"on" or
+  "0"/"off". On fewer cores XLA's compiler threads take the cores the steps use, whatever the
+  calling thread's priority: on 2 cores the long-tail job's steps ran 2.4x slower while its SD
+  arms compiled (issue 62, docs/benchmarks.md); there the work is left undone instead (the SD arms
+  are not offered; a bucket not compiled yet is never compiled, its rows decode in a larger one)."""
+  value = os.environ.get(BACKGROUND_ENV, "auto").strip().lower()
+  if value in ("1", "on", "true", "yes"):
+    return True
+  if value in ("0", "off", "false", "no"):
+    return False
+  if value != "auto":
+    raise ValueError(f"${BACKGROUND_ENV}={value!r}: use 1/on, 0/off or auto (background compiles "
+                     f"on hosts of {MIN_BACKGROUND_CORES} cores or more)")
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    cores = os.cpu_count() or 1
+  return cores >= MIN_BACKGROUND_CORES
 
 
 def mark_background(on: bool = True) -> None:

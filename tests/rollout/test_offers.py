@@ -346,7 +346,8 @@ def test_first_step_scope_compiles_what_the_first_requests_start_with_and_defers
   assert engine.offers.wait(300)
   order = engine.pool.executables.keys()  # in the order they were compiled
   assert set(engine.pool.base_keys()) <= set(order)
-  assert background_compile_count() - bg >= len(set(engine.pool.base_keys()) - set(first))
+  assert background_compile_count() > bg  # compiled in the thread, not on the critical path:
+  assert set(engine.pool.base_keys()) - set(first) <= engine.pool.executables.background_keys
   sd = [i for i, k in enumerate(order) if k[0] == "segment" and k[4] != "vanilla"]
   assert sd and min(sd) > max(order.index(k) for k in engine.pool.base_keys())
   n = compile_count()
@@ -382,3 +383,25 @@ def test_a_rollout_decodes_on_compiled_buckets_while_the_rest_is_deferred(model)
                        not (k[0] == "compact" and k[2] == 1)])
   again = engine.generate(prompts, vanilla_stops())
   assert {b for b, *_ in again.stats.segments} == {4, 2} and again.tokens == reference.tokens
+
+
+def test_a_host_without_background_compiles_offers_vanilla_and_compiles_nothing_more(
+    model, monkeypatch):
+  """Where background compiles are off (a 2-core host), the offers loop never runs: no SD arm is
+  offered, the learned drafter is known to be useless, the deferred buckets stay uncompiled and
+  rollouts decode on the compiled ones, compiling nothing."""
+  monkeypatch.setenv("TLT_BACKGROUND_COMPILE", "0")
+  target, drafter = model
+  engine = RolloutEngine(target, drafter=drafter, tuner=make_tuner(TunerConfig()),
+                         config=EngineConfig(**FIRST_STEP))
+  first = engine.pool.first_keys([4])
+  n = background_compile_count()
+  assert engine.precompile(background=True, first_rows=[4]) == len(first)
+  assert engine.offers.skipped and engine.offers.done.is_set()
+  assert not engine.learned_sd_possible()
+  assert all([s.name for s in engine.strategies_for(b)] == ["vanilla"] for b in (1, 2, 4))
+  n_fg = compile_count()
+  result = engine.generate([[7, 9, 11], [8], [12, 13, 14, 15]], vanilla_stops())
+  assert compile_count() == n_fg and background_compile_count() == n
+  assert set(engine.pool.executables.keys()) == set(first)
+  assert {b for b, *_ in result.stats.segments} == {4}

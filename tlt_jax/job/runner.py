@@ -38,7 +38,8 @@ from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.host import history as history_lib
 from tlt_jax.rollout.host.stats import arm_line, run_sd_summary
-from tlt_jax.utils import mark_background, progress_bar
+from tlt_jax.utils import BACKGROUND_ENV, MIN_BACKGROUND_CORES, background_compiles_allowed, \
+    mark_background, progress_bar
 
 
 def run(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None = None) -> dict:
@@ -313,13 +314,17 @@ def precompile(trainer: GRPOTrainer, progress: bool = False) -> Precompiled:
   t0 = time.perf_counter()
   if getattr(trainer.engine.config, "precompile_scope", "all") == "first_step":
     # the update runs after the first held-out evaluation and rollout: it compiles meanwhile, in a
-    # background thread of the lowest priority (an update that comes first compiles what is left)
-    update = 0
-    threading.Thread(target=_compile_in_background, args=(trainer.precompile_update,),
-                     name="update-precompile").start()
-    if progress:
-      _say(f"the policy update's {len(trainer.policy.executable_keys())} executables compile "
-           "in the background (rollout.precompile_scope=first_step)")
+    # background thread of the lowest priority (an update that comes first compiles what is left);
+    # on a host too small for background compiles, in the first step's update
+    update, n = 0, len(trainer.policy.executable_keys())
+    if background_compiles_allowed():
+      threading.Thread(target=_compile_in_background, args=(trainer.precompile_update,),
+                       name="update-precompile").start()
+      _say(f"the policy update's {n} executables compile in the background "
+           "(rollout.precompile_scope=first_step)")
+    else:
+      _say(f"the policy update's {n} executables compile in the first step's update "
+           "(rollout.precompile_scope=first_step)")
   else:
     with (_progress_of(len(trainer.policy.executable_keys()), "compiling the policy update")
           if progress else contextlib.nullcontext()) as advance:
@@ -334,6 +339,12 @@ def precompile(trainer: GRPOTrainer, progress: bool = False) -> Precompiled:
   with bar as advance:  # the SD arms compile in the background, offered once they exist
     rollout = trainer.engine.precompile(progress=advance, background=True,
                                         first_rows=trainer.first_request_rows())
+  offers = getattr(trainer.engine, "offers", None)
+  if offers is not None and offers.skipped and (offers.buckets or offers.prelude):
+    _say(f"background compiles off on this host (fewer than {MIN_BACKGROUND_CORES} cores: they "
+         "would slow the steps): " + ("no SD arm is offered; " if offers.buckets else "") +
+         ("rows decode in the batch buckets compiled now; " if offers.prelude else "") +
+         f"{BACKGROUND_ENV}=1 turns them on")
   return Precompiled(rollout, update, devices, time.perf_counter() - t2, t1 - t0, t2 - t1)
 
 

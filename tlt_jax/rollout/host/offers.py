@@ -28,7 +28,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from tlt_jax.rollout.host.tuner.cost import accepted_length
-from tlt_jax.utils import mark_background
+from tlt_jax.utils import background_compiles_allowed, mark_background
 
 
 CHUNK = 8  # executables the loop compiles between two looks at a stop (a compile pool's width)
@@ -98,6 +98,7 @@ class SdOffers:
     self.visited: list[BucketOffer] = []  # in visiting order
     self.compiled = 0  # executables the loop compiled
     self.on_done: Callable[[], Any] | None = None  # called once the loop has stopped
+    self.skipped = False  # True: a background loop this host does not allow (``launch``)
     self.prelude: Sequence[Any] = ()  # keys the loop compiles before its first bucket (the
     # vanilla executables the first requests do not start with: ``RolloutEngine.precompile``)
 
@@ -171,7 +172,15 @@ class SdOffers:
 
   def launch(self, background: bool, *args) -> int:
     """``run(*args)`` now, its arms offered at once (returns what it compiled), or with
-    ``background`` in a thread (``start``; returns 0)."""
+    ``background`` in a thread (``start``; returns 0) where the host allows background compiles
+    (``utils.background_compiles_allowed``); where it does not, nothing: the loop is ``skipped``,
+    done at once, and vanilla alone is offered (the prelude's keys are never compiled)."""
+    if background and not background_compiles_allowed():
+      self.skipped = True
+      if self.on_done is not None:
+        self.on_done()
+      self.done.set()
+      return 0
     if background:
       self.start(*args)
       return 0
