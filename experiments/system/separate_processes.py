@@ -77,6 +77,7 @@ def main(argv=None) -> dict:
         print(f"repeat {r + 1}/{a.repeats}: {drafter} ...", flush=True)
         runs.append(dict(run_arm(a.config, drafter, a.seed, a.set,
                                  pathlib.Path(tmp) / f"{r}_{drafter}"), repeat=r))
+        harness.write_json(out, dict(config=a.config, drafter=a.drafter, partial=True, runs=runs))
         last = runs[-1]
         print(f"  wall {last['wall_s']:.0f}s, first step line at {last['first_step_line_s']:.0f}s, "
               f"median step {med(last['step_s']):.2f}s", flush=True)

@@ -50,7 +50,7 @@ from tlt_jax.rollout.host.stats import (RolloutStats, last_seconds, mean_accept_
 from tlt_jax.rollout.decode.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 from tlt_jax.rollout.host.tuner import Tuner, make_tuner
-from tlt_jax.utils import compile_count
+from tlt_jax.utils import background_compiles_allowed, compile_count
 
 __all__ = ["DecodeState", "EngineConfig", "RolloutEngine", "RolloutResult"]
 
@@ -247,8 +247,11 @@ class RolloutEngine(Rollout):
       self._set_calibration(({}, 0.0))
     else:
       compiled = self.pool.compile(self.pool.base_keys(), progress)
-      vanilla = {b: self._strategies[b][:1] for b in offers.buckets}
-      self._set_calibration(self.calibrate(strategies=vanilla))
+      if background and not background_compiles_allowed():
+        self._set_calibration(({}, 0.0))  # no offers loop will run here: nothing to time
+      else:
+        vanilla = {b: self._strategies[b][:1] for b in offers.buckets}
+        self._set_calibration(self.calibrate(strategies=vanilla))
     self.offers = offers
     # a loop in the background times a copy of the weights, made here: the engine's own may be
     # replaced and their buffers donated (by the policy update) while it runs
