@@ -701,11 +701,14 @@ def test_precompile_compiles_rollout_update_and_drafter_and_says_how_long():
   order = []
 
   class Engine:
+    config = types.SimpleNamespace(precompile_scope="all")
+
     def executable_keys(self):
       return ["prefill", "segment"]
 
-    def precompile(self, progress=None, background=False):
+    def precompile(self, progress=None, background=False, first_rows=None):
       assert background  # the SD arms compile off the first step's critical path
+      assert first_rows == [4, 8]  # the first requests' rows: the engine's scope decides
       order.append("rollout")
       if progress is not None:
         progress(1, 2)
@@ -714,8 +717,10 @@ def test_precompile_compiles_rollout_update_and_drafter_and_says_how_long():
 
   def trainer(drafter_devices):
     return types.SimpleNamespace(
-        engine=Engine(), precompile_update=lambda: order.append("update") or 3,
-        precompile_drafter=lambda: order.append("drafter") or drafter_devices)
+        engine=Engine(), precompile_update=lambda progress=None: order.append("update") or 3,
+        precompile_drafter=lambda: order.append("drafter") or drafter_devices,
+        policy=types.SimpleNamespace(executable_keys=lambda: [1, 2, 3]),
+        first_request_rows=lambda: [4, 8], online=None)
 
   done = runner.precompile(trainer(0))
   assert order == ["update", "drafter", "rollout"]  # the rollout's background compile last

@@ -610,11 +610,11 @@ def _step_progress(trainer: GRPOTrainer):
   line when the policy update begins, where the step has run ``SLOW_STEP_S`` by then (a real
   model's step takes minutes on a CPU; the tiny jobs' say nothing more)."""
   step, t0 = trainer.step_count + 1, time.perf_counter()
-  total = trainer.config.prompts_per_step * trainer.grpo_config.group_size
-  with progress_bar(total, f"step {step}: rollout", "row") as bar:
+  with progress_bar(0, f"step {step}: rollout", "row") as bar:
 
-    def tell(phase: str, done: int, _total: int) -> None:
+    def tell(phase: str, done: int, total: int) -> None:
       if phase == "rollout":
+        bar.total = total
         bar.update(done - bar.n)
       elif time.perf_counter() - t0 > SLOW_STEP_S:
         _say(f"step {step}: rollout done in {time.perf_counter() - t0:.0f}s, updating the "
