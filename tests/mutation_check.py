@@ -786,7 +786,8 @@ MUTANTS = [
            ("tests/rollout/test_offers.py", "-k", "once_its_executables_exist"),
            "the background thread's compiles are counted as the rollout's"),
     Mutant("background_times_the_live_weights", "tlt_jax/rollout/engine.py",
-           "    self._calibration_weights = self._copy_weights() if background else None",
+           "    self._calibration_weights = (self._copy_weights() if background and offers.buckets\n"
+           "                                 else None)",
            "    self._calibration_weights = None",
            ("tests/rollout/test_offers.py", "-k", "replaced_and_donated"),
            "the background loop times the engine's own weights, which a policy update donates "

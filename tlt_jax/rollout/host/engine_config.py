@@ -162,12 +162,10 @@ class EngineConfig:
     require_positive_ints(self, "max_batch", "max_prompt_len", "max_new_tokens", "max_stop_ids")
     if self.sd_max_batch is not None:
       require_positive_ints(self, "sd_max_batch")
-    if self.precompile_scope not in PRECOMPILE_SCOPES:
-      raise FieldError("EngineConfig", "precompile_scope", f"must be one of {PRECOMPILE_SCOPES}, "
-                       f"got {self.precompile_scope!r}")
-    if self.sd_offers not in SD_OFFERS:
-      raise FieldError("EngineConfig", "sd_offers", f"must be one of {SD_OFFERS}, got "
-                       f"{self.sd_offers!r}")
+    for name, choices in (("sd_offers", SD_OFFERS), ("precompile_scope", PRECOMPILE_SCOPES)):
+      if getattr(self, name) not in choices:
+        raise FieldError("EngineConfig", name, f"must be one of {choices}, got "
+                         f"{getattr(self, name)!r}")
     prior = self.sd_prior_acceptance
     if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 < prior <= 1:
       raise FieldError("EngineConfig", "sd_prior_acceptance", f"must be a number in (0, 1] (a "
