@@ -1420,7 +1420,7 @@ MUTANTS = [
            'precompile_scope="first_step" compiles every vanilla executable before the first '
            "step"),
     Mutant("first_keys_without_the_growths", "tlt_jax/rollout/host/pool.py",
-           "      keys += [(\"grow\", b, n, m) for n, m in zip(lengths, lengths[1:])]\n    return keys",
+           "    return keys + [(\"grow\", batch, n, m) for n, m in zip(lengths, lengths[1:])]",
            "    return keys",
            ("tests/rollout/test_offers.py", "-k", "first_step or deferred"),
            "the first requests' keys leave out the cache growths: a long row waits for one"),

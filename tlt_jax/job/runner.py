@@ -127,11 +127,12 @@ def set_up_trainer(job: Job, latest: int | None, mesh: jax.sharding.Mesh) -> GRP
   made for another policy than the one RL starts from, and a fresh EAGLE-3 drafter's head
   started from that policy's (``Job.drafter_from_policy``)."""
   with _outside_the_steps(job, latest, "while loading the policy"):
-    t0 = time.perf_counter()
-    if job.model_path is not None:
+    if job.model_path is None:
+      model = initial_model(job, job.seed)
+    else:
+      t0 = time.perf_counter()
       _say(f"loading the policy from {job.model_path} ...")
-    model = initial_model(job, job.seed)
-    if job.model_path is not None:
+      model = initial_model(job, job.seed)
       _say(f"loaded the policy in {time.perf_counter() - t0:.0f}s")
   if not job.resume or job.drafter_from_policy:
     with _outside_the_steps(job, latest, "during the warm start"):

@@ -239,7 +239,8 @@ class RolloutEngine(Rollout):
       first = self.pool.first_keys(first_rows)
       compiled = self.pool.compile(first, progress)
       # the rest of vanilla's, the largest buckets first (the order a rollout compacts through)
-      offers.prelude = sorted((k for k in self.pool.base_keys() if k not in set(first)),
+      now = set(first)
+      offers.prelude = sorted((k for k in self.pool.base_keys() if k not in now),
                               key=lambda k: -k[1])
       self.pool.defer(offers.prelude)
       # no vanilla calibration up front (it compiles every bucket): the offers loop times

@@ -120,11 +120,15 @@ class ExecutablePool:
     """Whether vanilla can decode a ``batch`` bucket from cache length ``kv_len`` on without
     waiting for a background compile: its segments there and at every longer length vanilla
     reaches, and the growths between them."""
-    lengths = [n for n in self.kv_lengths_used()
-               if n == kv_len or kv_len < n <= self.vanilla_lengths()[-1]]
+    top = self.vanilla_lengths()[-1]
+    lengths = [n for n in self.kv_lengths_used() if n == kv_len or kv_len < n <= top]
+    return not any(self.waiting(k) for k in self.vanilla_chain(batch, lengths))
+
+  def vanilla_chain(self, batch: int, lengths: Sequence[int]) -> list[tuple]:
+    """The keys vanilla decodes a ``batch`` bucket with through the cache ``lengths`` (ascending):
+    its segment at each and the growths from one to the next."""
     keys = [("segment", batch, n, self.stop_at(batch), "vanilla") for n in lengths]
-    keys += [("grow", batch, n, m) for n, m in zip(lengths, lengths[1:])]
-    return not any(self.waiting(k) for k in keys)
+    return keys + [("grow", batch, n, m) for n, m in zip(lengths, lengths[1:])]
 
   def compact_ready(self, batch: int, smaller: int, kv_len: int) -> bool:
     """Whether a ``batch`` bucket at ``kv_len`` can compact into ``smaller`` and decode on there
@@ -150,9 +154,7 @@ class ExecutablePool:
     lengths = [n for n in self.vanilla_lengths() if n >= cfg.prefill_kv_len(plen)]
     keys = []
     for b in sorted(batches, reverse=True):
-      keys.append(("prefill", b, plen))
-      keys += [("segment", b, n, self.stop_at(b), "vanilla") for n in lengths]
-      keys += [("grow", b, n, m) for n, m in zip(lengths, lengths[1:])]
+      keys += [("prefill", b, plen)] + self.vanilla_chain(b, lengths)
     return keys
 
   def lower(self, key: tuple) -> jax.stages.Lowered:
