@@ -30,8 +30,8 @@ def test_a_background_thread_runs_at_the_lowest_priority_and_the_caller_keeps_it
 
 
 def test_progress_in_a_log_file_is_whole_lines_with_the_time_left(monkeypatch):
-  """Where stderr is not a terminal, progress is lines (no carriage returns), each with the
-  count, the seconds so far and an estimate of what is left."""
+  """Where stderr is not a terminal, progress is lines (no carriage returns): one as it starts,
+  then each with the count, the seconds so far and an estimate of what is left."""
   stream = io.StringIO()
   monkeypatch.setattr(utils.sys, "stderr", stream)
   bar = utils.progress_bar(4, "compiling rollout executables", "exe")
@@ -41,8 +41,9 @@ def test_progress_in_a_log_file_is_whole_lines_with_the_time_left(monkeypatch):
     bar.update(1)
     bar.update(1)
   lines = stream.getvalue().splitlines()
-  assert "\r" not in stream.getvalue() and len(lines) == 2
-  assert lines[0].startswith("compiling rollout executables: 1/4 exe (") and "s left)" in lines[0]
+  assert "\r" not in stream.getvalue() and len(lines) == 3
+  assert lines[0].startswith("compiling rollout executables: 0/4 exe (")
+  assert lines[1].startswith("compiling rollout executables: 1/4 exe (") and "s left)" in lines[1]
 
 
 def test_background_compiles_need_four_cores_unless_the_environment_says(monkeypatch):
@@ -60,3 +61,13 @@ def test_background_compiles_need_four_cores_unless_the_environment_says(monkeyp
   monkeypatch.setenv(utils.BACKGROUND_ENV, "sometimes")
   with pytest.raises(ValueError, match="TLT_BACKGROUND_COMPILE='sometimes'"):
     utils.background_compiles_allowed()
+
+
+def test_a_bar_whose_total_comes_later_starts_quietly():
+  """A step's rollout bar opens with total 0 (its rows are known once the rollout starts): no
+  line until it has something to say, so a log does not get one empty line per step."""
+  stream = io.StringIO()
+  utils.ProgressLines(0, "step 3: rollout", "row", stream=stream)
+  assert stream.getvalue() == ""
+  utils.ProgressLines(5, "warm start", "step", stream=stream)
+  assert stream.getvalue().startswith("warm start: 0/5 step (")

@@ -122,9 +122,11 @@ def require_positive_ints(obj, *names: str) -> None:
 
 
 class ProgressLines:
-  """Progress as whole lines on a stream, at most one per ``every`` seconds, with the time
-  left; what ``progress_bar`` gives where stderr is not a terminal (a log file): a bar's carriage
-  returns would make one endless line there. The same methods as the tqdm bar the job uses."""
+  """Progress as whole lines on a stream: one as it starts where its total is known (a log shows at
+  once what began; a step's rollout bar, whose total comes later, stays quiet), then at most one
+  per ``every`` seconds, with the time left; what ``progress_bar`` gives where stderr
+  is not a terminal (a log file): a bar's carriage returns would make one endless line there. The
+  same methods as the tqdm bar the job uses."""
 
   def __init__(self, total: int, desc: str, unit: str, stream=None, every: float = 10.0,
                disable: bool = False):
@@ -134,6 +136,8 @@ class ProgressLines:
     self.n = 0
     self._postfix = ""
     self._t0 = self._last = time.perf_counter()
+    if total:
+      self._write(self._t0)
 
   def update(self, n: int = 1) -> None:
     """Advances by ``n``; writes a line when ``every`` seconds have passed since the last."""
