@@ -1449,6 +1449,19 @@ MUTANTS = [
            r'_ANSWER_IS = re.compile(r"answer(?:(?:to|of|for)\b[^.\n:]{0,60}?)?(?:\s+is',
            ("tests/rl/test_rewards.py", "-k", "extract_final_answer"),
            "\"the answer to this problem is 3\" reads no answer: SmolLM2's every reward is 0"),
+    Mutant("help_lists_the_default_config", "tlt_jax/cli.py",
+           "    print(help_text(doc, path))", "    print(help_text(doc, default_config))",
+           ("tests/test_cli.py",),
+           "--help --config=configs/smollm2_gsm8k.py lists tiny_grpo's fields (issue 63)"),
+    Mutant("real_model_config_without_fsdp", "tlt_jax/configs/smollm2_gsm8k.py",
+           "  c.fsdp = 1\n", "",
+           ("tests/test_cli.py", "-k", "job_wide"),
+           "--config.fsdp=2 on a real-model config: 'no such config field' (issue 63)"),
+    Mutant("progress_lines_silent_until_the_first_interval", "tlt_jax/utils.py",
+           "    if total:\n      self._write(self._t0)", "    pass",
+           ("tests/test_utils.py", "-k", "log_file or quietly"),
+           "a log shows nothing of a warm start until 10 s in (CI's restart test Ctrl-C'd a "
+           "finished run)"),
 ]
 
 

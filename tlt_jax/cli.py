@@ -36,14 +36,26 @@ def config_overrides(argv: list[str]) -> list[str]:
   return names
 
 
-def help_text(doc: str, default_config: pathlib.Path) -> str:
-  """Usage, then every config field with its default (from ``default_config``)."""
+def config_path(argv: list[str], default_config: pathlib.Path) -> pathlib.Path:
+  """The config file ``argv`` names (``--config=PATH`` or ``--config PATH``; a ``:arg`` suffix
+  dropped), else ``default_config``."""
+  path = None
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      path = arg.split("=", 1)[1]
+    elif arg == "--config" and i + 1 < len(argv):
+      path = argv[i + 1]
+  return default_config if path is None else pathlib.Path(path.split(":", 1)[0])
+
+
+def help_text(doc: str, config: pathlib.Path) -> str:
+  """Usage, then every field of the config file ``config`` with its value there."""
   lines = [doc.strip(), "",
            "--verbose prints tracebacks; --compile_cache=PATH|off: the persistent XLA compilation "
            f"cache (default ${compile_cache.ENV}, else {compile_cache.default_directory()}).", "",
-           f"Config fields (defaults from {default_config};",
+           f"Config fields of {config} (--config=FILE lists another file's;",
            "set with --config.<field>=VALUE; the file's comments say what each does):"]
-  for name, value in typed_config.flatten(typed_config.load_config_file(default_config)).items():
+  for name, value in typed_config.flatten(typed_config.load_config_file(config)).items():
     lines.append(f"  --config.{name}={value!r}")
   return "\n".join(lines)
 
@@ -62,16 +74,14 @@ def main(doc: str, run: Callable, default_config: pathlib.Path, argv: list[str],
   from absl import flags, logging
   from ml_collections import config_flags
 
+  path = config_path(argv[1:], default_config)
+  if not path.is_file():
+    _error(f"no config file at {path} (--config takes the path of an ml_collections file; "
+           f"the default is {default_config})")
+    return 2
   if any(a in _HELP_FLAGS for a in argv[1:]):
-    print(help_text(doc, default_config))
+    print(help_text(doc, path))
     return 0
-  for arg in argv[1:]:
-    if arg.startswith("--config="):
-      path = pathlib.Path(arg.split("=", 1)[1].split(":", 1)[0])
-      if not path.is_file():
-        _error(f"no config file at {path} (--config takes the path of an ml_collections file; "
-               f"the default is {default_config})")
-        return 2
   verbose = flags.DEFINE_bool("verbose", False, "print tracebacks of errors")
   cache_flag = flags.DEFINE_string(
       "compile_cache", None, f"directory of the persistent XLA compilation cache, or off "

@@ -14,7 +14,8 @@ already instruction-tuned. Sized for one accelerator (a step is minutes on a CPU
 import ml_collections
 
 from tlt_jax.job.build import trainer_section
-from tlt_jax.job.rollout_config import rollout_section, suffix_section
+from tlt_jax.job.rollout_config import drafter_training_section, rollout_section, \
+    suffix_section
 from tlt_jax.job.typed_config import dataclass_section
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rl.sft import SFTConfig
@@ -40,8 +41,13 @@ def get_config() -> ml_collections.ConfigDict:
   # "ngram": lossless speculative rollouts drafted from sibling responses; "suffix": drafted
   # from the rollout's own history too (every prompt's earlier completions: see task.num_prompts)
   c.drafter = "none"
+  # the devices and processes (configs/tiny_grpo.py says what each does): rollout engines (0:
+  # every device), the update's mesh and its FSDP axis, multi-host start and wait
+  c.rollout_devices = 0
   c.mesh_devices = 0
+  c.fsdp = 1
   c.distributed = False
+  c.distributed_timeout_s = 600
 
   # reasoning_gym's gsm_symbolic; chat_template: the prompt is a user message in the tokenizer's
   # chat template, ending in the assistant's turn. num_prompts: 0 draws fresh entries every step;
@@ -67,5 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
   # the suffix drafter and the store of earlier completions it drafts from (configs/tiny_grpo.py
   # says what the fields do)
   c.suffix = suffix_section()
+  # the learned drafter's online training (drafter="eagle"/"eagle3"; configs/tiny_grpo.py)
+  c.drafter_training = drafter_training_section()
   c.history = dataclass_section(HistoryConfig)
   return c
