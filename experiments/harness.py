@@ -14,7 +14,7 @@ holds, from the bottom up:
 
 * arguments: comma lists (``ints``, ``floats``, ``positive_ints``), the parser every script starts from and the
   one ``--set KEY=VALUE`` of config overrides (``assignment``, ``add_set_flag``,
-  ``apply_overrides``), the defaults of a script's two modes (``mode_defaults``);
+  ``apply_overrides``), which also reads the job's own ``--config.KEY=VALUE``, the defaults of a script's two modes (``mode_defaults``);
 * models and prompts: the random Qwen2-style model of the synthetic benchmarks, the trained bench
   target with its drafter, its long addition prompts and the long-tail sweep of 1 to 12 digits,
   SmolLM2's chat prompts;
@@ -47,6 +47,7 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 from typing import Any, Callable, TypeVar
 
@@ -180,7 +181,23 @@ def parser(doc: str, **kwargs) -> argparse.ArgumentParser:
     raise SystemExit("error: run the experiments from the repository root (python -m "
                      "experiments.TOPIC.NAME): their default paths (experiments/out/...) are "
                      "relative to it")
-  return argparse.ArgumentParser(description=doc.splitlines()[0], **kwargs)
+  return _Parser(description=doc.splitlines()[0], **kwargs)
+
+
+class _Parser(argparse.ArgumentParser):
+  """An ``ArgumentParser`` that reads the job's override style, ``--config.KEY=VALUE``, as
+  ``--set KEY=VALUE`` in a script that has ``--set`` (``add_set_flag``): one way of setting a
+  config field, in the job and in the experiments."""
+
+  def parse_known_args(self, args=None, namespace=None):
+    args = sys.argv[1:] if args is None else list(args)
+    if "--set" in self._option_string_actions:
+      spelled = []
+      for arg in args:
+        key, sep, value = arg[len("--config."):].partition("=")
+        spelled += ["--set", f"{key}={value}"] if arg.startswith("--config.") and sep else [arg]
+      args = spelled
+    return super().parse_known_args(args, namespace)
 
 
 # ---------------------------------------------------------------------------- models, prompts

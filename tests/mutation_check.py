@@ -1462,6 +1462,10 @@ MUTANTS = [
            ("tests/test_utils.py", "-k", "log_file or quietly"),
            "a log shows nothing of a warm start until 10 s in (CI's restart test Ctrl-C'd a "
            "finished run)"),
+    Mutant("experiments_ignore_the_jobs_override_style", "experiments/harness.py",
+           "    if \"--set\" in self._option_string_actions:", "    if False:",
+           ("tests/test_experiments.py", "-k", "override_style"),
+           "--config.KEY=VALUE works for the job but not for an experiment (issue 63)"),
 ]
 
 

@@ -291,3 +291,20 @@ def test_predict_longtail_reproduces_run_3s_vanilla_and_brackets_tlt(tmp_path):
   tiny = report["tiny"]
   assert tiny["mean"]["vanilla_rollout_s"] == pytest.approx(measured, rel=0.1)
   assert tiny["critical"]["rollout_ratio"] <= tiny["mean"]["rollout_ratio"]
+
+
+def test_an_experiment_takes_the_jobs_override_style_as_well_as_set(tmp_path, monkeypatch):
+  """``--config.KEY=VALUE`` (the job's style) in a script with ``--set`` is ``--set KEY=VALUE``:
+  one way of setting a config field everywhere; a script without ``--set`` still rejects it."""
+  from experiments import harness  # pylint: disable=import-outside-toplevel
+  monkeypatch.chdir(tmp_path)  # harness.parser refuses to start from inside experiments/
+  parser = harness.parser("a script\n")
+  harness.add_set_flag(parser)
+  parser.add_argument("--steps", type=int, default=1)
+  args = parser.parse_args(["--config.trainer.learning_rate=1e-4", "--steps", "3", "--set",
+                            "sft.steps=0", "--config.drafter=eagle"])
+  assert args.set == [("trainer.learning_rate", 1e-4), ("sft.steps", 0), ("drafter", "eagle")]
+  assert args.steps == 3
+  bare = harness.parser("a script without --set\n")
+  with pytest.raises(SystemExit):
+    bare.parse_args(["--config.trainer.steps=3"])
