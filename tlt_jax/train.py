@@ -3,9 +3,11 @@
   python -m tlt_jax.train [--config=CONFIG_FILE] [--config.<field>=VALUE ...] [--verbose]
                          [--compile_cache=PATH|off]
 
-By default builds a tiny char-level policy, warm-starts it with supervised steps on correct
-traces, then runs GRPO (rollout -> reward -> advantages -> policy update) data-parallel over
-every local device. A real-model config (``--config=configs/smollm2_gsm8k.py`` or
+By default builds a tiny char-level policy, warm-starts it with supervised steps on traces from a
+teacher that forgets the final carry of most sums with one (``task.teacher_error``, 0.6; 0: a
+perfect teacher), then runs GRPO (rollout -> reward -> advantages -> policy update)
+data-parallel over every local device, which makes the right answers its samples sometimes reach
+its greedy habit. A real-model config (``--config=configs/smollm2_gsm8k.py`` or
 ``configs/smollm2_reasoning_gym.py``; the default config below has no such field) adds
 ``model.path`` (an HF directory or a ``.gguf`` file): the policy is that pretrained model with its
 own tokenizer; ``task.kind`` picks the task (``arithmetic``, ``reasoning_gym``, ``math_dataset``)
