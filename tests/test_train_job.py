@@ -90,6 +90,15 @@ def test_held_out_evaluations_are_logged_every_eval_every_steps(finished_run):
   assert rows[0]["eval_pass_at_2"] == summary["pass_at_2_start"]
 
 
+def test_the_first_metrics_row_says_which_scorer_made_the_rewards(finished_run):
+  """Step 0's row names the reward's scorer (a math dataset's differs with math_verify
+  installed or not: issue 63); the other rows do not repeat it."""
+  logdir, _ = finished_run
+  rows = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
+  assert rows[0]["step"] == 0 and rows[0]["reward_scorer"] == "ArithmeticTask.reward, the task's own"
+  assert not any("reward_scorer" in r for r in rows[1:])
+
+
 def test_a_run_saves_its_config_metrics_and_a_usable_final_model(finished_run):
   logdir, summary = finished_run
   saved = json.loads((logdir / "config.json").read_text())
@@ -173,6 +182,23 @@ def test_resume_config_takes_only_the_named_overrides():
   assert notes == ["  trainer.learning_rate: 2e-05 -> 0.0001 (override)"]
   merged, _ = resume_config(cfg, saved, overrides=None)  # API: every difference counts
   assert merged.trainer.steps == 80
+
+
+def test_a_run_saved_before_a_field_existed_resumes_as_it_began():
+  """A reasoning-gym run saved before ``task.eval_share`` existed drew its training problems from
+  every question; resumed, it keeps doing so (the field's default would set a share aside
+  mid-run) unless the command line sets the field."""
+  cfg = load_config_file(ROOT / "configs" / "smollm2_reasoning_gym.py")
+  saved = load_config_file(ROOT / "configs" / "smollm2_reasoning_gym.py")
+  del saved.task["eval_share"]
+  merged, notes = resume_config(cfg, saved, overrides=[])
+  assert cfg.task.eval_share > 0 and merged.task.eval_share == 0.0
+  assert notes == ["  task.eval_share=0.0: the run was saved before the field existed, so it goes "
+                   "on as it began"]
+  merged, _ = resume_config(cfg, saved, overrides=["task.eval_share"])
+  assert merged.task.eval_share == cfg.task.eval_share
+  merged, notes = resume_config(cfg, cfg, overrides=[])  # saved with the field: as saved
+  assert merged.task.eval_share == cfg.task.eval_share and not notes
 
 
 def test_a_resume_may_change_the_drafters_training_but_not_the_drafter_or_the_model():
@@ -380,8 +406,10 @@ def test_the_suffix_drafter_s_mistakes_are_rejected_before_work(tmp_path, no_wor
   cfg = tiny_config(tmp_path / "c")
   cfg.task = dict(kind="math_dataset", path=str(DATA), num_prompts=6)
   cfg.trainer.eval_problems = 2
-  with pytest.raises(ConfigError, match=r"config.task.num_prompts=6: math:gsm8k_tiny has 5 "
-                                        r"problems, fewer than the 6 distinct ones asked for"):
+  # 5 records, one held out for evaluation (task.eval_share=0.1, one question at least)
+  with pytest.raises(ConfigError, match=r"config.task.num_prompts=6: math:gsm8k_tiny has 4 "
+                                        r"training problems \(1 more held out for evaluation\), "
+                                        r"fewer than the 6 distinct ones asked for"):
     train.run(cfg)
 
 

@@ -116,8 +116,9 @@ def test_chat_job_mistakes_name_the_field(model_dir, tmp_path, change, message):
 
 def test_chat_template_needs_a_tokenizer_that_has_one(tmp_path):
   """The tiny char-level policy has no chat template; a math_dataset task picks its records up."""
-  data = tmp_path / "gsm.jsonl"
-  data.write_text(json.dumps({"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}) + "\n")
+  data = tmp_path / "gsm.jsonl"  # two questions: task.eval_share holds one out for evaluation
+  data.write_text(json.dumps({"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}) + "\n" +
+                  json.dumps({"question": "What is 4+4?", "answer": "4+4=8\n#### 8"}) + "\n")
   cfg = load_config_file(ROOT / "configs" / "tiny_grpo.py")
   cfg.logdir = str(tmp_path)
   cfg.task = ml_collections.ConfigDict(dict(kind="math_dataset", path=str(data),
@@ -129,4 +130,5 @@ def test_chat_template_needs_a_tokenizer_that_has_one(tmp_path):
     build_job(cfg)  # the record's prompt (with the math template) has 84 characters
   cfg.rollout.max_prompt_len = 128
   job = build_job(cfg)
-  assert job.task.problems[0].answer == "5" and set("What is 2+3?") <= set(job.task.alphabet)
+  assert sorted(p.answer for p in job.task.problems + job.task.held_out) == ["5", "8"]
+  assert len(job.task.held_out) == 1 and set("What is 2+3?") <= set(job.task.alphabet)

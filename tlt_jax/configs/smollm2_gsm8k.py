@@ -52,11 +52,14 @@ def get_config() -> ml_collections.ConfigDict:
   # reasoning_gym's gsm_symbolic; chat_template: the prompt is a user message in the tokenizer's
   # chat template, ending in the assistant's turn. num_prompts: 0 draws fresh entries every step;
   # N > 0 is epoch mode, N distinct entries (at most size) visited once per epoch in a shuffled
-  # order (with drafter="suffix", later epochs draft from the earlier epochs' completions)
+  # order (with drafter="suffix", later epochs draft from the earlier epochs' completions).
+  # eval_share: the held-out problems are the entries whose question falls in this share of the
+  # questions (by a hash of the text), which training never draws; 0: no split, the held-out
+  # problems are then drawn from the training entries (the job's start line says which)
   c.task = ml_collections.ConfigDict(dict(
       kind="reasoning_gym", name="gsm_symbolic", size=5000, seed=0, chat_template=True,
       prompt_template="{question}\nGive your final answer inside <answer></answer> tags.",
-      options=ml_collections.ConfigDict(), num_prompts=0))
+      options=ml_collections.ConfigDict(), num_prompts=0, eval_share=0.1))
   # a pretrained policy: an HF directory or a .gguf file, its params in float32 (AdamW on bf16
   # params loses small updates), computing in bfloat16 on a GPU or TPU ("auto"; float32 on a CPU)
   c.model = ml_collections.ConfigDict(dict(path=smollm2_default_path(), dtype="float32",

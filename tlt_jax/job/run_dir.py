@@ -44,6 +44,11 @@ if TYPE_CHECKING:
   from tlt_jax.rl.trainer import GRPOTrainer
 
 RUN_FIELDS = {"logdir", "resume"}  # where a run lives, not what it does: never saved/compared
+# fields added after runs were saved, with the value that does what those runs did: a resumed run
+# whose config.json lacks one keeps that value (its default would change the run mid-way)
+BEFORE_THE_FIELD = {
+    "task.eval_share": 0.0,  # issue 63: held-out questions set aside from training's pool
+}
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
 FINAL_MODEL = "final_model"
@@ -195,6 +200,11 @@ def resume_config(cfg: ml_collections.ConfigDict, saved: ml_collections.ConfigDi
         notes.append(f"  {name}: {value!r} -> {current[name]!r} (override)")
     else:
       set_dotted(merged, name, value)
+  for name, value in BEFORE_THE_FIELD.items():
+    if name in current and name not in stored and name not in overrides:
+      set_dotted(merged, name, value)
+      notes.append(f"  {name}={value!r}: the run was saved before the field existed, so it goes "
+                   "on as it began")
   return merged, notes
 
 

@@ -32,8 +32,9 @@ from tlt_jax.models.load import from_pretrained
 from tlt_jax.models.instances import with_compute_dtype
 from tlt_jax.models.drafter_io import drafter_policy_mismatch
 from tlt_jax.models.transformer import Transformer, init_model
+from tlt_jax.rl.rewards import task_scorer
 from tlt_jax.rl.sft import warm_start
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, check_update_layout
+from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, check_update_layout, held_out_line
 from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.host import history as history_lib
@@ -96,6 +97,8 @@ def _open_job(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None
     layout = config_error(e, None, {"TrainerConfig": "trainer", "GRPOConfig": "grpo"})
     raise ConfigError(f"{layout} (config.mesh_devices sets how many)") from None
   _say(f"config:\n{describe(cfg)}")
+  _say(held_out_line(job.task, job.trainer.eval_problems))  # whether held-out is training data
+  _say(f"reward: {task_scorer(job.task)}")  # math_verify or not: rewards differ by install
   return job, latest, devices
 
 
@@ -552,13 +555,13 @@ class Steps:
       earlier = [r for r in self.log.rows() if r.get("step") == 0 and "eval_accuracy" in r]
       return ({k: v for k, v in earlier[0].items() if k.startswith("eval_")} if earlier
               else {"eval_accuracy": float("nan"), "eval_sampled_reward": float("nan")})
-    return self.evaluate()
+    return self.evaluate(reward_scorer=task_scorer(self.trainer.task))  # saved in the first row
 
-  def evaluate(self) -> dict[str, float]:
+  def evaluate(self, **saved) -> dict[str, float]:
     """The held-out figures at the trainer's step (``_evaluate``), written to that step's row of
-    the log."""
+    the log (with ``saved``)."""
     figures = _evaluate(self.trainer)
-    self.log.write(self.trainer.step_count, figures)
+    self.log.write(self.trainer.step_count, {**figures, **saved})
     return figures
 
   def step(self) -> None:

@@ -5,12 +5,18 @@ and the reference to a canonical string (``normalize_answer``), then compare the
 both parse as numbers and as strings otherwise (``answers_match``). When the optional package
 ``math_verify`` is installed, ``math_reward`` asks it first and falls back to these rules when it
 says no or raises; it is never a dependency of this package.
+
+So the reward depends on the install: an answer that only ``math_verify`` accepts (an equivalent
+expression such as ``2\\sqrt{2}`` for ``\\sqrt{8}``) scores 1 with it and 0 without it.
+``math_scorer()`` says which scorer runs here; the job prints it at its start and saves it in its
+first metrics row (``reward_scorer``).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import math
 import re
 import threading
@@ -198,6 +204,29 @@ def load_math_verify() -> ModuleType | None:
     return importlib.import_module("math_verify")
   except ImportError:
     return None
+
+
+def math_scorer() -> str:
+  """Which scorer ``math_reward`` runs in this install, in words (the job's start line and its
+  ``reward_scorer`` metric): ``math_verify`` with its version, then this module's rules, or
+  this module's rules alone."""
+  if load_math_verify() is None:
+    return ("this package's answer rules (tlt_jax.rl.rewards), math_verify not installed: "
+            "`pip install math-verify` accepts more equivalent answers")
+  try:
+    version = importlib.metadata.version("math-verify")
+  except importlib.metadata.PackageNotFoundError:  # imported from a path, not installed
+    version = "(version unknown)"
+  return (f"math_verify {version} first, then this package's answer rules "
+          "(tlt_jax.rl.rewards) where it says no")
+
+
+def task_scorer(task) -> str:
+  """What scores a task's completions: the task's ``scorer`` where it says (a math dataset's is
+  ``math_scorer()``), else its own ``reward`` method (the built-in arithmetic task's exact check,
+  the same in every install)."""
+  said = getattr(task, "scorer", None)
+  return said if isinstance(said, str) and said else f"{type(task).__name__}.reward, the task's own"
 
 
 def math_verify_says(answer: str, reference: str) -> bool | None:

@@ -170,12 +170,33 @@ def check_rollout_devices(value, available: int | None = None,
                      f"0 for all of them")
 
 
-EVAL_SEED = 10_000  # the held-out problems' generator seed (independent of training data)
+# the held-out problems' generator seed: another stream than training's (seed, step) draws, which
+# makes a held-out set disjoint from training only where the task keeps one (``eval_problems``)
+EVAL_SEED = 10_000
 
 
 def eval_problems(task, n: int, seed: int = EVAL_SEED) -> list[Problem]:
-  """The fixed held-out problems ``GRPOTrainer.evaluate`` scores the policy on."""
-  return task.sample(np.random.default_rng(seed), n)
+  """The fixed held-out problems ``GRPOTrainer.evaluate`` scores the policy on: the task's own
+  ``sample_held_out`` where it has one (a file task's evaluation file or split, which training
+  never draws), else ``task.sample``, a draw from the training pool itself (the built-in
+  arithmetic task: the same problem may be drawn by both; ``held_out_line`` says which)."""
+  rng = np.random.default_rng(seed)
+  own = getattr(task, "sample_held_out", None)
+  return own(rng, n) if callable(own) else task.sample(rng, n)
+
+
+def held_out_line(task, n: int) -> str:
+  """One line for the run's start: where its ``n`` held-out problems come from, and whether they
+  are drawn from the training pool (the task's ``held_out_note`` where it has one)."""
+  note = getattr(task, "held_out_note", None)
+  if note is None:
+    name = getattr(task, "name", type(task).__name__)
+    return (f"held-out: {n} problems drawn from the training pool: {name}'s own generator with "
+            f"seed {EVAL_SEED} (training's draws: (seed, step)), so a held-out problem can also "
+            "be a training one")
+  size = getattr(task, "held_out_size", None)
+  repeat = f"; {n} evaluated, so some repeat" if size is not None and size < n else ""
+  return f"{note}{repeat}"
 
 
 def step_problems(task, seed: int, step: int, n: int, num_prompts: int = 0) -> list[Problem]:
