@@ -887,8 +887,8 @@ MUTANTS = [
            "collect_hidden=<fraction> picks the same rows whatever the seed: the drafter trains on "
            "the same row positions every step"),
     Mutant("ngram_drafts_without_siblings", "tlt_jax/rollout/decode/kinds.py",
-           "state.group_id, max_ngram=steps.ngram.max_ngram",
-           "state.row_id, max_ngram=steps.ngram.max_ngram",
+           "state.group_id, max_ngram=config.max_ngram",
+           "state.row_id, max_ngram=config.max_ngram",
            ("tests/rollout/test_ngram.py",),
            "the engine's n-gram drafter groups rows by row id: it never drafts from a sibling"),
     Mutant("ngram_follow_count_uncapped", "tlt_jax/rollout/decode/ngram.py",
@@ -1509,6 +1509,16 @@ MUTANTS = [
            "    if False:",
            ("tests/test_train_job.py", "-k", "saved_before_a_field"),
            "a run saved before task.eval_share resumes with a held-out share set aside mid-run"),
+    Mutant("model_free_drafts_counted_as_ngram", "tlt_jax/rollout/decode/kinds.py",
+           "    return Drafted(draft, None, _source(~state.done, self.kind))",
+           "    return Drafted(draft, None, _source(~state.done, \"ngram\"))",
+           ("tests/rollout/test_registered_kind.py", "-k", "engine"),
+           "a registered kind's drafts are counted as the n-gram drafter's"),
+    Mutant("job_refuses_registered_kinds", "tlt_jax/job/rollout_config.py",
+           "  if isinstance(base, str) and (base == \"none\" or base in model_free_names() or",
+           "  if isinstance(base, str) and (base == \"none\" or base == DrafterKind.NGRAM or",
+           ("tests/rollout/test_registered_kind.py", "-k", "job"),
+           "config.drafter knows only the built-in kinds: a registered one is 'not a directory'"),
 ]
 
 

@@ -28,6 +28,7 @@ from tlt_jax.job.typed_config import ConfigError, load_config_file, read_json_co
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.drafter_io import load_drafter, save_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
+from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rl.trainer import EVAL_SEED, TrainerConfig, eval_problems, metric_kind
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.engine import RolloutEngine
@@ -92,7 +93,7 @@ def test_held_out_evaluations_are_logged_every_eval_every_steps(finished_run):
 
 def test_the_first_metrics_row_says_which_scorer_made_the_rewards(finished_run):
   """Step 0's row names the reward's scorer (a math dataset's differs with math_verify
-  installed or not: issue 63); the other rows do not repeat it."""
+  installed or not, so a run says which one scored it); the other rows do not repeat it."""
   logdir, _ = finished_run
   rows = [json.loads(line) for line in (logdir / "metrics.jsonl").open()]
   assert rows[0]["step"] == 0 and rows[0]["reward_scorer"] == "ArithmeticTask.reward, the task's own"
@@ -268,7 +269,8 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
     ("sft.learning_rate", -1.0, r"config.sft: SFTConfig.learning_rate must be > 0"),
     ("sft.rows", 0, r"config.sft.rows must be a positive int, got 0"),
     ("mesh_devices", -1, r"config.mesh_devices must be an int >= 0"),
-    ("drafter", "eagle4", (r"config.drafter must be 'none', 'ngram', 'eagle' or 'eagle3' \(an "
+    ("drafter", "eagle4", (r"config.drafter must be 'none', 'ngram' \(model-free drafting\), "
+                           r"'eagle' or 'eagle3' \(an "
                            r"EAGLE-1 or EAGLE-3 drafter .* or the directory of a drafter saved by "
                            r".*save_drafter; 'eagle4' is not an existing directory")),
     ("drafter", "eagle3+ngram", r"config.drafter must be .*'eagle3'.*; 'eagle3\+ngram' is not an "
@@ -360,7 +362,7 @@ def test_unusable_drafters_are_rejected_before_work(tmp_path, no_work, saved_dra
     train.run(cfg)
   cfg = tiny_config(tmp_path / "c", drafter="ngram")
   cfg.rollout.strategies = ((2, 2, 3),)  # a tree: the n-gram drafter drafts only chains
-  with pytest.raises(ConfigError, match=r"config.rollout.strategies .* n-gram drafter drafts "
+  with pytest.raises(ConfigError, match=r"config.rollout.strategies .* ngram drafter drafts "
                                         r"chains"):
     train.run(cfg)
 
@@ -589,7 +591,7 @@ def fake_job(tmp_path, steps=4, checkpoint_every=0):
   return types.SimpleNamespace(cfg=tiny_config(tmp_path, checkpoint_every=checkpoint_every),
                                checkpoint_every=checkpoint_every,
                                trainer=TrainerConfig(steps=steps), logdir=tmp_path,
-                               drafter_save_every=0)
+                               drafter_save_every=0, task=ArithmeticTask())
 
 
 @pytest.mark.parametrize("checkpoints, advice", [
@@ -872,7 +874,8 @@ def test_help_lists_the_config_fields():
     (["--config=missing.py"], "no config file at missing.py"),
     (["--config.drafter_training.online=True"], ("config.drafter_training.online=True needs a "
                                                  "learned drafter")),  # True from the command line
-    (["--config.drafter=no/such/drafter"], ("config.drafter must be 'none', 'ngram', 'eagle' "
+    (["--config.drafter=no/such/drafter"], ("config.drafter must be 'none', 'ngram' (model-free "
+                                            "drafting), 'eagle' "
                                             "or 'eagle3' (an EAGLE-1 or EAGLE-3 drafter trained "
                                             "online from scratch) or the directory of a drafter "
                                             "saved by")),

@@ -43,7 +43,7 @@ RULES = [
     (dict(strategies=((2, 1, 3),)), "none", "strategies",
      r"needs a drafter \(a learned or n-gram one\), and there is no drafter"),
     (dict(strategies=((2, 2, 3),)), "ngram", "strategies",
-     r"has tree strategies \(topk > 1\) but the n-gram drafter drafts chains"),
+     r"has tree strategies \(topk > 1\) but the ngram drafter drafts chains"),
     (dict(tuner=dict(kind="greedy")), "none", "tuner.kind", r"must be one of 'cost', 'beg_mab'"),
     (dict(strategies=((2, 1, 3),), tuner=dict(kind="fixed", fixed=((8, "chain d2"),))), "ngram",
      "tuner.fixed", r"maps bucket 1 to 'chain d2', which is not offered there"),

@@ -140,7 +140,7 @@ def test_the_engine_s_ngram_kind_drafts_from_a_row_s_siblings():
       group_id=jnp.array([0, 0], jnp.int32), row_id=jnp.array([0, 1], jnp.int32),
       done=jnp.array([False, False]))
   drafted = KINDS[DrafterKind.NGRAM].draft(
-      SimpleNamespace(ngram=NgramConfig(max_ngram=3, depth=4)), None, None, state, None,
+      SimpleNamespace(free=NgramConfig(max_ngram=3, depth=4)), None, None, state, None,
       SimpleNamespace(members=[SpecConfig(4, 1, 5)]), 0)
   np.testing.assert_array_equal(np.asarray(drafted.draft.draft_len), [0, 3])
   np.testing.assert_array_equal(np.asarray(drafted.draft.tokens[1, :4]), [7, 8, 9, 10])

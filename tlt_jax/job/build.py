@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import Any
 
 import jax
 import ml_collections
@@ -33,7 +34,6 @@ from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prom
     step_problems
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.host.history import HistoryConfig
-from tlt_jax.rollout.decode.ngram import NgramConfig
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 from tlt_jax.utils import FieldError
 
@@ -65,8 +65,9 @@ class Job:
   trainer: TrainerConfig
   engine: EngineConfig
   drafter_spec: DrafterSpec  # config.drafter, parsed
-  # the learned or n-gram drafter (drafter_spec.build); None too where drafter_from_policy
-  drafter: Drafter | NgramConfig | None
+  # the learned drafter or a model-free kind's config (drafter_spec.build; None too where
+  # drafter_from_policy)
+  drafter: Drafter | Any | None
   drafter_training: DrafterTrainingConfig | None = None  # the drafter trains online
   drafter_save_every: int = 0  # RL steps between selective async drafter saves (0: never)
   model_path: pathlib.Path | None = None  # a pretrained policy (HF directory or .gguf file)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
@@ -18,8 +19,7 @@ from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.rollout.host.engine_config import EngineConfig, resolve_engine_config
-from tlt_jax.rollout.decode.kinds import DrafterKind
-from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.decode.kinds import KINDS, DrafterKind, model_free_names
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 from tlt_jax.rollout.host.tuner import TunerConfig
 from tlt_jax.utils import FieldError
@@ -29,9 +29,14 @@ from tlt_jax.utils import FieldError
 # names (``Drafter.kind`` "eagle": EAGLE-1; ``Eagle3Drafter.kind`` "eagle3": EAGLE-3)
 FRESH_DRAFTERS = {cls.kind: cls for cls in (Drafter, Eagle3Drafter)}
 _FRESH_NAMES = " or ".join(repr(kind) for kind in FRESH_DRAFTERS)  # 'eagle' or 'eagle3'
-_DRAFTER_CHOICES = (f"'none', 'ngram', {_FRESH_NAMES} (an EAGLE-1 or EAGLE-3 drafter trained "
-                    "online from scratch) or the directory of a drafter saved by "
-                    "tlt_jax.models.drafter_io.save_drafter")
+
+
+def drafter_choices() -> str:
+  """What ``config.drafter`` takes, for messages: the model-free kinds registered now included."""
+  free = ", ".join(repr(str(name)) for name in model_free_names())
+  return (f"'none', {free} (model-free drafting), {_FRESH_NAMES} (an EAGLE-1 or EAGLE-3 drafter "
+          "trained online from scratch) or the directory of a drafter saved by "
+          "tlt_jax.models.drafter_io.save_drafter")
 # config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
 SUFFIX = DrafterKind.SUFFIX
 _SUFFIX_CHOICES = ("'suffix' (the suffix drafter, which drafts from the rollout's own history, "
@@ -45,7 +50,7 @@ class DrafterSpec:
   ``kind`` and whether the suffix drafter drafts too."""
 
   value: str  # as the config spells it, for messages
-  kind: str = "none"  # "none", "ngram", "eagle", "eagle3" or "saved" (loaded from path)
+  kind: str = "none"  # "none", a model-free kind ("ngram", ...), "eagle", "eagle3" or "saved"
   suffix: bool = False
   path: pathlib.Path | None = None  # kind "saved": the drafter's directory
 
@@ -74,14 +79,15 @@ class DrafterSpec:
     return self.kind == Eagle3Drafter.kind
 
   def build(self, model_config: ModelConfig, seed: int = 0, policy: Transformer | None = None
-            ) -> Drafter | NgramConfig | None:
-    """The learned or n-gram drafter: none, ``NgramConfig()``, a fresh EAGLE-1 or EAGLE-3 one
+            ) -> Drafter | Any | None:
+    """The learned or model-free drafter: none, a model-free kind's config at its defaults
+    (``NgramConfig()``, ...), a fresh EAGLE-1 or EAGLE-3 one
     drawn for ``seed`` (an EAGLE-3 one's head the LM head of ``policy`` where given:
     ``Eagle3Drafter.for_target``) or the saved one loaded for the policy."""
     if self.kind == "none":
       return None
-    if self.kind == DrafterKind.NGRAM:
-      return NgramConfig()
+    if self.kind in model_free_names():
+      return KINDS[self.kind].config_type()
     if self.head_from_policy and policy is not None:
       return Eagle3Drafter.for_target(policy, seed)
     if self.fresh:
@@ -90,7 +96,7 @@ class DrafterSpec:
       return load_drafter(self.path, model_config)
     except Exception as e:  # pylint: disable=broad-except  # missing/garbled files, a misfit
       raise ConfigError(f"config.drafter {self.learned} does not load as a drafter of this "
-                        f"policy: {e} (config.drafter takes {_DRAFTER_CHOICES})") from None
+                        f"policy: {e} (config.drafter takes {drafter_choices()})") from None
 
 
 def parse_drafter(value) -> DrafterSpec:
@@ -105,15 +111,16 @@ def parse_drafter(value) -> DrafterSpec:
            "ngram": "the suffix drafter already drafts from the group's sibling responses, as the "
                     "n-gram drafter does: use 'suffix'",
            "": "a learned drafter goes before '+suffix'"}[base]
-    raise ConfigError(f"config.drafter={value!r}: {why} (config.drafter takes {_DRAFTER_CHOICES}; "
+    raise ConfigError(f"config.drafter={value!r}: {why} (config.drafter takes {drafter_choices()}; "
                       f"or {_SUFFIX_CHOICES})")
-  if base in ("none", DrafterKind.NGRAM) or (isinstance(base, str) and base in FRESH_DRAFTERS):
+  if isinstance(base, str) and (base == "none" or base in model_free_names() or
+                                base in FRESH_DRAFTERS):
     return DrafterSpec(value, str(base), suffix)
   if not isinstance(base, str) or not base:
-    raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}, or {_SUFFIX_CHOICES}; got "
+    raise ConfigError(f"config.drafter must be {drafter_choices()}, or {_SUFFIX_CHOICES}; got "
                       f"{value!r}")
   if not pathlib.Path(base).is_dir():
-    raise ConfigError(f"config.drafter must be {_DRAFTER_CHOICES}; {base!r} is not an existing "
+    raise ConfigError(f"config.drafter must be {drafter_choices()}; {base!r} is not an existing "
                       f"directory (or {_SUFFIX_CHOICES})")
   return DrafterSpec(value, "saved", suffix, pathlib.Path(base))
 
@@ -132,7 +139,7 @@ def build_engine_config(rollout, drafter, suffix: SuffixConfig | None = None,
   try:
     return resolve_engine_config(engine, drafter, suffix)
   except ValueError as e:  # the strategies against the drafters config.drafter chose
-    hint = (f"; config.drafter picks the drafters: {_DRAFTER_CHOICES}, or {_SUFFIX_CHOICES}"
+    hint = (f"; config.drafter picks the drafters: {drafter_choices()}, or {_SUFFIX_CHOICES}"
             if isinstance(e, FieldError) and e.owner == "EngineConfig" else "")
     raise ConfigError(str(config_error(e, "rollout", _SECTIONS)) + hint) from None
 

@@ -555,7 +555,7 @@ class Steps:
       earlier = [r for r in self.log.rows() if r.get("step") == 0 and "eval_accuracy" in r]
       return ({k: v for k, v in earlier[0].items() if k.startswith("eval_")} if earlier
               else {"eval_accuracy": float("nan"), "eval_sampled_reward": float("nan")})
-    return self.evaluate(reward_scorer=task_scorer(self.trainer.task))  # saved in the first row
+    return self.evaluate(reward_scorer=task_scorer(self.job.task))  # saved in the first row
 
   def evaluate(self, **saved) -> dict[str, float]:
     """The held-out figures at the trainer's step (``_evaluate``), written to that step's row of

@@ -261,8 +261,8 @@ class GRPOTrainer:
                drafter=None, chat_template: bool = False, rollout_devices: int = 1,
                drafter_training: DrafterTrainingConfig | None = None,
                suffix: SuffixConfig | None = None, history: HistoryConfig | None = None):
-    """``drafter`` (a ``Drafter`` or ``NgramConfig``) makes rollouts speculative (lossless: speed
-    only); ``suffix`` adds the suffix drafter, which drafts from the ``history`` store (kept
+    """``drafter`` (a ``Drafter``, or a model-free kind's config such as ``NgramConfig``) makes
+    rollouts speculative (lossless: speed only); ``suffix`` adds the suffix drafter, which drafts from the ``history`` store (kept
     and checkpointed only when the engine uses it). ``chat_template``: prompts go through the
     tokenizer's chat template (``tasks.chat_prompt``) instead of ``<bos> + text``.
     ``rollout_devices``: the mesh's devices that roll out data-parallel (0: all, 1: the first).

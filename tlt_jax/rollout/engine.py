@@ -37,9 +37,8 @@ from tlt_jax.aot import SharedPrograms
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.host.engine_config import EngineConfig, resolve_engine_config
-from tlt_jax.rollout.decode.kinds import DrafterKind
+from tlt_jax.rollout.decode.kinds import DrafterKind, model_free_kind
 from tlt_jax.rollout.interface import IdleWork, Rollout, check_prompts, collect_mask, is_integer, on_device
-from tlt_jax.rollout.decode.ngram import NgramConfig
 from tlt_jax.rollout.host.offers import SdOffers
 from tlt_jax.rollout.host.pool import ExecutablePool
 from tlt_jax.rollout.decode.sampling import SamplerArgs, SamplingParams
@@ -78,7 +77,7 @@ class RolloutEngine(Rollout):
   shared with other devices' engines. Its public parts: docs/library.md, "RolloutEngine".
   """
 
-  def __init__(self, model: Transformer, drafter: Drafter | NgramConfig | None = None,
+  def __init__(self, model: Transformer, drafter: Drafter | Any | None = None,
                config: EngineConfig = EngineConfig(), tuner: Tuner | None = None,
                device: jax.Device | None = None, suffix: SuffixConfig | None = None,
                programs: SharedPrograms | None = None):
@@ -86,8 +85,9 @@ class RolloutEngine(Rollout):
       raise TypeError(f"RolloutEngine(suffix=...) takes a SuffixConfig, got {suffix!r}")
     config = resolve_engine_config(config, drafter, suffix)  # itself when already resolved
     self.suffix = suffix
-    self.ngram = drafter if isinstance(drafter, NgramConfig) else None
-    if self.ngram is not None:  # model-free drafting: no drafter model
+    free = model_free_kind(drafter)  # the n-gram drafter's NgramConfig, or a registered kind's
+    self.free = drafter if free is not None else None
+    if free is not None:  # model-free drafting: no drafter model
       drafter = None
     if drafter is not None and drafter.config.hidden_size != model.config.hidden_size:
       raise ValueError(f"drafter hidden_size {drafter.config.hidden_size} does not match the "
@@ -102,7 +102,7 @@ class RolloutEngine(Rollout):
     self.graphdef, self.params = nnx.split(model)
     self.drafter_graphdef, self.drafter_params = (nnx.split(drafter) if drafter is not None
                                                   else (None, None))
-    kind = DrafterKind.NGRAM if self.ngram is not None else DrafterKind.LEARNED
+    kind = DrafterKind.LEARNED if free is None else free.kind
     self.groups = make_groups(config.draft_specs, kind, config.suffix_strategies)
     self._strategies: dict[int, list[Strategy]] = {}
     for b in config.batch_buckets:
@@ -113,7 +113,7 @@ class RolloutEngine(Rollout):
     self.tuner = (tuner if tuner is not None else make_tuner(config.tuner)) if config.adaptive \
         else None
     self.steps = StepFunctions(model.config, config, self.graphdef, self.drafter_graphdef,
-                               self.ngram, self.groups, suffix, features)
+                               self.free, self.groups, suffix, features)
     learned = drafter is not None
     self.pool = ExecutablePool(
         self.steps, self.weights,

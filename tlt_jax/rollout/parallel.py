@@ -39,7 +39,6 @@ from tlt_jax.rollout.host import buckets as bk
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
 from tlt_jax.rollout.host.engine_config import resolve_engine_config
 from tlt_jax.rollout.interface import IdleWork, Rollout
-from tlt_jax.rollout.decode.ngram import NgramConfig
 from tlt_jax.rollout.host.offers import SdOffers
 from tlt_jax.rollout.host.scheduler import segment_lengths
 from tlt_jax.rollout.decode.suffix import SuffixConfig
@@ -131,7 +130,7 @@ class DataParallelRollout(Rollout):
   per-device stats and the ``idle_work`` of ``generate`` in earnest.
   """
 
-  def __init__(self, model: Transformer, drafter: Drafter | NgramConfig | None = None,
+  def __init__(self, model: Transformer, drafter: Drafter | Any | None = None,
                config: EngineConfig = EngineConfig(), devices: Sequence[Any] | None = None,
                tuner: Tuner | None = None, suffix: SuffixConfig | None = None):
     self.devices = list(devices) if devices is not None else jax.local_devices()[:1]

@@ -4,11 +4,18 @@ needs of it in one place.
 A kind says how its strategies are named (the tuner's arm names, the stats' keys), which of them
 share one segment executable, and how a speculative decode step drafts with it (``draft``: the
 proposal, its tree mask, where each draft came from and the drafter's advanced cache). The step
-functions (``steps.py``) look the kind up in ``KINDS`` and never branch on it, so adding a kind
-means one class here (and its tests).
+functions (``steps.py``) look the kind up in ``KINDS`` and never branch on it.
 
-``DrafterKind`` is a ``StrEnum``: a kind compares equal to its name, so saved tuner state, stats
-and configs keep the plain strings.
+A *model-free* kind (``ModelFreeKind``: the n-gram drafter, or one of a user's) drafts from the
+decode state's tokens alone: the engine is given the kind's config (an instance of its
+``config_type``) where a drafter model would go, and the kind's draft reads it as
+``steps.free``. ``register`` adds one from anywhere, before the engines that use it are built; it
+is then a ``config.drafter`` choice of the job too (``model_free_names``), its drafts counted
+under its own source name (``draft_sources``). tests/rollout/test_registered_kind.py registers
+one from outside the package.
+
+``DrafterKind`` names the built-in kinds; it is a ``StrEnum``, so a kind compares equal to its
+name, and saved tuner state, stats and configs keep the plain strings.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from jax import lax
 
 from tlt_jax.rollout.decode import speculative as sd
 from tlt_jax.rollout.decode import suffix as sfx
-from tlt_jax.rollout.decode.ngram import contexts, ngram_propose
+from tlt_jax.rollout.decode.ngram import NgramConfig, contexts, ngram_propose
 from tlt_jax.rollout.decode.speculative import DRAFT_SOURCES, SpecConfig
 
 
@@ -43,14 +50,14 @@ class Drafted(NamedTuple):
 
 
 def _source(live: jax.Array, name: str) -> jax.Array:
-  return jnp.full(live.shape, DRAFT_SOURCES.index(name), jnp.int32)
+  return jnp.full(live.shape, draft_sources().index(name), jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """One drafter kind: its name rules and its drafting (the subclasses below)."""
 
-  kind: DrafterKind
+  kind: str  # its name: a ``DrafterKind`` for the built-in ones
 
   def strategy_name(self, spec: SpecConfig) -> str:
     """The arm name of ``spec`` drafted by this kind (``"chain d4"``, ``"ngram d8"``, ...)."""
@@ -112,22 +119,45 @@ class LearnedKind(Kind):
     return Drafted(draft, sd.tree_attention(draft, walk.depth), _source(live, "learned"), dcache)
 
 
-class NgramKind(Kind):
-  """Point-mass chains from n-gram matches (verified by the sequential point-mass rule)."""
+@dataclasses.dataclass(frozen=True)
+class ModelFreeKind(Kind):
+  """A kind that drafts point-mass chains from the decode state alone (no drafter model; verified
+  by the sequential point-mass rule, so SD stays lossless). The engine takes an instance of
+  ``config_type`` (a frozen dataclass with a ``depth``: its default chain) as its drafter; the
+  state carries each row's prompt (``prompt_tokens``, ``prompt_lens``) and prompt group
+  (``group_id``) beside the generated ``tokens``. A subclass writes ``propose``."""
+
+  config_type: type = type(None)
 
   def strategy_name(self, spec: SpecConfig) -> str:
     if spec.is_chain:
-      return f"ngram d{spec.depth}"
+      return f"{self.kind} d{spec.depth}"
     return f"tree d{spec.depth} k{spec.topk} v{spec.verify_tokens}"  # refused by the engine
 
+  def chain(self, config) -> SpecConfig:
+    """The chain ``config`` drafts by default: ``depth`` tokens, all verified at once."""
+    return SpecConfig(depth=config.depth, topk=1, verify_tokens=config.depth + 1)
+
+  def propose(self, config, state, depth: int) -> tuple[jax.Array, jax.Array]:
+    """``(tokens [B, depth], count [B])``: each row's proposed continuation (``count`` of them,
+    0: nothing to propose) from ``state`` and the kind's ``config`` (traced in a segment)."""
+    raise NotImplementedError
+
   def draft(self, steps, target, drafter, state, args, group, choice) -> Drafted:
-    spec = group.members[0]  # n-gram groups are single chains
-    proposal, proposal_len = ngram_propose(
-        state.prompt_tokens, state.prompt_lens, state.tokens, state.num_generated,
-        state.group_id, max_ngram=steps.ngram.max_ngram, min_ngram=steps.ngram.min_ngram,
-        depth=spec.depth)
+    spec = group.members[0]  # a model-free kind's groups are single chains
+    proposal, proposal_len = self.propose(steps.free, state, spec.depth)
     draft = sd.chain_tree(proposal, state.last_token, None, proposal_len)
-    return Drafted(draft, None, _source(~state.done, "ngram"))
+    return Drafted(draft, None, _source(~state.done, self.kind))
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramKind(ModelFreeKind):
+  """Point-mass chains from n-gram matches in the row's own context and its siblings'."""
+
+  def propose(self, config, state, depth: int) -> tuple[jax.Array, jax.Array]:
+    return ngram_propose(state.prompt_tokens, state.prompt_lens, state.tokens,
+                         state.num_generated, state.group_id, max_ngram=config.max_ngram,
+                         min_ngram=config.min_ngram, depth=depth)
 
 
 class SuffixKind(Kind):
@@ -149,14 +179,51 @@ class SuffixKind(Kind):
     return Drafted(drafted.draft, mask, drafted.node_source)
 
 
-KINDS: dict[DrafterKind, Kind] = {k.kind: k for k in (
-    LearnedKind(DrafterKind.LEARNED), NgramKind(DrafterKind.NGRAM), SuffixKind(DrafterKind.SUFFIX))}
+KINDS: dict[str, Kind] = {k.kind: k for k in (
+    LearnedKind(DrafterKind.LEARNED), NgramKind(DrafterKind.NGRAM, NgramConfig),
+    SuffixKind(DrafterKind.SUFFIX))}
 
 
-def kind_of(name: str | DrafterKind) -> Kind:
+def register(kind: Kind) -> Kind:
+  """Adds ``kind`` to ``KINDS`` (again: nothing changes) before the engines that use it are
+  built; a name taken by another kind is an error. Returns it."""
+  if not isinstance(kind, ModelFreeKind):
+    raise TypeError(f"register takes a ModelFreeKind (a drafter of the decode state alone), got "
+                    f"{type(kind).__name__}; learned drafters are models (tlt_jax.models)")
+  if not isinstance(kind.kind, str) or not kind.kind.isidentifier():
+    raise ValueError(f"a drafter kind's name must be an identifier, got {kind.kind!r}")
+  if not dataclasses.is_dataclass(kind.config_type) or not hasattr(kind.config_type(), "depth"):
+    raise TypeError(f"{kind.kind}: config_type must be a dataclass whose defaults make a config "
+                    f"with a depth (its default chain), got {kind.config_type!r}")
+  taken = KINDS.get(kind.kind)
+  if taken is not None and taken != kind:
+    raise ValueError(f"the drafter kind {kind.kind!r} is already registered ({taken})")
+  KINDS[kind.kind] = kind
+  return kind
+
+
+def kind_of(name: str) -> Kind:
   """The kind named ``name``; an unknown name says which ones exist."""
   try:
-    return KINDS[DrafterKind(name)]
-  except ValueError:
-    raise ValueError(f"unknown drafter kind {name!r}; the kinds are "
-                     f"{[k.value for k in DrafterKind]}") from None
+    return KINDS[str(name)]
+  except KeyError:
+    raise ValueError(f"unknown drafter kind {name!r}; the kinds are {list(KINDS)}") from None
+
+
+def model_free_names() -> tuple[str, ...]:
+  """The names of the model-free kinds (the built-in ``ngram`` and any registered)."""
+  return tuple(name for name, k in KINDS.items() if isinstance(k, ModelFreeKind))
+
+
+def model_free_kind(drafter: Any) -> ModelFreeKind | None:
+  """The model-free kind whose config ``drafter`` is (None: a drafter model, or none)."""
+  for k in KINDS.values():
+    if isinstance(k, ModelFreeKind) and isinstance(drafter, k.config_type):
+      return k
+  return None
+
+
+def draft_sources() -> tuple[str, ...]:
+  """Where a draft can come from, as the SD counters index it: ``DRAFT_SOURCES`` and then each
+  registered model-free kind's name."""
+  return DRAFT_SOURCES + tuple(n for n in model_free_names() if n not in DRAFT_SOURCES)

@@ -28,10 +28,9 @@ from jax import lax
 
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.rollout.decode import speculative as sd
-from tlt_jax.rollout.decode.kinds import KINDS, DrafterKind, kind_of
-from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.decode.kinds import KINDS, DrafterKind, draft_sources, kind_of
 from tlt_jax.rollout.decode.sampling import SamplerArgs, filtered_logprobs, row_keys, sample_tokens
-from tlt_jax.rollout.decode.speculative import DRAFT_SOURCES, SpecConfig
+from tlt_jax.rollout.decode.speculative import SpecConfig
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 
 
@@ -51,7 +50,8 @@ class DecodeState:
   # A learned drafter only (None otherwise):
   dcache: KVCache | None = None  # the drafter's one-layer cache
   feats: jax.Array | None = None  # [B, N, H] the target feature before each generated token
-  # n-gram and suffix drafting only: each row's prompt and the group of rows sharing that prompt
+  # model-free (n-gram, registered) and suffix drafting only: each row's prompt and the group of
+  # rows sharing that prompt
   prompt_tokens: jax.Array | None = None  # [B, max_prompt_len]
   prompt_lens: jax.Array | None = None  # [B]
   group_id: jax.Array | None = None  # [B] (-1: padding)
@@ -66,7 +66,7 @@ class StrategyGroup:
 
   name: str
   members: tuple[SpecConfig, ...] = ()  # () for vanilla
-  kind: DrafterKind = DrafterKind.LEARNED  # who drafts (``kinds.py``)
+  kind: str = DrafterKind.LEARNED  # who drafts (``kinds.py``)
 
   def __post_init__(self):
     object.__setattr__(self, "kind", kind_of(self.kind).kind)  # a name becomes its kind
@@ -100,7 +100,7 @@ def make_groups(specs: Sequence[SpecConfig], kind: str = DrafterKind.LEARNED,
   """Vanilla plus ``specs`` (drafted by ``kind``) and ``suffix_specs`` grouped by ``group_name``
   (members in the order given)."""
   members: dict[tuple[str, str], list[SpecConfig]] = {}
-  for k, group_specs in ((DrafterKind(kind), specs), (DrafterKind.SUFFIX, suffix_specs)):
+  for k, group_specs in ((kind_of(kind).kind, specs), (DrafterKind.SUFFIX, suffix_specs)):
     for spec in group_specs:
       members.setdefault((group_name(spec, k), k), []).append(spec)
   groups = {"vanilla": StrategyGroup("vanilla")}
@@ -127,7 +127,7 @@ class StepFunctions:
   """
 
   def __init__(self, model_config, config, graphdef, drafter_graphdef,
-               ngram: NgramConfig | None, groups: dict[str, StrategyGroup],
+               free, groups: dict[str, StrategyGroup],
                suffix: SuffixConfig | None = None, features: bool | tuple[int, ...] = True):
     self.model_config = model_config
     # what the target returns as a learned drafter's features (``Drafter.target_features``)
@@ -135,7 +135,7 @@ class StepFunctions:
     self.config = config
     self.graphdef = graphdef
     self.drafter_graphdef = drafter_graphdef
-    self.ngram = ngram
+    self.free = free  # a model-free kind's config (``kinds.ModelFreeKind``), or None
     self.suffix = suffix
     self.groups = groups
     self.coupled = config.verify == "coupled"
@@ -167,8 +167,8 @@ class StepFunctions:
                 "tokens": jnp.zeros((), jnp.int32)}
     if self.any_sd:
       counters["accept_hist"] = jnp.zeros((self.config.pending_width,), jnp.int32)
-      counters["source_steps"] = jnp.zeros((len(DRAFT_SOURCES),), jnp.int32)
-      counters["source_tokens"] = jnp.zeros((len(DRAFT_SOURCES),), jnp.int32)
+      counters["source_steps"] = jnp.zeros((len(draft_sources()),), jnp.int32)
+      counters["source_tokens"] = jnp.zeros((len(draft_sources()),), jnp.int32)
     return counters
 
   # ---- prefill -----------------------------------------------------------------------------
@@ -202,7 +202,7 @@ class StepFunctions:
       feats = jnp.zeros((batch, n, out.hidden.shape[-1]), out.hidden.dtype)
       feats = feats.at[:, 0].set(sd.pick_positions(out.hidden, prompt_lens - 1))
       extra = dict(dcache=dout.cache.with_lengths(prompt_lens - 1), feats=feats)
-    if self.ngram is not None or self.suffix is not None:
+    if self.free is not None or self.suffix is not None:
       pad = self.config.max_prompt_len - ids.shape[1]
       extra.update(prompt_tokens=jnp.pad(ids, ((0, 0), (0, pad))), prompt_lens=prompt_lens,
                    group_id=jnp.where(padding, -1, group_id))
@@ -316,7 +316,7 @@ class StepFunctions:
         first = jnp.where(accepted > 0, verdict.path[:, 1],
                           jnp.where(draft.draft_len > 0, draft.children[:, 0, 0], 0))
         source = jnp.take_along_axis(source, jnp.maximum(first, 0)[:, None], 1)[:, 0]
-      hit = jax.nn.one_hot(source, len(DRAFT_SOURCES), dtype=jnp.int32) * live[:, None]
+      hit = jax.nn.one_hot(source, len(draft_sources()), dtype=jnp.int32) * live[:, None]
       c = state.counters
       extra["counters"] = dict(c, source_steps=c["source_steps"] + jnp.sum(hit, 0),
                                source_tokens=c["source_tokens"] + jnp.sum(hit * count[:, None], 0))

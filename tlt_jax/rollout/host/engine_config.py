@@ -17,8 +17,7 @@ from typing import Callable
 import numpy as np
 
 from tlt_jax.rollout.host import buckets as bk
-from tlt_jax.rollout.decode.kinds import DrafterKind
-from tlt_jax.rollout.decode.ngram import NgramConfig
+from tlt_jax.rollout.decode.kinds import DrafterKind, model_free_kind
 from tlt_jax.rollout.decode.speculative import SpecConfig
 from tlt_jax.rollout.decode.steps import strategy_name
 from tlt_jax.rollout.decode.suffix import SuffixConfig, check_suffix_spec
@@ -220,13 +219,13 @@ class EngineConfig:
     return (self.sd_max_batch is None or batch <= self.sd_max_batch) and (
         not self.verify_budget or batch * spec.verify_tokens <= self.verify_budget)
 
-  def check_fixed_tuner(self, ngram: bool = False) -> None:
+  def check_fixed_tuner(self, kind: str = DrafterKind.LEARNED) -> None:
     """Raises ``FieldError`` when a ``kind="fixed"`` tuner leaves a bucket with a choice unmapped
-    or maps it to an arm not offered there (so the mistake shows before anything compiles)."""
+    or maps it to an arm not offered there (so the mistake shows before anything compiles;
+    ``kind``: who drafts ``strategies``)."""
     if not self.adaptive or self.tuner.kind != "fixed":
       return
     for b in self.batch_buckets:
-      kind = DrafterKind.NGRAM if ngram else DrafterKind.LEARNED
       names = [strategy_name(s, k) for k, s in self.options(b, kind)]
       if len(names) > 1:
         fixed_arm(self.tuner.fixed, b, names)
@@ -283,8 +282,8 @@ class EngineConfig:
 def resolve_engine_config(config: EngineConfig, drafter=None,
                           suffix: SuffixConfig | None = None) -> EngineConfig:
   """``config`` with what the drafters imply filled in, checked against them: the engine's
-  config. ``drafter`` is the learned drafter (any object but an ``NgramConfig``), the n-gram
-  drafter's ``NgramConfig`` or None; ``suffix`` the suffix drafter's ``SuffixConfig`` or None.
+  config. ``drafter`` is the learned drafter, a model-free kind's config (the n-gram drafter's
+  ``NgramConfig``, or a registered kind's: ``kinds.model_free_kind``) or None; ``suffix`` the suffix drafter's ``SuffixConfig`` or None.
 
   Filled in: the suffix drafter's strategies (empty: one chain of its depth), the n-gram
   drafter's chain (its ``spec``, or the adaptive engine's strategy when the suffix drafter's are
@@ -296,7 +295,7 @@ def resolve_engine_config(config: EngineConfig, drafter=None,
     raise TypeError(f"resolve_engine_config takes an EngineConfig, got {type(config).__name__}")
   if suffix is not None and not isinstance(suffix, SuffixConfig):
     raise TypeError(f"the suffix drafter is a SuffixConfig, got {suffix!r}")
-  ngram = drafter if isinstance(drafter, NgramConfig) else None
+  free = model_free_kind(drafter)  # model-free drafting: chains from the decode state
   changes = {}
   if suffix is None and config.suffix_strategies:
     raise FieldError("EngineConfig", "suffix_strategies", "needs the suffix drafter, and there "
@@ -307,14 +306,14 @@ def resolve_engine_config(config: EngineConfig, drafter=None,
                        "the engine adaptive; set EngineConfig.strategies instead")
     changes["suffix_strategies"] = (suffix.chain(),)
   adaptive = config.adaptive or "suffix_strategies" in changes
-  if ngram is not None:  # model-free drafting: chains of tokens copied from the row's group
-    chain = SpecConfig(depth=ngram.depth, topk=1, verify_tokens=ngram.depth + 1)
+  if free is not None:
+    chain = free.chain(drafter)
     if config.spec is not None and config.spec != chain:
-      raise FieldError("EngineConfig", "spec", f"{config.spec} does not fit the n-gram drafter; "
-                       f"leave it None (it becomes {chain})")
+      raise FieldError("EngineConfig", "spec", f"{config.spec} does not fit the {free.kind} "
+                       f"drafter; leave it None (it becomes {chain})")
     if any(not s.is_chain for s in config.strategies):
       raise FieldError("EngineConfig", "strategies", "has tree strategies (topk > 1) but the "
-                       "n-gram drafter drafts chains: use topk=1 entries, got "
+                       f"{free.kind} drafter drafts chains: use topk=1 entries, got "
                        f"{config.strategies}")
     if not adaptive:
       changes["spec"] = chain
@@ -329,5 +328,5 @@ def resolve_engine_config(config: EngineConfig, drafter=None,
                      ("; the suffix drafter's strategies are EngineConfig.suffix_strategies"
                       if suffix is not None else ""))
   resolved = dataclasses.replace(config, **changes) if changes else config
-  resolved.check_fixed_tuner(ngram is not None)
+  resolved.check_fixed_tuner(DrafterKind.LEARNED if free is None else free.kind)
   return resolved

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tlt_jax.rollout.decode.speculative import DRAFT_SOURCES
+from tlt_jax.rollout.decode.kinds import draft_sources
 
 
 @dataclasses.dataclass
@@ -110,7 +110,7 @@ class RolloutStats:
   last_s: float = 0.0  # ``last_seconds``: while at most an eighth of the rows were live
   accept_hist: Any = None  # a counter array while decoding, a list once finished
   mean_accept_len: float | None = None
-  # per draft source (``speculative.DRAFT_SOURCES``: history, group, prompt, self, none, learned,
+  # per draft source (``kinds.draft_sources()``: history, group, prompt, self, none, learned,
   # ngram): speculative row-steps whose accepted path it drafted, and the tokens they emitted
   source_steps: dict[str, int] = dataclasses.field(default_factory=dict)
   source_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -129,11 +129,11 @@ class RolloutStats:
   processes: list[dict] | None = None
 
   def add_sources(self, steps, tokens, names: Sequence[str] | None = None) -> None:
-    """Adds per-source counts (arrays indexed like ``names``, default ``DRAFT_SOURCES``, or
+    """Adds per-source counts (arrays indexed like ``names``, default ``kinds.draft_sources()``, or
     dicts) to ``source_steps`` / ``source_tokens``; sources never used are left out."""
     if isinstance(steps, dict):
       names, steps, tokens = list(steps), list(steps.values()), [tokens[n] for n in steps]
-    for name, n, t in zip(names or DRAFT_SOURCES, np.asarray(steps).tolist(),
+    for name, n, t in zip(names or draft_sources(), np.asarray(steps).tolist(),
                           np.asarray(tokens).tolist()):
       if n:
         self.source_steps[name] = self.source_steps.get(name, 0) + int(n)
