@@ -226,7 +226,7 @@ MUTANTS = [
            "    pass",
            ("tests/rl/test_adaptive_trainer.py", "-k", "through_a_checkpoint"),
            "a resumed run's tuner starts fresh instead of keeping what it learned"),
-    # the adaptive drafter (issue 8)
+    # the adaptive drafter
     Mutant("hidden_states_one_position_late", "tlt_jax/rollout/host/scheduler.py",
            "feats[keep.index(s), :n]])",
            "feats[keep.index(s), 1:n + 1]])",
@@ -266,7 +266,7 @@ MUTANTS = [
            "    pass",
            ("tests/rl/test_online_drafter.py", "-k", "resume"),
            "a resumed run's drafter trains on other batches than the uninterrupted run"),
-    # what ran, and switch costs (issue 19)
+    # what ran, and switch costs
     Mutant("tuner_reward_leaves_out_the_catch_up", "tlt_jax/rollout/host/scheduler.py",
            'self.tuner.update(run.batch, strategy.name, delta["tokens"], end.seconds + switch_s,',
            'self.tuner.update(run.batch, strategy.name, delta["tokens"], end.seconds,',
@@ -284,7 +284,7 @@ MUTANTS = [
            "max_seconds=None",
            ("tests/rl/test_online_drafter.py", "-k", "time_budget"),
            "serial drafter training runs all serial_steps however long they take"),
-    # every idle device trains the drafter: spot rounds (issue 21)
+    # every idle device trains the drafter: spot rounds
     Mutant("spot_round_sums_instead_of_averaging", "tlt_jax/drafter/spot.py",
            "weights[:len(team)] = 1.0 / len(team)", "weights[:len(team)] = 1.0",
            ("tests/drafter/test_spot_rounds.py", "-k", "four_devices"),
@@ -316,7 +316,7 @@ MUTANTS = [
            ("tests/drafter/test_spot_rounds.py", "-k", "four_devices"),
            "with spot_devices reached, a device going idle still waits in its idle (its idle "
            "time counted as used)"),
-    # the first hour of a user: resume, signals, checks before work, loading (issue 19)
+    # the first hour of a user: resume, signals, checks before work, loading
     Mutant("drafter_saves_kept_on_resume", "tlt_jax/job/runner.py",
            "dropped = drafter_ckpt.delete_after(trainer.step_count)", "dropped = []",
            ("tests/test_train_job.py", "-k", "eagle_drafter_trains_online"),
@@ -390,7 +390,7 @@ MUTANTS = [
            "  pass",
            ("tests/test_compile_cache.py::test_enable_takes_effect_after_compiles",),
            "a cache enabled after a first compile is never used"),
-    # the cost-model tuner and the ledger (issue 21)
+    # the cost-model tuner and the ledger
     Mutant("cost_model_probes_every_time", "tlt_jax/rollout/host/tuner/cost.py",
            "return drafter is not None and any(v == drafter.version for _, v in "
            "drafter.accept.get(arm, ()))",
@@ -461,7 +461,7 @@ MUTANTS = [
            "    if True:",
            ("tests/rl/test_ledger_trainer.py", "-k", "unchanged_weights"),
            "an unchanged drafter is evaluated again every step (critical-path time for nothing)"),
-    # ---- issue 22: drafts from the rollout's own history ----
+    # ---- drafts from the rollout's own history ----
     Mutant("suffix_support_ignored", "tlt_jax/rollout/decode/suffix.py",
            "order = jnp.lexsort((-firsts, -supports, -matched), axis=-1)",
            "order = jnp.lexsort((-firsts, supports, -matched), axis=-1)",
@@ -562,7 +562,7 @@ MUTANTS = [
            "drafter_training=job.drafter_training, suffix=None,",
            ("tests/test_train_job.py", "-k", "hands_the_trainer"),
            "config.drafter=suffix builds a trainer without the suffix drafter"),
-    # several processes and FSDP (issue 23)
+    # several processes and FSDP
     Mutant("process_takes_the_wrong_shards", "tlt_jax/rollout/processes.py",
            "mine = shards[index * local_devices:(index + 1) * local_devices]",
            "mine = shards[index:index + local_devices]",
@@ -619,7 +619,7 @@ MUTANTS = [
            ("tests/test_multiprocess.py", "-k", "online_drafter"),
            "every process writes its drafter buffer to the same checkpoint file",
            tier="full"),
-    # issue 34: behaviours and assertions no test checked
+    # behaviours and assertions no test checked
     Mutant("notebook_glob_misses_one", "tests/test_notebooks.py",
            'NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))',
            'NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*_*_*.ipynb"))',
@@ -716,7 +716,7 @@ MUTANTS = [
            "    if False:  # before the save",
            ("tests/test_train_job.py", "-k", "periodic or eval_every"),
            "no periodic held-out evaluation: the curve has its two ends only"),
-    # ---- the EAGLE-3 drafter (issue 40)
+    # ---- the EAGLE-3 drafter
     Mutant("eagle3_residual_normed", "tlt_jax/models/eagle3.py",
            "    x = hidden + attn\n",
            "    x = self.hidden_norm(hidden) + attn\n",
@@ -748,7 +748,7 @@ MUTANTS = [
            ("tests/drafter/test_spot.py",),
            "ahead-of-time spot steps are compiled for H-wide features (an eagle3 drafter's are "
            "(n+1)H)"),
-    # ---- TLT where users run it (issue 52)
+    # ---- TLT where users run it
     Mutant("tuner_learns_from_the_mean_row", "tlt_jax/rollout/host/tuner/base.py",
            "        length = float(tokens) / int(row_steps) if critical_length is None \\\n"
            "            else float(critical_length)",
@@ -819,7 +819,7 @@ MUTANTS = [
            "    return True",
            ("tests/rollout/test_offers.py", "-k", "foreground_precompile"),
            "the engine says the learned drafter may pay where its calibration offered it nowhere"),
-    # --- issue 53: the eight bugs a reviewer found (each caught by its feature's own tests) ---
+    # --- the eight bugs a reviewer found (each caught by its feature's own tests) ---
     Mutant("untied_head_read_as_tied", "tlt_jax/models/hf.py",
            'tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),',
            'tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", True)),',
@@ -863,8 +863,8 @@ MUTANTS = [
            'tensors["d2t"] = ids - np.arange(ids.size, dtype=np.int64)', 'tensors["d2t"] = ids',
            ("tests/models/test_eagle3_speculators.py", "-k", "matches_the_speculators_package"),
            "the exported d2t holds target ids, not the offsets vLLM and speculators add"),
-    # --- end issue 53 reviewer bugs ---
-    # --- issue 53 audit: tlt_jax/rollout ---
+    # --- end of the reviewer's bugs ---
+    # --- an audit of tlt_jax/rollout ---
     Mutant("rollout_package_drops_tuner_config", "tlt_jax/rollout/__init__.py",
            "from tlt_jax.rollout.host.tuner import TunerConfig\n", "",
            ("tests/test_package_exports.py", "-k", "rollout_exports"),
@@ -982,7 +982,7 @@ MUTANTS = [
            "a one-device engine reports its row_offset as the shard's first row, so a process "
            "adds its offset twice (the bug this audit found)"),
     # --- end audit rollout ---
-    # --- issue 53 audit: tlt_jax/models, tlt_jax/drafter, tlt_jax/checkpoint ---
+    # --- an audit of tlt_jax/models, tlt_jax/drafter, tlt_jax/checkpoint ---
     Mutant("models_init_drops_init_model", "tlt_jax/models/__init__.py",
            "from tlt_jax.models.transformer import KVCache, Transformer, init_model\n",
            "from tlt_jax.models.transformer import KVCache, Transformer\n",
@@ -1086,7 +1086,7 @@ MUTANTS = [
            ("tests/test_checkpoint.py",),
            "pure_dict_to_state writes the restored arrays into the caller's own state"),
     # --- end audit models drafter checkpoint ---
-    # --- issue 53 audit: tlt_jax/rl, tlt_jax/job, tlt_jax/*.py, tlt_jax/configs ---
+    # --- an audit of tlt_jax/rl, tlt_jax/job, tlt_jax/*.py, tlt_jax/configs ---
     Mutant("grpo_infinite_eps_accepted", "tlt_jax/rl/grpo.py",
            "    if not _is_real(self.eps) or not self.eps > 0.0:",
            "    if not self.eps > 0.0:",
@@ -1271,7 +1271,7 @@ MUTANTS = [
            ("tests/rl/test_train_chat.py", "-k", "smollm2_configs"),
            "the reasoning-gym config inherits smollm2_gsm8k's task name"),
     # --- end audit rl job top ---
-    # --- issue 54: one compile per program across devices ---
+    # --- one compile per program across devices ---
     Mutant("every_device_compiles_its_own", "tlt_jax/aot.py",
            "      if first is not None and device is not None and one_device(first) not in",
            "      if False and first is not None and device is not None and one_device(first) not in",
@@ -1301,7 +1301,7 @@ MUTANTS = [
            "from tlt_jax.rollout.host.tuner.base import BucketStats, Decision, Tuner",
            "from tlt_jax.rollout.host.tuner.base import BucketStats, Decision, Tuner, _ArmStats",
            ("tests/test_private_names.py",),
-           "a module imports a private name of another (issue 54: rooms keep their names private)"),
+           "a module imports a private name of another (rooms keep their names private)"),
     Mutant("hosts_reaches_into_jax_src", "tlt_jax/hosts.py",
            "  from orbax.checkpoint import multihost  # pylint: disable=import-outside-toplevel",
            "  from jax._src import distributed as multihost  # pylint: disable=import-outside-toplevel",
@@ -1360,7 +1360,7 @@ MUTANTS = [
            " rngs=rngs)",
            ("tests/models/test_mixed_precision.py",),
            "dense layers keep bf16 params under mixed precision: AdamW's small updates round away"),
-    # --- issue 56: a flawed warm-start teacher, pass@k ---
+    # --- a flawed warm-start teacher, pass@k ---
     Mutant("teacher_flaw_drawn_from_the_problem_stream", "tlt_jax/rl/sft.py",
            "        problems = taught(problems, self.teacher_rng)",
            "        problems = taught(problems, self.rng)",
@@ -1381,7 +1381,7 @@ MUTANTS = [
            "    rewards = np.zeros(len(rows), np.float32)",
            ("tests/rl/test_trainer.py", "-k", "flawed_warm_start"),
            "the step's rewards never reach the advantages: GRPO has nothing to learn from"),
-    # --- issue 62: behaviours no test pinned (an outside audit changed each, both tiers passed) ---
+    # --- behaviours no test pinned (an outside audit changed each, both tiers passed) ---
     Mutant("auto_compute_dtype_float32_on_a_tpu", "tlt_jax/job/build.py",
            '    return None if jax.default_backend() == "cpu" else "bfloat16"',
            '    return "bfloat16" if jax.default_backend() == "gpu" else None',
@@ -1401,7 +1401,7 @@ MUTANTS = [
            ("tests/test_aot.py", "-k", "callers_compiles"),
            "a foreground compile_all's compile threads count as background: compile_count (the "
            "no-recompile checks) misses them"),
-    # --- issue 62: the first step in minutes (what it starts with compiles first, the rest behind)
+    # --- the first step in minutes (what it starts with compiles first, the rest behind)
     Mutant("compaction_into_a_bucket_not_compiled_yet", "tlt_jax/rollout/host/scheduler.py",
            "                    and self.pool.compact_ready(run.batch, b, run.kv_len)), run.batch)",
            "                    ), run.batch)",
@@ -1428,7 +1428,7 @@ MUTANTS = [
            "      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)",
            "      pass",
            ("tests/test_utils.py", "-k", "lowest_priority"),
-           "background compiles take a core at the steps' priority (issue 62: TLT's steps 0.59x)"),
+           "background compiles take a core at the steps' priority (TLT's steps ran at 0.59x vanilla's)"),
     Mutant("background_compiles_on_a_two_core_host", "tlt_jax/utils.py",
            "  return cores >= MIN_BACKGROUND_CORES", "  return True",
            ("tests/test_utils.py", "-k", "four_cores"),
@@ -1452,11 +1452,11 @@ MUTANTS = [
     Mutant("help_lists_the_default_config", "tlt_jax/cli.py",
            "    print(help_text(doc, path))", "    print(help_text(doc, default_config))",
            ("tests/test_cli.py",),
-           "--help --config=configs/smollm2_gsm8k.py lists tiny_grpo's fields (issue 63)"),
+           "--help --config=configs/smollm2_gsm8k.py lists tiny_grpo's fields"),
     Mutant("real_model_config_without_fsdp", "tlt_jax/configs/smollm2_gsm8k.py",
            "  c.fsdp = 1\n", "",
            ("tests/test_cli.py", "-k", "job_wide"),
-           "--config.fsdp=2 on a real-model config: 'no such config field' (issue 63)"),
+           "--config.fsdp=2 on a real-model config: 'no such config field'"),
     Mutant("progress_lines_silent_until_the_first_interval", "tlt_jax/utils.py",
            "    if total:\n      self._write(self._t0)", "    pass",
            ("tests/test_utils.py", "-k", "log_file or quietly"),
@@ -1465,20 +1465,20 @@ MUTANTS = [
     Mutant("experiments_ignore_the_jobs_override_style", "experiments/harness.py",
            "    if \"--set\" in self._option_string_actions:", "    if False:",
            ("tests/test_experiments.py", "-k", "override_style"),
-           "--config.KEY=VALUE works for the job but not for an experiment (issue 63)"),
+           "--config.KEY=VALUE works for the job but not for an experiment"),
     Mutant("readme_number_off_its_json", "README.md",
            "| 0.564 → 0.796: +0.217", "| 0.574 → 0.796: +0.217",
            ("tests/test_docs_numbers.py",),
-           "a README figure hand-edited away from the JSON it quotes (issue 63)"),
+           "a README figure hand-edited away from the JSON it quotes"),
     Mutant("readme_speedup_as_a_time_ratio", "README.md",
            "| 0.99× and 0.98×: TLT costs no time", "| 1.011 and 1.016: TLT costs no time",
            ("tests/test_docs_numbers.py",),
-           "a TLT/vanilla figure quoted as a time ratio beside speedups (issue 63)"),
+           "a TLT/vanilla figure quoted as a time ratio beside speedups"),
     Mutant('split_overlaps_training', 'tlt_jax/rl/external_tasks.py',
            '    return [p for p in rows if p.prompt in held], training',
            '    return [p for p in rows if p.prompt in held], rows',
            ('tests/rl/test_held_out.py', '-k', 'file_split_keeps'),
-           "a file task's held-out rows are trained on too (issue 63)"),
+           "a file task's held-out rows are trained on too"),
     Mutant('eval_problems_ignore_held_out', 'tlt_jax/rl/trainer.py',
            '  return own(rng, n) if callable(own) else task.sample(rng, n)',
            '  return task.sample(rng, n)',
