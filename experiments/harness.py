@@ -6,7 +6,7 @@ Convention: the scripts live in topic folders (``sd/``, ``rollout/``, ``rl/``, `
 this module as ``from experiments import harness`` (the RL experiments their job and arms as
 ``from experiments.rl import rl_bench``); no script edits ``sys.path`` or imports another script.
 Every script parses its flags in ``main()``, called under ``if __name__ == "__main__"``, so
-``--help`` runs nothing (tests/test_experiments.py checks that for each one).
+``--help`` runs nothing (experiments/tests/test_experiments.py checks that for each one).
 
 The ``tlt_jax`` names the scripts share are imported here, once, and the scripts take them from
 this module: when a name moves in the package, this is the one place to change. What the module

@@ -396,7 +396,7 @@ def e2e_runs(a: argparse.Namespace, work: pathlib.Path) -> list[Run]:
     out = work / "accelerator_check.json"
     return [Run(("experiments/system/accelerator_check.sh", "--out", str(out), *model_args(a)),
                 out)]
-  # the long-tail job (issue 37): the paper's regime at CPU scale, a rollout whose few long rows
+  # the long-tail job: the paper's regime at CPU scale, a rollout whose few long rows
   # decode alone at the end, over epochs of one prompt set; TLT drafts from history there
   return one_run(work, "rl/e2e_default_job", "--config", "tlt_jax/configs/tiny_longtail.py",
                  "--drafter", "suffix", "--steps", 12, "--split-step", 4)

@@ -20,6 +20,9 @@ test, worker or CLI run is loaded, not compiled. XLA keys an entry by the progra
 options, the flags and the jaxlib version, so sharing is safe. It is never the user's own cache;
 ``TLT_TEST_COMPILE_CACHE=/some/dir`` set by hand keeps one across sessions (a warm run) and is
 left in place.
+
+The experiments' tests (experiments/tests/, the second of pyproject.toml's ``testpaths``) run
+under this same setup: their conftest imports this one.
 """
 
 import atexit
@@ -77,15 +80,16 @@ _with_fast_compile()
 
 # The heaviest files first, measured (tests/README.md): xdist hands out whole files in this order
 # (``--dist loadfile --no-loadscope-reorder``), so no worker starts a long file while the other
-# is finishing. Files not named keep their collection order after these. (test_same_seed.py,
+# is finishing. Files not named keep their collection order after these. Paths are from the
+# repository's root: the experiments' test files sit in experiments/tests/. (test_same_seed.py,
 # 324 s of the full tier's 2359 s of tests, was not named: it started last and ran ~170 s alone.)
 HEAVIEST_FIRST = (
     "tests/test_kill_resume.py", "tests/test_same_seed.py", "tests/test_notebooks.py",
     "tests/test_multiprocess.py", "tests/test_train_job.py", "tests/rollout/test_lossless_deep.py",
     "tests/rollout/test_parallel.py", "tests/rollout/test_adaptive.py", "tests/rl/test_trainer.py",
     "tests/rollout/test_suffix.py", "tests/rollout/test_speculative.py",
-    "tests/test_accelerator_check.py", "tests/test_experiments.py",
-    "tests/rollout/test_kv_buckets.py", "tests/test_reproduce.py",
+    "experiments/tests/test_accelerator_check.py", "experiments/tests/test_experiments.py",
+    "tests/rollout/test_kv_buckets.py", "experiments/tests/test_reproduce.py",
     "tests/rl/test_online_drafter.py", "tests/test_hosts.py", "tests/rollout/test_hidden.py",
     "tests/rl/test_ledger_trainer.py", "tests/drafter/test_spot_rounds.py",
 )

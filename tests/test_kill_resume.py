@@ -171,7 +171,7 @@ def references(tmp_path_factory):
 
 # (The EAGLE drafter's Ctrl-C is the ledger case's, which writes the fixed budget's state and the
 # ledger's besides: a separate fixed-budget eagle case wrote a subset of it and was dropped for
-# CI's time, issue 53. The drafter's SIGKILL is the two-device and EAGLE-3 cases'. The n-gram
+# CI's time. The drafter's SIGKILL is the two-device and EAGLE-3 cases'. The n-gram
 # drafter has no state of its own: its adaptive engine's stop and resume is the default-tuner
 # case's, tests/test_same_seed.py.)
 SIGNAL_CASES = [("default", signal.SIGKILL), ("default", signal.SIGTERM),

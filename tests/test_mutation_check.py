@@ -19,5 +19,6 @@ def test_every_mutant_applies_exactly_once_and_names_existing_tests():
   assert [n for n, c in names.items() if c > 1] == []
   for m in MUTANTS:
     assert m.old != m.new and m.tier in ("fast", "full") and m.why, m.name
-    paths = [t.split("::")[0] for t in m.tests if t.startswith("tests/")]
+    # the package's tests or the experiments' (experiments/tests/)
+    paths = [t.split("::")[0] for t in m.tests if t.startswith(("tests/", "experiments/tests/"))]
     assert paths and all((ROOT / p).exists() for p in paths), (m.name, m.tests)

@@ -1,6 +1,5 @@
 """Rooms keep their names private: no module of ``tlt_jax`` reads another module's private name,
-no test or experiment reads a private name of ``tlt_jax``, and nothing imports ``jax._src``
-(issue 54).
+no test or experiment reads a private name of ``tlt_jax``, and nothing imports ``jax._src``.
 
 The check reads the source (no import). In a file it flags
 

@@ -1,4 +1,4 @@
-"""The path a user takes after something went wrong (issue 36): every stop prints advice that
+"""The path a user takes after something went wrong: every stop prints advice that
 works as printed, and a logdir never mixes two runs' files.
 
 - A stop before the first checkpoint (a double Ctrl-C in step 2 with ``checkpoint_every=0``, or

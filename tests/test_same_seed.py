@@ -1,4 +1,4 @@
-"""Same config and seed, same run, with TLT on (issue 35).
+"""Same config and seed, same run, with TLT on.
 
 The adaptive engine's tuner picks an arm per segment from measured speeds, and the ledger grants
 the drafter steps from measured savings: those decisions differ between any two runs. What the
@@ -10,7 +10,7 @@ SIGINT), ``suffix`` in epoch mode (SIGTERM) and ``eagle`` on two devices with sp
 (SIGKILL), each stopped at a random step and resumed, follows the uninterrupted run's policy
 trajectory: the stopped run is a second run of the same config and seed up to its stop, and the
 resumed one goes on from a checkpoint through the same timed decisions. (A third, uninterrupted
-run was dropped for CI's time, issue 53: a run that differed from the reference after the stop
+run was dropped for CI's time: a run that differed from the reference after the stop
 without being stopped would make the resumed one differ too, which the test already fails on.) The fixed-tuner kill/resume cases, which also compare the drafter's
 and the tuner's state exactly, are in tests/test_kill_resume.py.
 """

@@ -9,7 +9,7 @@ and an EAGLE-3 drafter on the same data and compares them.
   python -m experiments.drafter.train_drafter_offline --smollm2 \
       [--out experiments/out/smollm2_drafter]
   python -m experiments.drafter.train_drafter_offline --target job --kinds eagle,eagle3 \
-      --accept-depths 3,5 [--report docs/results/eagle3_vs_eagle_tiny.json]   # issue 40
+      --accept-depths 3,5 [--report docs/results/eagle3_vs_eagle_tiny.json]   # EAGLE-3 vs -1
 
 The bench target (from ``train_bench_target.py``) completes a few hundred ArithmeticTask prompts
 greedily and at temperature 1 through ``RolloutEngine``; those sequences are packed into rows,

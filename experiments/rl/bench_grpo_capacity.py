@@ -3,13 +3,13 @@
   python -m experiments.rl.bench_grpo_capacity [--steps 4]
       [--out experiments/out/bench_grpo_capacity.json]
 
-Workload (issue 10): a random 4-layer / hidden-256 Qwen2-style policy (vocab 512), 8 prompts x 8
+Workload: a random 4-layer / hidden-256 Qwen2-style policy (vocab 512), 8 prompts x 8
 samples per step, 32-token prompts, sampled at temperature 1 with 8 stop ids (answers end early:
 p50 ~60 tokens, a few run for hundreds), one AdamW update per step. Trainers, all from the same
 weights and data:
 
 * ``128-padded``: capacity 128, one full-capacity KV cache and the padded update (what the code
-  did before issue 10: ``kv_buckets=()``, ``update_tokens=0``);
+  did before KV-length buckets and the packed update: ``kv_buckets=()``, ``update_tokens=0``);
 * ``128``, ``1024``: capacity 128 / 1024 with KV-length buckets and the packed update (defaults).
 
 Steps run interleaved (step i of every trainer, then step i + 1), after every executable was

@@ -11,7 +11,7 @@ the longest one, runs them in micro-batches of about N tokens and sums their gra
 optimizer step. Both trainers start from the same weights, so their first updates must agree
 (checked).
 
-Workload (the issue's): a random 4-layer, hidden-256 Qwen2-style policy, 64 rows (8 prompts x 8
+Workload: a random 4-layer, hidden-256 Qwen2-style policy, 64 rows (8 prompts x 8
 samples) of 32-token prompts, completions geometric with mean ``--mean-length`` plus
 ``--tail-rows`` rows of 200-300 tokens, capped at ``max_new_tokens``. Each length setting is
 timed after ``precompile_update()`` and one warm-up update, repeats interleaved (alternating

@@ -4,17 +4,17 @@
   python -m experiments.rl.e2e_default_job [--steps 16] [--set trainer.prompts_per_step=8 ...]
       [--config-override drafter_training.serial_steps=8 ...]
   python -m experiments.rl.e2e_default_job --config configs/tiny_longtail.py --drafter suffix \
-      --steps 16 --split-step 4 --verify both     # issue 37: the long-tail job
+      --steps 16 --split-step 4 --verify both     # the long-tail job
   python -m experiments.rl.e2e_default_job --drafter suffix --set task.num_prompts=64 \
-      --split-step 2 --steps 12      # issue 22: recurring prompts, drafts from their history
+      --split-step 2 --steps 12      # recurring prompts, drafts from their history
 
-Issue 21's end-to-end test. Both arms are THE default job (``tlt_jax.job.build.DEFAULT_CONFIG``,
-configs/tiny_grpo.py, built by ``build_job``) with ``rollout.verify="coupled"``, the same seed
-and the same warm-started policy; they differ only in ``config.drafter``: ``none`` (vanilla
-rollouts) or ``eagle`` (whatever the job makes of it: a fresh EAGLE drafter trained online, the
-adaptive engine and its tuner). Coupled verification makes speculative decoding emit exactly
-vanilla sampling's tokens, so both arms follow one trajectory: tokens and rewards are asserted
-equal at every step, and only time differs.
+The job's check that TLT is never slower than vanilla (the engine's: sd/never_slower.py). Both arms
+are THE default job (``tlt_jax.job.build.DEFAULT_CONFIG``, configs/tiny_grpo.py, built by
+``build_job``) with ``rollout.verify="coupled"``, the same seed and the same warm-started policy;
+they differ only in ``config.drafter``: ``none`` (vanilla rollouts) or ``eagle`` (whatever the job
+makes of it: a fresh EAGLE drafter trained online, the adaptive engine and its tuner). Coupled
+verification makes speculative decoding emit exactly vanilla sampling's tokens, so both arms follow
+one trajectory: tokens and rewards are asserted equal at every step, and only time differs.
 
 The warm start runs once (cached on disk by ``rl_bench.warm_policy_dir``, keyed by the model,
 sft, task and seed sections) and each arm loads its own copy. Each trainer is built as the job
@@ -25,19 +25,18 @@ eagle arm also makes the job's selective async drafter save after each step when
 ``drafter_save_s``).
 
 ``--verify rejection`` runs the SD arm with rejection sampling instead (its tokens, and so the
-trajectory, differ from vanilla's: nothing is asserted), ``--verify both`` runs it twice, once
-per mode, as two arms stepping in turn with ``none`` (the rejection arm is named
-``<drafter>_rejection``), and also reports the paired ratio coupled / rejection: issue 35's
-question, whether coupled verification costs speed in the job.
+trajectory, differ from vanilla's: nothing is asserted), ``--verify both`` runs it twice, once per
+mode, as two arms stepping in turn with ``none`` (the rejection arm is named
+``<drafter>_rejection``), and also reports the paired ratio coupled / rejection: whether coupled
+verification costs speed in the job.
 
 Reported: the paired per-step ratio eagle step seconds / none step seconds, its median over the
-steps (step 1 and every step in which either arm compiled left out), over the first quarter of
-the steps (or the first ``--split-step`` steps: epoch mode's first epoch, which has no history)
-and over the rest, the rollout seconds' ratio over the same spans, and the same for every
-``*_s`` metric the trainer reports
-(rollout_s, update_s, drafter_serial_s, drafter_* / ledger_* seconds, ...), with each arm's
-medians: every such key whose values differ between the arms is printed. The issue's target:
-median step time <= 1.05x vanilla's.
+steps (step 1 and every step in which either arm compiled left out), over the first quarter of the
+steps (or the first ``--split-step`` steps: epoch mode's first epoch, which has no history) and over
+the rest, the rollout seconds' ratio over the same spans, and the same for every ``*_s`` metric the
+trainer reports (rollout_s, update_s, drafter_serial_s, drafter_* / ledger_* seconds, ...), with
+each arm's medians: every such key whose values differ between the arms is printed. The target
+(``TARGET``): median step time <= 1.05x vanilla's.
 
 ``--set KEY=VALUE`` changes both arms (e.g. smaller sizes); ``--config-override KEY=VALUE``
 the eagle arm only (e.g. ``drafter_training.serial_steps=8`` for the fixed budget). Values are
@@ -45,7 +44,7 @@ Python literals (``8``, ``1e-4``, ``True``, ``"((3, 1, 4),)"``), anything else a
 
 ``--out``'s JSON is rewritten (whole, by a rename) before the warm start, after it, after each
 arm is built and after every step (``partial``, ``stage``), so a run stopped by a timeout leaves
-what it measured. Its ``breakdown`` (issue 52) holds SD's share of the decode steps per batch
+what it measured. Its ``breakdown`` holds SD's share of the decode steps per batch
 bucket, the accepted tokens per draft source, each strategy's calibrated step cost against
 vanilla's per bucket, the host time per rollout (rollout less prefill, decode and compaction)
 and the compile seconds per executable kind, for each arm.
@@ -73,7 +72,7 @@ from tlt_jax.job.run_dir import DRAFTER_CHECKPOINTS
 from tlt_jax.job import runner
 
 ARMS = ("none", "eagle")  # the second is --drafter's (main sets it)
-TARGET = 1.05  # issue 21's: the SD arm's median step time at most 1.05x vanilla's
+TARGET = 1.05  # never slower: the SD arm's median step time at most 1.05x vanilla's
 
 
 def job_config(seed: int, drafter: str, overrides: list[tuple[str, object]],
@@ -276,7 +275,8 @@ def paired(rows: dict[str, list[dict]], key: str, steps: list[int], sd: str) -> 
 def worst_window(rows: dict[str, list[dict]], sd: str, base: str = "none", width: int = 4) -> dict:
   """The worst ``width`` consecutive steps (step 1 included: a user waits for it too): the
   largest ratio of ``sd``'s summed step seconds to ``base``'s over any such window, and its
-  first step (1-based); issue 37's "every window of 4 consecutive steps <= 1.08x"."""
+  first step (1-based), for the long-tail job's target "every window of 4 consecutive steps
+  <= 1.08x"."""
   n = len(rows[base])
   if n < width:
     return dict(width=width, ratio=None, first_step=None)

@@ -1,5 +1,5 @@
 """Predicts TLT's step and rollout ratios on an accelerator for the long-tail jobs, before the
-device run measures them (issue 52, item 7), with the step-time model (``rl/step_time.py``).
+device run measures them, with the step-time model (``rl/step_time.py``).
 
   python -m experiments.rl.predict_longtail [--out docs/results/predict_longtail_h200.json]
 
@@ -19,7 +19,7 @@ Inputs, each named in the JSON with where it comes from:
   for, repeat their earlier completions least. Two scenarios bracket it: ``mean`` (3.52 at every
   bucket above 8) and ``critical`` (1.6 everywhere);
 - **what is not decode**: run 3's vanilla medians per step: prefill, compaction and host time
-  (8.3 ms; issue 52 item 3 asks TLT's to be within 10 % of it, so the prediction charges TLT the
+  (8.3 ms; TLT's is meant to stay within 10 % of it, so the prediction charges TLT the
   same), the update (13 ms), so the rollout is 81 % of vanilla's step.
 
 The model advances every live row at its bucket's accepted length (no stragglers within a

@@ -3,7 +3,7 @@
   python -m experiments.rollout.bench_capacity [--repeats 3] [--capacities 256,4096,16384]
                                        [--out experiments/out/bench_capacity.json]
 
-Workload (issue 10): a random Qwen2-style target (4 layers, hidden 256, vocab 512, fp32), 32
+Workload: a random Qwen2-style target (4 layers, hidden 256, vocab 512, fp32), 32
 prompts of 32 tokens, sampled at temperature 1 with 13 stop ids, so answers end early (p50 ~30
 tokens, max ~200). Every engine decodes the *same* tokens (per-row PRNG streams; asserted): only
 the capacity differs. Engines with KV-length buckets (the default) are compared with the old

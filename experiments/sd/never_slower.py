@@ -4,12 +4,12 @@
   python -m experiments.drafter.train_drafter_offline  # once: its EAGLE drafter (only its config)
   python -m experiments.sd.never_slower [--rounds 16] [--strategies "3,1,4;7,1,8"] [--trained]
 
-Issue 21's first test. The drafter has random weights (``Drafter.create(config, seed=123)``):
-speculative decoding with it can only cost, so the best the adaptive engine can do is to find
-that out quickly and cheaply and decode vanilla. The workload is one ``generate`` call of 32
-long-tail prompts (additions of 1 to 12 digits, ``harness.sweep_prompts``) sampled at
-temperature 1 until a stop id (the tokenizer's and the target's EOS) or ``--max-new`` tokens;
-round r samples with seed r, as the steps of an RL run do.
+The engine's check that TLT is never slower than vanilla (the job's: rl/e2e_default_job.py). The
+drafter has random weights (``Drafter.create(config, seed=123)``): speculative decoding with it can
+only cost, so the best the adaptive engine can do is to find that out quickly and cheaply and decode
+vanilla. The workload is one ``generate`` call of 32 long-tail prompts (additions of 1 to 12 digits,
+``harness.sweep_prompts``) sampled at temperature 1 until a stop id (the tokenizer's and the
+target's EOS) or ``--max-new`` tokens; round r samples with seed r, as the steps of an RL run do.
 
 Three engines, compiled first (the adaptive pools whole): vanilla, and the adaptive engine
 (vanilla plus ``--strategies``, chosen per segment and batch bucket by its tuner) once with
@@ -19,13 +19,12 @@ RL steps. Each round runs every engine once, in rotating order (load from other 
 on all of them). Asserted: no call compiles anything; coupled emits exactly vanilla's tokens
 every round.
 
-Reported per verification mode: the per-round ratio vanilla seconds / adaptive seconds, its
-median over all rounds, the first 4 and the last 8, the ratio of total times over all rounds and
-over the first 4; coupled's speed over rejection's (per-round median and total: issue 35
-asks whether coupling's exactness costs speed, which ``--trained`` measures where SD runs); the
-seconds the adaptive engine spent in speculative arms each round (from
-``RolloutStats.arms``) and the tuner's final choice per bucket. The issue's targets: >= 0.95x
-over all rounds and >= 0.90x in the first 4.
+Reported per verification mode: the per-round ratio vanilla seconds / adaptive seconds, its median
+over all rounds, the first 4 and the last 8, the ratio of total times over all rounds and over the
+first 4; coupled's speed over rejection's (per-round median and total: whether coupling's exactness
+costs speed, which ``--trained`` measures where SD runs); the seconds the adaptive engine spent in
+speculative arms each round (from ``RolloutStats.arms``) and the tuner's final choice per bucket.
+The targets (``TARGETS``): >= 0.95x over all rounds and >= 0.90x in the first 4.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from experiments import harness
 from experiments.harness import Drafter, SamplingParams, TunerConfig, strategy_name
 
 MODES = ("rejection", "coupled")
-FIRST, LAST = 4, 8  # the issue's "first 4" rounds (learning) and "last 8" (learned)
+FIRST, LAST = 4, 8  # the targets' "first 4" rounds (learning) and "last 8" (learned)
 TARGETS = {"all": 0.95, f"first{FIRST}": 0.90}
 
 
@@ -55,7 +54,7 @@ def speed_summary(vanilla_s: list[float], mine_s: list[float]) -> dict:
 
 
 def targets_met(speed: dict) -> dict:
-  """Each issue target against both readings (median of per-round ratios, ratio of totals)."""
+  """Each target against both readings (median of per-round ratios, ratio of totals)."""
   return {f"{span}>={goal}": dict(median=speed[f"median_{span}"] >= goal,
                                   total=speed[f"total_{span}"] >= goal)
           for span, goal in TARGETS.items()}
@@ -81,7 +80,7 @@ def main():
                       help="EngineConfig.segment_steps (default: the engine's)")
   parser.add_argument("--drafter-seed", type=int, default=123)
   parser.add_argument("--trained", action="store_true",
-                      help="draft with the trained drafter instead of a random one (issue 35: "
+                      help="draft with the trained drafter instead of a random one (to compare "
                       "coupled against rejection verification where SD pays)")
   parser.add_argument("--prompt-seed", type=int, default=0)
   parser.add_argument("--out", default="experiments/out/never_slower.json")

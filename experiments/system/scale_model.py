@@ -58,7 +58,7 @@ from typing import Sequence
 
 import numpy as np
 
-# pylint: disable=unused-import  # the model's names, for tests/test_scale_model.py
+# pylint: disable=unused-import  # the model's names, for experiments/tests/test_scale_model.py
 from experiments.rl.step_time import (Costs, DEVICES, PAPER_ASSUMPTIONS, PAPER_FIGURES,
                                       PAPER_TABLE3, POLICIES, bucket_for, calibrate_update,
                                       chunk_time, device_time, drafter_time, long_tail_lengths,

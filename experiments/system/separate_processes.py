@@ -7,7 +7,7 @@ process, one after the other, alternating, the same seed.
   python -m experiments.system.separate_processes --config configs/smollm2_cpu.py \
       --drafter suffix --set trainer.steps=4
 
-Issue 62: a paired harness that runs both arms in one process lets background work (the SD
+A paired harness that runs both arms in one process lets background work (the SD
 arms' compile) slow both alike and hides it; here each arm has the machine to itself, as a user
 has. Per run: the whole process's wall time, the time from its start to its first RL step's line
 (``step    1/``), each step's ``step_s``, ``rollout_s`` and ``update_s`` (metrics.jsonl), and the

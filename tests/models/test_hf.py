@@ -413,7 +413,7 @@ def test_nonfinite_bf16_checkpoint_is_caught(tmp_path):
 def test_overwritten_truncated_and_garbled_files_are_one_line_errors(tmp_path, llama_dir):
   source = llama_dir[0]
   weights = source / hf.WEIGHTS_FILE
-  nan = copy_checkpoint(source, tmp_path / "nan")  # the case: 400 bytes overwritten
+  nan = copy_checkpoint(source, tmp_path / "nan")  # a damaged file: 400 bytes overwritten
   overwrite(nan / hf.WEIGHTS_FILE, data_offset(weights, "model.layers.0.mlp.up_proj.weight"),
             b"\xff" * 400)
   with pytest.raises(WeightsError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' holds "

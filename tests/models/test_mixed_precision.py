@@ -73,14 +73,3 @@ def test_the_update_keeps_float32_params_and_moments_through_steps_and_a_checkpo
   state = resumed.engine.pool.state_spec(8, resumed.engine.config.cache_len)
   assert state.cache.k[0].dtype == jnp.bfloat16  # the rollout computes in bf16 too
 
-
-def test_memory_by_precision_counts_params_moments_and_cache_from_shapes():
-  """experiments/system/memory_by_precision.py on a tiny shape: float32 params and moments
-  under either compute dtype, a bf16 KV cache half the float32 one."""
-  from experiments.system.memory_by_precision import footprint  # pylint: disable=import-outside-toplevel
-  config = ModelConfig.tiny(vocab_size=32)  # 2 layers, hidden 32, 2 KV heads of 8
-  fp32 = footprint(config, rows=4, cache_len=16)
-  mixed = footprint(config.replace(compute_dtype="bfloat16"), rows=4, cache_len=16)
-  params = sum(x.size for x in jax.tree.leaves(init_model(config, seed=0))) * 4
-  assert fp32["params"] == mixed["params"] == params and fp32["adamw_moments"] == 2 * params
-  assert fp32["kv_cache"] == 2 * 2 * 4 * 16 * 2 * 8 * 4 == 2 * mixed["kv_cache"]

@@ -1,4 +1,4 @@
-"""Held-out problems apart from training (issue 63): a file task evaluates on its evaluation file
+"""Held-out problems apart from training: a file task evaluates on its evaluation file
 or on a share of its questions that training never draws, a reasoning_gym task on the questions
 its ``eval_share`` holds out; a task with neither (the built-in arithmetic task) says in one line
 that its held-out problems are drawn from the training pool. And which scorer the reward runs."""

@@ -295,7 +295,7 @@ def test_a_correct_answer_ended_by_eos_scores_in_held_out_evaluation(monkeypatch
       problems[0].solution]
 
 
-# the fast tier learns in fp32; the bf16-compute variant (issue 55) runs in the full tier
+# the fast tier learns in fp32; the bf16-compute variant runs in the full tier
 @pytest.mark.parametrize("compute_dtype", [
     None, pytest.param("bfloat16", marks=pytest.mark.slow)], ids=["fp32", "bf16-compute"])
 def test_rl_steps_learn_a_dense_reward(compute_dtype):
@@ -598,9 +598,9 @@ def test_pass_at_k_is_any_of_k_samples_of_each_held_out_problem():
 
 
 def test_grpo_makes_a_flawed_warm_starts_sampled_habit_its_greedy_answer():
-  """RL's regime (issue 56): a warm start taught by a teacher that forgets the final carry in 70%
-  of the sums with one answers those greedily without it, while its samples often keep it. A few
-  GRPO steps make the right answer the greedy one: held-out greedy accuracy rises well above the
+  """RL's regime, the default job's: a warm start taught by a teacher that forgets the final carry
+  in 70% of the sums with one answers those greedily without it, while its samples often keep it. A
+  few GRPO steps make the right answer the greedy one: held-out greedy accuracy rises well above the
   warm start's, where the no-update control stays (the params are its, bit for bit)."""
   from tlt_jax.rl.sft import SFTConfig, warm_start  # pylint: disable=import-outside-toplevel
   task = ArithmeticTask(max_digits=1, teacher_error=0.7)

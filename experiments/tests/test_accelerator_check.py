@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "system" / "accelerator_check.sh"
 
 
@@ -198,7 +198,7 @@ def test_divergence_gaps_report_where_and_by_how_much():
   assert found["gap"] == pytest.approx(found["logit_vanilla_token"] - found["logit_sd_token"])
 
 
-# ---- --e2e (issue 52): the long-tail jobs, vanilla against TLT, one JSON each and a figure ----
+# ---- --e2e: the long-tail jobs, vanilla against TLT, one JSON each and a figure ----
 E2E_ROW_KEYS = ("step_s", "rollout_s", "update_s", "prefill_s", "decode_s", "compact_s", "reward",
                 "rollout_digest")
 BREAKDOWN_KEYS = {"steps", "sd_share_of_decode_steps_median", "sd_share_by_bucket",
@@ -214,7 +214,7 @@ def matplotlib_imports() -> bool:
 @pytest.mark.slow
 def test_e2e_tiny_writes_each_jobs_json_and_the_step_time_figure(tmp_path):
   """``--e2e-tiny``: both long-tail jobs at toy sizes, each as vanilla and TLT stepping in turn,
-  each into its finished JSON of paired per-step rows with the issue's breakdown, plus the PNG
+  each into its finished JSON of paired per-step rows with its breakdown, plus the PNG
   of per-step seconds (where matplotlib imports) and a log per job."""
   from tests.xla_env import subprocess_env  # pylint: disable=import-outside-toplevel
   out = tmp_path / "e2e"

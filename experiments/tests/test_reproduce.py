@@ -14,7 +14,7 @@ import pytest
 
 from experiments import reproduce as rp
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args, timeout=600):

@@ -17,10 +17,11 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
 # not scripts: the modules the scripts share
 LIBRARIES = {"__init__.py", "harness.py", "rl_bench.py", "step_time.py", "device_flags.py"}
+TESTS = EXPERIMENTS / "tests"  # these tests: neither scripts nor what the scripts share
 
 RUNNER = """\
 import contextlib, io, json, runpy, sys
@@ -50,14 +51,19 @@ def run_scripts(runs: list[tuple[str, list[str]]], cwd, timeout: int) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def modules() -> list[pathlib.Path]:
+  """The scripts and the modules they share: every ``.py`` file of experiments/ but its tests."""
+  return sorted(p for p in EXPERIMENTS.rglob("*.py") if TESTS not in p.parents)
+
+
 def scripts() -> list[pathlib.Path]:
-  return sorted(p for p in EXPERIMENTS.rglob("*.py") if p.name not in LIBRARIES)
+  return [p for p in modules() if p.name not in LIBRARIES]
 
 
 def test_every_script_answers_help():
   found = scripts()
   assert len(found) >= 20  # the glob found the scripts
-  assert {"never_slower.py", "e2e_default_job.py"} <= {p.name for p in found}  # issue 21's
+  assert {"never_slower.py", "e2e_default_job.py"} <= {p.name for p in found}  # "never slower"
   codes = run_scripts([(str(p), ["--help"]) for p in found], ROOT, timeout=240)
   assert codes == {str(p): 0 for p in found}
 
@@ -65,7 +71,7 @@ def test_every_script_answers_help():
 def test_no_script_edits_sys_path():
   """Scripts import ``harness`` as ``experiments.harness``, never from a path they put on
   sys.path."""
-  for path in EXPERIMENTS.rglob("*.py"):
+  for path in modules():
     text = path.read_text()
     assert "sys.path.insert" not in text and "sys.path.append" not in text, path.name
 
@@ -185,7 +191,7 @@ def test_e2e_default_job_runs_at_tiny_sizes(tmp_path):
 
 @pytest.mark.slow
 def test_eagle3_vs_eagle_runs_at_tiny_sizes(tmp_path):
-  """train_drafter_offline.py --kinds eagle,eagle3 (issue 40) on a tiny default-job policy
+  """train_drafter_offline.py --kinds eagle,eagle3 on a tiny default-job policy
   (~25 s on a warm compile cache, ~80 s cold): both kinds train on the same rows, the chained
   top-1's first step is the teacher-forced top-1, and each kind's held-out acceptance in the
   engine is reported."""
@@ -276,7 +282,7 @@ def test_a_script_started_inside_experiments_stops_before_writing_there():
 
 
 def test_predict_longtail_reproduces_run_3s_vanilla_and_brackets_tlt(tmp_path):
-  """The H200 prediction (issue 52) from the stored device results: its vanilla rollout is run
+  """The long-tail jobs' H200 prediction from the stored device results: its vanilla rollout is run
   3's by construction (decode scaled to the measured one, the rest charged as measured), and each
   scenario's TLT is no slower than vanilla, the critical rows' no faster than the mean row's."""
   out = tmp_path / "predict.json"

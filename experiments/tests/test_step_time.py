@@ -1,5 +1,5 @@
 """The step-time model (``experiments/rl/step_time.py``) through its public API; the fuller
-checks of its closed forms are in tests/test_scale_model.py, against
+checks of its closed forms are in test_scale_model.py beside this file, against
 experiments/system/scale_model.py, which uses this module."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 
 from experiments.system import scale_model as sm
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def costs(**fields) -> "sm.Costs":

@@ -26,7 +26,7 @@ import pytest
 
 from experiments import reproduce as rp
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs" / "results"
 INDEX = REPO / "docs" / "RESULTS.md"
 README = REPO / "README.md"
