@@ -18,7 +18,8 @@ from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rollout import EngineConfig, RolloutEngine
 from tlt_jax.rollout.decode.sampling import SamplingParams
-from tlt_jax.rollout.decode.kinds import ModelFreeKind, model_free_kind, register
+from tlt_jax.rollout.decode.kinds import ModelFreeKind, model_free_kind, model_free_names, \
+    register, unregister
 from tests.test_train_job import tiny_config
 
 
@@ -38,7 +39,17 @@ class RepeatKind(ModelFreeKind):
     return jnp.where(at >= 0, tokens, 0), jnp.where(state.done, 0, count)
 
 
-REPEAT = register(RepeatKind("repeat", RepeatConfig))
+REPEAT = RepeatKind("repeat", RepeatConfig)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered():
+  """The kind, registered for this file's tests only (the others see the built-in kinds: their
+  messages list the choices)."""
+  register(REPEAT)
+  yield
+  unregister("repeat")
+  assert "repeat" not in model_free_names()
 
 
 def test_registering_is_idempotent_and_a_taken_name_is_refused():
@@ -46,6 +57,8 @@ def test_registering_is_idempotent_and_a_taken_name_is_refused():
   assert model_free_kind(RepeatConfig()) == REPEAT
   with pytest.raises(ValueError, match="'ngram' is already registered"):
     register(RepeatKind("ngram", RepeatConfig))
+  with pytest.raises(ValueError, match="built-in"):
+    unregister("ngram")
 
 
 def test_the_engine_decodes_with_the_kind_greedy_sd_equal_to_vanilla():

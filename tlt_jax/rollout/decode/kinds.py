@@ -9,8 +9,8 @@ functions (``steps.py``) look the kind up in ``KINDS`` and never branch on it.
 A *model-free* kind (``ModelFreeKind``: the n-gram drafter, or one of a user's) drafts from the
 decode state's tokens alone: the engine is given the kind's config (an instance of its
 ``config_type``) where a drafter model would go, and the kind's draft reads it as
-``steps.free``. ``register`` adds one from anywhere, before the engines that use it are built; it
-is then a ``config.drafter`` choice of the job too (``model_free_names``), its drafts counted
+``steps.free``. ``register`` adds one from anywhere, before the engines that use it are built
+(``unregister`` takes it back); it is then a ``config.drafter`` choice of the job too (``model_free_names``), its drafts counted
 under its own source name (``draft_sources``). tests/rollout/test_registered_kind.py registers
 one from outside the package.
 
@@ -200,6 +200,14 @@ def register(kind: Kind) -> Kind:
     raise ValueError(f"the drafter kind {kind.kind!r} is already registered ({taken})")
   KINDS[kind.kind] = kind
   return kind
+
+
+def unregister(name: str) -> None:
+  """Removes the registered kind ``name`` (a built-in kind stays); engines already built with it
+  keep what they compiled."""
+  if name in (k.value for k in DrafterKind):
+    raise ValueError(f"{name!r} is a built-in drafter kind: it cannot be unregistered")
+  KINDS.pop(name, None)
 
 
 def kind_of(name: str) -> Kind:
