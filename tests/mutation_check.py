@@ -1519,6 +1519,11 @@ MUTANTS = [
            "  if isinstance(base, str) and (base == \"none\" or base == DrafterKind.NGRAM or",
            ("tests/rollout/test_registered_kind.py", "-k", "job"),
            "config.drafter knows only the built-in kinds: a registered one is 'not a directory'"),
+    Mutant("launch_ab_loop_skips_a_step", "experiments/sd/launch_ab.py",
+           "      for _ in range(k):", "      for _ in range(max(k - 1, 1)):",
+           ("experiments/tests/test_launch_ab.py", "-k", "k_steps_per_iteration"),
+           "the k-steps-per-iteration loop of the launch A/B decodes k - 1 steps: its per-step "
+           "times are of another loop"),
 ]
 
 

@@ -2,8 +2,8 @@
 helpers and the mutation check included) is read for an import of ``experiments`` or one of its
 modules. A test of an experiment script, of a module the scripts share (the step-time model,
 ``harness``, ``reproduce``) or of the docs' figures those make lives in experiments/tests/, which
-``python -m pytest`` runs too (pyproject.toml's ``testpaths``). The one exception is a file
-that has yet to move there (``PENDING``).
+``python -m pytest`` runs too (pyproject.toml's ``testpaths``). A file that has yet to move
+there may be listed in ``PENDING`` (none is).
 
 An import is any of: an ``import``/``from`` statement, anywhere in the file (inside a function
 too); a string that names a module of experiments (``importlib.import_module("experiments.x")``,
@@ -25,10 +25,7 @@ STATEMENT = re.compile(rf"^\s*(from\s+{OTHER}[\s.]|import\s+{OTHER}\b)", re.MULT
 
 # Files not yet where the rule puts them, each with where it goes. A file listed here that no
 # longer imports experiments (moved, or rewritten) fails the check until its entry is removed.
-PENDING = {
-    # experiments/sd/launch_ab.py's test, written beside this check: experiments/tests/
-    "tests/test_launch_ab.py": "experiments/tests/test_launch_ab.py",
-}
+PENDING: dict[str, str] = {}
 
 
 def _is_experiments(module: str) -> bool:

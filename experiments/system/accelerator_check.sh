@@ -11,6 +11,7 @@
 #   experiments/system/accelerator_check.sh --tiny            # tiny random model: CI on a CPU
 #   E2E_OUT=DIR experiments/system/accelerator_check.sh --e2e  # the long-tail jobs (below)
 #   experiments/system/accelerator_check.sh --e2e-tiny        # the same at toy sizes: a CPU
+#   LAUNCH_AB_OUT=DIR experiments/system/accelerator_check.sh --launch-ab  # launches (below)
 #
 # Needs no install: the repository is put on PYTHONPATH (on the accelerator image,
 # `pip install --no-deps --no-build-isolation -e .` works too, offline). Every argument goes to
@@ -174,6 +175,28 @@ e2e() {
   return "$status"
 }
 
+# --launch-ab: what cuts a decode step's launches, on one bare accelerator in a call of its own
+# (experiments/sd/launch_ab.py): per-step milliseconds of vanilla and each SD arm (suffix chain,
+# EAGLE chain and tree), at batch 1/4/16/64, for the 145M and the tiny long-tail policy, with
+# XLA's defaults and with command buffers over while/conditional, each at 1, 2 and 4 decode steps
+# per loop iteration; each setting in a subprocess of its own. Into LAUNCH_AB_OUT (default
+# experiments/out/launch_ab): launch_ab.json (rewritten after every batch bucket: a timeout leaves
+# figures) and launch_ab.log. LAUNCH_AB_TIMEOUT_S (default 450) stops it; its workers start
+# nothing after LAUNCH_AB_BUDGET_S (default 60 s less) and are stopped 30 s after their share.
+# LAUNCH_AB_ARGS adds arguments (e.g. "--shapes mid --batches 1,64"). Needs no wheels: the script
+# imports no ml_collections.
+launch_ab() {
+  local out="${LAUNCH_AB_OUT:-experiments/out/launch_ab}" t="${LAUNCH_AB_TIMEOUT_S:-450}"
+  local budget="${LAUNCH_AB_BUDGET_S:-$((${LAUNCH_AB_TIMEOUT_S:-450} - 60))}" status=0
+  mkdir -p "$out"
+  echo "== launch_ab: timeout ${t}s, budget ${budget}s, into $out"
+  timeout --signal=TERM --kill-after=15 "$t" "$python" -m experiments.sd.launch_ab \
+    --budget-s "$budget" --out "$out/launch_ab.json" ${LAUNCH_AB_ARGS:-} 2>&1 \
+    | tee "$out/launch_ab.log" || status=$?
+  echo "== launch_ab: exit $status after $((SECONDS - started))s in all"
+  return "$status"
+}
+
 run_longtail=1
 check_args=()
 for arg in "$@"; do
@@ -181,6 +204,7 @@ for arg in "$@"; do
     --longtail-only) longtail; exit $? ;;
     --e2e) e2e; exit $? ;;
     --e2e-tiny) e2e tiny; exit $? ;;
+    --launch-ab) launch_ab; exit $? ;;
     --no-longtail) run_longtail=0 ;;
     --tiny) run_longtail=0; check_args+=("$arg") ;;  # a CPU run of the check alone
     *) check_args+=("$arg") ;;
