@@ -65,6 +65,7 @@ def test_k_steps_per_iteration_emit_the_engine_segments_tokens(arm):
   assert int(got.counters["steps"]) == steps, (arm, k)
 
 
+@pytest.mark.slow  # a subprocess of its own (~15 s): the loop's tokens are the fast tier's check
 def test_the_smallest_run_writes_the_devices_report(tmp_path):
   out = tmp_path / "launch_ab.json"
   cmd = [sys.executable, "-m", "experiments.sd.launch_ab", "--shapes", "toy", "--batches",
