@@ -102,7 +102,7 @@ longtail() {
 # E2E_TINY_ARGS="--set sft.steps=3000" for its own buckets. Where ml_collections does not import
 # and E2E_WHEELS (default .wheels) holds wheels, they are installed first (--no-deps, into a folder
 # put on PYTHONPATH). --e2e-tiny runs the same at toy sizes (a 1-layer model, 8 rows, a few
-# steps) so that a CPU checks the path in minutes (tests/test_accelerator_check.py).
+# steps) so that a CPU checks the path in minutes (experiments/tests/test_accelerator_check.py).
 install_wheels() {
   local wheels="${E2E_WHEELS:-.wheels}"
   if "$python" -c 'import ml_collections' 2>/dev/null; then
