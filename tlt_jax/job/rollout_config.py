@@ -29,6 +29,11 @@ from tlt_jax.utils import FieldError
 # names (``Drafter.kind`` "eagle": EAGLE-1; ``Eagle3Drafter.kind`` "eagle3": EAGLE-3)
 FRESH_DRAFTERS = {cls.kind: cls for cls in (Drafter, Eagle3Drafter)}
 _FRESH_NAMES = " or ".join(repr(kind) for kind in FRESH_DRAFTERS)  # 'eagle' or 'eagle3'
+# config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
+SUFFIX = DrafterKind.SUFFIX
+_SUFFIX_CHOICES = ("'suffix' (the suffix drafter, which drafts from the rollout's own history, "
+                   f"alone) or '<{', '.join(FRESH_DRAFTERS)} or a drafter directory>+suffix' "
+                   "(both in one engine)")
 
 
 def drafter_choices() -> str:
@@ -37,11 +42,6 @@ def drafter_choices() -> str:
   return (f"'none', {free} (model-free drafting), {_FRESH_NAMES} (an EAGLE-1 or EAGLE-3 drafter "
           "trained online from scratch) or the directory of a drafter saved by "
           "tlt_jax.models.drafter_io.save_drafter")
-# config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
-SUFFIX = DrafterKind.SUFFIX
-_SUFFIX_CHOICES = ("'suffix' (the suffix drafter, which drafts from the rollout's own history, "
-                   f"alone) or '<{', '.join(FRESH_DRAFTERS)} or a drafter directory>+suffix' "
-                   "(both in one engine)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ RUN_FIELDS = {"logdir", "resume"}  # where a run lives, not what it does: never 
 # fields added after runs were saved, with the value that does what those runs did: a resumed run
 # whose config.json lacks one keeps that value (its default would change the run mid-way)
 BEFORE_THE_FIELD = {
-    "task.eval_share": 0.0,  # issue 63: held-out questions set aside from training's pool
+    "task.eval_share": 0.0,  # no held-out questions set aside from training's pool
 }
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"

@@ -262,8 +262,8 @@ class GRPOTrainer:
                drafter_training: DrafterTrainingConfig | None = None,
                suffix: SuffixConfig | None = None, history: HistoryConfig | None = None):
     """``drafter`` (a ``Drafter``, or a model-free kind's config such as ``NgramConfig``) makes
-    rollouts speculative (lossless: speed only); ``suffix`` adds the suffix drafter, which drafts from the ``history`` store (kept
-    and checkpointed only when the engine uses it). ``chat_template``: prompts go through the
+    rollouts speculative (lossless: speed only); ``suffix`` adds the suffix drafter, which
+    drafts from the ``history`` store (kept and checkpointed only when the engine uses it). ``chat_template``: prompts go through the
     tokenizer's chat template (``tasks.chat_prompt``) instead of ``<bos> + text``.
     ``rollout_devices``: the mesh's devices that roll out data-parallel (0: all, 1: the first).
     ``drafter_training``: train the drafter online from the rollouts' hidden states

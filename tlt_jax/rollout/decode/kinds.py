@@ -10,9 +10,9 @@ A *model-free* kind (``ModelFreeKind``: the n-gram drafter, or one of a user's) 
 decode state's tokens alone: the engine is given the kind's config (an instance of its
 ``config_type``) where a drafter model would go, and the kind's draft reads it as
 ``steps.free``. ``register`` adds one from anywhere, before the engines that use it are built
-(``unregister`` takes it back); it is then a ``config.drafter`` choice of the job too (``model_free_names``), its drafts counted
-under its own source name (``draft_sources``). tests/rollout/test_registered_kind.py registers
-one from outside the package.
+(``unregister`` takes it back); it is then a ``config.drafter`` choice of the job too
+(``model_free_names``), its drafts counted under its own source name (``draft_sources``).
+tests/rollout/test_registered_kind.py registers one from outside the package.
 
 ``DrafterKind`` names the built-in kinds; it is a ``StrEnum``, so a kind compares equal to its
 name, and saved tuner state, stats and configs keep the plain strings.
@@ -127,7 +127,7 @@ class ModelFreeKind(Kind):
   state carries each row's prompt (``prompt_tokens``, ``prompt_lens``) and prompt group
   (``group_id``) beside the generated ``tokens``. A subclass writes ``propose``."""
 
-  config_type: type = type(None)
+  config_type: type  # the class of its config (a frozen dataclass with a ``depth``)
 
   def strategy_name(self, spec: SpecConfig) -> str:
     if spec.is_chain:

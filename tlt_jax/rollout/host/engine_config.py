@@ -283,7 +283,8 @@ def resolve_engine_config(config: EngineConfig, drafter=None,
                           suffix: SuffixConfig | None = None) -> EngineConfig:
   """``config`` with what the drafters imply filled in, checked against them: the engine's
   config. ``drafter`` is the learned drafter, a model-free kind's config (the n-gram drafter's
-  ``NgramConfig``, or a registered kind's: ``kinds.model_free_kind``) or None; ``suffix`` the suffix drafter's ``SuffixConfig`` or None.
+  ``NgramConfig``, or a registered kind's: ``kinds.model_free_kind``) or None; ``suffix`` the
+  suffix drafter's ``SuffixConfig`` or None.
 
   Filled in: the suffix drafter's strategies (empty: one chain of its depth), the n-gram
   drafter's chain (its ``spec``, or the adaptive engine's strategy when the suffix drafter's are
