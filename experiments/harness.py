@@ -12,9 +12,10 @@ The ``tlt_jax`` names the scripts share are imported here, once, and the scripts
 this module: when a name moves in the package, this is the one place to change. What the module
 holds, from the bottom up:
 
-* arguments: comma lists (``ints``, ``floats``, ``positive_ints``), the parser every script starts from and the
-  one ``--set KEY=VALUE`` of config overrides (``assignment``, ``add_set_flag``,
-  ``apply_overrides``), which also reads the job's own ``--config.KEY=VALUE``, the defaults of a script's two modes (``mode_defaults``);
+* arguments: comma lists (``ints``, ``floats``, ``positive_ints``), the parser every script
+  starts from and the one ``--set KEY=VALUE`` of config overrides (``assignment``,
+  ``add_set_flag``, ``apply_overrides``), which also reads the job's own ``--config.KEY=VALUE``,
+  the defaults of a script's two modes (``mode_defaults``);
 * models and prompts: the random Qwen2-style model of the synthetic benchmarks, the trained bench
   target with its drafter, its long addition prompts and the long-tail sweep of 1 to 12 digits,
   SmolLM2's chat prompts;
