@@ -1524,6 +1524,15 @@ MUTANTS = [
            ("experiments/tests/test_launch_ab.py", "-k", "k_steps_per_iteration"),
            "the k-steps-per-iteration loop of the launch A/B decodes k - 1 steps: its per-step "
            "times are of another loop"),
+    Mutant("drafter_files_drop_the_architectures_fields", "tlt_jax/models/drafter_io.py",
+           "  for key in drafter.saved_fields:", "  for key in ():",
+           ("tests/models/test_learned_kinds.py", "-k", "files_carry"),
+           "save_drafter writes no architecture field: a registered kind loads at its defaults"),
+    Mutant("fresh_learned_drafter_built_by_create", "tlt_jax/job/rollout_config.py",
+           "      return learned_kind(self.fresh).fresh(model_config, seed=seed, policy=policy)",
+           "      return learned_kind(self.fresh).create(model_config, seed=seed)",
+           ("tests/models/test_learned_kinds.py", "-k", "config_takes"),
+           "the job builds a fresh drafter by create, not by its architecture's own fresh"),
 ]
 
 

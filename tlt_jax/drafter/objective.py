@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.eagle3 import Eagle3Drafter, ttt_logits
+from tlt_jax.models.eagle3 import Eagle3Drafter, ttt_logits  # the "ttt" objective's model
 from tlt_jax.models.transformer import Transformer
 
 CE_WEIGHT = 0.1
@@ -156,15 +156,34 @@ def ttt_loss(drafter: Eagle3Drafter, target: Transformer, batch: DrafterBatch,
   return loss, metrics
 
 
-def batch_loss(drafter: Drafter, target: Transformer, batch: DrafterBatch,
-               ce_weight: float = CE_WEIGHT) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """The loss of ``drafter``'s kind on a ``DrafterBatch``: ``ttt_loss`` for an EAGLE-3 drafter
-  (``ce_weight`` does not apply: it has only the cross-entropy), else ``drafter_loss``."""
-  if isinstance(drafter, Eagle3Drafter):
-    return ttt_loss(drafter, target, batch)
+def _eagle_objective(drafter: Drafter, target: Transformer, batch: DrafterBatch,
+                     ce_weight: float) -> tuple[jax.Array, dict[str, jax.Array]]:
   return drafter_loss(drafter, target, batch.tokens, batch.features, batch.next_features,
                       batch.next_logits, batch.mask, positions=batch.positions,
                       segment_ids=batch.segment_ids, ce_weight=ce_weight)
+
+
+def _ttt_objective(drafter: Drafter, target: Transformer, batch: DrafterBatch,
+                   ce_weight: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+  del ce_weight  # only the cross-entropy: nothing to weigh it against
+  return ttt_loss(drafter, target, batch)
+
+
+# the training objectives by the name a drafter class gives as its ``objective``
+# (``models.learned_kinds``): (drafter, target, batch, ce_weight) -> (loss, metrics)
+OBJECTIVES = {"eagle": _eagle_objective, "ttt": _ttt_objective}
+
+
+def batch_loss(drafter: Drafter, target: Transformer, batch: DrafterBatch,
+               ce_weight: float = CE_WEIGHT) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The loss of ``drafter``'s objective (``OBJECTIVES[drafter.objective]``: ``drafter_loss``
+  for "eagle", ``ttt_loss`` for "ttt", where ``ce_weight`` does not apply) on a batch."""
+  try:
+    objective = OBJECTIVES[drafter.objective]
+  except KeyError:
+    raise ValueError(f"{type(drafter).__name__}.objective={drafter.objective!r} is not one of "
+                     f"{sorted(OBJECTIVES)}") from None
+  return objective(drafter, target, batch, ce_weight)
 
 
 # ------------------------------------------------------------------------------------ batches

@@ -15,7 +15,7 @@ from tlt_jax.job.typed_config import ConfigError, config_error, dataclass_sectio
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.drafter_io import load_drafter
-from tlt_jax.models.eagle3 import Eagle3Drafter
+from tlt_jax.models.learned_kinds import learned_kind, learned_names
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.rollout.host.engine_config import EngineConfig, resolve_engine_config
@@ -25,22 +25,27 @@ from tlt_jax.rollout.host.tuner import TunerConfig
 from tlt_jax.utils import FieldError
 
 
-# config.drafter's fresh learned drafters, trained online from scratch: the architectures' own
-# names (``Drafter.kind`` "eagle": EAGLE-1; ``Eagle3Drafter.kind`` "eagle3": EAGLE-3)
-FRESH_DRAFTERS = {cls.kind: cls for cls in (Drafter, Eagle3Drafter)}
-_FRESH_NAMES = " or ".join(repr(kind) for kind in FRESH_DRAFTERS)  # 'eagle' or 'eagle3'
+# config.drafter's fresh learned drafters, trained online from scratch, are the registered
+# architectures' own names (``models.learned_kinds``: "eagle", EAGLE-1; "eagle3", EAGLE-3; ...).
 # config.drafter: the suffix drafter alone; "<learned drafter>+suffix": both
 SUFFIX = DrafterKind.SUFFIX
-_SUFFIX_CHOICES = ("'suffix' (the suffix drafter, which drafts from the rollout's own history, "
-                   f"alone) or '<{', '.join(FRESH_DRAFTERS)} or a drafter directory>+suffix' "
-                   "(both in one engine)")
+
+
+def _fresh_names() -> str:
+  """The fresh learned drafters' names as messages list them: 'eagle' or 'eagle3'."""
+  return " or ".join(repr(kind) for kind in learned_names())
+
+
+def _suffix_choices() -> str:
+  return ("'suffix' (the suffix drafter, which drafts from the rollout's own history, alone) or "
+          f"'<{', '.join(learned_names())} or a drafter directory>+suffix' (both in one engine)")
 
 
 def drafter_choices() -> str:
-  """What ``config.drafter`` takes, for messages: the model-free kinds registered now included."""
+  """What ``config.drafter`` takes, for messages: the kinds registered now included."""
   free = ", ".join(repr(str(name)) for name in model_free_names())
-  return (f"'none', {free} (model-free drafting), {_FRESH_NAMES} (an EAGLE-1 or EAGLE-3 drafter "
-          "trained online from scratch) or the directory of a drafter saved by "
+  return (f"'none', {free} (model-free drafting), {_fresh_names()} (a learned drafter of that "
+          "architecture trained online from scratch) or the directory of a drafter saved by "
           "tlt_jax.models.drafter_io.save_drafter")
 
 
@@ -50,7 +55,7 @@ class DrafterSpec:
   ``kind`` and whether the suffix drafter drafts too."""
 
   value: str  # as the config spells it, for messages
-  kind: str = "none"  # "none", a model-free kind ("ngram", ...), "eagle", "eagle3" or "saved"
+  kind: str = "none"  # "none", a model-free kind ("ngram", ...), a learned one or "saved"
   suffix: bool = False
   path: pathlib.Path | None = None  # kind "saved": the drafter's directory
 
@@ -63,9 +68,9 @@ class DrafterSpec:
 
   @property
   def fresh(self) -> str | None:
-    """The architecture (``"eagle"``, ``"eagle3"``) of a fresh drafter, trained online from
-    scratch; None for any other."""
-    return self.kind if self.kind in FRESH_DRAFTERS else None
+    """The architecture (``"eagle"``, ``"eagle3"``, ...: ``learned_kinds``) of a fresh drafter,
+    trained online from scratch; None for any other."""
+    return self.kind if self.kind in learned_names() else None
 
   @property
   def learns(self) -> bool:
@@ -74,24 +79,22 @@ class DrafterSpec:
 
   @property
   def head_from_policy(self) -> bool:
-    """Whether the fresh drafter starts its own head from the policy's LM head: an EAGLE-3 one
-    (an EAGLE-1 drafter has no head of its own)."""
-    return self.kind == Eagle3Drafter.kind
+    """Whether the fresh drafter copies part of the policy (an EAGLE-3 one its LM head), so the
+    job builds it after the warm start (``Drafter.starts_from_policy``)."""
+    return self.fresh is not None and learned_kind(self.fresh).starts_from_policy()
 
   def build(self, model_config: ModelConfig, seed: int = 0, policy: Transformer | None = None
             ) -> Drafter | Any | None:
     """The learned or model-free drafter: none, a model-free kind's config at its defaults
-    (``NgramConfig()``, ...), a fresh EAGLE-1 or EAGLE-3 one
-    drawn for ``seed`` (an EAGLE-3 one's head the LM head of ``policy`` where given:
-    ``Eagle3Drafter.for_target``) or the saved one loaded for the policy."""
+    (``NgramConfig()``, ...), a fresh one of a learned architecture drawn for ``seed`` (its
+    ``fresh``: an EAGLE-3 one's head the LM head of ``policy`` where given) or the saved one
+    loaded for the policy."""
     if self.kind == "none":
       return None
     if self.kind in model_free_names():
       return KINDS[self.kind].config_type()
-    if self.head_from_policy and policy is not None:
-      return Eagle3Drafter.for_target(policy, seed)
     if self.fresh:
-      return FRESH_DRAFTERS[self.kind].create(model_config, seed=seed)
+      return learned_kind(self.fresh).fresh(model_config, seed=seed, policy=policy)
     try:
       return load_drafter(self.path, model_config)
     except Exception as e:  # pylint: disable=broad-except  # missing/garbled files, a misfit
@@ -112,16 +115,16 @@ def parse_drafter(value) -> DrafterSpec:
                     "n-gram drafter does: use 'suffix'",
            "": "a learned drafter goes before '+suffix'"}[base]
     raise ConfigError(f"config.drafter={value!r}: {why} (config.drafter takes {drafter_choices()}; "
-                      f"or {_SUFFIX_CHOICES})")
+                      f"or {_suffix_choices()})")
   if isinstance(base, str) and (base == "none" or base in model_free_names() or
-                                base in FRESH_DRAFTERS):
+                                base in learned_names()):
     return DrafterSpec(value, str(base), suffix)
   if not isinstance(base, str) or not base:
-    raise ConfigError(f"config.drafter must be {drafter_choices()}, or {_SUFFIX_CHOICES}; got "
+    raise ConfigError(f"config.drafter must be {drafter_choices()}, or {_suffix_choices()}; got "
                       f"{value!r}")
   if not pathlib.Path(base).is_dir():
     raise ConfigError(f"config.drafter must be {drafter_choices()}; {base!r} is not an existing "
-                      f"directory (or {_SUFFIX_CHOICES})")
+                      f"directory (or {_suffix_choices()})")
   return DrafterSpec(value, "saved", suffix, pathlib.Path(base))
 
 
@@ -139,7 +142,7 @@ def build_engine_config(rollout, drafter, suffix: SuffixConfig | None = None,
   try:
     return resolve_engine_config(engine, drafter, suffix)
   except ValueError as e:  # the strategies against the drafters config.drafter chose
-    hint = (f"; config.drafter picks the drafters: {drafter_choices()}, or {_SUFFIX_CHOICES}"
+    hint = (f"; config.drafter picks the drafters: {drafter_choices()}, or {_suffix_choices()}"
             if isinstance(e, FieldError) and e.owner == "EngineConfig" else "")
     raise ConfigError(str(config_error(e, "rollout", _SECTIONS)) + hint) from None
 
@@ -222,6 +225,6 @@ def build_drafter_training(section_, spec: DrafterSpec
     return None, 0
   if not spec.learns:
     raise ConfigError(f"config.drafter_training.online=True needs a learned drafter: set "
-                      f"config.drafter to {_FRESH_NAMES} or a saved drafter's directory (any may "
+                      f"config.drafter to {_fresh_names()} or a saved drafter's directory (any may "
                       f"add '+suffix'), not {spec.value!r}")
   return training, job.save_every

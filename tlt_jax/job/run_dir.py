@@ -35,7 +35,6 @@ from tlt_jax.job.typed_config import ConfigError, flatten, read_json_config, set
     write_json_config
 from tlt_jax.models import hf
 from tlt_jax.models.drafter_io import load_drafter
-from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.models.speculators_format import export_speculators
 from tlt_jax.utils import replace_dir
 
@@ -311,7 +310,7 @@ def export_final_speculators(job: Job) -> pathlib.Path | None:
   ``<logdir>/final_drafter_speculators`` atomically; returns that directory, or None for an
   EAGLE-1 drafter, which the format cannot hold."""
   drafter = load_drafter(job.logdir / FINAL_DRAFTER, job.model_config)  # what final_drafter holds
-  if not isinstance(drafter, Eagle3Drafter):
+  if not drafter.speculators_export:
     return None
   return export_speculators(drafter, job.logdir / FINAL_MODEL,
                             job.logdir / FINAL_DRAFTER_SPECULATORS)

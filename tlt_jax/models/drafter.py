@@ -37,7 +37,16 @@ class DrafterOutput(NamedTuple):
 class Drafter(nnx.Module):
   """One decoder layer fed with ``fc(concat(embed(token), target_feature))``."""
 
+  # What the rest of the code asks of a learned drafter architecture (``learned_kinds``):
   kind = "eagle"  # the config's name of this architecture (``drafter=eagle``)
+  # the training objective, by name (``drafter.objective.OBJECTIVES``): "eagle", EAGLE-1's
+  # feature and next-token loss; "ttt", EAGLE-3's chained steps
+  objective = "eagle"
+  # the constructor's keyword fields ``save_drafter`` writes beside the target config, and
+  # ``load_drafter`` passes back
+  saved_fields: tuple[str, ...] = ()
+  # whether the architecture exports as a ``speculators`` checkpoint (vLLM's drafter format)
+  speculators_export = False
 
   def __init__(self, target_config: ModelConfig, *, rngs: nnx.Rngs,
                draft_vocab_size: int | None = None):
@@ -62,6 +71,19 @@ class Drafter(nnx.Module):
              draft_vocab_size: int | None = None) -> "Drafter":
     """A randomly initialised drafter sized for ``target_config`` (full or reduced vocab)."""
     return cls(target_config, rngs=nnx.Rngs(seed), draft_vocab_size=draft_vocab_size)
+
+  @classmethod
+  def fresh(cls, target_config: ModelConfig, seed: int = 0, policy=None) -> "Drafter":
+    """A drafter of this architecture to train online from scratch for the policy ``policy``
+    (a ``Transformer`` of ``target_config``, or None where it is not built yet); an EAGLE-1
+    drafter reads the policy's embedding and head at run time and takes nothing from it."""
+    del policy
+    return cls.create(target_config, seed=seed)
+
+  @classmethod
+  def starts_from_policy(cls) -> bool:
+    """Whether ``fresh`` copies part of the policy (so the job builds it after the warm start)."""
+    return False
 
   @property
   def target_features(self) -> bool | tuple[int, ...]:

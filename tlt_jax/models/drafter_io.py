@@ -22,7 +22,7 @@ from flax import nnx
 
 from tlt_jax.models import speculators_format
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.eagle3 import Eagle3Drafter
+from tlt_jax.models.learned_kinds import LEARNED, learned_names
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.weights import WeightsError, check_finite
 from tlt_jax.utils import read_json_object
@@ -32,8 +32,10 @@ CONFIG_FILE = "drafter_config.json"
 VOCAB_IDS_TENSOR = "vocab_ids"
 DRAFT_VOCAB_KEY = "draft_vocab_size"
 POLICY_KEY = "trained_for_policy"  # in CONFIG_FILE: {"fingerprint": ..., "name": ...}
-KIND_KEY = "drafter_kind"  # in CONFIG_FILE: "eagle" (absent in older files) or "eagle3"
-EAGLE3_KEYS = ("feature_layers", "ttt_steps")  # in CONFIG_FILE for an eagle3 drafter
+# in CONFIG_FILE: the architecture (``learned_kinds``): "eagle" (absent in older files), "eagle3"
+# or a registered one; beside it the class's ``saved_fields`` (eagle3: its feature layers and
+# chained steps)
+KIND_KEY = "drafter_kind"
 _FINGERPRINT_ROWS = 256  # embedding rows sampled (evenly spaced) into a policy's fingerprint
 
 
@@ -80,7 +82,7 @@ def save_drafter(drafter: Drafter, path: str | Path, policy=None,
     tensors[VOCAB_IDS_TENSOR] = np.asarray(drafter.vocab_ids, np.int32)
     config[DRAFT_VOCAB_KEY] = drafter.draft_vocab_size
   config[KIND_KEY] = drafter.kind
-  for key in EAGLE3_KEYS if drafter.kind == "eagle3" else ():
+  for key in drafter.saved_fields:
     value = getattr(drafter, key)
     config[key] = list(value) if isinstance(value, tuple) else value
   if policy is not None:
@@ -125,14 +127,18 @@ def drafter_policy_mismatch(path: str | Path, policy) -> str | None:
 def _drafter_class(raw_config: dict, path: Path) -> type:
   """The class of a saved drafter's ``drafter_kind`` (a one-line error for an unknown one)."""
   kind = raw_config.get(KIND_KEY, Drafter.kind)
-  classes = {Drafter.kind: Drafter, Eagle3Drafter.kind: Eagle3Drafter}
-  if kind not in classes:
+  if kind not in LEARNED:
     raise ValueError(f"{path / CONFIG_FILE}: {KIND_KEY}={kind!r} is not one of "
-                     f"{sorted(classes)}; save the drafter again")
-  if kind == Drafter.kind and any(key in raw_config for key in EAGLE3_KEYS):
-    raise ValueError(f"{path / CONFIG_FILE} has eagle3 keys {list(EAGLE3_KEYS)} but "
-                     f"{KIND_KEY}={kind!r}; save the drafter again")
-  return classes[kind]
+                     f"{sorted(learned_names())}; save the drafter again (or register its "
+                     "architecture: tlt_jax.models.learned_kinds.register_learned)")
+  cls = LEARNED[kind]
+  for other in LEARNED.values():  # another architecture's fields: the kind key is wrong
+    foreign = [key for key in other.saved_fields
+               if key in raw_config and key not in cls.saved_fields]
+    if foreign:
+      raise ValueError(f"{path / CONFIG_FILE} has {other.kind} keys {foreign} but "
+                       f"{KIND_KEY}={kind!r}; save the drafter again")
+  return cls
 
 
 def load_drafter(path: str | Path, target_config: ModelConfig | None = None) -> Drafter:
@@ -171,7 +177,7 @@ def load_drafter(path: str | Path, target_config: ModelConfig | None = None) -> 
   cls = _drafter_class(raw_config, path)
   drafter = nnx.eval_shape(lambda: cls(
       config, rngs=nnx.Rngs(0), draft_vocab_size=draft_vocab_size,
-      **{key: raw_config[key] for key in EAGLE3_KEYS if key in raw_config}))
+      **{key: raw_config[key] for key in cls.saved_fields if key in raw_config}))
   file = path / PARAMS_FILE
   with hf.open_safetensors(file) as f:
     tensors = {name: hf.read_tensor(f, file, name) for name in f.keys()}

@@ -97,6 +97,9 @@ class Eagle3Drafter(Drafter):
   """The EAGLE-3 drafter (see the module docstring); a ``Drafter`` to the engine."""
 
   kind = "eagle3"
+  objective = "ttt"
+  saved_fields = ("feature_layers", "ttt_steps")
+  speculators_export = True
 
   def __init__(self, target_config: ModelConfig, *, rngs: nnx.Rngs,
                draft_vocab_size: int | None = None,
@@ -129,6 +132,19 @@ class Eagle3Drafter(Drafter):
     """A randomly initialised EAGLE-3 drafter for ``target_config``."""
     return cls(target_config, rngs=nnx.Rngs(seed), draft_vocab_size=draft_vocab_size,
                feature_layers=feature_layers, ttt_steps=ttt_steps)
+
+  @classmethod
+  def fresh(cls, target_config: ModelConfig, seed: int = 0,
+            policy: Transformer | None = None) -> "Eagle3Drafter":
+    """A drafter to train online from scratch: its head the LM head of ``policy`` where given
+    (``for_target``), else drawn at random."""
+    if policy is None:
+      return cls.create(target_config, seed)
+    return cls.for_target(policy, seed)
+
+  @classmethod
+  def starts_from_policy(cls) -> bool:
+    return True
 
   @classmethod
   def for_target(cls, target: Transformer, seed: int = 0,
