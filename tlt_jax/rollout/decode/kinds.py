@@ -1,10 +1,13 @@
-"""Who drafts: each kind of drafter a speculative rollout can use, with everything the engine
-needs of it in one place.
+"""Who drafts: the protocol of a drafter kind, and the registry the engine looks kinds up in.
 
 A kind says how its strategies are named (the tuner's arm names, the stats' keys), which of them
 share one segment executable, and how a speculative decode step drafts with it (``draft``: the
 proposal, its tree mask, where each draft came from and the drafter's advanced cache). The step
 functions (``steps.py``) look the kind up in ``KINDS`` and never branch on it.
+
+Each built-in kind is declared and registered in a module of its own: ``learned`` (a drafter
+model), ``ngram`` and ``suffix``; the package ``rollout.decode`` imports them, so they are
+registered whatever imports this module.
 
 A *model-free* kind (``ModelFreeKind``: the n-gram drafter, or one of a user's) drafts from the
 decode state's tokens alone: the engine is given the kind's config (an instance of its
@@ -26,11 +29,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from tlt_jax.rollout.decode import speculative as sd
-from tlt_jax.rollout.decode import suffix as sfx
-from tlt_jax.rollout.decode.ngram import NgramConfig, contexts, ngram_propose
 from tlt_jax.rollout.decode.speculative import DRAFT_SOURCES, SpecConfig
 
 
@@ -49,7 +49,8 @@ class Drafted(NamedTuple):
   dcache: Any = None  # the learned drafter's advanced KV cache (None: no drafter model)
 
 
-def _source(live: jax.Array, name: str) -> jax.Array:
+def source_of(live: jax.Array, name: str) -> jax.Array:
+  """Every row of ``live``'s shape marked as drafted by the source ``name``."""
   return jnp.full(live.shape, draft_sources().index(name), jnp.int32)
 
 
@@ -71,52 +72,6 @@ class Kind:
     """The proposal of ``group``'s member ``choice`` for every row of ``state`` (traced inside a
     segment; ``steps``: the engine's ``StepFunctions``)."""
     raise NotImplementedError
-
-
-class LearnedKind(Kind):
-  """A drafter model: chains, or trees of one verify width sharing one executable (``lax.switch``
-  over the members), after catching up on the pending (hidden state, token) pairs."""
-
-  def strategy_name(self, spec: SpecConfig) -> str:
-    if spec.is_chain:
-      return f"chain d{spec.depth}"
-    return f"tree d{spec.depth} k{spec.topk} v{spec.verify_tokens}"
-
-  def group_name(self, spec: SpecConfig) -> str:
-    return self.strategy_name(spec) if spec.is_chain else f"tree v{spec.verify_tokens}"
-
-  def draft(self, steps, target, drafter, state, args, group, choice) -> Drafted:
-    live, rows, gen_pos = ~state.done, state.row_id, state.num_generated
-    win_tokens, win_feats, pend = steps.pending_window(state, steps.config.pending_width)
-    dout = drafter.forward(target, win_tokens, win_feats, cache=state.dcache)
-    dcache = dout.cache.advance(jnp.where(live, pend, 0))
-    feature = sd.pick_positions(dout.hidden, pend - 1)
-    logits = sd.pick_positions(dout.logits, pend - 1)
-    if group.members[0].is_chain:
-      draft = sd.draft_chain(target, drafter, dcache, feature, logits, state.last_token, args,
-                             rows, gen_pos, group.members[0].depth, coupled=steps.coupled)
-      return Drafted(draft, None, _source(live, "learned"), dcache)
-    walk = group.walk_spec
-
-    def tree(spec):
-      def noisy():
-        noise = sd.coupled_noise(args, rows, gen_pos, spec.depth, steps.model_config.vocab_size)
-        return sd.draft_tree(target, drafter, dcache, feature, logits, state.last_token, spec,
-                             sd.perturb_draft(noise, drafter.vocab_ids))
-
-      def plain():
-        return sd.draft_tree(target, drafter, dcache, feature, logits, state.last_token, spec)
-
-      def one():
-        d = lax.cond(args.temperature <= 0, plain, noisy) if steps.coupled else plain()
-        pad = walk.topk - d.children.shape[2]  # one children table for every member
-        children = jnp.pad(d.children, ((0, 0), (0, 0), (0, pad)), constant_values=-1)
-        return d._replace(children=children)
-      return one
-
-    branches = [tree(spec) for spec in group.members]
-    draft = branches[0]() if len(branches) == 1 else lax.switch(choice, branches)
-    return Drafted(draft, sd.tree_attention(draft, walk.depth), _source(live, "learned"), dcache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,52 +102,25 @@ class ModelFreeKind(Kind):
     spec = group.members[0]  # a model-free kind's groups are single chains
     proposal, proposal_len = self.propose(steps.free, state, spec.depth)
     draft = sd.chain_tree(proposal, state.last_token, None, proposal_len)
-    return Drafted(draft, None, _source(~state.done, self.kind))
+    return Drafted(draft, None, source_of(~state.done, self.kind))
 
 
-@dataclasses.dataclass(frozen=True)
-class NgramKind(ModelFreeKind):
-  """Point-mass chains from n-gram matches in the row's own context and its siblings'."""
-
-  def propose(self, config, state, depth: int) -> tuple[jax.Array, jax.Array]:
-    return ngram_propose(state.prompt_tokens, state.prompt_lens, state.tokens,
-                         state.num_generated, state.group_id, max_ngram=config.max_ngram,
-                         min_ngram=config.min_ngram, depth=depth)
-
-
-class SuffixKind(Kind):
-  """Chains or trees from the suffix drafter; every strategy is a group of its own, and each
-  node says which source (history, siblings, prompt, ...) drafted it."""
-
-  def strategy_name(self, spec: SpecConfig) -> str:
-    return f"suffix d{spec.depth}" + ("" if spec.is_chain else
-                                      f" k{spec.topk} v{spec.verify_tokens}")
-
-  def draft(self, steps, target, drafter, state, args, group, choice) -> Drafted:
-    spec = group.members[0]
-    ctx, ctx_len = contexts(state.prompt_tokens, state.prompt_lens, state.tokens,
-                            state.num_generated)
-    drafted = sfx.suffix_draft(ctx, ctx_len, state.prompt_lens, state.group_id, state.history,
-                               args.max_new_tokens - state.num_generated, state.last_token,
-                               steps.suffix, spec)
-    mask = None if spec.is_chain else sd.tree_attention(drafted.draft, spec.depth)
-    return Drafted(drafted.draft, mask, drafted.node_source)
-
-
-KINDS: dict[str, Kind] = {k.kind: k for k in (
-    LearnedKind(DrafterKind.LEARNED), NgramKind(DrafterKind.NGRAM, NgramConfig),
-    SuffixKind(DrafterKind.SUFFIX))}
+# every kind by name: the built-in ones register from their own modules (``learned``, ``ngram``,
+# ``suffix``, imported by the package ``rollout.decode``), a user's with ``register``
+KINDS: dict[str, Kind] = {}
 
 
 def register(kind: Kind) -> Kind:
   """Adds ``kind`` to ``KINDS`` (again: nothing changes) before the engines that use it are
-  built; a name taken by another kind is an error. Returns it."""
-  if not isinstance(kind, ModelFreeKind):
+  built; a name taken by another kind is an error. Returns it. A user's kind is a
+  ``ModelFreeKind``; learned drafters are models (``tlt_jax.models.learned_kinds``)."""
+  if not isinstance(kind, Kind):
     raise TypeError(f"register takes a ModelFreeKind (a drafter of the decode state alone), got "
                     f"{type(kind).__name__}; learned drafters are models (tlt_jax.models)")
   if not isinstance(kind.kind, str) or not kind.kind.isidentifier():
     raise ValueError(f"a drafter kind's name must be an identifier, got {kind.kind!r}")
-  if not dataclasses.is_dataclass(kind.config_type) or not hasattr(kind.config_type(), "depth"):
+  if isinstance(kind, ModelFreeKind) and (not dataclasses.is_dataclass(kind.config_type)
+                                          or not hasattr(kind.config_type(), "depth")):
     raise TypeError(f"{kind.kind}: config_type must be a dataclass whose defaults make a config "
                     f"with a depth (its default chain), got {kind.config_type!r}")
   taken = KINDS.get(kind.kind)

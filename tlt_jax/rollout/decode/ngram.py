@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.rollout.decode.kinds import DrafterKind, ModelFreeKind, register
 from tlt_jax.utils import require_positive_ints
 
 _PAD = -1  # marks context slots past a row's length; never equal to a token id
@@ -134,3 +135,16 @@ def ngram_propose(prompt_tokens: jax.Array, prompt_lens: jax.Array, gen_tokens: 
   draft = ctx[src_row[:, None], idx]
   keep = jnp.arange(depth, dtype=jnp.int32)[None, :] < draft_len[:, None]
   return jnp.where(keep, draft, 0).astype(jnp.int32), draft_len
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramKind(ModelFreeKind):
+  """Point-mass chains from n-gram matches in the row's own context and its siblings'."""
+
+  def propose(self, config, state, depth: int) -> tuple[jax.Array, jax.Array]:
+    return ngram_propose(state.prompt_tokens, state.prompt_lens, state.tokens,
+                         state.num_generated, state.group_id, max_ngram=config.max_ngram,
+                         min_ngram=config.min_ngram, depth=depth)
+
+
+NGRAM = register(NgramKind(DrafterKind.NGRAM, NgramConfig))

@@ -50,7 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.rollout.decode import speculative as sd
-from tlt_jax.rollout.decode.ngram import shift
+from tlt_jax.rollout.decode.kinds import Drafted, DrafterKind, Kind, register
+from tlt_jax.rollout.decode.ngram import contexts, shift
 from tlt_jax.rollout.decode.speculative import DRAFT_SOURCES, Draft, SpecConfig
 from tlt_jax.utils import require_positive_ints
 
@@ -367,3 +368,25 @@ def _branches_as_tree(root, tokens, lens, source, n_nodes: int) -> tuple[Draft, 
                 parent=parent, children=children, draft_probs=None,
                 draft_len=jnp.max(lens, axis=1).astype(jnp.int32))
   return draft, node_source.at[:, 0].set(NO_DRAFT)
+
+
+class SuffixKind(Kind):
+  """Chains or trees from the suffix drafter; every strategy is a group of its own, and each
+  node says which source (history, siblings, prompt, ...) drafted it."""
+
+  def strategy_name(self, spec: SpecConfig) -> str:
+    return f"suffix d{spec.depth}" + ("" if spec.is_chain else
+                                      f" k{spec.topk} v{spec.verify_tokens}")
+
+  def draft(self, steps, target, drafter, state, args, group, choice) -> Drafted:
+    spec = group.members[0]
+    ctx, ctx_len = contexts(state.prompt_tokens, state.prompt_lens, state.tokens,
+                            state.num_generated)
+    drafted = suffix_draft(ctx, ctx_len, state.prompt_lens, state.group_id, state.history,
+                               args.max_new_tokens - state.num_generated, state.last_token,
+                               steps.suffix, spec)
+    mask = None if spec.is_chain else sd.tree_attention(drafted.draft, spec.depth)
+    return Drafted(drafted.draft, mask, drafted.node_source)
+
+
+SUFFIX = register(SuffixKind(DrafterKind.SUFFIX))
