@@ -1524,6 +1524,11 @@ MUTANTS = [
            ("experiments/tests/test_launch_ab.py", "-k", "k_steps_per_iteration"),
            "the k-steps-per-iteration loop of the launch A/B decodes k - 1 steps: its per-step "
            "times are of another loop"),
+    Mutant("a_module_reaches_past_the_rollout_door", "tlt_jax/drafter/online.py",
+           "from tlt_jax.rollout import RolloutStats\n",
+           "from tlt_jax.rollout.host.stats import RolloutStats\n",
+           ("tests/test_import_graph.py", "-k", "outside_the_rollout"),
+           "a module outside the rollout imports a rollout submodule instead of the package"),
 ]
 
 
