@@ -903,7 +903,7 @@ MUTANTS = [
            ("tests/rollout/test_offers.py",),
            "an offered bucket's SD step costs never reach the tuner (it judges the arms uncalibrated)"),
     Mutant("parallel_fresh_tuner_loses_the_calibration", "tlt_jax/rollout/parallel.py",
-           "    if tuner is None and self.engines[0].calibration is not None:",
+           "    if tuner is None and self.calibration.costs is not None:",
            "    if False:",
            ("tests/rollout/test_parallel.py",),
            "DataParallelRollout.set_tuner() gives a fresh tuner no step costs"),

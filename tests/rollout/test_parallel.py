@@ -49,7 +49,7 @@ def test_a_fresh_shared_tuner_keeps_the_calibrated_step_costs():
   dp = DataParallelRollout(target, NgramConfig(depth=3), EngineConfig(
       max_batch=2, max_prompt_len=8, max_new_tokens=8, prefill_buckets=(8,),
       strategies=((3, 1, 4),)))
-  dp.engines[0].calibration = ({(1, "vanilla"): 1e-3, (1, "ngram d3"): 3e-3}, 2e-4)
+  dp.calibration.measured(({(1, "vanilla"): 1e-3, (1, "ngram d3"): 3e-3}, 2e-4))
   old = dp.tuner
   dp.set_tuner()
   assert dp.tuner is not old

@@ -37,10 +37,10 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.host import buckets as bk
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
+from tlt_jax.rollout.host.calibration import Calibration
 from tlt_jax.rollout.host.engine_config import resolve_engine_config
 from tlt_jax.rollout.interface import IdleWork, Rollout
 from tlt_jax.rollout.host.offers import SdOffers
-from tlt_jax.rollout.host.scheduler import segment_lengths
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 from tlt_jax.rollout.decode.sampling import SamplingParams
 from tlt_jax.rollout.host.stats import DeviceStats, RolloutStats
@@ -145,8 +145,11 @@ class DataParallelRollout(Rollout):
     # each engine places the weights it is given on its own device; a program is compiled once,
     # by the first device that needs it, and rebound to the others
     self.programs = SharedPrograms()
+    # the step costs, segment lengths and SD offers: timed on the first device, used by all
+    self.calibration = Calibration(config.segment_steps)
     self.engines = [RolloutEngine(model, drafter=drafter, config=config, tuner=shared,
-                                  device=device, suffix=suffix, programs=self.programs)
+                                  device=device, suffix=suffix, programs=self.programs,
+                                  calibration=self.calibration)
                     for device in self.devices]
     for engine in self.engines:  # generate observes the whole request's history once
       engine.observes_history = False
@@ -174,8 +177,13 @@ class DataParallelRollout(Rollout):
     if self.shared_tuner is None:
       raise ValueError("set_tuner: this engine has no EngineConfig.strategies to tune")
     self.shared_tuner.tuner = tuner if tuner is not None else make_tuner(self.config.tuner)
-    if tuner is None and self.engines[0].calibration is not None:
-      self.shared_tuner.set_costs(*self.engines[0].calibration)
+    if tuner is None and self.calibration.costs is not None:
+      self.shared_tuner.set_costs(*self.calibration.costs)
+
+  @property
+  def offers(self) -> SdOffers | None:
+    """The SD arms each bucket offers on every device after a calibrated ``precompile``."""
+    return self.calibration.offers
 
   def strategies_for(self, batch: int):
     return self.engines[0].strategies_for(batch)
@@ -208,32 +216,29 @@ class DataParallelRollout(Rollout):
     first (the devices are alike; timing every device at once would measure them competing for
     the host) and offered to all at once."""
     del first_rows
-    first = self.engines[0]
+    first, shared = self.engines[0], self.calibration
     cost = getattr(getattr(self.shared_tuner, "config", None), "kind", None) == "cost"
     calibrated = cost and self.config.sd_offers == "calibrated"
-    if calibrated and first.offers is not None:  # precompiled before: what it offers stands
-      first.offers.wait()
+    if calibrated and shared.offers is not None:  # precompiled before: what it offers stands
+      shared.offers.wait()
       return 0
-    keys = ((lambda e: e.pool.base_keys()) if calibrated else (lambda e: e.executable_keys()))
+    keys = ((lambda e: e.vanilla_keys()) if calibrated else (lambda e: e.executable_keys()))
     compiled = self._compile_on_every_device(keys, progress)
     if cost and not calibrated:  # sd_offers="all": every arm, timed for the shared tuner
-      first.calibration = first.calibrate()
-      self.shared_tuner.set_costs(*first.calibration)
+      shared.measured(first.calibrate(), self.shared_tuner, bound_segments=False)
     if not calibrated:
       return compiled
     offers = SdOffers({b: first.candidates_for(b) for b in self.config.batch_buckets},
                       self.config.sd_prior_acceptance,
-                      first.publish_costs)
+                      lambda costs: shared.add(costs, self.shared_tuner))
     vanilla = {b: first.candidates_for(b)[:1] for b in offers.buckets}
     calibration = first.calibrate(strategies=vanilla)
     if background:  # the loop times a copy: the engines' weights may be donated meanwhile
       first.keep_calibration_weights()
       offers.on_done = first.drop_calibration_weights
-    for engine in self.engines:  # every device's scheduler bounds its segments alike
-      engine.calibration = calibration
-      engine.scheduler.segment_lengths = segment_lengths(*calibration, self.config.segment_steps)
-      engine.offers = offers
-    self.shared_tuner.set_costs(*calibration)
+    # every device's scheduler bounds its segments alike, and every device offers the same arms
+    shared.measured(calibration, self.shared_tuner)
+    shared.offers = offers
     return compiled + offers.launch(
         background, lambda keys: self._compile_on_every_device(lambda _: keys),
         first.offer_keys, first.calibrate_bucket)
@@ -245,8 +250,7 @@ class DataParallelRollout(Rollout):
     counts = [0] * len(self.engines)
     done = [0]
     lock = threading.Lock()
-    total = sum(len([k for k in keys_of(e) if k not in e.pool.executables])
-                for e in self.engines)
+    total = sum(len(e.missing_keys(keys_of(e))) for e in self.engines)
     cancel = threading.Event()
     background = in_background()
 
@@ -260,7 +264,7 @@ class DataParallelRollout(Rollout):
 
     def work(k):
       mark_background(background)  # a background caller's threads compile in the background
-      counts[k] = self.engines[k].pool.compile(keys_of(self.engines[k]), tick)
+      counts[k] = self.engines[k].compile(keys_of(self.engines[k]), tick)
 
     self._run_threads(work, range(1), cancel.set)  # the compiles
     self._run_threads(work, range(1, len(self.engines)), cancel.set)  # the rebinds
