@@ -687,9 +687,9 @@ MUTANTS = [
            ("tests/test_compile_cache.py", "-k", "resumed_run"),
            "the decode segments are lowered from the weight arrays, whose type names the mesh a "
            "replicated array came from: a resumed run (restored arrays) misses 4 of 45", "full"),
-    Mutant("locked_tuner_reads_unlocked", "tlt_jax/rollout/parallel.py",
-           '  summary = _locked("summary")\n',
-           "  summary = lambda self, *args: self.tuner.summary(*args)\n",
+    Mutant("tuner_reads_unlocked", "tlt_jax/rollout/host/tuner/base.py",
+           '    if not name.startswith("_") and inspect.isfunction(value):',
+           '    if not name.startswith("_") and inspect.isfunction(value) and name != "summary":',
            ("tests/rollout/test_parallel.py", "-k", "lock"),
            "the shared tuner's summary reads beside another thread's plan (CI met a half-built "
            "prediction: KeyError 'chain d3')"),

@@ -125,7 +125,7 @@ class Bench:
   def generate(self, rows: int, max_new: int, policy: str, devices: int, stop: bool = True,
                seed: int = 0):
     """One rollout; its stats and completion lengths."""
-    self.rollout.shared_tuner.tuner = self.tuners[policy]
+    self.rollout.set_tuner(self.tuners[policy])
     params = self.harness.SamplingParams(
         max_new_tokens=max_new, temperature=1.0, seed=seed,
         stop_token_ids=tuple(range(3, 3 + STOP_IDS)) if stop else ())

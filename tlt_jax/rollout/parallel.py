@@ -44,60 +44,14 @@ from tlt_jax.rollout.host.offers import SdOffers
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 from tlt_jax.rollout.decode.sampling import SamplingParams
 from tlt_jax.rollout.host.stats import DeviceStats, RolloutStats
-from tlt_jax.rollout.host.tuner import Tuner, TunerConfig, make_tuner
+from tlt_jax.rollout.host.tuner import Tuner, make_tuner
 from tlt_jax.utils import compile_count, in_background, mark_background
 
-__all__ = ["DataParallelRollout", "LockedTuner", "shard_config", "shard_ranges"]
+__all__ = ["DataParallelRollout", "shard_config", "shard_ranges"]
 
 
 class RolloutCancelled(Exception):
   """Raised in a device's thread to stop its shard when the caller was interrupted."""
-
-
-class LockedTuner:
-  """A tuner shared by the engines of several threads: every call runs under one lock.
-
-  Each method of the tuner that the engines, the rollout and the trainer call is forwarded here by
-  name, and each forward takes the lock; a method not listed is not reachable through it (add it
-  with ``_locked`` rather than reach past the lock). Reads take the lock as writes do:
-  ``summary`` and ``speeds`` read what ``plan``/``update`` write (the cost tuner caches its
-  predictions per bucket), and a read beside another thread's write once found a bucket's
-  predictions half built. ``tuner`` may be replaced (``DataParallelRollout.set_tuner``)."""
-
-  def __init__(self, tuner: Tuner):
-    self.tuner = tuner
-    self._lock = threading.RLock()
-
-  @property
-  def config(self) -> TunerConfig:
-    return self.tuner.config
-
-  @property
-  def lock(self) -> threading.RLock:
-    """The lock every forwarded call holds (held across several calls, they run as one)."""
-    return self._lock
-
-  def _locked(name: str):  # pylint: disable=no-self-argument  # a class-body helper
-    """The method ``name`` of the wrapped tuner, called under the lock."""
-    def forward(self, *args, **kwargs):
-      with self._lock:
-        return getattr(self.tuner, name)(*args, **kwargs)
-    forward.__name__ = forward.__qualname__ = name
-    forward.__doc__ = f"``Tuner.{name}`` under the lock."
-    return forward
-
-  plan = _locked("plan")
-  update = _locked("update")
-  set_costs = _locked("set_costs")
-  observe_drafter = _locked("observe_drafter")
-  step_cost = _locked("step_cost")
-  relative_cost = _locked("relative_cost")
-  summary = _locked("summary")
-  state_dict = _locked("state_dict")
-  load_state_dict = _locked("load_state_dict")
-  speeds = _locked("speeds")  # the cost tuner's
-  alpha = _locked("alpha")  # the cost tuner's
-  del _locked
 
 
 def shard_ranges(n: int, shards: int) -> list[range]:
@@ -139,9 +93,9 @@ class DataParallelRollout(Rollout):
     if len(set(self.devices)) != len(self.devices):
       raise ValueError(f"DataParallelRollout: devices repeat in {self.devices}")
     config = shard_config(resolve_engine_config(config, drafter, suffix), len(self.devices))
-    shared = None
+    shared = None  # one tuner for every device (each call takes its lock: ``Tuner``)
     if config.adaptive:
-      shared = LockedTuner(tuner if tuner is not None else make_tuner(config.tuner))
+      shared = tuner if tuner is not None else make_tuner(config.tuner)
     # each engine places the weights it is given on its own device; a program is compiled once,
     # by the first device that needs it, and rebound to the others
     self.programs = SharedPrograms()
@@ -153,7 +107,7 @@ class DataParallelRollout(Rollout):
                     for device in self.devices]
     for engine in self.engines:  # generate observes the whole request's history once
       engine.observes_history = False
-    self.shared_tuner = shared
+    self._tuner = shared
 
   # ---- the Rollout interface -------------------------------------------------------------------
   @property
@@ -166,7 +120,7 @@ class DataParallelRollout(Rollout):
 
   @property
   def tuner(self) -> Tuner | None:
-    return None if self.shared_tuner is None else self.shared_tuner.tuner
+    return self._tuner
 
   @property
   def drafter_params(self) -> nnx.State | None:
@@ -174,11 +128,13 @@ class DataParallelRollout(Rollout):
 
   def set_tuner(self, tuner: Tuner | None = None) -> None:
     """Replaces the shared tuner (None: a fresh one from ``config.tuner``)."""
-    if self.shared_tuner is None:
+    if self._tuner is None:
       raise ValueError("set_tuner: this engine has no EngineConfig.strategies to tune")
-    self.shared_tuner.tuner = tuner if tuner is not None else make_tuner(self.config.tuner)
+    self._tuner = tuner if tuner is not None else make_tuner(self.config.tuner)
+    for engine in self.engines:
+      engine.set_tuner(self._tuner)
     if tuner is None and self.calibration.costs is not None:
-      self.shared_tuner.set_costs(*self.calibration.costs)
+      self._tuner.set_costs(*self.calibration.costs)
 
   @property
   def offers(self) -> SdOffers | None:
@@ -217,7 +173,7 @@ class DataParallelRollout(Rollout):
     the host) and offered to all at once."""
     del first_rows
     first, shared = self.engines[0], self.calibration
-    cost = getattr(getattr(self.shared_tuner, "config", None), "kind", None) == "cost"
+    cost = getattr(getattr(self.tuner, "config", None), "kind", None) == "cost"
     calibrated = cost and self.config.sd_offers == "calibrated"
     if calibrated and shared.offers is not None:  # precompiled before: what it offers stands
       shared.offers.wait()
@@ -225,19 +181,19 @@ class DataParallelRollout(Rollout):
     keys = ((lambda e: e.vanilla_keys()) if calibrated else (lambda e: e.executable_keys()))
     compiled = self._compile_on_every_device(keys, progress)
     if cost and not calibrated:  # sd_offers="all": every arm, timed for the shared tuner
-      shared.measured(first.calibrate(), self.shared_tuner, bound_segments=False)
+      shared.measured(first.calibrate(), self.tuner, bound_segments=False)
     if not calibrated:
       return compiled
     offers = SdOffers({b: first.candidates_for(b) for b in self.config.batch_buckets},
                       self.config.sd_prior_acceptance,
-                      lambda costs: shared.add(costs, self.shared_tuner))
+                      lambda costs: shared.add(costs, self.tuner))
     vanilla = {b: first.candidates_for(b)[:1] for b in offers.buckets}
     calibration = first.calibrate(strategies=vanilla)
     if background:  # the loop times a copy: the engines' weights may be donated meanwhile
       first.keep_calibration_weights()
       offers.on_done = first.drop_calibration_weights
     # every device's scheduler bounds its segments alike, and every device offers the same arms
-    shared.measured(calibration, self.shared_tuner)
+    shared.measured(calibration, self.tuner)
     shared.offers = offers
     return compiled + offers.launch(
         background, lambda keys: self._compile_on_every_device(lambda _: keys),
