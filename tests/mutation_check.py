@@ -913,11 +913,12 @@ MUTANTS = [
            ("tests/rollout/test_offers.py", "-k", "cache_lengths_only_sd_reaches"),
            "vanilla's segments past its own reach are compiled for the smaller buckets only: a "
            "switch back to vanilla there compiles mid-rollout"),
-    Mutant("process_shard_done_gets_local_rows", "tlt_jax/rollout/processes.py",
-           "self.work.shard_done(device_index, self.start + first_row, result)",
-           "self.work.shard_done(device_index, first_row, result)",
-           ("tests/rollout/test_processes.py",),
-           "idle_work.shard_done on process 1 gets its shard's local first row, not the request's"),
+    Mutant("parallel_shard_done_gets_local_rows", "tlt_jax/rollout/parallel.py",
+           "self.idle_work.shard_done(k, self.row_offset + rows.start, self.results[k])",
+           "self.idle_work.shard_done(k, rows.start, self.results[k])",
+           ("tests/rollout/test_parallel.py", "-k", "plain_engine"),
+           "idle_work.shard_done of a data-parallel rollout on process 1 gets its shard's first row "
+           "among that process's rows, not the request's"),
     Mutant("top_p_zero_accepted", "tlt_jax/rollout/decode/sampling.py",
            "if not 0 < self.top_p <= 1:", "if not 0 <= self.top_p <= 1:",
            ("tests/rollout/test_sampling.py",),
@@ -975,12 +976,12 @@ MUTANTS = [
            ("tests/rollout/test_tuner.py",),
            "a resumed cost tuner forgets the top-1 of its measurements' versions: they are no "
            "longer shifted by how much the drafter improved"),
-    Mutant("engine_shard_done_reports_row_offset", "tlt_jax/rollout/engine.py",
-           "      idle_work.shard_done(0, 0, result)  #",
+    Mutant("engine_shard_done_reports_local_rows", "tlt_jax/rollout/engine.py",
            "      idle_work.shard_done(0, int(row_offset), result)  #",
+           "      idle_work.shard_done(0, 0, result)  #",
            ("tests/rollout/test_processes.py", "-k", "shard_done"),
-           "a one-device engine reports its row_offset as the shard's first row, so a process "
-           "adds its offset twice (the bug this audit found)"),
+           "a one-device engine reports 0 as its shard's first row, not its row_offset: process "
+           "1's drafter data are looked up by process 0's prompts"),
     # --- end audit rollout ---
     # --- an audit of tlt_jax/models, tlt_jax/drafter, tlt_jax/checkpoint ---
     Mutant("models_init_drops_init_model", "tlt_jax/models/__init__.py",

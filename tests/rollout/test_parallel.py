@@ -33,6 +33,17 @@ def test_one_device_is_the_plain_engine():
   out = dp.generate(prompts, params)
   assert out.tokens == RolloutEngine(target, None, cfg).generate(prompts, params).tokens
   assert len(out.stats.devices) == 1 and out.stats.devices[0].idle_s == 0.0
+  done = []
+
+  class Recorded:  # an IdleWork that records each finished shard's first row
+    def shard_done(self, k, first, result):
+      done.append((k, first))
+
+    def idle(self, k, stop):
+      raise AssertionError("one device is never idle while another decodes")
+
+  dp.generate(prompts, params, row_offset=3, idle_work=Recorded())  # process 1's rows, say
+  assert done == [(0, 3)]  # counted in the whole request
   with pytest.raises(ValueError, match="devices repeat"):
     DataParallelRollout(target, None, cfg, devices=[dp.devices[0]] * 2)
 

@@ -502,7 +502,7 @@ class RolloutEngine(Rollout):
     result = RolloutResult(rows.tokens, rows.logprobs, rows.reasons, stats,
                            None if collect is None else rows.hidden)
     if idle_work is not None:
-      idle_work.shard_done(0, 0, result)  # within this call's prompts (a caller adds its offset)
+      idle_work.shard_done(0, int(row_offset), result)  # its first row in the whole request
     return result
 
   def _finish_stats(self, stats: RolloutStats, tokens: list[list[int]], compiles0: int,

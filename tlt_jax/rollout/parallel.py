@@ -350,7 +350,7 @@ class _ShardRun:
             collect_hidden=False if self.collect is None else self.collect[rows.start:rows.stop],
             history=None if self.history is None else self.history[rows.start:rows.stop])
         if self.idle_work is not None:
-          self.idle_work.shard_done(k, rows.start, self.results[k])
+          self.idle_work.shard_done(k, self.row_offset + rows.start, self.results[k])
         self.busy[k] = time.perf_counter() - t0  # complete once its hook returned
     finally:
       with self.lock:
