@@ -917,8 +917,8 @@ MUTANTS = [
            "self.idle_work.shard_done(k, self.row_offset + rows.start, self.results[k])",
            "self.idle_work.shard_done(k, rows.start, self.results[k])",
            ("tests/rollout/test_parallel.py", "-k", "plain_engine"),
-           "idle_work.shard_done of a data-parallel rollout on process 1 gets its shard's first row "
-           "among that process's rows, not the request's"),
+           "idle_work.shard_done of a data-parallel rollout on process 1 gets its shard's first "
+           "row among that process's rows, not the request's"),
     Mutant("top_p_zero_accepted", "tlt_jax/rollout/decode/sampling.py",
            "if not 0 < self.top_p <= 1:", "if not 0 <= self.top_p <= 1:",
            ("tests/rollout/test_sampling.py",),

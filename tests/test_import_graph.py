@@ -194,7 +194,7 @@ def test_a_layer_importing_upwards_is_found(tmp_path):
   assert layer_violations(graph, ("pkg.low", "pkg")) == ["pkg.low.a -> pkg.top"]
 
 
-# ---- the rollout's one door -----------------------------------------------------------------------
+# ---- the rollout's one door -----------------------------------------------------------------
 # Code outside the rollout package reaches it through the package alone (``tlt_jax/rollout/
 # __init__.py``): its submodules are the package's own business. Tests under tests/ may import
 # them to test them; the package and the experiments may not.

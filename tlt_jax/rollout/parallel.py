@@ -180,7 +180,8 @@ class DataParallelRollout(Rollout):
       return 0
     keys = ((lambda e: e.vanilla_keys()) if calibrated else (lambda e: e.executable_keys()))
     compiled = self._compile_on_every_device(keys, progress)
-    if cost and not calibrated:  # sd_offers="all": every arm, timed for the shared tuner
+    if cost and not calibrated:  # sd_offers="all": every arm, timed for the shared tuner (the
+      # segments keep EngineConfig.segment_steps here, unlike one engine's: as it always was)
       shared.measured(first.calibrate(), self.tuner, bound_segments=False)
     if not calibrated:
       return compiled
