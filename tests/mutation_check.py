@@ -866,9 +866,10 @@ MUTANTS = [
     # --- end of the reviewer's bugs ---
     # --- an audit of tlt_jax/rollout ---
     Mutant("rollout_package_drops_tuner_config", "tlt_jax/rollout/__init__.py",
-           "from tlt_jax.rollout.host.tuner import TunerConfig\n", "",
+           "from tlt_jax.rollout.host.tuner import TunerConfig, make_tuner\n",
+           "from tlt_jax.rollout.host.tuner import make_tuner\n",
            ("tests/test_package_exports.py", "-k", "rollout_exports"),
-           "`from tlt_jax.rollout import TunerConfig` (the docstring's import) fails"),
+           "`from tlt_jax.rollout import TunerConfig` (the job's import) fails"),
     Mutant("bucket_for_skips_an_exact_fit", "tlt_jax/rollout/host/buckets.py",
            "i = bisect.bisect_left(buckets, n)", "i = bisect.bisect_right(buckets, n)",
            ("tests/rollout/test_kv_buckets.py",),
