@@ -71,13 +71,8 @@ from tlt_jax.rl.sft import PackedStream, greedy_accuracy, make_lm_step, warm_sta
 from tlt_jax.rl.tasks import ArithmeticTask, Problem, chat_prompt
 from tlt_jax.rl.packing import bucket_rows, plan_packs, update_buckets
 from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.host.engine_config import parse_specs
-from tlt_jax.rollout.decode.ngram import NgramConfig
-from tlt_jax.rollout.decode.sampling import SamplingParams
-from tlt_jax.rollout.decode.speculative import SpecConfig
-from tlt_jax.rollout.decode.steps import strategy_name
-from tlt_jax.rollout.host.tuner import TunerConfig
+from tlt_jax.rollout import (EngineConfig, NgramConfig, RolloutEngine, SamplingParams, SpecConfig,
+                             TunerConfig, parse_specs, strategy_name)
 from tlt_jax.utils import FieldError, compile_count, write_report
 # pylint: enable=unused-import
 

@@ -10,7 +10,9 @@ that is no edge: a package importing its own submodules is the normal layout, no
 The rollout is three layers, each importing only the layers below it: ``tlt_jax.rollout.decode``
 (pure jitted decoding: sampling, drafts, their verification, the decode steps),
 ``tlt_jax.rollout.host`` (the host scheduler: segments, buckets, the tuner, the stats) and the
-top ``tlt_jax.rollout`` (the rollouts over one device, N devices or N processes).
+top ``tlt_jax.rollout`` (the rollouts over one device, N devices or N processes). The package
+``tlt_jax.rollout`` is its one door: no module outside it, in ``tlt_jax`` or ``experiments``,
+imports a rollout submodule (its ``__init__`` re-exports what they need).
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def test_the_package_has_no_import_cycle():
 # The rollout's layers, lowest first; a module belongs to the last layer whose name prefixes it.
 ROLLOUT_LAYERS = ("tlt_jax.rollout.decode", "tlt_jax.rollout.host", "tlt_jax.rollout")
 ROLLOUT_TOP = {"tlt_jax.rollout", "tlt_jax.rollout.interface", "tlt_jax.rollout.engine",
-               "tlt_jax.rollout.parallel", "tlt_jax.rollout.processes"}
+               "tlt_jax.rollout.parallel", "tlt_jax.rollout.processes", "tlt_jax.rollout.make"}
 
 
 def layer_of(module: str, layers: tuple[str, ...]) -> int | None:
@@ -190,6 +192,58 @@ def test_a_layer_importing_upwards_is_found(tmp_path):
                     "pkg/low/b.py": "from pkg.low import a\n"})
   graph = import_graph(tmp_path, "pkg")
   assert layer_violations(graph, ("pkg.low", "pkg")) == ["pkg.low.a -> pkg.top"]
+
+
+# ---- the rollout's one door -----------------------------------------------------------------
+# Code outside the rollout package reaches it through the package alone (``tlt_jax/rollout/
+# __init__.py``): its submodules are the package's own business. Tests under tests/ may import
+# them to test them; the package and the experiments may not.
+DOOR = "tlt_jax.rollout"
+DOOR_USERS = (PACKAGE, "experiments")  # whose modules must use the door
+
+
+def door_violations(graph: dict[str, set[str]], door: str) -> list[str]:
+  """``"a -> b"`` for each import, by a module ``a`` outside package ``door``, of a module ``b``
+  inside it (the package itself is the door and fine)."""
+  inside = lambda name: name.startswith(door + ".")
+  return [f"{module} -> {target}" for module, imported in sorted(graph.items())
+          if module != door and not inside(module)
+          for target in sorted(imported) if inside(target)]
+
+
+def user_graph(root: pathlib.Path = ROOT, users: tuple[str, ...] = DOOR_USERS,
+               package: str = PACKAGE) -> dict[str, set[str]]:
+  """Module -> the modules of ``package`` it imports, for every module of each of ``users`` (the
+  package itself among them, or e.g. the experiments, which import it from outside)."""
+  known = set(module_files(root, package))
+  graph = {}
+  for user in users:
+    for name, path in module_files(root, user).items():
+      graph[name] = imports_of(name, path, known, package)
+  return graph
+
+
+def test_code_outside_the_rollout_imports_only_its_package():
+  graph = user_graph()
+  assert "experiments.harness" in graph and "tlt_jax.rl.trainer" in graph
+  found = door_violations(graph, DOOR)
+  assert not found, ("a module outside tlt_jax/rollout/ imports one of its submodules; import the "
+                     "name from tlt_jax.rollout (re-exported in its __init__.py) instead:\n" +
+                     "\n".join("  " + edge for edge in found))
+  assert DOOR in graph["tlt_jax.rl.trainer"]
+
+
+def test_a_submodule_import_past_the_door_is_found(tmp_path):
+  _write(tmp_path, {"pkg/__init__.py": "", "pkg/door/__init__.py": "from pkg.door.room import x\n",
+                    "pkg/door/room.py": "from pkg.door import other\nx = 1\n",
+                    "pkg/door/other.py": "", "pkg/user.py": "from pkg.door import x\n",
+                    "pkg/sneak.py": "def f():\n  from pkg.door.room import x\n",
+                    "pkg/deep.py": "import pkg.door.other\n",
+                    "out/script.py": "from pkg.door import room\n"})
+  graph = user_graph(tmp_path, ("pkg", "out"), "pkg")
+  assert door_violations(graph, "pkg.door") == ["out.script -> pkg.door.room",
+                                                "pkg.deep -> pkg.door.other",
+                                                "pkg.sneak -> pkg.door.room"]
 
 
 def test_the_graph_sees_lazy_and_package_imports():

@@ -7,7 +7,7 @@ import pytest
 
 from tlt_jax import models, rollout
 from tlt_jax.models import drafter_io, hf, load, transformer, weights
-from tlt_jax.rollout import engine, parallel
+from tlt_jax.rollout import engine, make, parallel
 from tlt_jax.rollout.decode import ngram, sampling, speculative
 from tlt_jax.rollout.host import tuner
 
@@ -31,6 +31,7 @@ def test_rollout_exports_are_the_implementations():
   assert rollout.NgramConfig is ngram.NgramConfig
   assert rollout.TunerConfig is tuner.TunerConfig
   assert rollout.DataParallelRollout is parallel.DataParallelRollout
+  assert rollout.make_rollout is make.make_rollout
   assert set(rollout.__all__) <= set(dir(rollout))
 
 

@@ -26,8 +26,7 @@ from tlt_jax.models.load import from_pretrained, is_gguf_path, load_tokenizer
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
 from tlt_jax.utils import progress_bar
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "tiny_generate.py"

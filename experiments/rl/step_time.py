@@ -53,8 +53,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tlt_jax.rollout.host.buckets import bucket_for
-from tlt_jax.rollout.parallel import shard_ranges
+from tlt_jax.rollout import bucket_for, shard_ranges
 
 DEVICES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 POLICIES = ("vanilla", "tlt", "sd")

@@ -24,8 +24,7 @@ from experiments import harness
 from tlt_jax.models.load import from_pretrained, load_tokenizer
 from tlt_jax.rl.external_tasks import ReasoningGymTask
 from tlt_jax.rl.trainer import step_problems
-from tlt_jax.rollout.decode.sampling import SamplingParams
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
 
 
 def score(model_path, tokenizer, task, problems, temperature: float, max_new: int,

@@ -66,7 +66,7 @@ from experiments import harness
 from experiments.harness import (EngineConfig, ModelConfig, RolloutEngine, SamplingParams,
                                  init_model, write_report)
 from tlt_jax.models import transformer as tr
-from tlt_jax.rollout.decode.sampling import SamplerArgs, filtered_logprobs, row_keys, sample_tokens
+from tlt_jax.rollout import SamplerArgs, filtered_logprobs, row_keys, sample_tokens
 
 
 def make_engine(batch: int, prompt_len: int, new_tokens: int, seed: int):

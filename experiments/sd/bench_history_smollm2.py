@@ -35,8 +35,7 @@ import time
 from experiments import harness
 from experiments.harness import (EngineConfig, NgramConfig, RolloutEngine, SamplingParams,
                                  SpecConfig, ints)
-from tlt_jax.rollout.host.stats import RolloutStats
-from tlt_jax.rollout.decode.suffix import SuffixConfig
+from tlt_jax.rollout import RolloutStats, SuffixConfig
 
 
 def contenders(target, drafter, base: dict, history_len: int) -> dict[str, tuple]:

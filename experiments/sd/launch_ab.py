@@ -91,8 +91,7 @@ from jax import lax
 from experiments import harness
 from experiments.harness import (ArithmeticTask, CharTokenizer, Drafter, EngineConfig, ModelConfig,
                                  RolloutEngine, SamplingParams, SpecConfig, Transformer)
-from tlt_jax.rollout.decode.sampling import SamplerArgs
-from tlt_jax.rollout.decode.suffix import SuffixConfig
+from tlt_jax.rollout import SamplerArgs, SuffixConfig
 
 # the policies' shapes (configs/tiny_longtail.py via tiny_grpo.py, configs/mid_longtail.py's
 # MODEL); compute_dtype "auto": bf16 arithmetic on a GPU/TPU, the params' fp32 on a CPU

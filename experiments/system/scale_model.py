@@ -83,8 +83,8 @@ class Bench:
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from experiments import harness  # pylint: disable=import-outside-toplevel
-    from tlt_jax.rollout import parallel  # pylint: disable=import-outside-toplevel
-    from tlt_jax.rollout.host.tuner import make_tuner  # pylint: disable=import-outside-toplevel
+    from tlt_jax.rollout import (  # pylint: disable=import-outside-toplevel
+        DataParallelRollout, make_tuner)
     self.jax, self.harness, self.repeats, self.cap = jax, harness, repeats, cap
     self.model_config = harness.bench_config(256, 128, 1, bos_token_id=1, eos_token_id=2)
     self.target = harness.init_model(self.model_config, seed=0)
@@ -104,7 +104,7 @@ class Bench:
         strategies=(self.spec,), sd_max_batch=SD_MAX, segment_steps=0,
         tuner=harness.TunerConfig(kind="fixed", fixed=((BUCKETS[-1], "vanilla"),)))
     self.engine_config = config
-    self.rollout = parallel.DataParallelRollout(self.target, drafter, config, devices=self.devices)
+    self.rollout = DataParallelRollout(self.target, drafter, config, devices=self.devices)
     fixed = lambda mapping: make_tuner(harness.TunerConfig(kind="fixed", fixed=mapping))
     self.tuners = {"vanilla": fixed(((BUCKETS[-1], "vanilla"),)),
                    "sd": fixed(((SD_MAX, arm), (BUCKETS[-1], "vanilla")))}
@@ -125,7 +125,7 @@ class Bench:
   def generate(self, rows: int, max_new: int, policy: str, devices: int, stop: bool = True,
                seed: int = 0):
     """One rollout; its stats and completion lengths."""
-    self.rollout.shared_tuner.tuner = self.tuners[policy]
+    self.rollout.set_tuner(self.tuners[policy])
     params = self.harness.SamplingParams(
         max_new_tokens=max_new, temperature=1.0, seed=seed,
         stop_token_ids=tuple(range(3, 3 + STOP_IDS)) if stop else ())

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from experiments.sd import launch_ab
-from tlt_jax.rollout.decode.sampling import SamplerArgs, SamplingParams
+from tlt_jax.rollout import SamplerArgs, SamplingParams
 
 ROOT = pathlib.Path(launch_ab.__file__).resolve().parents[2]  # the repository's root
 BATCH = 2

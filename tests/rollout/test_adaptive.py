@@ -254,7 +254,7 @@ def test_the_cost_tuner_is_calibrated_at_precompile_and_its_rollouts_compile_not
                     max_batch=2, strategies=STRATEGIES[:2])
   with_cost_table(engine, {1: 1.5, 2: 9.0})
   engine.precompile()
-  costs, overhead = engine.calibration
+  costs, overhead = engine.calibration.costs
   visited = {v.bucket: v for v in engine.offers.visited}
   assert visited[1].offered and not visited[2].offered, engine.offers.visited
   want = {(b, s.name) for b in engine.offers.buckets for s in engine.candidates_for(b)

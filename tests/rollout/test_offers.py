@@ -242,7 +242,7 @@ def test_sd_offers_all_offers_every_permitted_arm_and_times_it(model):
   engine.precompile()
   assert engine.offers is None and set(engine.executable_keys()) <= set(engine.pool.executables)
   assert all(engine.strategies_for(b) == engine.candidates_for(b) for b in (1, 2))
-  assert {(b, "chain d4") for b in (1, 2)} <= set(engine.calibration[0])
+  assert {(b, "chain d4") for b in (1, 2)} <= set(engine.calibration.costs[0])
   with pytest.raises(FieldError, match=r"EngineConfig\.sd_offers must be one of"):
     EngineConfig(sd_offers="some")
 

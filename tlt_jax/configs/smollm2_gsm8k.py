@@ -19,7 +19,7 @@ from tlt_jax.job.rollout_config import drafter_training_section, rollout_section
 from tlt_jax.job.typed_config import dataclass_section
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rl.sft import SFTConfig
-from tlt_jax.rollout.host.history import HistoryConfig
+from tlt_jax.rollout import HistoryConfig
 
 
 def smollm2_default_path() -> str:

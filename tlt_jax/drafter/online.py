@@ -40,7 +40,7 @@ from tlt_jax.drafter.ledger import DrafterLedger
 from tlt_jax.drafter.spot import SpotTrainer
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.drafter_io import save_drafter
-from tlt_jax.rollout.host.stats import RolloutStats
+from tlt_jax.rollout import RolloutStats
 from tlt_jax.utils import FieldError
 
 SERIAL_BUDGETS = ("ledger", "fixed")

@@ -29,7 +29,7 @@ from tlt_jax.drafter.objective import (DrafterBatch, make_batch_from_sequences, 
                                        make_optimizer, make_train_step, split_drafter)
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
-from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout import SamplingParams
 
 
 def _require_count(name: str, value: Any) -> None:

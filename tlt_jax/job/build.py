@@ -32,9 +32,7 @@ from tlt_jax.rl.external_tasks import MathDatasetFields, ReasoningGymFields
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Task, chat_prompt
 from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prompt, eval_problems, \
     step_problems
-from tlt_jax.rollout.engine import EngineConfig
-from tlt_jax.rollout.host.history import HistoryConfig
-from tlt_jax.rollout.decode.suffix import SuffixConfig
+from tlt_jax.rollout import EngineConfig, HistoryConfig, SuffixConfig
 from tlt_jax.utils import FieldError
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_grpo.py"

@@ -18,10 +18,8 @@ from tlt_jax.models.drafter_io import load_drafter
 from tlt_jax.models.learned_kinds import learned_kind, learned_names
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.drafter.online import DrafterTrainingConfig
-from tlt_jax.rollout.host.engine_config import EngineConfig, resolve_engine_config
-from tlt_jax.rollout.decode.kinds import KINDS, DrafterKind, model_free_names
-from tlt_jax.rollout.decode.suffix import SuffixConfig
-from tlt_jax.rollout.host.tuner import TunerConfig
+from tlt_jax.rollout import (KINDS, DrafterKind, EngineConfig, SuffixConfig, TunerConfig,
+                             model_free_names, resolve_engine_config)
 from tlt_jax.utils import FieldError
 
 

@@ -37,8 +37,8 @@ from tlt_jax.rl.sft import warm_start
 from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, check_update_layout, held_out_line
 from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.update import NonFiniteUpdateError
-from tlt_jax.rollout.host import history as history_lib
-from tlt_jax.rollout.host.stats import arm_line, run_sd_summary
+import tlt_jax.rollout as history_lib  # its PROMPT_BYTES and completion_cost
+from tlt_jax.rollout import arm_line, run_sd_summary
 from tlt_jax.utils import BACKGROUND_ENV, MIN_BACKGROUND_CORES, background_compiles_allowed, \
     mark_background, progress_bar
 

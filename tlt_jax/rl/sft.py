@@ -19,8 +19,7 @@ from flax import nnx
 from tlt_jax.drafter.objective import layout_rows, segment_mask
 from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.rl.tasks import ArithmeticTask, Problem
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.decode.sampling import SamplingParams
+from tlt_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
 from tlt_jax.utils import require_positive_ints
 
 

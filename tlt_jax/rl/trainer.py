@@ -37,13 +37,8 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.packing import UPDATE_BUCKET_MIN, padded_batch
 from tlt_jax.rl.tasks import EpochSchedule, Problem, chat_prompt
 from tlt_jax.rl.update import PolicyUpdate
-from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.host.history import HistoryConfig, HistoryStore, prompt_key
-from tlt_jax.rollout.parallel import DataParallelRollout
-from tlt_jax.rollout.processes import ProcessShardedRollout
-from tlt_jax.rollout.decode.sampling import SamplingParams
-from tlt_jax.rollout.host.stats import rollout_metrics
-from tlt_jax.rollout.decode.suffix import SuffixConfig
+from tlt_jax.rollout import (EngineConfig, HistoryConfig, HistoryStore, SamplingParams,
+                             SuffixConfig, make_rollout, prompt_key, rollout_metrics)
 from tlt_jax.utils import FieldError, require_positive_ints
 
 TUNER_KEY = "tuner"  # checkpoint metadata: the adaptive rollout tuner's state_dict()
@@ -280,14 +275,7 @@ class GRPOTrainer:
     check_rollout_devices(rollout_devices, len(devices))
     self.rollout_devices = devices[:rollout_devices or len(devices)]
     with_suffix = {} if suffix is None else {"suffix": suffix}
-    if len(self.rollout_devices) > 1:
-      self.engine = DataParallelRollout(model, drafter, engine_config, devices=self.rollout_devices,
-                                        **with_suffix)
-    else:
-      self.engine = RolloutEngine(model, drafter=drafter, config=engine_config,
-                                  device=self.rollout_devices[0], **with_suffix)
-    if jax.process_count() > 1:  # each process decodes its share of the rows, then all get all
-      self.engine = ProcessShardedRollout(self.engine)
+    self.engine = make_rollout(model, drafter, engine_config, self.rollout_devices, **with_suffix)
     self.history_config = history
     self.history = None  # HistoryStore: the prompts' earlier completions (a suffix drafter's)
     # step_progress(phase, done, total): how far a step is ("rollout": rows done; "update": the

@@ -36,14 +36,14 @@ from flax import nnx
 from tlt_jax.aot import SharedPrograms
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
+from tlt_jax.rollout.host.calibration import Calibration
 from tlt_jax.rollout.host.engine_config import EngineConfig, resolve_engine_config
 from tlt_jax.rollout.decode.kinds import DrafterKind, model_free_kind
 from tlt_jax.rollout.interface import IdleWork, Rollout, check_prompts, collect_mask, is_integer, on_device
 from tlt_jax.rollout.host.offers import SdOffers
 from tlt_jax.rollout.host.pool import ExecutablePool
 from tlt_jax.rollout.decode.sampling import SamplerArgs, SamplingParams
-from tlt_jax.rollout.host.scheduler import (ChunkResult, Request, Scheduler, Strategy,
-                                      segment_lengths)
+from tlt_jax.rollout.host.scheduler import ChunkResult, Request, Scheduler, Strategy
 from tlt_jax.rollout.host.stats import (RolloutStats, last_seconds, mean_accept_len, saved_seconds,
                                   tail_seconds)
 from tlt_jax.rollout.decode.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
@@ -74,13 +74,14 @@ class RolloutEngine(Rollout):
   ``config.strategies`` the ``tuner`` (default ``make_tuner(config.tuner)``) chooses the strategy
   per segment. ``self.config`` is ``resolve_engine_config(config, drafter, suffix)``. ``device``:
   where it decodes, its weights placed there (None: where they are); ``programs``: executables
-  shared with other devices' engines. Its public parts: docs/library.md, "RolloutEngine".
+  shared with other devices' engines; ``calibration``: the step costs, segment lengths and SD
+  offers shared with them (None: its own). Its public parts: docs/library.md, "RolloutEngine".
   """
 
   def __init__(self, model: Transformer, drafter: Drafter | Any | None = None,
                config: EngineConfig = EngineConfig(), tuner: Tuner | None = None,
                device: jax.Device | None = None, suffix: SuffixConfig | None = None,
-               programs: SharedPrograms | None = None):
+               programs: SharedPrograms | None = None, calibration: Calibration | None = None):
     if suffix is not None and not isinstance(suffix, SuffixConfig):
       raise TypeError(f"RolloutEngine(suffix=...) takes a SuffixConfig, got {suffix!r}")
     config = resolve_engine_config(config, drafter, suffix)  # itself when already resolved
@@ -121,10 +122,14 @@ class RolloutEngine(Rollout):
         needs_catchup=lambda b: learned and config.adaptive and any(
             s.learned for s in self._strategies[b]) and len(self._strategies[b]) > 1,
         shared=programs, device=device)
-    self.scheduler = Scheduler(self.pool, self.strategies_for, self.tuner, self.weights, learned)
+    # ``calibrate``'s step costs once measured, the segment lengths they bound and the SD arms
+    # offered per bucket after a calibrated precompile (shared with a data-parallel rollout's
+    # other engines)
+    self.calibration = (calibration if calibration is not None
+                        else Calibration(config.segment_steps))
+    self.scheduler = Scheduler(self.pool, self.strategies_for, self.tuner, self.weights, learned,
+                               self.calibration)
     self.device = device
-    self.calibration: tuple[dict, float] | None = None  # ``calibrate``'s step costs, once measured
-    self.offers: SdOffers | None = None  # the SD arms offered per bucket (a calibrated precompile)
     self._calibration_weights = None  # the offers loop's copy of the weights (background)
     self._history_share = 0.0  # the share of the last request's prompts that had a history
     self.observes_history = True  # False: a data-parallel rollout observes it once for all
@@ -165,8 +170,13 @@ class RolloutEngine(Rollout):
       raise ValueError("set_tuner: this engine has no EngineConfig.strategies to tune")
     self.tuner = self.scheduler.tuner = tuner if tuner is not None else make_tuner(
         self.config.tuner)
-    if tuner is None and self.calibration is not None:  # a fresh tuner keeps the step costs
-      self.tuner.set_costs(*self.calibration)
+    if tuner is None and self.calibration.costs is not None:  # a fresh tuner keeps the costs
+      self.tuner.set_costs(*self.calibration.costs)
+
+  @property
+  def offers(self) -> SdOffers | None:
+    """The SD arms each bucket offers after a calibrated ``precompile`` (None before one)."""
+    return self.calibration.offers
 
   def strategies_for(self, batch: int) -> list[Strategy]:
     """The strategies that may decode a ``batch`` bucket now (the first is the default): after a
@@ -198,6 +208,21 @@ class RolloutEngine(Rollout):
   def executable_keys(self) -> list[tuple]:
     """Every executable the engine may need (see ``pool.py`` for the key kinds)."""
     return self.pool.keys()
+
+  def vanilla_keys(self) -> list[tuple]:
+    """The executables vanilla decoding may need at every bucket (``ExecutablePool.base_keys``):
+    what a calibrated ``precompile`` compiles before the offers loop."""
+    return self.pool.base_keys()
+
+  def missing_keys(self, keys: Sequence[tuple]) -> list[tuple]:
+    """Those of ``keys`` whose executables this engine does not hold yet."""
+    return [k for k in keys if k not in self.pool.executables]
+
+  def compile(self, keys: Sequence[tuple],
+              progress: Callable[[int, int], Any] | None = None) -> int:
+    """Compiles (or, with programs shared with other devices, rebinds) the executables of
+    ``keys`` this engine does not hold yet; returns how many it gained."""
+    return self.pool.compile(keys, progress)
 
   def pool_stats(self) -> dict[str, Any]:
     """The compiled pool: executables per kind and group, compile seconds, memory per
@@ -253,7 +278,7 @@ class RolloutEngine(Rollout):
       else:
         vanilla = {b: self._strategies[b][:1] for b in offers.buckets}
         self._set_calibration(self.calibrate(strategies=vanilla))
-    self.offers = offers
+    self.calibration.offers = offers
     # a loop in the background times a copy of the weights, made here: the engine's own may be
     # replaced and their buffers donated (by the policy update) while it runs
     self._calibration_weights = (self._copy_weights() if background and offers.buckets
@@ -262,18 +287,13 @@ class RolloutEngine(Rollout):
     return compiled + offers.launch(background, self.pool.compile, self.offer_keys,
                                     self.calibrate_bucket)
 
-  def _set_calibration(self, calibration: tuple[dict, float]) -> None:
+  def _set_calibration(self, costs: tuple[dict, float]) -> None:
     """Keeps the measured step costs and hands them to the tuner (if any) and the scheduler."""
-    self.calibration = calibration
-    if self.tuner is not None:
-      self.tuner.set_costs(*calibration)
-    self.scheduler.segment_lengths = segment_lengths(*calibration, self.config.segment_steps)
+    self.calibration.measured(costs, self.tuner)
 
   def publish_costs(self, costs: dict) -> None:
     """A bucket's SD arms are offered: their step costs join the calibration and the tuner's."""
-    known, overhead = self.calibration
-    self.calibration = ({**known, **costs}, overhead)
-    self.tuner.set_costs(costs, overhead)
+    self.calibration.add(costs, self.tuner)
 
   def offer_keys(self, batch: int, strategies: Sequence[Strategy],
                  calibration_only: bool) -> list[tuple]:
@@ -482,7 +502,7 @@ class RolloutEngine(Rollout):
     result = RolloutResult(rows.tokens, rows.logprobs, rows.reasons, stats,
                            None if collect is None else rows.hidden)
     if idle_work is not None:
-      idle_work.shard_done(0, 0, result)  # within this call's prompts (a caller adds its offset)
+      idle_work.shard_done(0, int(row_offset), result)  # its first row in the whole request
     return result
 
   def _finish_stats(self, stats: RolloutStats, tokens: list[list[int]], compiles0: int,

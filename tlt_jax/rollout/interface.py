@@ -43,7 +43,9 @@ class IdleWork(Protocol):
   """Work a rollout runs on the devices its tail leaves idle (drafter training is one user:
   ``OnlineDrafter.idle_work``). A rollout over several devices calls ``shard_done`` in a
   device's thread once that device's shard is complete, then ``idle`` there while other devices
-  still decode; a rollout on one device calls ``shard_done(0, 0, result)`` and never ``idle``."""
+  still decode; a rollout on one device calls ``shard_done(0, row_offset, result)`` and never
+  ``idle``. ``first_row`` counts in the whole request (``row_offset`` included: a process's
+  rows start there), so any rollout can hand the same ``IdleWork`` to the one it runs on."""
 
   def shard_done(self, device_index: int, first_row: int, result: Any) -> None:
     """Device ``device_index`` completed its shard, whose first row is ``first_row`` of the

@@ -37,67 +37,21 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.host import buckets as bk
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
+from tlt_jax.rollout.host.calibration import Calibration
 from tlt_jax.rollout.host.engine_config import resolve_engine_config
 from tlt_jax.rollout.interface import IdleWork, Rollout
 from tlt_jax.rollout.host.offers import SdOffers
-from tlt_jax.rollout.host.scheduler import segment_lengths
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 from tlt_jax.rollout.decode.sampling import SamplingParams
 from tlt_jax.rollout.host.stats import DeviceStats, RolloutStats
-from tlt_jax.rollout.host.tuner import Tuner, TunerConfig, make_tuner
+from tlt_jax.rollout.host.tuner import Tuner, make_tuner
 from tlt_jax.utils import compile_count, in_background, mark_background
 
-__all__ = ["DataParallelRollout", "LockedTuner", "shard_config", "shard_ranges"]
+__all__ = ["DataParallelRollout", "shard_config", "shard_ranges"]
 
 
 class RolloutCancelled(Exception):
   """Raised in a device's thread to stop its shard when the caller was interrupted."""
-
-
-class LockedTuner:
-  """A tuner shared by the engines of several threads: every call runs under one lock.
-
-  Each method of the tuner that the engines, the rollout and the trainer call is forwarded here by
-  name, and each forward takes the lock; a method not listed is not reachable through it (add it
-  with ``_locked`` rather than reach past the lock). Reads take the lock as writes do:
-  ``summary`` and ``speeds`` read what ``plan``/``update`` write (the cost tuner caches its
-  predictions per bucket), and a read beside another thread's write once found a bucket's
-  predictions half built. ``tuner`` may be replaced (``DataParallelRollout.set_tuner``)."""
-
-  def __init__(self, tuner: Tuner):
-    self.tuner = tuner
-    self._lock = threading.RLock()
-
-  @property
-  def config(self) -> TunerConfig:
-    return self.tuner.config
-
-  @property
-  def lock(self) -> threading.RLock:
-    """The lock every forwarded call holds (held across several calls, they run as one)."""
-    return self._lock
-
-  def _locked(name: str):  # pylint: disable=no-self-argument  # a class-body helper
-    """The method ``name`` of the wrapped tuner, called under the lock."""
-    def forward(self, *args, **kwargs):
-      with self._lock:
-        return getattr(self.tuner, name)(*args, **kwargs)
-    forward.__name__ = forward.__qualname__ = name
-    forward.__doc__ = f"``Tuner.{name}`` under the lock."
-    return forward
-
-  plan = _locked("plan")
-  update = _locked("update")
-  set_costs = _locked("set_costs")
-  observe_drafter = _locked("observe_drafter")
-  step_cost = _locked("step_cost")
-  relative_cost = _locked("relative_cost")
-  summary = _locked("summary")
-  state_dict = _locked("state_dict")
-  load_state_dict = _locked("load_state_dict")
-  speeds = _locked("speeds")  # the cost tuner's
-  alpha = _locked("alpha")  # the cost tuner's
-  del _locked
 
 
 def shard_ranges(n: int, shards: int) -> list[range]:
@@ -139,18 +93,21 @@ class DataParallelRollout(Rollout):
     if len(set(self.devices)) != len(self.devices):
       raise ValueError(f"DataParallelRollout: devices repeat in {self.devices}")
     config = shard_config(resolve_engine_config(config, drafter, suffix), len(self.devices))
-    shared = None
+    shared = None  # one tuner for every device (each call takes its lock: ``Tuner``)
     if config.adaptive:
-      shared = LockedTuner(tuner if tuner is not None else make_tuner(config.tuner))
+      shared = tuner if tuner is not None else make_tuner(config.tuner)
     # each engine places the weights it is given on its own device; a program is compiled once,
     # by the first device that needs it, and rebound to the others
     self.programs = SharedPrograms()
+    # the step costs, segment lengths and SD offers: timed on the first device, used by all
+    self.calibration = Calibration(config.segment_steps)
     self.engines = [RolloutEngine(model, drafter=drafter, config=config, tuner=shared,
-                                  device=device, suffix=suffix, programs=self.programs)
+                                  device=device, suffix=suffix, programs=self.programs,
+                                  calibration=self.calibration)
                     for device in self.devices]
     for engine in self.engines:  # generate observes the whole request's history once
       engine.observes_history = False
-    self.shared_tuner = shared
+    self._tuner = shared
 
   # ---- the Rollout interface -------------------------------------------------------------------
   @property
@@ -163,7 +120,7 @@ class DataParallelRollout(Rollout):
 
   @property
   def tuner(self) -> Tuner | None:
-    return None if self.shared_tuner is None else self.shared_tuner.tuner
+    return self._tuner
 
   @property
   def drafter_params(self) -> nnx.State | None:
@@ -171,11 +128,18 @@ class DataParallelRollout(Rollout):
 
   def set_tuner(self, tuner: Tuner | None = None) -> None:
     """Replaces the shared tuner (None: a fresh one from ``config.tuner``)."""
-    if self.shared_tuner is None:
+    if self._tuner is None:
       raise ValueError("set_tuner: this engine has no EngineConfig.strategies to tune")
-    self.shared_tuner.tuner = tuner if tuner is not None else make_tuner(self.config.tuner)
-    if tuner is None and self.engines[0].calibration is not None:
-      self.shared_tuner.set_costs(*self.engines[0].calibration)
+    self._tuner = tuner if tuner is not None else make_tuner(self.config.tuner)
+    for engine in self.engines:
+      engine.set_tuner(self._tuner)
+    if tuner is None and self.calibration.costs is not None:
+      self._tuner.set_costs(*self.calibration.costs)
+
+  @property
+  def offers(self) -> SdOffers | None:
+    """The SD arms each bucket offers on every device after a calibrated ``precompile``."""
+    return self.calibration.offers
 
   def strategies_for(self, batch: int):
     return self.engines[0].strategies_for(batch)
@@ -208,32 +172,30 @@ class DataParallelRollout(Rollout):
     first (the devices are alike; timing every device at once would measure them competing for
     the host) and offered to all at once."""
     del first_rows
-    first = self.engines[0]
-    cost = getattr(getattr(self.shared_tuner, "config", None), "kind", None) == "cost"
+    first, shared = self.engines[0], self.calibration
+    cost = getattr(getattr(self.tuner, "config", None), "kind", None) == "cost"
     calibrated = cost and self.config.sd_offers == "calibrated"
-    if calibrated and first.offers is not None:  # precompiled before: what it offers stands
-      first.offers.wait()
+    if calibrated and shared.offers is not None:  # precompiled before: what it offers stands
+      shared.offers.wait()
       return 0
-    keys = ((lambda e: e.pool.base_keys()) if calibrated else (lambda e: e.executable_keys()))
+    keys = ((lambda e: e.vanilla_keys()) if calibrated else (lambda e: e.executable_keys()))
     compiled = self._compile_on_every_device(keys, progress)
-    if cost and not calibrated:  # sd_offers="all": every arm, timed for the shared tuner
-      first.calibration = first.calibrate()
-      self.shared_tuner.set_costs(*first.calibration)
+    if cost and not calibrated:  # sd_offers="all": every arm, timed for the shared tuner (the
+      # segments keep EngineConfig.segment_steps here, unlike one engine's: as it always was)
+      shared.measured(first.calibrate(), self.tuner, bound_segments=False)
     if not calibrated:
       return compiled
     offers = SdOffers({b: first.candidates_for(b) for b in self.config.batch_buckets},
                       self.config.sd_prior_acceptance,
-                      first.publish_costs)
+                      lambda costs: shared.add(costs, self.tuner))
     vanilla = {b: first.candidates_for(b)[:1] for b in offers.buckets}
     calibration = first.calibrate(strategies=vanilla)
     if background:  # the loop times a copy: the engines' weights may be donated meanwhile
       first.keep_calibration_weights()
       offers.on_done = first.drop_calibration_weights
-    for engine in self.engines:  # every device's scheduler bounds its segments alike
-      engine.calibration = calibration
-      engine.scheduler.segment_lengths = segment_lengths(*calibration, self.config.segment_steps)
-      engine.offers = offers
-    self.shared_tuner.set_costs(*calibration)
+    # every device's scheduler bounds its segments alike, and every device offers the same arms
+    shared.measured(calibration, self.tuner)
+    shared.offers = offers
     return compiled + offers.launch(
         background, lambda keys: self._compile_on_every_device(lambda _: keys),
         first.offer_keys, first.calibrate_bucket)
@@ -245,8 +207,7 @@ class DataParallelRollout(Rollout):
     counts = [0] * len(self.engines)
     done = [0]
     lock = threading.Lock()
-    total = sum(len([k for k in keys_of(e) if k not in e.pool.executables])
-                for e in self.engines)
+    total = sum(len(e.missing_keys(keys_of(e))) for e in self.engines)
     cancel = threading.Event()
     background = in_background()
 
@@ -260,7 +221,7 @@ class DataParallelRollout(Rollout):
 
     def work(k):
       mark_background(background)  # a background caller's threads compile in the background
-      counts[k] = self.engines[k].pool.compile(keys_of(self.engines[k]), tick)
+      counts[k] = self.engines[k].compile(keys_of(self.engines[k]), tick)
 
     self._run_threads(work, range(1), cancel.set)  # the compiles
     self._run_threads(work, range(1, len(self.engines)), cancel.set)  # the rebinds
@@ -390,7 +351,7 @@ class _ShardRun:
             collect_hidden=False if self.collect is None else self.collect[rows.start:rows.stop],
             history=None if self.history is None else self.history[rows.start:rows.stop])
         if self.idle_work is not None:
-          self.idle_work.shard_done(k, rows.start, self.results[k])
+          self.idle_work.shard_done(k, self.row_offset + rows.start, self.results[k])
         self.busy[k] = time.perf_counter() - t0  # complete once its hook returned
     finally:
       with self.lock:

@@ -17,8 +17,6 @@ each learning from its own devices; saved per process, see ``tuner_state``).
 
 from __future__ import annotations
 
-import dataclasses
-import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -42,21 +40,6 @@ def process_rows(n: int, processes: int, local_devices: int, index: int) -> rang
   shards = shard_ranges(n, processes * local_devices)
   mine = shards[index * local_devices:(index + 1) * local_devices]
   return range(mine[0].start, mine[-1].stop)
-
-
-@dataclasses.dataclass
-class GlobalRows:
-  """``work`` as seen by this process's local rollout, whose rows start at row ``start`` of the
-  request: a shard's first row reaches ``work`` counted in the whole request."""
-
-  work: IdleWork
-  start: int
-
-  def shard_done(self, device_index: int, first_row: int, result: Any) -> None:
-    self.work.shard_done(device_index, self.start + first_row, result)
-
-  def idle(self, device_index: int, stop: threading.Event) -> Any:
-    return self.work.idle(device_index, stop)
 
 
 class ProcessShardedRollout(Rollout):
@@ -132,8 +115,8 @@ class ProcessShardedRollout(Rollout):
     local = _empty_result()
     if len(rows):
       options = {} if history is None else {"history": history[rows.start:rows.stop]}
-      if idle_work is not None:
-        options["idle_work"] = GlobalRows(idle_work, rows.start)
+      if idle_work is not None:  # its first rows count in the whole request (row_offset)
+        options["idle_work"] = idle_work
       if progress is not None:  # this process's share, as a share of all rows
         options["progress"] = lambda done, _: progress(done * len(prompts) // len(rows),
                                                        len(prompts))

@@ -235,15 +235,26 @@ class Scheduler:
   """Drives the pool's executables for one request, one chunk at a time."""
 
   def __init__(self, pool: ExecutablePool, strategies_for: Callable[[int], Sequence[Strategy]],
-               tuner: Tuner | None, weights: Callable[[], Any], learned_drafter: bool):
+               tuner: Tuner | None, weights: Callable[[], Any], learned_drafter: bool,
+               calibration: Any):
     self.pool = pool
     self.config = pool.config
     self.strategies_for = strategies_for
     self.tuner = tuner
     self.weights = weights
     self.learned = learned_drafter
-    self.segment_lengths: dict[int, int] = {}  # per bucket, a bounded segment's most steps
-    # (``segment_lengths``, from the engine's calibration; else EngineConfig.segment_steps)
+    # the rollout's ``calibration.Calibration`` (shared by its engines): its ``segment_lengths``
+    self.calibration = calibration
+
+  @property
+  def segment_lengths(self) -> dict[int, int]:
+    """Per bucket, a bounded segment's most steps (``segment_lengths``, from the rollout's
+    calibration; a bucket not in it runs ``EngineConfig.segment_steps``)."""
+    return self.calibration.segment_lengths
+
+  @segment_lengths.setter
+  def segment_lengths(self, lengths: dict[int, int]) -> None:
+    self.calibration.segment_lengths = lengths
 
   def _run_timed(self, stats: RolloutStats, stat: str, key: tuple, *args):
     """Runs executable ``key`` on ``args`` to completion, adding its seconds to the field ``stat``

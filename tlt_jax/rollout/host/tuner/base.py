@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import inspect
 import math
 import operator
 import statistics
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -131,12 +134,40 @@ def check_bucket(bucket) -> int:
 
 
 
+def locked(method):
+  """``method`` of a tuner, run under the tuner's ``lock`` (``Tuner``: every public method)."""
+  @functools.wraps(method)
+  def run(self, *args, **kwargs):
+    with self.lock:
+      return method(self, *args, **kwargs)
+  run.locked = True
+  return run
+
+
+def lock_public_methods(cls: type) -> None:
+  """Every public method defined in ``cls``'s body runs under the tuner's lock."""
+  for name, value in list(vars(cls).items()):
+    if not name.startswith("_") and inspect.isfunction(value):
+      setattr(cls, name, locked(value))
+
+
 class Tuner:
   """Base class: per-bucket statistics, validation and (de)serialization; a kind decides
-  (``_decide``) and names a bucket's best arm (``_summary_best``)."""
+  (``_decide``) and names a bucket's best arm (``_summary_best``).
+
+  A tuner may be shared by the engines of several threads (``DataParallelRollout``): every public
+  method, of this class and of every kind, runs under ``lock`` (a re-entrant lock; hold it
+  across several calls to run them as one). Reads take it as writes do: ``summary`` and the
+  cost kind's ``speeds`` read what ``plan`` and ``update`` write (a read beside another thread's
+  write once found a bucket's predictions half built)."""
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    lock_public_methods(cls)
 
   def __init__(self, config: TunerConfig):
     self.config = config
+    self.lock = threading.RLock()
     self._buckets: dict[int, BucketStats] = {}
     self._meta: dict[str, Arm] = {}  # every arm offered so far, by name
     self._costs: dict[tuple[int, str], float] = {}  # calibrated seconds per step
@@ -337,6 +368,9 @@ class Tuner:
   def _summary_best(self, bucket: int, stats: BucketStats) -> str | None:
     """The arm ``summary`` calls the bucket's best."""
     raise NotImplementedError
+
+
+lock_public_methods(Tuner)
 
 
 def check_drafter(owner: str, quality, source) -> None:
