@@ -117,12 +117,10 @@ def calibration(trainer) -> dict | None:
 
 
 def pool_engines(engine) -> list:
-  """The one-device rollout engines behind ``engine``: a data-parallel rollout's, a
-  process-sharded rollout's local one, or ``engine`` itself."""
+  """The one-device rollout engines behind ``engine``: a data-parallel rollout's, or ``engine``
+  itself."""
   if hasattr(engine, "engines"):
     return [e for sub in engine.engines for e in pool_engines(sub)]
-  if hasattr(engine, "local"):
-    return pool_engines(engine.local)
   return [engine] if hasattr(engine, "pool") else []
 
 

@@ -25,7 +25,6 @@ input checks and the public API; it reads its resolved config and never rewrites
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -44,27 +43,14 @@ from tlt_jax.rollout.host.offers import SdOffers
 from tlt_jax.rollout.host.pool import ExecutablePool
 from tlt_jax.rollout.decode.sampling import SamplerArgs, SamplingParams
 from tlt_jax.rollout.host.scheduler import ChunkResult, Request, Scheduler, Strategy
-from tlt_jax.rollout.host.stats import (RolloutStats, last_seconds, mean_accept_len, saved_seconds,
-                                  tail_seconds)
+from tlt_jax.rollout.host.stats import (RolloutResult, RolloutStats, last_seconds,
+    mean_accept_len, saved_seconds, tail_seconds)
 from tlt_jax.rollout.decode.steps import DecodeState, StepFunctions, group_name, make_groups, strategy_name
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 from tlt_jax.rollout.host.tuner import Tuner, make_tuner
 from tlt_jax.utils import background_compiles_allowed, compile_count
 
 __all__ = ["DecodeState", "EngineConfig", "RolloutEngine", "RolloutResult"]
-
-
-@dataclasses.dataclass
-class RolloutResult:
-  """Completions (ids, per-token log-probs, finish reasons) and engine statistics."""
-
-  tokens: list[list[int]]
-  logprobs: list[np.ndarray]
-  finish_reasons: list[str]  # "stop" (a stop id was sampled; it is included) or "length"
-  stats: RolloutStats
-  # generate(collect_hidden=...): per row, the target's last-layer hidden states [L - 1, H] at
-  # positions 0 .. L - 2 of prompt + completion (L tokens); None for rows not collected
-  hidden: list[np.ndarray | None] | None = None
 
 
 class RolloutEngine(Rollout):
@@ -459,11 +445,12 @@ class RolloutEngine(Rollout):
     """Which of ``n`` rows return hidden states (see ``interface.collect_mask``)."""
     return collect_mask(collect_hidden, n, seed, self.steps.drafter_graphdef is not None)
 
-  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
-               progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
-               collect_hidden: bool | float | Sequence[bool] = False,
-               idle_work: IdleWork | None = None,
-               history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
+  def generate_here(self, prompts: Sequence[Sequence[int]],
+                    params: SamplingParams = SamplingParams(),
+                    progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
+                    collect_hidden: bool | float | Sequence[bool] = False,
+                    idle_work: IdleWork | None = None,
+                    history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
     """Completes every prompt; rows finish on a stop id or at ``params.max_new_tokens``.
 
     ``progress(rows_done, rows_total)`` is called after every decode segment. Row ``i`` samples

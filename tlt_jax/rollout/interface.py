@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tlt_jax import hosts
+from tlt_jax.rollout import processes
 from tlt_jax.rollout.decode.kinds import DrafterKind
 from tlt_jax.rollout.decode.sampling import SamplingParams
 
@@ -63,21 +65,64 @@ class Rollout(abc.ABC):
   """
 
   config: Any  # the EngineConfig
-  devices: list  # where it decodes, in shard order
+  devices: list  # where it decodes (this process's devices), in shard order
   tuner: Any  # the adaptive engine's tuner, or None
   drafter_params: nnx.State | None  # the weights the (first) device drafts with
+  # Set by ``make_rollout`` where JAX runs several processes: ``generate`` then decodes this
+  # process's share of the rows and every process gets every row, and the tuner is saved per
+  # process (``processes.py``). False: this process decodes every row it is given.
+  over_processes: bool = False
 
-  @abc.abstractmethod
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
-               progress: Callable[[int, int], Any] | None = None, *,
+               progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
                collect_hidden: bool | float | Sequence[bool] = False,
                idle_work: IdleWork | None = None,
                history: Sequence[Sequence[Sequence[int]]] | None = None):
-    """Completes every prompt; returns a ``RolloutResult``. ``idle_work.shard_done`` is called
+    """Completes every prompt; returns a ``RolloutResult``. Row ``i`` samples with the keys of
+    row ``i + row_offset``. ``progress(rows_done, rows_total)`` is called as rows finish.
+    ``collect_hidden`` (needs a learned drafter) fills ``RolloutResult.hidden`` for all rows
+    (True), a seeded fraction (float) or one bool per prompt. ``idle_work.shard_done`` is called
     once per device's finished shard, ``idle_work.idle`` while other devices still decode (never
-    on one device; ``IdleWork``). ``history``: per prompt, earlier
-    completions of it (newest first) that a suffix drafter may draft from (``uses_history``);
-    ignored by a rollout without one."""
+    on one device; ``IdleWork``). ``history``: per prompt, earlier completions of it (newest
+    first) that a suffix drafter may draft from (``uses_history``); ignored by a rollout without
+    one. Over several processes (``over_processes``): ``processes.generate_over_processes``; else
+    ``generate_here``."""
+    options = dict(row_offset=row_offset, collect_hidden=collect_hidden, idle_work=idle_work,
+                   history=history)
+    if self.shares_processes:
+      return processes.generate_over_processes(self, prompts, params, progress, **options)
+    return self.generate_here(prompts, params, progress, **options)
+
+  @abc.abstractmethod
+  def generate_here(self, prompts: Sequence[Sequence[int]],
+                    params: SamplingParams = SamplingParams(),
+                    progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
+                    collect_hidden: bool | float | Sequence[bool] = False,
+                    idle_work: IdleWork | None = None,
+                    history: Sequence[Sequence[Sequence[int]]] | None = None):
+    """``generate`` on this process's devices alone (the arguments are ``generate``'s)."""
+
+  @property
+  def shares_processes(self) -> bool:
+    """Whether ``generate`` shares the rows over the processes: ``over_processes`` and JAX runs
+    more than one."""
+    return self.over_processes and hosts.process_count() > 1
+
+  # ---- the request checks every rollout runs at its edge -----------------------------------------
+  @abc.abstractmethod
+  def check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The prompts as lists of Python ints; a ``ValueError`` names the first bad one
+    (``interface.check_prompts``)."""
+
+  @abc.abstractmethod
+  def check_history(self, history, n: int, observe: bool = True):
+    """``generate``'s ``history`` as int32 arrays (None: none, or no suffix drafter to use it); a
+    ``ValueError`` names the first malformed entry; ``observe``: the tuner hears of a change in
+    the share of prompts that have one."""
+
+  @abc.abstractmethod
+  def collect_mask(self, collect_hidden, n: int, seed: int) -> np.ndarray | None:
+    """Which of ``n`` rows return hidden states (``interface.collect_mask``)."""
 
   @property
   def uses_history(self) -> bool:
@@ -125,12 +170,17 @@ class Rollout(abc.ABC):
 
   # ---- the tuner in checkpoints --------------------------------------------------------------
   def tuner_state(self) -> dict | None:
-    """What the adaptive engine's tuner learned (its ``state_dict``), or None without one."""
-    return None if self.tuner is None else self.tuner.state_dict()
+    """What the adaptive engine's tuner learned (its ``state_dict``), or None without one; over
+    several processes, every process's (``processes.gathered_tuner_state``)."""
+    mine = None if self.tuner is None else self.tuner.state_dict()
+    return processes.gathered_tuner_state(mine) if self.shares_processes else mine
 
   def load_tuner_state(self, saved: dict | None, report: Callable[[str], Any] = print) -> None:
-    """Loads a checkpoint's tuner state into the tuner. One of another kind (the run was resumed
-    with another ``tuner.kind``) is reported and left: the tuner starts fresh."""
+    """Loads a checkpoint's tuner state into the tuner (over several processes, this process's
+    entry: ``processes.own_tuner_state``). One of another kind (the run was resumed with
+    another ``tuner.kind``) is reported and left: the tuner starts fresh."""
+    if self.shares_processes:
+      saved = processes.own_tuner_state(saved, report)
     tuner = self.tuner
     if saved is None or tuner is None:
       return

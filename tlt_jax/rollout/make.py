@@ -5,9 +5,9 @@ devices it may decode on; which class does the work follows from them alone:
 
 * one device: a ``RolloutEngine`` on it;
 * several devices: a ``DataParallelRollout``, one engine per device;
-* several JAX processes: either of the above over this process's devices, made one rollout over
-  every process (``ProcessShardedRollout``: a process decodes its share of the rows, then every
-  process gets every row).
+* several JAX processes: either of the above over this process's devices, marked to share its
+  rows over every process (``Rollout.over_processes``: a process decodes its share of the rows,
+  then every process gets every row; ``processes.py``).
 
 All three implement the ``Rollout`` interface (``interface.py``), so the caller never needs to
 know which one it holds.
@@ -25,7 +25,6 @@ from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.interface import Rollout
 from tlt_jax.rollout.parallel import DataParallelRollout
-from tlt_jax.rollout.processes import ProcessShardedRollout
 
 __all__ = ["make_rollout"]
 
@@ -44,7 +43,7 @@ def make_rollout(model: Transformer, drafter: Drafter | Any | None = None,
 
   Returns:
     A ``RolloutEngine`` on one device, a ``DataParallelRollout`` over several, either of them
-    wrapped to share the rows over every process when JAX runs more than one.
+    sharing the rows over every process when JAX runs more than one.
   """
   devices = list(devices) if devices is not None else jax.local_devices()[:1]
   if not devices:
@@ -54,6 +53,6 @@ def make_rollout(model: Transformer, drafter: Drafter | Any | None = None,
   else:
     rollout = RolloutEngine(model, drafter=drafter, config=config, device=devices[0],
                             **kind_options)
-  if hosts.process_count() > 1:  # each process decodes its share of the rows, then all get all
-    rollout = ProcessShardedRollout(rollout)
+  # each process decodes its share of the rows, then all get all
+  rollout.over_processes = hosts.process_count() > 1
   return rollout

@@ -36,6 +36,7 @@ from tlt_jax.aot import SharedPrograms
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.host import buckets as bk
+from tlt_jax.rollout.host.buckets import shard_ranges
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, RolloutResult
 from tlt_jax.rollout.host.calibration import Calibration
 from tlt_jax.rollout.host.engine_config import resolve_engine_config
@@ -52,18 +53,6 @@ __all__ = ["DataParallelRollout", "shard_config", "shard_ranges"]
 
 class RolloutCancelled(Exception):
   """Raised in a device's thread to stop its shard when the caller was interrupted."""
-
-
-def shard_ranges(n: int, shards: int) -> list[range]:
-  """``n`` rows cut into ``shards`` contiguous ranges whose sizes differ by at most one (the
-  first ones are the bigger; some are empty when ``n < shards``)."""
-  base, extra = divmod(n, shards)
-  out, start = [], 0
-  for k in range(shards):
-    size = base + (k < extra)
-    out.append(range(start, start + size))
-    start += size
-  return out
 
 
 def shard_config(config: EngineConfig, devices: int) -> EngineConfig:
@@ -267,11 +256,21 @@ class DataParallelRollout(Rollout):
       raise errors[0]
 
   # ---- generate ---------------------------------------------------------------------------------
-  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
-               progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
-               collect_hidden: bool | float | Sequence[bool] = False,
-               idle_work: IdleWork | None = None,
-               history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
+  def check_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    return self.engines[0].check_prompts(prompts)  # the engines share the config and model
+
+  def check_history(self, history, n: int, observe: bool = True):
+    return self.engines[0].check_history(history, n, observe)  # one observer for every device
+
+  def collect_mask(self, collect_hidden, n: int, seed: int):
+    return self.engines[0].collect_mask(collect_hidden, n, seed)
+
+  def generate_here(self, prompts: Sequence[Sequence[int]],
+                    params: SamplingParams = SamplingParams(),
+                    progress: Callable[[int, int], Any] | None = None, *, row_offset: int = 0,
+                    collect_hidden: bool | float | Sequence[bool] = False,
+                    idle_work: IdleWork | None = None,
+                    history: Sequence[Sequence[Sequence[int]]] | None = None) -> RolloutResult:
     """Completes every prompt over the devices, with one engine's result (row ``i``'s tokens do not
     depend on the split); ``row_offset``: the first prompt's row in a larger request.
 
@@ -280,12 +279,9 @@ class DataParallelRollout(Rollout):
     decode, and must return soon after ``stop`` is set (when the last shard completes); its
     return value goes to ``stats.idle``. The merged stats: docs/library.md, "Data-parallel stats".
     """
-    lead = self.engines[0]
-    prompts = lead.check_prompts(prompts)
-    history = lead.check_history(history, len(prompts), observe=False)
-    if history is not None:
-      lead.observe_history(history)
-    collect = lead.collect_mask(collect_hidden, len(prompts), params.seed)
+    prompts = self.check_prompts(prompts)
+    history = self.check_history(history, len(prompts))
+    collect = self.collect_mask(collect_hidden, len(prompts), params.seed)
     run = _ShardRun(self.engines, prompts, params, progress, row_offset, collect, history,
                     idle_work)
     t0, compiles0 = time.perf_counter(), compile_count()

@@ -28,3 +28,15 @@ def next_smaller(bucket: int, buckets: Sequence[int]) -> int:
   """The largest bucket below ``bucket`` (0 if none): live rows at or under it can be compacted."""
   i = bisect.bisect_left(buckets, bucket)
   return buckets[i - 1] if i > 0 else 0
+
+
+def shard_ranges(n: int, shards: int) -> list[range]:
+  """``n`` rows cut into ``shards`` contiguous ranges whose sizes differ by at most one (the
+  first ones are the bigger; some are empty when ``n < shards``)."""
+  base, extra = divmod(n, shards)
+  out, start = [], 0
+  for k in range(shards):
+    size = base + (k < extra)
+    out.append(range(start, start + size))
+    start += size
+  return out

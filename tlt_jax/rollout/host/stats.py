@@ -371,3 +371,16 @@ def run_sd_summary(history: list[dict]) -> str:
       line += f", held-out top-1 {top1[0]:.3f} -> {top1[-1]:.3f}"
     parts.append(line)
   return "SD: " + "; ".join(parts)
+
+
+@dataclasses.dataclass
+class RolloutResult:
+  """Completions (ids, per-token log-probs, finish reasons) and engine statistics."""
+
+  tokens: list[list[int]]
+  logprobs: list[np.ndarray]
+  finish_reasons: list[str]  # "stop" (a stop id was sampled; it is included) or "length"
+  stats: RolloutStats
+  # generate(collect_hidden=...): per row, the target's last-layer hidden states [L - 1, H] at
+  # positions 0 .. L - 2 of prompt + completion (L tokens); None for rows not collected
+  hidden: list[np.ndarray | None] | None = None
