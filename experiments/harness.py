@@ -70,7 +70,8 @@ from tlt_jax.drafter.online import DrafterTrainingConfig, OnlineDrafter
 from tlt_jax.rl.sft import PackedStream, greedy_accuracy, make_lm_step, warm_start
 from tlt_jax.rl.tasks import ArithmeticTask, Problem, chat_prompt
 from tlt_jax.rl.packing import bucket_rows, plan_packs, update_buckets
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.trainer import GRPOTrainer
+from tlt_jax.rl.trainer_config import TrainerConfig
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.host.engine_config import parse_specs
 from tlt_jax.rollout.decode.ngram import NgramConfig

@@ -29,7 +29,8 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.drafter_io import load_drafter, save_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import EVAL_SEED, TrainerConfig, eval_problems, metric_kind
+from tlt_jax.rl.data import EVAL_SEED, eval_problems, metric_kind
+from tlt_jax.rl.trainer_config import TrainerConfig
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.host.history import HistoryConfig

@@ -30,8 +30,8 @@ from tlt_jax.rl.sft import SFTConfig
 from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.external_tasks import MathDatasetFields, ReasoningGymFields
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Task, chat_prompt
-from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prompt, eval_problems, \
-    step_problems
+from tlt_jax.rl.data import encode_prompt, eval_problems, step_problems
+from tlt_jax.rl.trainer_config import TrainerConfig, check_rollout_devices
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.host.history import HistoryConfig
 from tlt_jax.rollout.decode.suffix import SuffixConfig

@@ -34,7 +34,9 @@ from tlt_jax.models.drafter_io import drafter_policy_mismatch
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rl.rewards import task_scorer
 from tlt_jax.rl.sft import warm_start
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig, check_update_layout, held_out_line
+from tlt_jax.rl.data import held_out_line
+from tlt_jax.rl.trainer import GRPOTrainer
+from tlt_jax.rl.trainer_config import TrainerConfig, check_update_layout
 from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.host import history as history_lib
