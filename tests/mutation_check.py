@@ -541,8 +541,8 @@ MUTANTS = [
            "    if history is not None:",
            ("tests/rl/test_trainer.py", "-k", "vanilla_engine_gets_no_history"),
            "a rollout that cannot draft from history pays for keeping and saving it"),
-    Mutant("history_not_saved", "tlt_jax/rl/trainer.py",
-           "      metadata[HISTORY_KEY] = self.history.state_dict()\n", "",
+    Mutant("history_not_saved", "tlt_jax/rl/run_state.py",
+           "    return {HISTORY_KEY: self.store.state_dict()}", "    return {}",
            ("tests/rl/test_trainer.py", "-k", "store_is_saved"),
            "a resumed run drafts from an empty store: its metrics differ from the "
            "uninterrupted run's"),

@@ -34,6 +34,8 @@ from tlt_jax.models.transformer import Transformer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.data import EVAL_SEED, encode_prompt, eval_problems, step_problems, tokens_digest
 from tlt_jax.rl.packing import padded_batch
+from tlt_jax.rl.run_state import DrafterPart, HistoryPart, PolicyPart, RunState, StepPart, \
+    TunerPart
 from tlt_jax.rl.tasks import EpochSchedule, Problem
 from tlt_jax.rl.trainer_config import TrainerConfig, check_rollout_devices, check_update_layout
 from tlt_jax.rl.update import PolicyUpdate
@@ -44,9 +46,6 @@ from tlt_jax.rollout.processes import ProcessShardedRollout
 from tlt_jax.rollout.decode.sampling import SamplingParams
 from tlt_jax.rollout.host.stats import rollout_metrics
 from tlt_jax.rollout.decode.suffix import SuffixConfig
-
-TUNER_KEY = "tuner"  # checkpoint metadata: the adaptive rollout tuner's state_dict()
-HISTORY_KEY = "history"  # checkpoint metadata: the HistoryStore's state_dict()
 
 
 class GRPOTrainer:
@@ -280,27 +279,32 @@ class GRPOTrainer:
       self._sync_engine()
 
   # ---- checkpoints ----------------------------------------------------------------------------
-  def checkpoint_state(self) -> dict:
-    state = dict(self.policy.checkpoint_state(), step=np.asarray(self.step_count, np.int64))
+  def run_state(self) -> RunState:
+    """The run's state as one value (``rl/run_state.py``): the policy and its optimizer, the step,
+    the online drafter and its buffer, the tuner, the history store, each where present."""
+    parts = {"policy": PolicyPart(self.policy, self._sync_engine),
+             "step": StepPart(lambda: self.step_count,
+                              lambda step: setattr(self, "step_count", step)),
+             "tuner": TunerPart(self.engine)}
     if self.online is not None:
-      state["drafter"] = self.online.checkpoint_state()
-    return state
+      parts["drafter"] = DrafterPart(self.online, lambda: self._sync_drafter(always=True))
+    if self.history is not None:
+      parts["history"] = HistoryPart(self.history, self.history_config,
+                                     lambda store: setattr(self, "history", store))
+    return RunState(parts)
+
+  def checkpoint_state(self) -> dict:
+    """The checkpoint's arrays (``RunState.arrays``)."""
+    return self.run_state().arrays()
 
   def save(self, checkpointer: ckpt.Checkpointer, metadata: dict | None = None) -> None:
     """Saves params, optimizer state and the step (the data position is the step) atomically;
-    the metadata holds what the adaptive engine's tuner learned (``"tuner"``), if it has one,
-    and the history store (``"history"``), if one is kept; the online drafter's data buffer is a
-    file beside the step's arrays."""
-    metadata = {"trainer": dataclasses.asdict(self.config), **(metadata or {})}
-    if (tuner := self.engine.tuner_state()) is not None:
-      metadata[TUNER_KEY] = tuner
-    if self.history is not None:
-      metadata[HISTORY_KEY] = self.history.state_dict()
-    write_buffer = (None if self.online is None else
-                    self.online.save_buffer(checkpointer, self.step_count, metadata))
-    checkpointer.save(self.step_count, self.checkpoint_state(), metadata)
-    if write_buffer is not None:
-      write_buffer()
+    the metadata holds the trainer's config (``"trainer"``), ``metadata``, what the adaptive
+    engine's tuner learned (``"tuner"``), if it has one, and the history store (``"history"``),
+    if one is kept; the online drafter's data buffer is a file beside the step's arrays
+    (``RunState.save``)."""
+    self.run_state().save(checkpointer, {"trainer": dataclasses.asdict(self.config),
+                                         **(metadata or {})})
 
   def restore(self, checkpointer: ckpt.Checkpointer, step: int | None = None,
               report=print) -> dict:
@@ -308,40 +312,8 @@ class GRPOTrainer:
     newer one is reported through ``report`` and moved aside), its tuner state into the adaptive
     engine's tuner (``Rollout.load_tuner_state``) and its history store, if one is kept (a
     checkpoint without one, e.g. from before the store existed, is reported and the store starts
-    empty); returns its metadata."""
-    like = self.checkpoint_state()
-    if step is None:
-      _, state, metadata = checkpointer.restore_latest_good(like=like, report=report)
-    else:
-      state, metadata = checkpointer.restore(step, like=like)
-    history = None  # read first: a history that does not load leaves the trainer as it was
-    if self.history is not None:
-      history = self._saved_history(metadata.get(HISTORY_KEY), int(state["step"]), report)
-    self.policy.load_checkpoint_state(state)
-    self.step_count = int(state["step"])
-    self._sync_engine()
-    if self.online is not None:
-      self.online.restore(state["drafter"], checkpointer, self.step_count, metadata, report)
-      self._sync_drafter(always=True)
-    self.engine.load_tuner_state(metadata.get(TUNER_KEY), report)
-    if history is not None:
-      self.history = history
-    return metadata
-
-  def _saved_history(self, saved: dict | None, step: int, report) -> HistoryStore:
-    """The history store of checkpoint ``step``'s metadata entry ``saved``: empty (and reported)
-    when there is none; a ValueError naming the step when it does not load."""
-    history = HistoryStore(self.history_config)
-    if saved is None:
-      report(f"the checkpoint of step {step} holds no rollout history (saved before the history "
-             "store existed, or without a suffix drafter): the store starts empty")
-      return history
-    try:
-      history.load_state_dict(saved)
-    except ValueError as e:
-      raise ValueError(f"the checkpoint of step {step} holds a rollout history that does not "
-                       f"load: {e}") from None
-    return history
+    empty); returns its metadata (``RunState.restore``)."""
+    return self.run_state().restore(checkpointer, step, report)
 
   def completion_texts(self, tokens: list[list[int]]) -> list[str]:
     """The completions as the reward reads them: special tokens (the EOS a finished row ends
