@@ -19,7 +19,8 @@ from tests.helpers import assert_written_atomically, garble
 from tests.xla_env import subprocess_env
 from tlt_jax import generate, train
 from tlt_jax.checkpoint.checkpointer import CheckpointError
-from tlt_jax.job import runner
+from tlt_jax.job import console, loop, runner
+from tlt_jax.job import precompile as precompile_lib
 from tlt_jax.job.build import build_job
 from tlt_jax.job.run_dir import CONFIG_FILE, check_resume_overrides, export_final_model, \
     resume_config, save_run_config
@@ -446,14 +447,14 @@ def test_the_job_hands_the_trainer_its_suffix_drafter_and_history(tmp_path, monk
 def test_a_history_store_too_small_for_an_epoch_is_noted(tmp_path):
   cfg = tiny_config(tmp_path, drafter="suffix", task=dict(max_digits=3, num_prompts=8))
   cfg.history.max_bytes = 4000  # 8 prompts x 2 completions x 16 tokens need 8 x 512 bytes
-  note = runner.history_room_note(build_job(cfg))
+  note = console.history_room_note(build_job(cfg))
   assert note.startswith("note: history.max_bytes=4000 holds less than an epoch's completions at "
                          "full length (4096 bytes for 8 prompts x 2 completions x 16 tokens)")
   cfg.history.max_bytes = 4096
-  assert runner.history_room_note(build_job(cfg)) is None
+  assert console.history_room_note(build_job(cfg)) is None
   cfg.task.num_prompts = 0  # fresh problems: no epoch to hold
   cfg.history.max_bytes = 10
-  assert runner.history_room_note(build_job(cfg)) is None
+  assert console.history_room_note(build_job(cfg)) is None
 
 
 def checkpoint_metadata(logdir, step: int) -> dict:
@@ -547,7 +548,7 @@ def test_a_new_run_in_a_logdir_with_checkpoints_is_refused(finished_run):
 
 
 class FakeTrainer:
-  """What ``runner.train_steps`` uses of a GRPOTrainer; ``step`` runs ``on_step(step)`` first."""
+  """What ``loop.train_steps`` uses of a GRPOTrainer; ``step`` runs ``on_step(step)`` first."""
 
   def __init__(self, on_step=lambda step: None):
     self.step_count, self.saved, self.on_step = 0, [], on_step
@@ -608,7 +609,7 @@ def test_a_non_finite_update_advises_what_works(tmp_path, checkpoints, advice):
   with pytest.raises(NonFiniteUpdateError, match=advice + r" and add "
                      r"--config.trainer.on_nonfinite=skip .* or a lower "
                      r"--config.trainer.learning_rate"):
-    runner.train_steps(FakeTrainer(diverge), fake_job(tmp_path), FakeCheckpointer(checkpoints),
+    loop.train_steps(FakeTrainer(diverge), fake_job(tmp_path), FakeCheckpointer(checkpoints),
                  FakeLog())
   assert "on_nonfinite" in load_config_file(ROOT / "configs" / "tiny_grpo.py").trainer
 
@@ -622,7 +623,7 @@ def test_a_signal_during_rl_stops_after_the_step_in_flight_and_saves_it(tmp_path
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match=rf"stopped by {sig.name} after step 2, saved as "
                                                 r"checkpoints/2; continue with") as e:
-      runner.train_steps(trainer, fake_job(tmp_path), FakeCheckpointer(), log, stop=stop)
+      loop.train_steps(trainer, fake_job(tmp_path), FakeCheckpointer(), log, stop=stop)
   assert e.value.exit_code == 128 + sig and trainer.saved == [2]
   assert [step for step, _ in log.rows] == [0, 1, 2]  # the start evaluation, then both steps
 
@@ -635,7 +636,7 @@ def test_a_signal_during_rl_stops_after_the_step_in_flight_and_saves_it(tmp_path
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match=r"interrupted during step 2; no checkpoint was "
                                                 r"written yet") as e:
-      runner.train_steps(trainer, fake_job(tmp_path), FakeCheckpointer(), FakeLog(), stop=stop)
+      loop.train_steps(trainer, fake_job(tmp_path), FakeCheckpointer(), FakeLog(), stop=stop)
   assert e.value.exit_code == 128 + sig and trainer.saved == []
   assert signal.getsignal(signal.SIGTERM) == before  # handlers restored
 
@@ -650,7 +651,7 @@ def test_periodic_evaluations_go_into_their_steps_rows_before_the_save(tmp_path)
   log = FakeLog()
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match="stopped by SIGTERM after step 3"):
-      runner.train_steps(trainer, job, FakeCheckpointer(), log, stop=stop)
+      loop.train_steps(trainer, job, FakeCheckpointer(), log, stop=stop)
   assert [(step, "eval_accuracy" in m) for step, m in log.rows] == [
       (0, True), (1, False), (2, True), (3, False)]
   assert trainer.saved == [3]
@@ -664,15 +665,15 @@ def test_periodic_evaluations_go_into_their_steps_rows_before_the_save(tmp_path)
   trainer.evaluate = signal_twice
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match="after step 2, during its held-out evaluation"):
-      runner.train_steps(trainer, job, FakeCheckpointer(), FakeLog(), stop=stop)
+      loop.train_steps(trainer, job, FakeCheckpointer(), FakeLog(), stop=stop)
   assert trainer.saved == []
 
 
 def test_a_checkpoint_is_due_every_checkpoint_every_steps_and_after_the_last(tmp_path):
   job = fake_job(tmp_path, steps=5, checkpoint_every=2)
-  assert [step for step in range(1, 6) if runner.checkpoint_due(job, step)] == [2, 4, 5]
+  assert [step for step in range(1, 6) if loop.checkpoint_due(job, step)] == [2, 4, 5]
   job = fake_job(tmp_path, steps=5)  # checkpoint_every=0: the last step only
-  assert [step for step in range(1, 6) if runner.checkpoint_due(job, step)] == [5]
+  assert [step for step in range(1, 6) if loop.checkpoint_due(job, step)] == [5]
 
 
 class KeptRows:
@@ -697,7 +698,7 @@ def test_a_resumed_run_reads_its_start_figures_from_step_0_s_row(tmp_path):
           dict(step=0, eval_accuracy=0.25, eval_sampled_reward=0.5, eval_pass_at_8=0.625,
                reward=0.1),
           dict(step=2, eval_accuracy=0.75, eval_sampled_reward=0.875)]
-  steps = runner.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), KeptRows(rows), None,
+  steps = loop.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), KeptRows(rows), None,
                         StopSignals())
   assert steps.evaluate_at_start() == dict(eval_accuracy=0.25, eval_sampled_reward=0.5,
                                            eval_pass_at_8=0.625)
@@ -719,7 +720,7 @@ def test_pass_at_k_takes_the_first_eval_pass_problems_of_the_larger_held_out_set
 
   monkeypatch.setattr(trainer.engine, "generate", generate)
   log = FakeLog()
-  figures = runner.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), log, None,
+  figures = loop.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), log, None,
                          StopSignals()).evaluate()
   held = [tuple(trainer.encode_prompt(p)) for p in eval_problems(trainer.task, 4, EVAL_SEED)]
   assert len(set(held)) == 4
@@ -753,13 +754,13 @@ def test_precompile_compiles_rollout_update_and_drafter_and_says_how_long():
         policy=types.SimpleNamespace(executable_keys=lambda: [1, 2, 3]),
         first_request_rows=lambda: [4, 8], online=None)
 
-  done = runner.precompile(trainer(0))
+  done = precompile_lib.precompile(trainer(0))
   assert order == ["update", "drafter", "rollout"]  # the rollout's background compile last
   assert (done.rollout, done.update, done.drafter_devices) == (2, 3, 0)
   assert min(done.rollout_s, done.update_s, done.drafter_s) >= 0
   assert re.fullmatch(r"compiled 2 rollout executables in \d+s, 3 policy-update executables in "
                       r"\d+s", done.line()), done.line()
-  done = runner.precompile(trainer(2), progress=True)  # with its bar on stderr
+  done = precompile_lib.precompile(trainer(2), progress=True)  # with its bar on stderr
   assert re.fullmatch(r"compiled 2 .* in \d+s, the drafter's steps for 2 device\(s\) in \d+s",
                       done.line()), done.line()
 
