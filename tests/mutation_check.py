@@ -1388,7 +1388,7 @@ MUTANTS = [
            ("tests/rl/test_train_config.py", "-k", "auto_compute_dtype"),
            'compute_dtype="auto" computes in float32 on a TPU (in bfloat16 on a GPU only)'),
     Mutant("pass_at_k_over_every_held_out_problem", "tlt_jax/job/loop.py",
-           "min(cfg.eval_pass_problems, cfg.eval_problems)", "cfg.eval_problems",
+           "min(config.eval_pass_problems, config.eval_problems)", "config.eval_problems",
            ("tests/test_train_job.py", "-k", "first_eval_pass_problems"),
            "pass@k samples all eval_problems, not the first eval_pass_problems (k x the rows)"),
     Mutant("delete_after_deletes_the_step_itself", "tlt_jax/checkpoint/checkpointer.py",

@@ -271,6 +271,9 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
     ("sft.learning_rate", -1.0, r"config.sft: SFTConfig.learning_rate must be > 0"),
     ("sft.rows", 0, r"config.sft.rows must be a positive int, got 0"),
     ("mesh_devices", -1, r"config.mesh_devices must be an int >= 0"),
+    ("distributed", "yes", r"config.distributed must be True or False, got 'yes'"),
+    ("distributed_timeout_s", 0, (r"config.distributed_timeout_s must be a finite number of "
+                                  r"seconds > 0, got 0")),
     ("drafter", "eagle4", (r"config.drafter must be 'none', 'ngram' \(model-free drafting\), "
                            r"'eagle' or 'eagle3' \(an "
                            r"EAGLE-1 or EAGLE-3 drafter .* or the directory of a drafter saved by "
@@ -1176,3 +1179,70 @@ def test_a_killed_suffix_drafter_run_resumes_to_the_uninterrupted_one(tmp_path):
   assert (checkpoint_metadata(logdir, STEPS)["history"] ==
           checkpoint_metadata(reference, STEPS)["history"]), why
   assert_same_params(reference, logdir, why)
+
+
+def test_each_device_rule_and_the_engine_config_resolve_once_per_job(tmp_path, monkeypatch):
+  """The job checks the step's device rules before any model (the trainer takes them as
+  checked) and resolves the engine's config once; the rollout's own resolves of that config
+  change nothing."""
+  from tests.rl.test_run_state import count_calls  # pylint: disable=import-outside-toplevel
+  from tlt_jax.job import rollout_config  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl import trainer_config  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout import engine as engine_lib  # pylint: disable=import-outside-toplevel
+  calls = count_calls(monkeypatch, trainer_config, "check_update_layout", "check_rollout_devices")
+  count_calls(monkeypatch, rollout_config, "resolve_engine_config", calls=calls)
+  real_resolve, changed = engine_lib.resolve_engine_config, []
+
+  def resolve(config, *args, **kwargs):
+    resolved = real_resolve(config, *args, **kwargs)
+    changed.append(resolved != config)
+    return resolved
+
+  monkeypatch.setattr(engine_lib, "resolve_engine_config", resolve)
+  built = []
+
+  def trainer_then_stop(*args, **kwargs):
+    built.append(runner_trainer(*args, **kwargs))
+    raise Interrupted(2, "stopped once the trainer was built")
+
+  runner_trainer = runner.GRPOTrainer
+  monkeypatch.setattr(runner, "GRPOTrainer", trainer_then_stop)
+  with pytest.raises(Interrupted):
+    train.run(tiny_config(tmp_path / "run", drafter="ngram"))
+  assert built and calls == {"check_update_layout": 1, "check_rollout_devices": 1,
+                             "resolve_engine_config": 1}
+  assert changed and not any(changed)
+
+
+JOB_MODULES = ("runner.py", "loop.py", "console.py", "precompile.py")
+
+
+def raw_config_reads(source: str) -> list[str]:
+  """The field reads of a raw config in ``source``: ``cfg.<field>``, ``cfg[...]``,
+  ``cfg.get(...)`` or ``<x>.cfg.<field>`` (passing the config whole, or ``to_dict()`` to save
+  it, is no read)."""
+  import ast  # pylint: disable=import-outside-toplevel
+  reads = []
+  for node in ast.walk(ast.parse(source)):
+    value = node.value if isinstance(node, (ast.Attribute, ast.Subscript)) else None
+    raw = (isinstance(value, ast.Name) and value.id == "cfg" or
+           isinstance(value, ast.Attribute) and value.attr == "cfg")
+    if raw and not (isinstance(node, ast.Attribute) and node.attr == "to_dict"):
+      reads.append(f"line {node.lineno}: {ast.unparse(node)}")
+  return reads
+
+
+@pytest.mark.parametrize("module", JOB_MODULES)
+def test_the_job_reads_its_typed_fields_not_the_raw_config(module):
+  """The runner and the loop read the ``Job``; the raw config is only passed on whole, to be
+  printed or saved (a field read would bypass the Job's checks and types)."""
+  path = ROOT / "tlt_jax" / "job" / module
+  assert raw_config_reads(path.read_text()) == []
+
+
+def test_a_raw_config_read_is_seen():
+  assert raw_config_reads("if cfg.distributed:\n  t = cfg.get('x')\n") == [
+      "line 1: cfg.distributed", "line 2: cfg.get"]
+  assert raw_config_reads("n = job.cfg['trainer']\nsave(job.cfg.to_dict(), cfg)\n") == [
+      "line 1: job.cfg['trainer']"]
+

@@ -27,17 +27,18 @@ from tlt_jax.utils import progress_bar
 
 
 def _evaluate(trainer: GRPOTrainer) -> dict[str, float]:
-  """The held-out figures at the trainer's step: ``eval_accuracy`` (greedy), ``eval_sampled_reward``
-  and, with ``eval_pass_k``, ``eval_pass_at_<k>``."""
+  """The held-out figures at the trainer's step: ``eval_accuracy`` (greedy),
+  ``eval_sampled_reward`` and, with ``eval_pass_k``, ``eval_pass_at_<k>``."""
   t0 = time.perf_counter()
-  cfg = trainer.config
-  n, k, m = cfg.eval_problems, cfg.eval_pass_k, min(cfg.eval_pass_problems, cfg.eval_problems)
+  config = trainer.config
+  n, k = config.eval_problems, config.eval_pass_k
+  m = min(config.eval_pass_problems, config.eval_problems)
   out = {}
   rows = 2 * n + k * m
   with progress_bar(rows, f"held-out evaluation at step {trainer.step_count}", "row") as bar:
     out["eval_accuracy"] = trainer.evaluate(progress=lambda done, _: bar.update(done - bar.n))
     out["eval_sampled_reward"] = trainer.evaluate(
-        temperature=cfg.temperature, progress=lambda done, _: bar.update(n + done - bar.n))
+        temperature=config.temperature, progress=lambda done, _: bar.update(n + done - bar.n))
     if k:
       out[f"eval_pass_at_{k}"] = float(np.mean(trainer.pass_at(
           k, m, progress=lambda done, _: bar.update(2 * n + done - bar.n))))

@@ -41,9 +41,9 @@ def precompile(trainer: GRPOTrainer, progress: bool = False) -> Precompiled:
   cost tuner's calibration; with it, the speculative arms that the calibration says pay compile
   in a background thread and are offered once they exist, so the first step waits for
   vanilla's alone), the policy update's, and the online drafter's steps, so that the steps
-  compile nothing on their critical path and their timings are the steps' own. ``progress``: a bar on stderr
-  while the rollout's executables compile (they are most of the time). Returns the counts and
-  seconds of each part (the job prints ``line()``)."""
+  compile nothing on their critical path and their timings are the steps' own. ``progress``: a
+  bar on stderr while the rollout's executables compile (they are most of the time). Returns the
+  counts and seconds of each part (the job prints ``line()``)."""
   # the update's and the drafter's first: the rollout's SD arms then compile in a background
   # thread that competes with nothing else that the first step waits for
   t0 = time.perf_counter()

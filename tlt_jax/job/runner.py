@@ -8,6 +8,7 @@ The config has been turned into a ``Job`` (``build.py``) and the run directory o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import time
 from typing import Iterable
@@ -18,7 +19,8 @@ import numpy as np
 
 from tlt_jax import hosts
 from tlt_jax.checkpoint import Checkpointer
-from tlt_jax.job.build import Job, build_job, check_top_level, describe, update_devices
+from tlt_jax.job.build import Job, build_job, check_top_level, describe, distributed_fields, \
+    step_devices, update_devices
 from tlt_jax.job.console import describe_rl, resume_hint, say
 from tlt_jax.job.loop import train_steps
 from tlt_jax.job.precompile import precompile
@@ -26,7 +28,6 @@ from tlt_jax.job.run_dir import CHECKPOINTS, DRAFTER_CHECKPOINTS, FINAL_MODEL, M
     choose_logdir, export_final_drafter, export_final_model, export_final_speculators, open_run, \
     save_run_config, set_aside_leftovers
 from tlt_jax.job.signals import Interrupted, StopSignals
-from tlt_jax.job.typed_config import ConfigError, config_error
 from tlt_jax.models.load import from_pretrained
 from tlt_jax.models.instances import with_compute_dtype
 from tlt_jax.models.drafter_io import drafter_policy_mismatch
@@ -36,7 +37,6 @@ from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.rewards import task_scorer
 from tlt_jax.rl.sft import warm_start
 from tlt_jax.rl.trainer import GRPOTrainer
-from tlt_jax.rl.trainer_config import check_update_layout
 from tlt_jax.utils import progress_bar
 
 
@@ -81,18 +81,15 @@ def _open_job(cfg: ml_collections.ConfigDict, overrides: Iterable[str] | None
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # never mutate the caller's config
   check_top_level(cfg)
   logdir = choose_logdir(cfg)
-  if cfg.distributed:  # several processes, from the environment; before any other JAX call
-    hosts.initialize(timeout_s=cfg.get("distributed_timeout_s", hosts.DEFAULT_TIMEOUT_S))
+  joining = distributed_fields(cfg)  # the Job's part that is needed before any JAX call
+  if joining.distributed:  # several processes, from the environment; before any other JAX call
+    hosts.initialize(timeout_s=joining.distributed_timeout_s)
   cfg, latest, note = open_run(cfg, logdir, overrides)
   if note:
     say(note)
   job = build_job(cfg, keys_checked=True)  # the same keys as checked above
-  devices = update_devices(job.mesh_devices, job.fsdp, job.rollout_devices)
-  try:
-    check_update_layout(job.trainer, job.grpo, len(devices))
-  except ValueError as e:
-    layout = config_error(e, None, {"TrainerConfig": "trainer", "GRPOConfig": "grpo"})
-    raise ConfigError(f"{layout} (config.mesh_devices sets how many)") from None
+  devices = update_devices(job.mesh_devices, job.fsdp)
+  job = dataclasses.replace(job, step_devices=step_devices(job, devices))  # the trainer's too
   say(f"config:\n{describe(cfg)}")
   say(held_out_line(job.task, job.trainer.eval_problems))  # whether held-out is training data
   say(f"reward: {task_scorer(job.task)}")  # math_verify or not: rewards differ by install
@@ -139,7 +136,7 @@ def set_up_trainer(job: Job, latest: int | None, mesh: jax.sharding.Mesh) -> GRP
       model = _warm_start(model, job)
   spec = job.drafter_spec
   if spec.kind == "saved":
-    warning = drafter_policy_mismatch(spec.learned, model)  # the policy RL starts from
+    warning = drafter_policy_mismatch(spec.path, model)  # the policy RL starts from
     if warning:
       say(f"warning: {warning} (--config.drafter={spec.learned} "
           "--config.drafter_training.online=True)")
@@ -241,7 +238,7 @@ def make_trainer(job: Job, model: Transformer, mesh: jax.sharding.Mesh,
                      mesh=mesh, drafter=drafter,
                      chat_template=job.chat_template, rollout_devices=job.rollout_devices,
                      drafter_training=job.drafter_training, suffix=job.suffix,
-                     history=job.history)
+                     history=job.history, checked=job.step_devices)
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from tlt_jax.rl.packing import padded_batch
 from tlt_jax.rl.run_state import DrafterPart, HistoryPart, PolicyPart, RunState, StepPart, \
     TunerPart
 from tlt_jax.rl.tasks import EpochSchedule, Problem
-from tlt_jax.rl.trainer_config import TrainerConfig, check_rollout_devices, check_update_layout
+from tlt_jax.rl.trainer_config import StepDevices, TrainerConfig
 from tlt_jax.rl.update import PolicyUpdate
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.host.history import HistoryConfig, HistoryStore, prompt_key
@@ -56,24 +56,31 @@ class GRPOTrainer:
                grpo_config: grpo.GRPOConfig, config: TrainerConfig, mesh: Mesh | None = None,
                drafter=None, chat_template: bool = False, rollout_devices: int = 1,
                drafter_training: DrafterTrainingConfig | None = None,
-               suffix: SuffixConfig | None = None, history: HistoryConfig | None = None):
+               suffix: SuffixConfig | None = None, history: HistoryConfig | None = None,
+               checked: StepDevices | None = None):
     """``drafter`` (a ``Drafter``, or a model-free kind's config such as ``NgramConfig``) makes
     rollouts speculative (lossless: speed only); ``suffix`` adds the suffix drafter, which
-    drafts from the ``history`` store (kept and checkpointed only when the engine uses it). ``chat_template``: prompts go through the
-    tokenizer's chat template (``tasks.chat_prompt``) instead of ``<bos> + text``.
+    drafts from the ``history`` store (kept and checkpointed only when the engine uses it).
+    ``chat_template``: prompts go through the tokenizer's chat template (``tasks.chat_prompt``)
+    instead of ``<bos> + text``.
     ``rollout_devices``: the mesh's devices that roll out data-parallel (0: all, 1: the first).
     ``drafter_training``: train the drafter online from the rollouts' hidden states
-    (docs/library.md, "GRPOTrainer")."""
+    (docs/library.md, "GRPOTrainer"). ``checked``: the ``StepDevices`` of ``mesh`` and
+    ``rollout_devices``, checked already (the job's); None: checked here."""
     self.tokenizer, self.task, self.config, self.grpo_config = tokenizer, task, config, grpo_config
     self.chat_template = chat_template
     self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("data",))
-    check_update_layout(config, grpo_config, self.mesh.size)
+    # this process's devices of the mesh (on several hosts each one rolls out on its own)
+    devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+    shape = (config, grpo_config, self.mesh.size, len(devices), rollout_devices)
+    if checked is None:
+      StepDevices(*shape)
+    elif not checked.fits(*shape):
+      raise ValueError(f"GRPOTrainer(checked={checked}) was checked for other configs or devices "
+                       f"than the trainer's {shape[2:]}")
     if config.max_new_tokens > engine_config.max_new_tokens:
       raise ValueError(f"TrainerConfig.max_new_tokens={config.max_new_tokens} exceeds "
                        f"EngineConfig.max_new_tokens={engine_config.max_new_tokens}")
-    # this process's devices of the mesh (on several hosts each one rolls out on its own)
-    devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
-    check_rollout_devices(rollout_devices, len(devices))
     self.rollout_devices = devices[:rollout_devices or len(devices)]
     with_suffix = {} if suffix is None else {"suffix": suffix}
     if len(self.rollout_devices) > 1:

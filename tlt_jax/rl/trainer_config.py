@@ -112,11 +112,16 @@ class TrainerConfig:
       raise bad("update_tokens", f"must be an int >= {UPDATE_BUCKET_MIN} (tokens per update "
                 f"micro-batch) or 0 (full-length updates), got {budget!r}")
 
+class UpdateLayoutError(ValueError):
+  """A step's rows do not split into equal minibatches over the update mesh's devices."""
+
+
 def check_update_layout(config: TrainerConfig, grpo_config: grpo.GRPOConfig, devices: int) -> None:
-  """Raises ``ValueError`` unless a step's rows split into equal minibatches over ``devices``."""
+  """Raises ``UpdateLayoutError`` unless a step's rows split into equal minibatches over
+  ``devices``."""
   rows = config.prompts_per_step * grpo_config.group_size
   if rows % config.minibatches or (rows // config.minibatches) % devices:
-    raise ValueError(
+    raise UpdateLayoutError(
         f"TrainerConfig.prompts_per_step x GRPOConfig.group_size = {rows} rows must split into "
         f"TrainerConfig.minibatches={config.minibatches} minibatches whose size divides over "
         f"{devices} devices: change those fields or the devices")
@@ -132,3 +137,29 @@ def check_rollout_devices(value, available: int | None = None,
   if available is not None and value > available:
     raise ValueError(f"{name}={value} but the mesh has {available} devices in this process; use "
                      f"0 for all of them")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDevices:
+  """The devices of a trainer's steps, checked once, where this is made: the update mesh's
+  ``mesh_size`` devices, of which this process holds ``local``, and how many of those roll out
+  (``rollout``; 0: all). The rollout's devices must be this process's (``check_rollout_devices``)
+  and a step's rows must split into equal minibatches over the mesh (``check_update_layout``).
+  The job makes one before any model exists and hands it to the trainer, which makes its own
+  only where it is given none."""
+
+  config: TrainerConfig
+  grpo_config: grpo.GRPOConfig
+  mesh_size: int
+  local: int
+  rollout: int = 1
+
+  def __post_init__(self):
+    check_rollout_devices(self.rollout, self.local)
+    check_update_layout(self.config, self.grpo_config, self.mesh_size)
+
+  def fits(self, config: TrainerConfig, grpo_config: grpo.GRPOConfig, mesh_size: int,
+           local: int, rollout: int) -> bool:
+    """Whether these are the devices checked for (no rule runs again)."""
+    return (self.config is config and self.grpo_config is grpo_config and
+            (self.mesh_size, self.local, self.rollout) == (mesh_size, local, rollout))
