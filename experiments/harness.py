@@ -70,7 +70,8 @@ from tlt_jax.drafter.online import DrafterTrainingConfig, OnlineDrafter
 from tlt_jax.rl.sft import PackedStream, greedy_accuracy, make_lm_step, warm_start
 from tlt_jax.rl.tasks import ArithmeticTask, Problem, chat_prompt
 from tlt_jax.rl.packing import bucket_rows, plan_packs, update_buckets
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.trainer import GRPOTrainer
+from tlt_jax.rl.trainer_config import TrainerConfig
 from tlt_jax.rollout import (EngineConfig, NgramConfig, RolloutEngine, SamplingParams, SpecConfig,
                              TunerConfig, parse_specs, strategy_name)
 from tlt_jax.utils import FieldError, compile_count, write_report

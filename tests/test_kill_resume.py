@@ -14,7 +14,7 @@ drafter trains in serial steps (``spot=False``: how many spot steps fit in a tai
 
 The configuration users run (the default tuner and budget, coupled verification) has its own
 cases, in tests/test_same_seed.py: two uninterrupted runs and a stopped and resumed one must
-follow one policy trajectory (every metric ``tlt_jax.rl.trainer.metric_kind`` calls "exact",
+follow one policy trajectory (every metric ``tlt_jax.rl.data.metric_kind`` calls "exact",
 and the final weights), while the tuner and the drafter may differ by what they measured. The CLI subprocesses share the
 session's persistent compilation cache (tests/conftest.py), so only the first run of a program
 compiles it.
@@ -34,7 +34,7 @@ import pytest
 from tests.test_train_job import tiny_flags
 from tests.xla_env import subprocess_env
 from tlt_jax.models import hf
-from tlt_jax.rl.trainer import metric_kind
+from tlt_jax.rl.data import metric_kind
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 5

@@ -28,7 +28,7 @@ import pytest
 
 from tests.test_train_job import tiny_flags
 from tests.xla_env import subprocess_env
-from tlt_jax.rl.trainer import metric_kind
+from tlt_jax.rl.data import metric_kind
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the main-job tests' tiny sizes, on one-digit sums with a longer warm start, so the rewards

@@ -30,7 +30,7 @@ from tests.test_train_job import tiny_config
 from tlt_jax.job import runner
 from tlt_jax.job.build import build_job, job_devices
 from tlt_jax.models.transformer import init_model
-from tlt_jax.rl.trainer import metric_kind
+from tlt_jax.rl.data import metric_kind
 from tlt_jax.rollout.host.tuner import TunerConfig
 
 
@@ -106,7 +106,7 @@ def test_every_metric_has_a_kind():
 # The configuration users run: the default tuner ("cost"), serial budget ("ledger") and
 # verification ("coupled"). The tuner's choices and the ledger's grants follow measured time, so
 # what the drafter and the tuner do differs between any two runs; the policy's trajectory (the
-# metrics tlt_jax.rl.trainer.metric_kind calls "exact", and the weights) may not.
+# metrics tlt_jax.rl.data.metric_kind calls "exact", and the weights) may not.
 DEFAULT_TUNER_CASES = [("eagle_default_tuner", signal.SIGKILL),
                        ("ngram_default_tuner", signal.SIGINT),
                        ("suffix_default_tuner", signal.SIGTERM),

@@ -19,7 +19,8 @@ from tests.helpers import assert_written_atomically, garble
 from tests.xla_env import subprocess_env
 from tlt_jax import generate, train
 from tlt_jax.checkpoint.checkpointer import CheckpointError
-from tlt_jax.job import runner
+from tlt_jax.job import console, loop, runner
+from tlt_jax.job import precompile as precompile_lib
 from tlt_jax.job.build import build_job
 from tlt_jax.job.run_dir import CONFIG_FILE, check_resume_overrides, export_final_model, \
     resume_config, save_run_config
@@ -29,7 +30,8 @@ from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.drafter_io import load_drafter, save_drafter
 from tlt_jax.models.eagle3 import Eagle3Drafter
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import EVAL_SEED, TrainerConfig, eval_problems, metric_kind
+from tlt_jax.rl.data import EVAL_SEED, eval_problems, metric_kind
+from tlt_jax.rl.trainer_config import TrainerConfig
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.engine import RolloutEngine
 from tlt_jax.rollout.host.history import HistoryConfig
@@ -269,10 +271,13 @@ def test_unknown_keys_in_every_section_are_rejected_before_work(tmp_path, no_wor
     ("sft.learning_rate", -1.0, r"config.sft: SFTConfig.learning_rate must be > 0"),
     ("sft.rows", 0, r"config.sft.rows must be a positive int, got 0"),
     ("mesh_devices", -1, r"config.mesh_devices must be an int >= 0"),
+    ("distributed", "yes", r"config.distributed must be True or False, got 'yes'"),
+    ("distributed_timeout_s", 0, (r"config.distributed_timeout_s must be a finite number of "
+                                  r"seconds > 0, got 0")),
     ("drafter", "eagle4", (r"config.drafter must be 'none', 'ngram' \(model-free drafting\), "
-                           r"'eagle' or 'eagle3' \(an "
-                           r"EAGLE-1 or EAGLE-3 drafter .* or the directory of a drafter saved by "
-                           r".*save_drafter; 'eagle4' is not an existing directory")),
+                           r"'eagle' or 'eagle3' \(a learned drafter of that architecture .* "
+                           r"or the directory of a drafter saved by .*save_drafter; 'eagle4' is "
+                           r"not an existing directory")),
     ("drafter", "eagle3+ngram", r"config.drafter must be .*'eagle3'.*; 'eagle3\+ngram' is not an "
                                 r"existing directory \(or 'suffix'.* or '<eagle, eagle3 or a "
                                 r"drafter directory>\+suffix'"),
@@ -445,14 +450,14 @@ def test_the_job_hands_the_trainer_its_suffix_drafter_and_history(tmp_path, monk
 def test_a_history_store_too_small_for_an_epoch_is_noted(tmp_path):
   cfg = tiny_config(tmp_path, drafter="suffix", task=dict(max_digits=3, num_prompts=8))
   cfg.history.max_bytes = 4000  # 8 prompts x 2 completions x 16 tokens need 8 x 512 bytes
-  note = runner.history_room_note(build_job(cfg))
+  note = console.history_room_note(build_job(cfg))
   assert note.startswith("note: history.max_bytes=4000 holds less than an epoch's completions at "
                          "full length (4096 bytes for 8 prompts x 2 completions x 16 tokens)")
   cfg.history.max_bytes = 4096
-  assert runner.history_room_note(build_job(cfg)) is None
+  assert console.history_room_note(build_job(cfg)) is None
   cfg.task.num_prompts = 0  # fresh problems: no epoch to hold
   cfg.history.max_bytes = 10
-  assert runner.history_room_note(build_job(cfg)) is None
+  assert console.history_room_note(build_job(cfg)) is None
 
 
 def checkpoint_metadata(logdir, step: int) -> dict:
@@ -546,7 +551,7 @@ def test_a_new_run_in_a_logdir_with_checkpoints_is_refused(finished_run):
 
 
 class FakeTrainer:
-  """What ``runner.train_steps`` uses of a GRPOTrainer; ``step`` runs ``on_step(step)`` first."""
+  """What ``loop.train_steps`` uses of a GRPOTrainer; ``step`` runs ``on_step(step)`` first."""
 
   def __init__(self, on_step=lambda step: None):
     self.step_count, self.saved, self.on_step = 0, [], on_step
@@ -607,7 +612,7 @@ def test_a_non_finite_update_advises_what_works(tmp_path, checkpoints, advice):
   with pytest.raises(NonFiniteUpdateError, match=advice + r" and add "
                      r"--config.trainer.on_nonfinite=skip .* or a lower "
                      r"--config.trainer.learning_rate"):
-    runner.train_steps(FakeTrainer(diverge), fake_job(tmp_path), FakeCheckpointer(checkpoints),
+    loop.train_steps(FakeTrainer(diverge), fake_job(tmp_path), FakeCheckpointer(checkpoints),
                  FakeLog())
   assert "on_nonfinite" in load_config_file(ROOT / "configs" / "tiny_grpo.py").trainer
 
@@ -621,7 +626,7 @@ def test_a_signal_during_rl_stops_after_the_step_in_flight_and_saves_it(tmp_path
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match=rf"stopped by {sig.name} after step 2, saved as "
                                                 r"checkpoints/2; continue with") as e:
-      runner.train_steps(trainer, fake_job(tmp_path), FakeCheckpointer(), log, stop=stop)
+      loop.train_steps(trainer, fake_job(tmp_path), FakeCheckpointer(), log, stop=stop)
   assert e.value.exit_code == 128 + sig and trainer.saved == [2]
   assert [step for step, _ in log.rows] == [0, 1, 2]  # the start evaluation, then both steps
 
@@ -634,7 +639,7 @@ def test_a_signal_during_rl_stops_after_the_step_in_flight_and_saves_it(tmp_path
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match=r"interrupted during step 2; no checkpoint was "
                                                 r"written yet") as e:
-      runner.train_steps(trainer, fake_job(tmp_path), FakeCheckpointer(), FakeLog(), stop=stop)
+      loop.train_steps(trainer, fake_job(tmp_path), FakeCheckpointer(), FakeLog(), stop=stop)
   assert e.value.exit_code == 128 + sig and trainer.saved == []
   assert signal.getsignal(signal.SIGTERM) == before  # handlers restored
 
@@ -649,7 +654,7 @@ def test_periodic_evaluations_go_into_their_steps_rows_before_the_save(tmp_path)
   log = FakeLog()
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match="stopped by SIGTERM after step 3"):
-      runner.train_steps(trainer, job, FakeCheckpointer(), log, stop=stop)
+      loop.train_steps(trainer, job, FakeCheckpointer(), log, stop=stop)
   assert [(step, "eval_accuracy" in m) for step, m in log.rows] == [
       (0, True), (1, False), (2, True), (3, False)]
   assert trainer.saved == [3]
@@ -663,15 +668,15 @@ def test_periodic_evaluations_go_into_their_steps_rows_before_the_save(tmp_path)
   trainer.evaluate = signal_twice
   with StopSignals() as stop:
     with pytest.raises(Interrupted, match="after step 2, during its held-out evaluation"):
-      runner.train_steps(trainer, job, FakeCheckpointer(), FakeLog(), stop=stop)
+      loop.train_steps(trainer, job, FakeCheckpointer(), FakeLog(), stop=stop)
   assert trainer.saved == []
 
 
 def test_a_checkpoint_is_due_every_checkpoint_every_steps_and_after_the_last(tmp_path):
   job = fake_job(tmp_path, steps=5, checkpoint_every=2)
-  assert [step for step in range(1, 6) if runner.checkpoint_due(job, step)] == [2, 4, 5]
+  assert [step for step in range(1, 6) if loop.checkpoint_due(job, step)] == [2, 4, 5]
   job = fake_job(tmp_path, steps=5)  # checkpoint_every=0: the last step only
-  assert [step for step in range(1, 6) if runner.checkpoint_due(job, step)] == [5]
+  assert [step for step in range(1, 6) if loop.checkpoint_due(job, step)] == [5]
 
 
 class KeptRows:
@@ -696,7 +701,7 @@ def test_a_resumed_run_reads_its_start_figures_from_step_0_s_row(tmp_path):
           dict(step=0, eval_accuracy=0.25, eval_sampled_reward=0.5, eval_pass_at_8=0.625,
                reward=0.1),
           dict(step=2, eval_accuracy=0.75, eval_sampled_reward=0.875)]
-  steps = runner.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), KeptRows(rows), None,
+  steps = loop.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), KeptRows(rows), None,
                         StopSignals())
   assert steps.evaluate_at_start() == dict(eval_accuracy=0.25, eval_sampled_reward=0.5,
                                            eval_pass_at_8=0.625)
@@ -718,7 +723,7 @@ def test_pass_at_k_takes_the_first_eval_pass_problems_of_the_larger_held_out_set
 
   monkeypatch.setattr(trainer.engine, "generate", generate)
   log = FakeLog()
-  figures = runner.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), log, None,
+  figures = loop.Steps(trainer, fake_job(tmp_path), FakeCheckpointer(), log, None,
                          StopSignals()).evaluate()
   held = [tuple(trainer.encode_prompt(p)) for p in eval_problems(trainer.task, 4, EVAL_SEED)]
   assert len(set(held)) == 4
@@ -752,13 +757,13 @@ def test_precompile_compiles_rollout_update_and_drafter_and_says_how_long():
         policy=types.SimpleNamespace(executable_keys=lambda: [1, 2, 3]),
         first_request_rows=lambda: [4, 8], online=None)
 
-  done = runner.precompile(trainer(0))
+  done = precompile_lib.precompile(trainer(0))
   assert order == ["update", "drafter", "rollout"]  # the rollout's background compile last
   assert (done.rollout, done.update, done.drafter_devices) == (2, 3, 0)
   assert min(done.rollout_s, done.update_s, done.drafter_s) >= 0
   assert re.fullmatch(r"compiled 2 rollout executables in \d+s, 3 policy-update executables in "
                       r"\d+s", done.line()), done.line()
-  done = runner.precompile(trainer(2), progress=True)  # with its bar on stderr
+  done = precompile_lib.precompile(trainer(2), progress=True)  # with its bar on stderr
   assert re.fullmatch(r"compiled 2 .* in \d+s, the drafter's steps for 2 device\(s\) in \d+s",
                       done.line()), done.line()
 
@@ -875,10 +880,9 @@ def test_help_lists_the_config_fields():
     (["--config.drafter_training.online=True"], ("config.drafter_training.online=True needs a "
                                                  "learned drafter")),  # True from the command line
     (["--config.drafter=no/such/drafter"], ("config.drafter must be 'none', 'ngram' (model-free "
-                                            "drafting), 'eagle' "
-                                            "or 'eagle3' (an EAGLE-1 or EAGLE-3 drafter trained "
-                                            "online from scratch) or the directory of a drafter "
-                                            "saved by")),
+                                            "drafting), 'eagle' or 'eagle3' (a learned "
+                                            "drafter of that architecture trained online from "
+                                            "scratch) or the directory of a drafter saved by")),
     # the adaptive fields parse from the command line (the error is about the missing drafter)
     (["--config.rollout.strategies=((4, 1, 5), (4, 2, 8))", "--config.rollout.tuner.kind=ucb1",
       "--config.rollout.segment_steps=8"], "config.rollout.strategies needs a drafter"),
@@ -1174,3 +1178,70 @@ def test_a_killed_suffix_drafter_run_resumes_to_the_uninterrupted_one(tmp_path):
   assert (checkpoint_metadata(logdir, STEPS)["history"] ==
           checkpoint_metadata(reference, STEPS)["history"]), why
   assert_same_params(reference, logdir, why)
+
+
+def test_each_device_rule_and_the_engine_config_resolve_once_per_job(tmp_path, monkeypatch):
+  """The job checks the step's device rules before any model (the trainer takes them as
+  checked) and resolves the engine's config once; the rollout's own resolves of that config
+  change nothing."""
+  from tests.rl.test_run_state import count_calls  # pylint: disable=import-outside-toplevel
+  from tlt_jax.job import rollout_config  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl import trainer_config  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rollout import engine as engine_lib  # pylint: disable=import-outside-toplevel
+  calls = count_calls(monkeypatch, trainer_config, "check_update_layout", "check_rollout_devices")
+  count_calls(monkeypatch, rollout_config, "resolve_engine_config", calls=calls)
+  real_resolve, changed = engine_lib.resolve_engine_config, []
+
+  def resolve(config, *args, **kwargs):
+    resolved = real_resolve(config, *args, **kwargs)
+    changed.append(resolved != config)
+    return resolved
+
+  monkeypatch.setattr(engine_lib, "resolve_engine_config", resolve)
+  built = []
+
+  def trainer_then_stop(*args, **kwargs):
+    built.append(runner_trainer(*args, **kwargs))
+    raise Interrupted(2, "stopped once the trainer was built")
+
+  runner_trainer = runner.GRPOTrainer
+  monkeypatch.setattr(runner, "GRPOTrainer", trainer_then_stop)
+  with pytest.raises(Interrupted):
+    train.run(tiny_config(tmp_path / "run", drafter="ngram"))
+  assert built and calls == {"check_update_layout": 1, "check_rollout_devices": 1,
+                             "resolve_engine_config": 1}
+  assert changed and not any(changed)
+
+
+JOB_MODULES = ("runner.py", "loop.py", "console.py", "precompile.py")
+
+
+def raw_config_reads(source: str) -> list[str]:
+  """The field reads of a raw config in ``source``: ``cfg.<field>``, ``cfg[...]``,
+  ``cfg.get(...)`` or ``<x>.cfg.<field>`` (passing the config whole, or ``to_dict()`` to save
+  it, is no read)."""
+  import ast  # pylint: disable=import-outside-toplevel
+  reads = []
+  for node in ast.walk(ast.parse(source)):
+    value = node.value if isinstance(node, (ast.Attribute, ast.Subscript)) else None
+    raw = (isinstance(value, ast.Name) and value.id == "cfg" or
+           isinstance(value, ast.Attribute) and value.attr == "cfg")
+    if raw and not (isinstance(node, ast.Attribute) and node.attr == "to_dict"):
+      reads.append(f"line {node.lineno}: {ast.unparse(node)}")
+  return reads
+
+
+@pytest.mark.parametrize("module", JOB_MODULES)
+def test_the_job_reads_its_typed_fields_not_the_raw_config(module):
+  """The runner and the loop read the ``Job``; the raw config is only passed on whole, to be
+  printed or saved (a field read would bypass the Job's checks and types)."""
+  path = ROOT / "tlt_jax" / "job" / module
+  assert raw_config_reads(path.read_text()) == []
+
+
+def test_a_raw_config_read_is_seen():
+  assert raw_config_reads("if cfg.distributed:\n  t = cfg.get('x')\n") == [
+      "line 1: cfg.distributed", "line 2: cfg.get"]
+  assert raw_config_reads("n = job.cfg['trainer']\nsave(job.cfg.to_dict(), cfg)\n") == [
+      "line 1: job.cfg['trainer']"]
+

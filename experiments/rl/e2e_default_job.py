@@ -70,6 +70,7 @@ from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.job.build import DEFAULT_CONFIG, build_job, job_devices
 from tlt_jax.job.run_dir import DRAFTER_CHECKPOINTS
 from tlt_jax.job import runner
+from tlt_jax.job import precompile as precompile_lib
 
 ARMS = ("none", "eagle")  # the second is --drafter's (main sets it)
 TARGET = 1.05  # never slower: the SD arm's median step time at most 1.05x vanilla's
@@ -91,7 +92,7 @@ def make_trainer(job, policy_dir: pathlib.Path) -> harness.GRPOTrainer:
   long each part took."""
   mesh = jax.sharding.Mesh(np.array(job_devices(job.cfg)), ("data",))
   trainer = runner.make_trainer(job, rb.load_policy(policy_dir), mesh)
-  done = runner.precompile(trainer)
+  done = precompile_lib.precompile(trainer)
   trainer.precompile_s = dict(rollout=round(done.rollout_s, 1), update=round(done.update_s, 1),
                               drafter=round(done.drafter_s, 1),
                               executables=dict(rollout=done.rollout, update=done.update),

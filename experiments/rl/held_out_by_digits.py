@@ -31,7 +31,7 @@ from tlt_jax.job.runner import initial_model, make_trainer
 from tlt_jax.models import from_pretrained
 from tlt_jax.rl.sft import warm_start
 from tlt_jax.rl.tasks import carries_out, operand_digits
-from tlt_jax.rl.trainer import eval_problems
+from tlt_jax.rl.data import eval_problems
 
 
 def by_digits(problems, rewards) -> dict[int, dict[str, float]]:

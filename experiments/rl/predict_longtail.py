@@ -51,7 +51,7 @@ def job_lengths(config_path: str, steps: int) -> list[list[int]]:
   reference trace of every prompt, once per sample."""
   from tlt_jax.job.build import build_job  # pylint: disable=import-outside-toplevel
   from tlt_jax.job.typed_config import load_config_file  # pylint: disable=import-outside-toplevel
-  from tlt_jax.rl.trainer import step_problems  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl.data import step_problems  # pylint: disable=import-outside-toplevel
   cfg = load_config_file(config_path)
   job = build_job(cfg)
   t = job.trainer

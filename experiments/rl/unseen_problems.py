@@ -23,7 +23,7 @@ import numpy as np
 from experiments import harness
 from tlt_jax.models.load import from_pretrained, load_tokenizer
 from tlt_jax.rl.external_tasks import ReasoningGymTask
-from tlt_jax.rl.trainer import step_problems
+from tlt_jax.rl.data import step_problems
 from tlt_jax.rollout import EngineConfig, RolloutEngine, SamplingParams
 
 

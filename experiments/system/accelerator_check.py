@@ -68,7 +68,7 @@ from tlt_jax.models.parity import (divergence_gaps, first_divergence, hf_referen
                                    logits_of, logprob_parity, teacher_forced_batch)
 from tlt_jax.rl.external_tasks import MathDatasetTask
 from tlt_jax.rl.gsm_style import gsm_style_problems, write_gsm_style_file
-from tlt_jax.rl.trainer import encode_prompt
+from tlt_jax.rl.data import encode_prompt
 # pylint: enable=unused-import
 
 DEFAULT_OUT = "experiments/out/accelerator_check.json"

@@ -14,7 +14,8 @@ from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.trainer import GRPOTrainer
+from tlt_jax.rl.trainer_config import TrainerConfig
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.rollout.host.stats import ArmTally, RolloutStats, arm_line, rollout_metrics, run_sd_summary
 from tlt_jax.rollout.host.tuner import TunerConfig, make_tuner

@@ -20,7 +20,7 @@ from tests.xla_env import subprocess_env
 from tlt_jax.models.model_config import ModelConfig
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
-from tlt_jax.rl.trainer import TrainerConfig
+from tlt_jax.rl.trainer_config import TrainerConfig
 from tlt_jax.rl.mesh import fsdp_size, fsdp_spec, make_mesh, rows_spec
 from tlt_jax.rl.update import PolicyUpdate
 

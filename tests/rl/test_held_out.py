@@ -18,7 +18,7 @@ from tlt_jax.job.typed_config import ConfigError, load_config_file
 from tlt_jax.rl import rewards
 from tlt_jax.rl.external_tasks import MathDatasetTask, ReasoningGymTask, question_place
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule
-from tlt_jax.rl.trainer import EVAL_SEED, eval_problems, held_out_line, step_problems
+from tlt_jax.rl.data import EVAL_SEED, eval_problems, held_out_line, step_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_DIGIT = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)  # 200 distinct questions

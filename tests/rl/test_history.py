@@ -13,7 +13,8 @@ import pytest
 
 from tlt_jax.rl.external_tasks import MathDatasetTask, ReasoningGymTask
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Problem, sample_distinct
-from tlt_jax.rl.trainer import TrainerConfig, step_problems
+from tlt_jax.rl.data import step_problems
+from tlt_jax.rl.trainer_config import TrainerConfig
 from tlt_jax.rollout.host.history import (PROMPT_BYTES, HistoryConfig, HistoryStore, completion_cost,
                                      prompt_key)
 from tlt_jax.utils import FieldError

@@ -17,7 +17,8 @@ from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.drafter.online import BUFFER_FILE, DrafterTrainingConfig
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.trainer import GRPOTrainer
+from tlt_jax.rl.trainer_config import TrainerConfig
 from tlt_jax.rollout.engine import EngineConfig
 from tlt_jax.utils import compile_count
 

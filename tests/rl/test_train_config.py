@@ -74,10 +74,10 @@ def test_the_last_step_is_evaluated_once_and_always_checkpointed():
   """Periodic held-out evaluations come every eval_every steps but not after the last step,
   which the final evaluation covers (evaluated twice, a run would pay for the same figures
   twice); checkpoints every checkpoint_every steps and after the last."""
-  from tlt_jax.job import runner  # pylint: disable=import-outside-toplevel
-  from tlt_jax.rl.trainer import TrainerConfig  # pylint: disable=import-outside-toplevel
-  evaluation_due = runner.evaluation_due  # pylint: disable=protected-access
-  checkpoint_due = runner.checkpoint_due  # pylint: disable=protected-access
+  from tlt_jax.job import loop  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl.trainer_config import TrainerConfig  # pylint: disable=import-outside-toplevel
+  evaluation_due = loop.evaluation_due  # pylint: disable=protected-access
+  checkpoint_due = loop.checkpoint_due  # pylint: disable=protected-access
   config = TrainerConfig(steps=6, eval_every=2)
   assert [s for s in range(1, 7) if evaluation_due(config, s)] == [2, 4]
   assert not any(evaluation_due(TrainerConfig(steps=6), s) for s in range(1, 7))
@@ -173,7 +173,7 @@ def test_every_shipped_config_reaches_every_field(name):
   from tlt_jax.job.typed_config import dataclass_section  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.grpo import GRPOConfig  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl.sft import SFTConfig  # pylint: disable=import-outside-toplevel
-  from tlt_jax.rl.trainer import TrainerConfig  # pylint: disable=import-outside-toplevel
+  from tlt_jax.rl.trainer_config import TrainerConfig  # pylint: disable=import-outside-toplevel
   cfg = importlib.import_module(f"tlt_jax.configs.{name}").get_config()
   for section, cls, filled in [("sft", SFTConfig, ()), ("grpo", GRPOConfig, ()),
                                ("trainer", TrainerConfig, TRAINER_SOURCES)]:

@@ -16,8 +16,9 @@ from tlt_jax.models.tokenizer import CharTokenizer
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
-from tlt_jax.rl.trainer import (EVAL_SEED, GRPOTrainer, TrainerConfig, eval_problems, metric_kind,
-                                step_problems)
+from tlt_jax.rl.data import EVAL_SEED, eval_problems, metric_kind, step_problems
+from tlt_jax.rl.trainer import GRPOTrainer
+from tlt_jax.rl.trainer_config import TrainerConfig, check_update_layout
 from tlt_jax.rl.update import NonFiniteUpdateError, learning_rate_schedule
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 from tlt_jax.rollout.host.history import HistoryConfig
@@ -573,7 +574,6 @@ def test_the_suffix_drafter_drafts_from_the_store():
 
 
 def test_the_update_layout_rule_names_the_fields():
-  from tlt_jax.rl.trainer import check_update_layout  # pylint: disable=import-outside-toplevel
   config = TrainerConfig(prompts_per_step=4, minibatches=3)
   with pytest.raises(ValueError, match=r"TrainerConfig.prompts_per_step x GRPOConfig.group_size = "
                                        r"8 rows must split into TrainerConfig.minibatches=3 "):

@@ -21,7 +21,8 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.tasks import ArithmeticTask
 from tlt_jax.rl.packing import (UPDATE_BUCKET_MIN, bucket_rows, needed_lengths, pack_length,
                                 pack_rows, packed_microbatches, plan_packs, update_buckets)
-from tlt_jax.rl.trainer import GRPOTrainer, TrainerConfig
+from tlt_jax.rl.trainer import GRPOTrainer
+from tlt_jax.rl.trainer_config import TrainerConfig
 from tlt_jax.rl.update import make_logprobs_fn, make_loss_fn, make_packed_update_fns, \
     packed_attention_mask
 from tlt_jax.rollout.engine import EngineConfig

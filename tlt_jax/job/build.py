@@ -9,6 +9,7 @@ fit. The rollout side (drafter, engine, online drafter training) is ``rollout_co
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from typing import Any
 
@@ -16,10 +17,11 @@ import jax
 import ml_collections
 import numpy as np
 
+from tlt_jax import hosts
 from tlt_jax.job.rollout_config import EAGLE_STRATEGIES, DrafterSpec, build_drafter_training, \
     build_engine_config, parse_drafter
-from tlt_jax.job.typed_config import ConfigError, check_keys, dataclass_section, flatten, \
-    optional_section, section, to_dataclass
+from tlt_jax.job.typed_config import ConfigError, check_keys, config_error, dataclass_section, \
+    flatten, optional_section, section, to_dataclass
 from tlt_jax.drafter.online import DrafterTrainingConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.load import load_tokenizer, pretrained_config
@@ -30,8 +32,8 @@ from tlt_jax.rl.sft import SFTConfig
 from tlt_jax.rl.mesh import make_mesh
 from tlt_jax.rl.external_tasks import MathDatasetFields, ReasoningGymFields
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Task, chat_prompt
-from tlt_jax.rl.trainer import TrainerConfig, check_rollout_devices, encode_prompt, eval_problems, \
-    step_problems
+from tlt_jax.rl.data import encode_prompt, eval_problems, step_problems
+from tlt_jax.rl.trainer_config import StepDevices, TrainerConfig, UpdateLayoutError
 from tlt_jax.rollout import EngineConfig, HistoryConfig, SuffixConfig
 from tlt_jax.utils import FieldError
 
@@ -42,6 +44,33 @@ TOP_LEVEL = {"seed", "logdir", "distributed", "distributed_timeout_s", "fsdp", "
 # defaults when a config lacks them
 _OPTIONAL = {"rollout_devices", "drafter_training", "history", "suffix", "distributed_timeout_s",
              "fsdp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Distributed:
+  """``config.distributed``: whether the job's processes join through ``jax.distributed`` (set
+  up from the environment), and ``config.distributed_timeout_s``: how long a process waits for a
+  peer before it gives up (``hosts.initialize``)."""
+
+  distributed: bool = False
+  distributed_timeout_s: float = hosts.DEFAULT_TIMEOUT_S
+
+  def __post_init__(self):
+    if not isinstance(self.distributed, bool):
+      raise FieldError("Distributed", "distributed", f"must be True or False, got "
+                       f"{self.distributed!r}")
+    timeout = self.distributed_timeout_s
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+        or not 0 < timeout < math.inf):
+      raise FieldError("Distributed", "distributed_timeout_s", f"must be a finite number of "
+                       f"seconds > 0, got {timeout!r}")
+
+
+def distributed_fields(cfg: ml_collections.ConfigDict) -> Distributed:
+  """``config.distributed`` and ``config.distributed_timeout_s``, typed (a ``ConfigError`` names
+  a bad one). Read before any JAX call: the processes join before anything touches a device."""
+  fields = [f.name for f in dataclasses.fields(Distributed)]
+  return to_dataclass(Distributed, {k: cfg[k] for k in fields if k in cfg}, "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +104,10 @@ class Job:
   fsdp: int = 1  # FSDP shards of the update mesh
   rollout_devices: int = 0  # the mesh's devices that roll out, an engine each (0: all)
   drafter_from_policy: bool = False  # the runner builds the drafter from the warm-started policy
+  # the update mesh's devices checked against the trainer's configs (``step_devices``), set by
+  # the runner once it knows the devices; the trainer checks its own where this is None
+  step_devices: StepDevices | None = None
+  distributed: Distributed = Distributed()  # config.distributed and distributed_timeout_s
 
 
 TASK_KINDS = {"arithmetic": ArithmeticTask, "reasoning_gym": ReasoningGymFields,
@@ -251,7 +284,8 @@ def build_job(cfg: ml_collections.ConfigDict, keys_checked: bool = False) -> Job
              engine=engine_config, drafter_spec=spec, drafter=drafter, model_path=model_path,
              chat_template=choice.chat_template, drafter_training=training,
              drafter_save_every=save_every, suffix=suffix if spec.suffix else None,
-             history=history, drafter_from_policy=from_policy)
+             history=history, drafter_from_policy=from_policy,
+             distributed=distributed_fields(cfg))
 
 
 def _model_parts(model_cfg: ml_collections.ConfigDict, task: Task, choice: TaskChoice
@@ -320,14 +354,13 @@ def check_prompt_lengths(task: Task, tokenizer: Tokenizer, chat: bool, trainer: 
 
 
 def job_devices(cfg: ml_collections.ConfigDict) -> list:
-  """The update mesh's devices of a config's ``mesh_devices``, ``fsdp`` and ``rollout_devices``
-  (``update_devices``)."""
-  return update_devices(cfg.mesh_devices, cfg.get("fsdp", 1), cfg.get("rollout_devices", 0))
+  """The update mesh's devices of a config's ``mesh_devices`` and ``fsdp`` (``update_devices``)."""
+  return update_devices(cfg.mesh_devices, cfg.get("fsdp", 1))
 
 
-def update_devices(mesh_devices: int, fsdp: int = 1, rollout_devices: int = 0) -> list:
-  """The update mesh's devices (``config.mesh_devices``, 0: all), after checking that they,
-  ``config.fsdp`` and ``config.rollout_devices`` fit the visible devices."""
+def update_devices(mesh_devices: int, fsdp: int = 1) -> list:
+  """The update mesh's devices (``config.mesh_devices``, 0: all), after checking that they and
+  ``config.fsdp`` fit the visible devices (the rollout's are ``step_devices``')."""
   devices = jax.devices()
   if mesh_devices > len(devices):
     raise ConfigError(f"config.mesh_devices={mesh_devices} but only {len(devices)} devices "
@@ -337,12 +370,20 @@ def update_devices(mesh_devices: int, fsdp: int = 1, rollout_devices: int = 0) -
     make_mesh(devices, fsdp)
   except ValueError as e:
     raise ConfigError(f"config.fsdp: {e}") from None
+  return devices
+
+
+def step_devices(job: Job, devices: list) -> StepDevices:
+  """The job's ``StepDevices`` over the update mesh's ``devices``, checked before any model
+  exists (the trainer takes it as checked); a misfit is a ``ConfigError`` naming the fields."""
   local = [d for d in devices if d.process_index == jax.process_index()]
   try:
-    check_rollout_devices(rollout_devices, len(local), "config.rollout_devices")
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-  return devices
+    return StepDevices(job.trainer, job.grpo, len(devices), len(local), job.rollout_devices)
+  except UpdateLayoutError as e:
+    layout = config_error(e, None, {"TrainerConfig": "trainer", "GRPOConfig": "grpo"})
+    raise ConfigError(f"{layout} (config.mesh_devices sets how many)") from None
+  except ValueError as e:  # the rollout's devices
+    raise ConfigError(f"config.{e}") from None
 
 
 def describe(cfg: ml_collections.ConfigDict) -> str:
