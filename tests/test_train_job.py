@@ -34,7 +34,7 @@ from tlt_jax.rl.data import EVAL_SEED, eval_problems, metric_kind
 from tlt_jax.rl.trainer_config import TrainerConfig
 from tlt_jax.rl.update import NonFiniteUpdateError
 from tlt_jax.rollout.engine import RolloutEngine
-from tlt_jax.rollout.host.history import HistoryConfig
+from tlt_jax.rollout.decode.suffix_history import HistoryConfig
 from tlt_jax.rollout.decode.speculative import SpecConfig
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 

@@ -13,7 +13,7 @@ from tests.rl.test_trainer import make_trainer
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.rl import run_state, trainer_config
 from tlt_jax.rl.run_state import SAVE_ORDER, Part, RunState, StepPart
-from tlt_jax.rollout.host.history import HistoryConfig
+from tlt_jax.rollout.decode.suffix_history import HistoryConfig
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 
 

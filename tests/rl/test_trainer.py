@@ -21,7 +21,7 @@ from tlt_jax.rl.trainer import GRPOTrainer
 from tlt_jax.rl.trainer_config import TrainerConfig, check_update_layout
 from tlt_jax.rl.update import NonFiniteUpdateError, learning_rate_schedule
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
-from tlt_jax.rollout.host.history import HistoryConfig
+from tlt_jax.rollout.decode.suffix_history import HistoryConfig
 from tlt_jax.utils import compile_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

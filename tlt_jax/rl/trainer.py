@@ -11,7 +11,7 @@ policy-gradient steps per epoch. The rooms it calls on:
   state and ahead-of-time compiled update steps (``PolicyUpdate``);
 * ``drafter/online.py`` is the adaptive drafter's part of the step (its buffer, spot and serial
   training, its checkpoint), present when the drafter trains online;
-* ``rollout/host/history.py`` keeps the earlier completions of every prompt for a suffix drafter to
+* ``rollout/decode/suffix_history.py`` keeps the earlier completions of every prompt for a suffix drafter to
   draft from (``Rollout.uses_history``), saved with the checkpoint.
 """
 

@@ -23,7 +23,7 @@ from tlt_jax.rollout.decode.steps import strategy_name
 from tlt_jax.rollout.decode.suffix import SuffixConfig
 from tlt_jax.rollout.host.buckets import bucket_for
 from tlt_jax.rollout.host.engine_config import EngineConfig, parse_specs, resolve_engine_config
-from tlt_jax.rollout.host.history import (PROMPT_BYTES, HistoryConfig, HistoryStore,
+from tlt_jax.rollout.decode.suffix_history import (PROMPT_BYTES, HistoryConfig, HistoryStore,
                                           completion_cost, prompt_key)
 from tlt_jax.rollout.host.stats import RolloutStats, arm_line, rollout_metrics, run_sd_summary
 from tlt_jax.rollout.host.tuner import TunerConfig, make_tuner

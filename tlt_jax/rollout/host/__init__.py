@@ -2,8 +2,8 @@
 
 ``scheduler`` (segments and their strategies), ``buckets`` and ``pool`` (batch and KV buckets,
 one compiled program each), ``tuner`` (which strategy each bucket runs), ``offers`` (the
-drafter offers a rollout weighs), ``stats`` (what a rollout reports), ``engine_config`` (the
-engine's settings resolved) and ``history`` (earlier completions for the suffix drafter).
+drafter offers a rollout weighs), ``stats`` (what a rollout reports) and ``engine_config`` (the
+engine's settings resolved).
 Imports ``rollout.decode``, never the rollouts above (``rollout``); ``tests/test_import_graph.py``
 checks it.
 """

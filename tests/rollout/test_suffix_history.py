@@ -1,5 +1,6 @@
-"""The rollout's own history (``rollout/host/history.py``) and the epochs that make it worth keeping
-(``tasks.EpochSchedule``): the store's bounds, eviction order and exact state round trip, its
+"""The rollout's own history (``rollout/decode/suffix_history.py``, beside the suffix drafter that
+drafts from it) and the epochs that make it worth keeping (``tasks.EpochSchedule``): the store's
+bounds, eviction order and exact state round trip, its
 errors for malformed states; the epoch order's determinism and coverage."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tlt_jax.rl.external_tasks import MathDatasetTask, ReasoningGymTask
 from tlt_jax.rl.tasks import ArithmeticTask, EpochSchedule, Problem, sample_distinct
 from tlt_jax.rl.data import step_problems
 from tlt_jax.rl.trainer_config import TrainerConfig
-from tlt_jax.rollout.host.history import (PROMPT_BYTES, HistoryConfig, HistoryStore, completion_cost,
+from tlt_jax.rollout.decode.suffix_history import (PROMPT_BYTES, HistoryConfig, HistoryStore, completion_cost,
                                      prompt_key)
 from tlt_jax.utils import FieldError
 
