@@ -1576,6 +1576,11 @@ MUTANTS = [
            '    hosts.initialize(timeout_s=cfg.get("distributed_timeout_s", 600))',
            ("tests/test_train_job.py", "-k", "typed_fields_not_the_raw_config"),
            "the runner reads a raw config field the Job has typed and checked"),
+    Mutant("a_notebook_reaches_past_the_rollout_door", "notebooks/01_rollout_engine.ipynb",
+           '"from tlt_jax.rollout import EngineConfig, RolloutEngine, SamplingParams\\n",',
+           '"from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, SamplingParams\\n",',
+           ("tests/test_import_graph.py", "-k", "notebooks"),
+           "a notebook imports a rollout submodule instead of the package"),
 ]
 
 

@@ -282,3 +282,28 @@ def test_an_acyclic_package_passes(tmp_path):
   _write(tmp_path, {"pkg/__init__.py": "from pkg.a import x\n", "pkg/a.py": "from pkg import b\n",
                     "pkg/b.py": "import os\n"})
   assert cycles(import_graph(tmp_path, "pkg")) == []
+
+
+def notebook_door_violations(root: pathlib.Path = ROOT, door: str = DOOR) -> list[str]:
+  """``"notebook: module"`` for each import of a submodule of ``door`` in a notebook's code cells
+  (shell and magic lines left out): a notebook is a user's first code, and uses the door too."""
+  import json  # pylint: disable=import-outside-toplevel
+  found = []
+  for path in sorted((root / "notebooks").glob("*.ipynb")):
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+      if cell["cell_type"] != "code":
+        continue
+      lines = [line for line in "".join(cell["source"]).splitlines()
+               if not line.lstrip().startswith(("!", "%"))]
+      for node in ast.walk(ast.parse("\n".join(lines))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        found += [f"{path.name}: {name}" for name in names if name.startswith(door + ".")]
+  return found
+
+
+def test_the_notebooks_import_only_the_rollout_package():
+  assert list((ROOT / "notebooks").glob("*.ipynb")), "no notebooks found"
+  found = notebook_door_violations()
+  assert not found, ("a notebook imports a rollout submodule; import the name from "
+                     "tlt_jax.rollout instead:\n" + "\n".join("  " + f for f in found))
