@@ -1581,6 +1581,12 @@ MUTANTS = [
            '"from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, SamplingParams\\n",',
            ("tests/test_import_graph.py", "-k", "notebooks"),
            "a notebook imports a rollout submodule instead of the package"),
+    Mutant("interrupted_update_syncs_donated_params", "tlt_jax/rl/trainer.py",
+           "    except KeyboardInterrupt:\n      raise\n    except BaseException:",
+           "    except BaseException:",
+           ("tests/rl/test_trainer.py", "-k", "stop_at_once"),
+           "a second Ctrl-C inside an update ends in a RuntimeError about deleted arrays (exit 1, a "
+           "traceback) instead of the stop's advice and exit 130"),
 ]
 
 

@@ -106,10 +106,10 @@ def calibration(trainer) -> dict | None:
   boundary's seconds, where its cost tuner calibrated (JSON keys ``"<bucket>/<strategy>"``), and
   the SD arms its offers loop offered per bucket it visited (measured is not offered: an arm
   whose step costs more than its drafts can save is left out)."""
-  measured = getattr(trainer.engine, "calibration", None)
-  if not measured:
+  shared = getattr(trainer.engine, "calibration", None)  # the rollout's Calibration
+  if shared is None or shared.costs is None:
     return None
-  costs, boundary = measured
+  costs, boundary = shared.costs
   offers = [o for e in pool_engines(trainer.engine)[:1] if (o := getattr(e, "offers", None))]
   return dict(step_s={f"{b}/{name}": s for (b, name), s in sorted(costs.items())},
               boundary_s=boundary,

@@ -166,6 +166,24 @@ def test_nonfinite_update_stops_the_step_and_restores_the_state():
   assert metrics["step"] == 1 and metrics["skipped_updates"] == 0 and np.isfinite(metrics["loss"])
 
 
+def test_a_stop_at_once_inside_the_update_is_not_masked_by_its_donated_params(monkeypatch):
+  """A second Ctrl-C can land inside an update, after it donated the params and before the new
+  ones exist: the ``KeyboardInterrupt`` goes on as it is (the job prints its advice and exits
+  130), not a RuntimeError from handing the engines deleted arrays."""
+  trainer = make_trainer()
+  varied_rewards(trainer)
+
+  def interrupted_update(batch, step):
+    del batch, step
+    for leaf in jax.tree.leaves(trainer.policy.params):
+      leaf.delete()  # what donating them to the update executable does
+    raise KeyboardInterrupt("SIGINT received")
+
+  monkeypatch.setattr(trainer.policy, "run", interrupted_update)
+  with pytest.raises(KeyboardInterrupt, match="SIGINT received"):
+    trainer.step()
+
+
 def test_nonfinite_update_is_skipped_and_counted():
   trainer = make_trainer(on_nonfinite="skip")
   varied_rewards(trainer)

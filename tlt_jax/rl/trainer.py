@@ -267,11 +267,18 @@ class GRPOTrainer:
 
   def policy_update(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
     """The step's policy updates (``PolicyUpdate.run``); the engines get the new params, or the
-    ones from before the step when it raises ``NonFiniteUpdateError``."""
+    ones from before the step when it raises ``NonFiniteUpdateError``. A stop at once (a
+    ``KeyboardInterrupt``, e.g. a second Ctrl-C) goes on as it is: it may land inside an update
+    whose donated params are gone, and nothing decodes after it."""
     try:
-      return self.policy.run(batch, self.step_count)
-    finally:
+      out = self.policy.run(batch, self.step_count)
+    except KeyboardInterrupt:
+      raise
+    except BaseException:
       self._sync_engine()
+      raise
+    self._sync_engine()
+    return out
 
   # ---- checkpoints ----------------------------------------------------------------------------
   def run_state(self) -> RunState:
