@@ -266,10 +266,12 @@ def test_e2e_tiny_writes_each_jobs_json_and_the_step_time_figure(tmp_path):
 
 
 def fake_trainer(calibration=None, compiled=None):
-  """What ``e2e_default_job.breakdown`` reads of a trainer: its engine's calibration and pool."""
+  """What ``e2e_default_job.breakdown`` reads of a trainer: its engine's calibration (the
+  rollout's shared ``Calibration``: its ``costs``) and pool."""
   from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
   pool = SimpleNamespace(executables=SimpleNamespace(seconds_by_key=dict(compiled or {})))
-  return SimpleNamespace(engine=SimpleNamespace(calibration=calibration, pool=pool),
+  shared = SimpleNamespace(costs=calibration)
+  return SimpleNamespace(engine=SimpleNamespace(calibration=shared, pool=pool),
                          precompile_s=dict(rollout=1.0, update=2.0, drafter=0.0))
 
 
