@@ -1587,6 +1587,14 @@ MUTANTS = [
            ("tests/rl/test_trainer.py", "-k", "stop_at_once"),
            "a second Ctrl-C inside an update ends in a RuntimeError about deleted arrays (exit 1, a "
            "traceback) instead of the stop's advice and exit 130"),
+    Mutant("engines_resolve_the_job_s_config_again", "tlt_jax/rollout/host/engine_config.py",
+           "  if _RESOLVED.get(config) == drafters:", "  if False:",
+           ("tests/rollout/test_engine_config.py", "-k", "without_work"),
+           "every engine resolves and checks the config the job resolved already"),
+    Mutant("resolved_config_taken_for_any_drafters", "tlt_jax/rollout/host/engine_config.py",
+           "  if _RESOLVED.get(config) == drafters:", "  if config in _RESOLVED:",
+           ("tests/rollout/test_engine_config.py", "-k", "without_work"),
+           "a config resolved for one drafter is taken unchecked with another (or none)"),
 ]
 
 

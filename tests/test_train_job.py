@@ -1182,8 +1182,9 @@ def test_a_killed_suffix_drafter_run_resumes_to_the_uninterrupted_one(tmp_path):
 
 def test_each_device_rule_and_the_engine_config_resolve_once_per_job(tmp_path, monkeypatch):
   """The job checks the step's device rules before any model (the trainer takes them as
-  checked) and resolves the engine's config once; the rollout's own resolves of that config
-  change nothing."""
+  checked) and resolves the engine's config once: the rollout's own resolves of that config
+  change nothing and check nothing again (``check_fixed_tuner``, the resolution's last check,
+  runs once in the whole job)."""
   from tests.rl.test_run_state import count_calls  # pylint: disable=import-outside-toplevel
   from tlt_jax.job import rollout_config  # pylint: disable=import-outside-toplevel
   from tlt_jax.rl import trainer_config  # pylint: disable=import-outside-toplevel
@@ -1198,6 +1199,13 @@ def test_each_device_rule_and_the_engine_config_resolve_once_per_job(tmp_path, m
     return resolved
 
   monkeypatch.setattr(engine_lib, "resolve_engine_config", resolve)
+  real_check = engine_lib.EngineConfig.check_fixed_tuner
+
+  def check(self, *args, **kwargs):
+    calls["check_fixed_tuner"] += 1
+    return real_check(self, *args, **kwargs)
+
+  monkeypatch.setattr(engine_lib.EngineConfig, "check_fixed_tuner", check)
   built = []
 
   def trainer_then_stop(*args, **kwargs):
@@ -1209,7 +1217,7 @@ def test_each_device_rule_and_the_engine_config_resolve_once_per_job(tmp_path, m
   with pytest.raises(Interrupted):
     train.run(tiny_config(tmp_path / "run", drafter="ngram"))
   assert built and calls == {"check_update_layout": 1, "check_rollout_devices": 1,
-                             "resolve_engine_config": 1}
+                             "resolve_engine_config": 1, "check_fixed_tuner": 1}
   assert changed and not any(changed)
 
 

@@ -135,3 +135,22 @@ def test_sd_max_batch_and_verify_budget_include_their_own_bucket():
   assert [len(config.options(b)) for b in config.batch_buckets] == [2, 2, 2, 1]
   config = EngineConfig(max_batch=8, strategies=((4, 1, 5),), verify_budget=10)
   assert [config.serves(chain, b) for b in (1, 2, 4, 8)] == [True, True, False, False]
+
+
+def test_a_resolved_config_resolves_again_without_work_for_its_drafters_only(monkeypatch):
+  """Resolving the config ``resolve_engine_config`` made, for the same drafters, is the identity
+  with no check run again (the job resolves once; its rollout's engines take it as it is); for
+  other drafters it is resolved and checked anew."""
+  runs = []
+  real = EngineConfig.check_fixed_tuner
+  monkeypatch.setattr(EngineConfig, "check_fixed_tuner",
+                      lambda self, *a, **k: (runs.append(1), real(self, *a, **k))[1])
+  config = EngineConfig(max_batch=4, max_prompt_len=8, max_new_tokens=8)
+  resolved = resolve_engine_config(config, NgramConfig())
+  assert len(runs) == 1 and resolved.spec is not None
+  assert resolve_engine_config(resolved, NgramConfig()) is resolved and len(runs) == 1
+  with pytest.raises(ValueError, match="does not fit the ngram drafter"):  # another chain
+    resolve_engine_config(resolved, NgramConfig(depth=2))
+  with pytest.raises(ValueError, match="needs a drafter"):  # no drafter: checked anew, refused
+    resolve_engine_config(resolved, None)
+  assert len(runs) == 1  # both refused before the last check

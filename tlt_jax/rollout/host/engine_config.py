@@ -12,6 +12,7 @@ them from the error's ``owner`` and ``field``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -297,6 +298,9 @@ def resolve_engine_config(config: EngineConfig, drafter=None,
   if suffix is not None and not isinstance(suffix, SuffixConfig):
     raise TypeError(f"the suffix drafter is a SuffixConfig, got {suffix!r}")
   free = model_free_kind(drafter)  # model-free drafting: chains from the decode state
+  drafters = _drafters_key(drafter, free, suffix)
+  if _RESOLVED.get(config) == drafters:  # resolved and checked for these drafters already
+    return config
   changes = {}
   if suffix is None and config.suffix_strategies:
     raise FieldError("EngineConfig", "suffix_strategies", "needs the suffix drafter, and there "
@@ -330,4 +334,21 @@ def resolve_engine_config(config: EngineConfig, drafter=None,
                       if suffix is not None else ""))
   resolved = dataclasses.replace(config, **changes) if changes else config
   resolved.check_fixed_tuner(DrafterKind.LEARNED if free is None else free.kind)
+  _RESOLVED[resolved] = drafters
   return resolved
+
+
+# The configs ``resolve_engine_config`` made, each with the drafters it made it for: the job
+# resolves its config once, and the rollouts and engines given it take it as it is, unchecked
+# again. (Keyed by value: an equal config is as resolved; held weakly: no config kept alive.)
+_RESOLVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _drafters_key(drafter, free, suffix: SuffixConfig | None) -> tuple:
+  """What of the drafters a resolution depends on: none, a drafter model, or a model-free kind
+  with its chain; and the suffix drafter's config."""
+  if drafter is None:
+    return (None, None, suffix)
+  if free is None:
+    return ("learned", None, suffix)
+  return (free.kind, free.chain(drafter), suffix)
