@@ -1172,10 +1172,8 @@ MUTANTS = [
            ("tests/test_train_job.py", "-k", "mistakes_are_one_line"),
            "--config.drafter_training.online=True from the command line is refused as not a bool"),
     Mutant("final_step_evaluated_twice", "tlt_jax/job/loop.py",
-           "  return bool(config.eval_every) and step % config.eval_every == 0 and step < config"
-           ".steps",
-           "  return bool(config.eval_every) and step % config.eval_every == 0 and step <= confi"
-           "g.steps",
+           "  return every(config.eval_every)(step) and step < config.steps",
+           "  return every(config.eval_every)(step) and step <= config.steps",
            ("tests/test_train_job.py", "tests/rl/test_train_config.py", "-k",
             "periodic or evaluated_once"),
            "a run whose steps are a multiple of eval_every evaluates its last step twice"),

@@ -49,17 +49,21 @@ def _evaluate(trainer: GRPOTrainer) -> dict[str, float]:
   return out
 
 
+def every(n: int) -> Callable[[int], bool]:
+  """A hook's ``due`` for every ``n`` steps (0: never)."""
+  return lambda step: bool(n) and step % n == 0
+
+
 def evaluation_due(config: TrainerConfig, step: int) -> bool:
   """Whether step ``step`` (just taken) is followed by a periodic held-out evaluation: every
   ``eval_every`` steps, but not after the last one (the final evaluation covers it)."""
-  return bool(config.eval_every) and step % config.eval_every == 0 and step < config.steps
+  return every(config.eval_every)(step) and step < config.steps
 
 
 def checkpoint_due(job: Job, step: int) -> bool:
   """Whether step ``step`` (just taken) is checkpointed: every ``checkpoint_every`` steps (0:
   never in between), and always the last one."""
-  every = job.checkpoint_every
-  return bool(every and step % every == 0) or step == job.trainer.steps
+  return every(job.checkpoint_every)(step) or step == job.trainer.steps
 
 
 def _interrupted(e: KeyboardInterrupt, doing: str, checkpointer: Checkpointer,
@@ -87,7 +91,7 @@ def _nonfinite_advice(e: NonFiniteUpdateError, checkpointer: Checkpointer,
 
 
 def train_steps(trainer: GRPOTrainer, job: Job, checkpointer: Checkpointer, log: MetricsLog,
-           drafter_ckpt: Checkpointer | None = None, stop: StopSignals | None = None) -> dict:
+                drafter_ckpt: Checkpointer | None = None, stop: StopSignals | None = None) -> dict:
   """The RL phase: the held-out evaluation at the start, the steps (``Steps.step``) until
   ``trainer.steps`` or a stop signal, then the final evaluation; returns the run's summary.
 
@@ -124,11 +128,6 @@ class Hook:
 
   due: Callable[[int], bool]
   run: Callable[[dict], None]
-
-
-def every(n: int) -> Callable[[int], bool]:
-  """A hook's ``due`` for every ``n`` steps (0: never)."""
-  return lambda step: bool(n) and step % n == 0
 
 
 @dataclasses.dataclass

@@ -77,8 +77,7 @@ class GRPOTrainer:
       raise ValueError(f"TrainerConfig.max_new_tokens={config.max_new_tokens} exceeds "
                        f"EngineConfig.max_new_tokens={engine_config.max_new_tokens}")
     self.rollout_devices = devices[:rollout_devices or len(devices)]
-    with_suffix = {} if suffix is None else {"suffix": suffix}
-    self.engine = make_rollout(model, drafter, engine_config, self.rollout_devices, **with_suffix)
+    self.engine = make_rollout(model, drafter, engine_config, self.rollout_devices, suffix=suffix)
     self.history_config = history
     self.history = None  # HistoryStore: the prompts' earlier completions (a suffix drafter's)
     # step_progress(phase, done, total): how far a step is ("rollout": rows done; "update": the
